@@ -1,0 +1,209 @@
+//! The host copy backend: "GPU arenas" in ordinary host memory, copies with `memcpy`.
+//!
+//! It exists so the whole tier (pool, index, leases, guards, eviction, replay) runs and is tested on
+//! machines without a GPU, with the same batching, ordering and completion protocol as the CUDA
+//! backend. A submitted batch is copied on the thread that first waits on (or polls) its completion,
+//! which for a tier rank is the rank's completion thread, so `save`/`restore` return at once as
+//! they do on a GPU.
+
+use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, WaitFor};
+use crate::error::{CopyError, Error, GeometryError};
+use crate::geometry::{ArenaBinding, Geometry, Placement};
+use crate::pool::{HostPool, PoolRegion};
+use memmap2::MmapMut;
+use std::sync::Arc;
+
+/// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
+/// out as the geometry says. Pages are not touched until written, so a large page count costs
+/// address space, not memory.
+pub struct HostArenas {
+    geometry: Geometry,
+    _buffers: Vec<MmapMut>,
+    binding: ArenaBinding,
+}
+
+impl HostArenas {
+    /// Allocates arenas for `geometry` (`geometry.pages()` pages each).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if a mapping fails; [`GeometryError`] if the resulting binding is invalid
+    /// (it cannot be for a valid geometry).
+    pub fn new(geometry: &Geometry) -> Result<Self, Error> {
+        let arenas = geometry.arenas();
+        let mut buffers: Vec<MmapMut> = Vec::new();
+        let mut fused: Vec<(u32, usize)> = Vec::new();
+        let mut bases = Vec::with_capacity(arenas.len());
+        let map = |len: u64| {
+            MmapMut::map_anon(len as usize).map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
+        };
+        for a in arenas {
+            match a.placement {
+                Placement::Own => {
+                    let mut m = map(a.pages * a.page_stride)?;
+                    bases.push(m.as_mut_ptr() as u64);
+                    buffers.push(m);
+                }
+                Placement::Fused { buffer, offset } => {
+                    let idx = match fused.iter().find(|(b, _)| *b == buffer) {
+                        Some(&(_, i)) => i,
+                        None => {
+                            buffers.push(map(a.pages * a.page_stride)?);
+                            fused.push((buffer, buffers.len() - 1));
+                            buffers.len() - 1
+                        }
+                    };
+                    bases.push(buffers[idx].as_mut_ptr() as u64 + offset);
+                }
+            }
+        }
+        let binding = ArenaBinding::new(geometry, bases).map_err(|e: GeometryError| Error::Geometry(e))?;
+        Ok(HostArenas { geometry: geometry.clone(), _buffers: buffers, binding })
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The arenas' base addresses.
+    pub fn binding(&self) -> &ArenaBinding {
+        &self.binding
+    }
+
+    /// Address of arena `arena`'s chunk of page `page` (`bytes_per_page` bytes are valid there).
+    ///
+    /// Panics if `arena` or `page` is out of range.
+    pub fn chunk_ptr(&self, arena: usize, page: u64) -> *mut u8 {
+        let a = &self.geometry.arenas()[arena];
+        assert!(page < a.pages, "page {page} out of range ({} pages)", a.pages);
+        (self.binding.bases()[arena] + page * a.page_stride) as *mut u8
+    }
+
+    /// Mutable view of one chunk.
+    ///
+    /// # Safety
+    /// No other reference to this chunk may exist and no copy may be writing or reading it for the
+    /// lifetime of the returned slice.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn chunk_mut(&self, arena: usize, page: u64) -> &mut [u8] {
+        let len = self.geometry.arenas()[arena].bytes_per_page as usize;
+        // SAFETY: chunk_ptr checked the range; the chunk lies inside a live mapping owned by self;
+        // exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.chunk_ptr(arena, page), len) }
+    }
+
+    /// Shared view of one chunk.
+    ///
+    /// # Safety
+    /// No copy or writer may modify this chunk for the lifetime of the returned slice.
+    pub unsafe fn chunk(&self, arena: usize, page: u64) -> &[u8] {
+        let len = self.geometry.arenas()[arena].bytes_per_page as usize;
+        // SAFETY: as in chunk_mut; shared access is the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.chunk_ptr(arena, page), len) }
+    }
+}
+
+// SAFETY: HostArenas owns its mappings; the raw addresses it hands out are only dereferenced under
+// the callers' documented exclusivity contracts.
+unsafe impl Send for HostArenas {}
+// SAFETY: as above; &HostArenas methods only compute addresses.
+unsafe impl Sync for HostArenas {}
+
+/// The host backend for one "rank".
+pub struct HostBackend {
+    arenas: Arc<HostArenas>,
+    pool: Option<PoolRegion>,
+}
+
+impl HostBackend {
+    /// A backend over `arenas`.
+    pub fn new(arenas: Arc<HostArenas>) -> Self {
+        HostBackend { arenas, pool: None }
+    }
+
+    /// The arenas.
+    pub fn arenas(&self) -> &Arc<HostArenas> {
+        &self.arenas
+    }
+
+    fn submit(&self, batch: &[CopyPair], dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
+        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
+        Ok(Box::new(HostCompletion {
+            job: Some(HostJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
+        }))
+    }
+}
+
+impl CopyBackend for HostBackend {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+    fn geometry(&self) -> &Geometry {
+        &self.arenas.geometry
+    }
+    fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
+        if pool.slot_bytes() != self.arenas.geometry.slot_bytes() {
+            return Err(CopyError::Mismatch(format!(
+                "pool slots are {} B, geometry slots {} B",
+                pool.slot_bytes(),
+                self.arenas.geometry.slot_bytes()
+            )));
+        }
+        self.pool = Some(pool.region());
+        Ok(())
+    }
+    unsafe fn save(&self, batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        self.submit(batch, Direction::Save)
+    }
+    unsafe fn restore(&self, batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        self.submit(batch, Direction::Restore)
+    }
+}
+
+struct HostJob {
+    arenas: Arc<HostArenas>,
+    pool: PoolRegion,
+    batch: Vec<CopyPair>,
+    dir: Direction,
+}
+
+impl HostJob {
+    fn run(&self) {
+        let g = &self.arenas.geometry;
+        for p in &self.batch {
+            let slot_base = self.pool.host_base + p.slot as usize * self.pool.slot_bytes as usize;
+            for (i, (a, off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
+                let gpu = self.arenas.chunk_ptr(i, p.gpu_page);
+                let host = (slot_base + *off as usize) as *mut u8;
+                let n = a.bytes_per_page as usize;
+                // SAFETY: validate_batch checked page and slot ranges, so both ranges lie inside live
+                // mappings (the arenas are held by self.arenas; the pool outlives every rank's
+                // completions by the tier's teardown order). The trait contract gives this copy
+                // exclusive use of its destinations and a stable source; chunks never overlap.
+                unsafe {
+                    match self.dir {
+                        Direction::Save => std::ptr::copy_nonoverlapping(gpu, host, n),
+                        Direction::Restore => std::ptr::copy_nonoverlapping(host, gpu, n),
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct HostCompletion {
+    job: Option<HostJob>,
+}
+
+impl Completion for HostCompletion {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        self.wait().map(|_| true)
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        if let Some(job) = self.job.take() {
+            job.run();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1 @@
+//! CUDA copy backend. (STUB: being written.)

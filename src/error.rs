@@ -1,0 +1,334 @@
+//! Typed errors. Every fallible public function returns one of these; none of them loses a ready block.
+//!
+//! Each module has its own enum ([`GeometryError`], [`PoolError`], [`CopyError`], [`TierError`],
+//! [`TraceError`]); [`Error`] wraps them all for callers (like the `kvtier` binary) that do not care
+//! which layer failed.
+
+use std::path::PathBuf;
+use thiserror::Error;
+
+/// A geometry (arena layout) or an arena binding (device base addresses) that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum GeometryError {
+    /// The geometry lists no arenas.
+    #[error("geometry has no arenas: a block needs at least one")]
+    NoArenas,
+    /// More arenas than the copy kernels' arena table holds.
+    #[error("geometry has {count} arenas; at most {max} are supported")]
+    TooManyArenas {
+        /// Arenas given.
+        count: usize,
+        /// Largest supported count.
+        max: usize,
+    },
+    /// An arena name is empty or repeated.
+    #[error("arena #{index}: name `{name}` is empty or used twice")]
+    BadName {
+        /// Position of the arena in the geometry.
+        index: usize,
+        /// The offending name.
+        name: String,
+    },
+    /// The model name or the tokens per page is missing.
+    #[error("geometry field `{field}` must not be empty or zero")]
+    MissingField {
+        /// Which field.
+        field: &'static str,
+    },
+    /// A size that must be positive is zero.
+    #[error("arena `{arena}`: {field} is zero")]
+    Zero {
+        /// Arena name.
+        arena: String,
+        /// `bytes_per_page`, `page_stride` or `pages`.
+        field: &'static str,
+    },
+    /// A size or address is not a multiple of 16 bytes (the copy kernels move 16 B per access).
+    #[error("arena `{arena}`: {field} = {value} is not a multiple of 16 B")]
+    Misaligned {
+        /// Arena name.
+        arena: String,
+        /// `bytes_per_page`, `page_stride` or `base`.
+        field: &'static str,
+        /// The value in bytes (or the address).
+        value: u64,
+    },
+    /// The page stride is smaller than the copy unit, so consecutive pages would overlap.
+    #[error("arena `{arena}`: page stride {stride} B is smaller than the copy unit {unit} B")]
+    StrideBelowUnit {
+        /// Arena name.
+        arena: String,
+        /// Page stride in bytes.
+        stride: u64,
+        /// Bytes per page (copy unit).
+        unit: u64,
+    },
+    /// The arena's extent does not fit in a 64-bit byte offset (or address space).
+    #[error("arena `{arena}`: {pages} pages x {stride} B overflows 64-bit byte offsets")]
+    Overflow {
+        /// Arena name.
+        arena: String,
+        /// Page count.
+        pages: u64,
+        /// Page stride in bytes.
+        stride: u64,
+    },
+    /// Two arenas' bytes overlap, so saving one page would read another arena's data.
+    #[error("arenas `{a}` and `{b}` overlap in device memory")]
+    Overlap {
+        /// First arena.
+        a: String,
+        /// Second arena.
+        b: String,
+    },
+    /// An arena binding gives the wrong number of base addresses.
+    #[error("arena binding has {got} base addresses but the geometry has {want} arenas")]
+    BaseCount {
+        /// Bases given.
+        got: usize,
+        /// Arenas in the geometry.
+        want: usize,
+    },
+    /// A null base address.
+    #[error("arena `{arena}`: base address is null")]
+    NullBase {
+        /// Arena name.
+        arena: String,
+    },
+    /// A preset name that does not exist.
+    #[error("unknown geometry preset `{name}` (known: {known})")]
+    UnknownPreset {
+        /// Requested name.
+        name: String,
+        /// Comma-separated list of known presets.
+        known: String,
+    },
+}
+
+/// The host pool could not be created or configured.
+#[derive(Debug, Error)]
+pub enum PoolError {
+    /// The requested pool is smaller than one slot.
+    #[error("pool of {bytes} B holds no slot of {slot_bytes} B")]
+    TooSmall {
+        /// Requested pool size in bytes.
+        bytes: u64,
+        /// One slot in bytes.
+        slot_bytes: u64,
+    },
+    /// More slots than a slot id can name.
+    #[error("pool would hold {slots} slots; at most {max} are supported")]
+    TooManySlots {
+        /// Slots requested.
+        slots: u64,
+        /// Largest supported count.
+        max: u64,
+    },
+    /// Explicit hugetlb pages were required but not enough are reserved.
+    #[error(
+        "hugetlb backing needs {needed} free 2 MiB pages but {free} are free; reserve them first \
+         (as root: echo {needed} > /proc/sys/vm/nr_hugepages) or use another backing"
+    )]
+    HugePagesUnavailable {
+        /// 2 MiB pages the pool needs.
+        needed: u64,
+        /// 2 MiB pages free now (free - reserved).
+        free: u64,
+    },
+    /// `mmap` failed.
+    #[error("mapping {bytes} B ({backing}) failed: {source}")]
+    Map {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Which backing was tried.
+        backing: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `mlock`, `madvise` or `mbind` failed.
+    #[error("{call} on the pool failed: {source}")]
+    Syscall {
+        /// Which call.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The pool was asked for a slot id it does not have.
+    #[error("slot {slot} is out of range (pool has {capacity} slots)")]
+    SlotOutOfRange {
+        /// Slot id.
+        slot: u32,
+        /// Slots in the pool.
+        capacity: u32,
+    },
+}
+
+/// A copy backend refused or failed a batch.
+#[derive(Debug, Error)]
+pub enum CopyError {
+    /// A GPU page id is not below the arenas' page count; nothing was written.
+    #[error("GPU page {page} is out of range (arenas hold {pages} pages); nothing was copied")]
+    PageOutOfRange {
+        /// Page id given.
+        page: u64,
+        /// Page count of the arenas.
+        pages: u64,
+    },
+    /// A host slot id is not below the pool's capacity; nothing was written.
+    #[error("host slot {slot} is out of range (pool has {capacity} slots); nothing was copied")]
+    SlotOutOfRange {
+        /// Slot id given.
+        slot: u32,
+        /// Pool capacity.
+        capacity: u32,
+    },
+    /// One batch names the same destination twice (two copies would race on it).
+    #[error("batch writes {what} {id} twice")]
+    DuplicateDestination {
+        /// `GPU page` or `host slot`.
+        what: &'static str,
+        /// The repeated id.
+        id: u64,
+    },
+    /// The backend was built for another geometry or pool than the one given.
+    #[error("backend mismatch: {0}")]
+    Mismatch(String),
+    /// An error from the device driver or runtime.
+    #[error("device error in {call}: {message}")]
+    Device {
+        /// Driver call or stage that failed.
+        call: String,
+        /// The driver's message.
+        message: String,
+    },
+    /// The backend is not available on this machine or build.
+    #[error("copy backend `{backend}` is unavailable: {reason}")]
+    Unavailable {
+        /// Backend name.
+        backend: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The backend is shutting down and accepts no new copies.
+    #[error("copy backend is shut down")]
+    ShutDown,
+}
+
+/// An operation of [`crate::HostTier`] that cannot be carried out. Nothing ready is lost.
+#[derive(Debug, Error)]
+pub enum TierError {
+    /// Keys and GPU pages differ in number.
+    #[error("{keys} keys but {pages} GPU pages: each key needs exactly one page")]
+    LengthMismatch {
+        /// Keys given.
+        keys: usize,
+        /// Pages given.
+        pages: usize,
+    },
+    /// The request needs more slots than the pool could ever free right now; nothing was evicted.
+    #[error(
+        "save needs {needed} slots but only {available} can be made free ({capacity} in the pool, \
+         the rest pinned or in flight); nothing was evicted"
+    )]
+    CannotFit {
+        /// Slots needed.
+        needed: usize,
+        /// Free plus evictable slots.
+        available: usize,
+        /// Pool capacity in slots.
+        capacity: usize,
+    },
+    /// Eviction could not free enough slots because they were pinned meanwhile.
+    #[error("pool exhausted: needed {needed} slots, got {got}; every other slot is pinned or in flight")]
+    PoolExhausted {
+        /// Slots needed.
+        needed: usize,
+        /// Slots obtained before giving up (returned to the pool).
+        got: usize,
+    },
+    /// The lease was already settled (released, dropped, or all its restores consumed).
+    #[error("lease is already settled")]
+    LeaseSettled,
+    /// The lease has fewer pages than the restore asks for.
+    #[error("restore asks for {asked} pages but the lease holds {held}")]
+    LeaseTooShort {
+        /// Pages asked.
+        asked: usize,
+        /// Pages held by the lease.
+        held: usize,
+    },
+    /// The lease belongs to another tier.
+    #[error("lease belongs to another tier")]
+    ForeignLease,
+    /// The tier is shutting down.
+    #[error("tier is shutting down and accepts no new work")]
+    ShuttingDown,
+    /// A pin count would overflow its field in the slot word.
+    #[error("slot {slot} has too many pins")]
+    TooManyPins {
+        /// Slot id.
+        slot: u32,
+    },
+    /// The copy backend failed.
+    #[error(transparent)]
+    Copy(#[from] CopyError),
+    /// The rank's geometry differs from the tier's.
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+}
+
+/// A trace that cannot be read or a line that is malformed.
+#[derive(Debug, Error)]
+pub enum TraceError {
+    /// The file could not be opened or read.
+    #[error("reading trace {path}: {source}")]
+    Io {
+        /// Trace path.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line is not valid JSON or lacks a field.
+    #[error("trace line {line}: {message}")]
+    Malformed {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// The trace has no request.
+    #[error("trace {path} holds no request")]
+    Empty {
+        /// Trace path (or `<embedded sample>`).
+        path: PathBuf,
+    },
+}
+
+/// Any kvtier error.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// See [`GeometryError`].
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    /// See [`PoolError`].
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// See [`CopyError`].
+    #[error(transparent)]
+    Copy(#[from] CopyError),
+    /// See [`TierError`].
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    /// See [`TraceError`].
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// A replay whose restored bytes did not match their keys, or another failed check.
+    #[error("verification failed: {0}")]
+    Verification(String),
+    /// Invalid command-line or configuration input.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}

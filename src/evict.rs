@@ -1,0 +1,1 @@
+//! Eviction policies. (STUB)

@@ -1,0 +1,1 @@
+//! Lock-free free list of slot ids. (STUB: being written.)

@@ -1,0 +1,151 @@
+//! Content keys and namespaces.
+//!
+//! A [`ContentKey`] is the 16-byte identity of one block's bytes. Engines usually derive it as a
+//! chained hash of the block's tokens and its parent block's key (a *lineage* hash, so a key names a
+//! whole prefix, not just 64 tokens). A [`Namespace`] is a 16-byte digest of the layout facts (model,
+//! tokens per page, each arena's name and copy unit); every key is folded with it
+//! ([`Namespace::key`]), so two engines whose layouts differ can never hit each other's blocks.
+//!
+//! Hashing is XXH3-128 (`xxhash-rust`), the hash public engines already use for block lineage.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed};
+
+/// The 16-byte content key of one block, already folded with its [`Namespace`].
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct ContentKey(pub [u8; 16]);
+
+impl ContentKey {
+    /// The key as two little-endian 64-bit words (low, high).
+    #[inline]
+    pub fn words(&self) -> (u64, u64) {
+        let lo = u64::from_le_bytes(self.0[0..8].try_into().expect("8 bytes"));
+        let hi = u64::from_le_bytes(self.0[8..16].try_into().expect("8 bytes"));
+        (lo, hi)
+    }
+
+    /// Rebuilds a key from its two little-endian words (the inverse of [`ContentKey::words`]).
+    #[inline]
+    pub fn from_words(lo: u64, hi: u64) -> Self {
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&lo.to_le_bytes());
+        b[8..16].copy_from_slice(&hi.to_le_bytes());
+        ContentKey(b)
+    }
+
+    /// A 64-bit hash of the key for hash tables. Keys are already uniform hashes, so this only
+    /// mixes the two halves (so hand-made test keys that differ in one half still spread).
+    #[inline]
+    pub fn hash64(&self) -> u64 {
+        let (lo, hi) = self.words();
+        let x = lo ^ hi.rotate_left(29);
+        // splitmix64 finaliser
+        let x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    }
+}
+
+impl fmt::Debug for ContentKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ContentKey(")?;
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for ContentKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A 16-byte digest of the layout facts that make blocks interchangeable (see
+/// [`crate::Geometry::namespace`]).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Namespace(pub [u8; 16]);
+
+impl fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Namespace({})", ContentKey(self.0))
+    }
+}
+
+impl Namespace {
+    /// Digest of an arbitrary canonical description (used by [`crate::Geometry`]).
+    pub fn from_description(bytes: &[u8]) -> Self {
+        Namespace(xxh3_128(bytes).to_le_bytes())
+    }
+
+    /// Folds a raw 16-byte engine hash into this namespace: `XXH3-128(namespace || raw)`.
+    #[inline]
+    pub fn key(&self, raw: &[u8; 16]) -> ContentKey {
+        let mut buf = [0u8; 32];
+        buf[..16].copy_from_slice(&self.0);
+        buf[16..].copy_from_slice(raw);
+        ContentKey(xxh3_128(&buf).to_le_bytes())
+    }
+
+    /// The key of page `page_in_block` of a trace block `block_hash` (the Mooncake trace's
+    /// `hash_ids` entries): raw key = `block_hash` (LE u64) || `page_in_block` (LE u64).
+    #[inline]
+    pub fn trace_page_key(&self, block_hash: u64, page_in_block: u64) -> ContentKey {
+        let mut raw = [0u8; 16];
+        raw[..8].copy_from_slice(&block_hash.to_le_bytes());
+        raw[8..].copy_from_slice(&page_in_block.to_le_bytes());
+        self.key(&raw)
+    }
+
+    /// A lineage key: the hash of a block's token ids chained to its parent's key, so a key names the
+    /// whole prefix up to and including this block. `parent` is `None` for the first block.
+    /// Token ids are hashed as little-endian `u32`s.
+    pub fn chain(&self, parent: Option<&ContentKey>, tokens: &[u32]) -> ContentKey {
+        let seed = match parent {
+            Some(p) => p.hash64(),
+            None => u64::from_le_bytes(self.0[0..8].try_into().expect("8 bytes")),
+        };
+        let mut bytes = Vec::with_capacity(tokens.len() * 4);
+        for t in tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let raw = xxh3_128_with_seed(&bytes, seed).to_le_bytes();
+        self.key(&raw)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_separates_keys() {
+        let a = Namespace::from_description(b"model-a");
+        let b = Namespace::from_description(b"model-b");
+        assert_ne!(a.trace_page_key(7, 0), b.trace_page_key(7, 0));
+        assert_eq!(a.trace_page_key(7, 3), a.trace_page_key(7, 3));
+        assert_ne!(a.trace_page_key(7, 3), a.trace_page_key(7, 4));
+    }
+
+    #[test]
+    fn words_roundtrip() {
+        let k = ContentKey([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
+        let (lo, hi) = k.words();
+        assert_eq!(ContentKey::from_words(lo, hi), k);
+        assert_eq!(lo, 0x0807_0605_0403_0201);
+    }
+
+    #[test]
+    fn chain_depends_on_parent() {
+        let ns = Namespace::from_description(b"m");
+        let a = ns.chain(None, &[1, 2, 3]);
+        let b = ns.chain(Some(&a), &[1, 2, 3]);
+        assert_ne!(a, b);
+        assert_eq!(b, ns.chain(Some(&a), &[1, 2, 3]));
+    }
+}

@@ -1,0 +1,1 @@
+//! Leases. (STUB)

@@ -1,0 +1,30 @@
+//! # kvtier
+//!
+//! A host-memory tier for LLM inference engines' KV caches. See `README.md` and `docs/design.md`.
+#![warn(missing_docs)]
+
+pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod error;
+pub mod evict;
+pub mod freelist;
+pub mod geometry;
+pub mod index;
+pub mod key;
+pub mod lease;
+pub mod pattern;
+pub mod pool;
+pub mod replay;
+pub mod slot;
+pub mod sync;
+pub mod tier;
+pub mod trace;
+
+pub use copy::{CopyBackend, CopyPair, Completion, Direction, WaitFor};
+pub use error::{CopyError, Error, GeometryError, PoolError, TierError, TraceError};
+pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
+pub use index::{BlockIndex, SlotRef};
+pub use key::{ContentKey, Namespace};
+pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
+pub use slot::{SlotId, SlotState, SlotWord};

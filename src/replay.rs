@@ -1,0 +1,1 @@
+//! Trace replay through the tier. (STUB: being written.)

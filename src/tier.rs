@@ -1,0 +1,1 @@
+//! HostTier. (STUB)

@@ -1,0 +1,1 @@
+//! Mooncake trace parsing. (STUB: being written.)
