@@ -113,7 +113,8 @@ impl Geometry {
             if a.name.is_empty() || !names.insert(a.name.as_str()) {
                 return Err(GeometryError::BadName { index: i, name: a.name.clone() });
             }
-            for (field, v) in [("bytes_per_page", a.bytes_per_page), ("page_stride", a.page_stride), ("pages", a.pages)] {
+            for (field, v) in [("bytes_per_page", a.bytes_per_page), ("page_stride", a.page_stride), ("pages", a.pages)]
+            {
                 if v == 0 {
                     return Err(GeometryError::Zero { arena: a.name.clone(), field });
                 }

@@ -21,7 +21,7 @@ pub mod sync;
 pub mod tier;
 pub mod trace;
 
-pub use copy::{CopyBackend, CopyPair, Completion, Direction, WaitFor};
+pub use copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 pub use error::{CopyError, Error, GeometryError, PoolError, TierError, TraceError};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
 pub use index::{BlockIndex, SlotRef};

@@ -70,7 +70,9 @@ impl SlotWord {
     #[inline]
     pub fn new(state: SlotState, pins: u32, generation: u64) -> Self {
         debug_assert!(pins <= Self::MAX_PINS);
-        SlotWord(((generation & Self::GEN_MASK) << Self::GEN_SHIFT) | ((pins as u64) << Self::STATE_BITS) | state as u64)
+        SlotWord(
+            ((generation & Self::GEN_MASK) << Self::GEN_SHIFT) | ((pins as u64) << Self::STATE_BITS) | state as u64,
+        )
     }
     /// The raw 64-bit value.
     #[inline]
@@ -290,7 +292,10 @@ mod tests {
         assert_eq!(w.pins(), 5);
         assert_eq!(w.generation(), 123_456_789);
         let m = SlotWord::new(SlotState::Evicting, SlotWord::MAX_PINS, SlotWord::GEN_MASK);
-        assert_eq!((m.state(), m.pins(), m.generation()), (SlotState::Evicting, SlotWord::MAX_PINS, SlotWord::GEN_MASK));
+        assert_eq!(
+            (m.state(), m.pins(), m.generation()),
+            (SlotState::Evicting, SlotWord::MAX_PINS, SlotWord::GEN_MASK)
+        );
     }
 
     #[test]

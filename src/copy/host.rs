@@ -34,7 +34,8 @@ impl HostArenas {
         let mut fused: Vec<(u32, usize)> = Vec::new();
         let mut bases = Vec::with_capacity(arenas.len());
         let map = |len: u64| {
-            MmapMut::map_anon(len as usize).map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
+            MmapMut::map_anon(len as usize)
+                .map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
         };
         for a in arenas {
             match a.placement {
