@@ -23,11 +23,27 @@ pub struct SlotPins {
 impl SlotPins {
     /// Pins every `(slot, generation)` of `refs`, in order. On the first failure the pins already
     /// taken are dropped and `(index, why)` is returned.
-    pub(crate) fn take(core: &Arc<Core>, refs: impl IntoIterator<Item = SlotRef>) -> Result<Self, (usize, PinError)> {
+    ///
+    /// Model-test hook (a restore's guard; the loom models take it directly); not a stable API.
+    #[doc(hidden)]
+    pub fn take(core: &Arc<Core>, refs: impl IntoIterator<Item = SlotRef>) -> Result<Self, (usize, PinError)> {
         let mut pins = SlotPins { core: core.clone(), slots: Vec::new() };
         for (i, r) in refs.into_iter().enumerate() {
-            core.pin(r.slot, r.generation).map_err(|e| (i, e))?;
-            pins.slots.push(r.slot);
+            // Seeded bug (model checking only): the guard "borrows" the lease's pin instead of taking
+            // its own, so a lease settled while its copy is in flight lets the slot be evicted.
+            #[cfg(feature = "seeded-bug-guard-borrows-lease-pin")]
+            {
+                let w = core.pool().control().load(r.slot);
+                if w.generation() != r.generation || w.state() != crate::slot::SlotState::Ready {
+                    return Err((i, PinError::Stale));
+                }
+                continue;
+            }
+            #[allow(unreachable_code)]
+            {
+                core.pin(r.slot, r.generation).map_err(|e| (i, e))?;
+                pins.slots.push(r.slot);
+            }
         }
         Ok(pins)
     }
@@ -87,7 +103,11 @@ pub struct WriteReservation {
 }
 
 impl WriteReservation {
-    pub(crate) fn new(core: &Arc<Core>) -> Self {
+    /// An empty reservation; blocks are added by [`Core::reserve_block`].
+    ///
+    /// Model-test hook; not a stable API.
+    #[doc(hidden)]
+    pub fn new(core: &Arc<Core>) -> Self {
         WriteReservation { core: core.clone(), entries: Vec::new() }
     }
 

@@ -133,7 +133,10 @@ impl Lease {
     }
 
     /// Consumes one use; settles the lease when it was the last. Returns false if none was left.
-    pub(crate) fn consume(&self) -> bool {
+    ///
+    /// Model-test hook (a restore consumes after taking its guards); not a stable API.
+    #[doc(hidden)]
+    pub fn consume(&self) -> bool {
         let mut cur = self.inner.uses_left.load(Ordering::Acquire);
         loop {
             if cur == 0 || self.is_settled() {
@@ -141,7 +144,9 @@ impl Lease {
             }
             match self.inner.uses_left.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
-                    if cur == 1 {
+                    // Seeded bug (model checking only): the first rank's restore settles a shared lease.
+                    let last = cur == 1 || cfg!(feature = "seeded-bug-lease-first-consume-settles");
+                    if last {
                         self.inner.settle();
                     }
                     return true;

@@ -247,6 +247,32 @@ impl Core {
         ContentKey::from_words(k[0].load(Ordering::Relaxed), k[1].load(Ordering::Relaxed))
     }
 
+    /// Reserves `slot` (just taken from the pool or freed by eviction, owned by the caller) for
+    /// `key`: `FREE -> WRITING`, records the key, inserts the index entry. Returns true and adds the
+    /// block to `reservation` if this call's entry won; false if another save of `key` holds the
+    /// entry (the slot is then released and returned to the free list).
+    ///
+    /// Model-test hook (used by `Rank::save_with` and the loom models); not a stable API.
+    #[doc(hidden)]
+    pub fn reserve_block(&self, key: ContentKey, slot: SlotId, reservation: &mut WriteReservation) -> bool {
+        let generation = self.control().reserve(slot);
+        self.set_slot_key(slot, &key);
+        add(&self.counters.writing_slots, 1);
+        match self.index.insert_if_absent(key, SlotRef { slot, generation }) {
+            Ok(()) => {
+                reservation.push(Reserved { key, slot, generation });
+                true
+            }
+            Err(_) => {
+                // Another save of this key won the race: give the slot back.
+                self.control().release(slot);
+                self.pool.free(slot);
+                sub(&self.counters.writing_slots, 1);
+                false
+            }
+        }
+    }
+
     pub(crate) fn commit_reserved(&self, r: Reserved) {
         self.control().commit(r.slot, r.generation);
         self.policy.on_insert(r.slot);
@@ -276,7 +302,10 @@ impl Core {
 
     /// Evicts up to `n` unpinned ready blocks chosen by the policy and appends their (now free,
     /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted.
-    fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
+    ///
+    /// Model-test hook (the loom models call it directly); not a stable API.
+    #[doc(hidden)]
+    pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
         let _serialise = self.evict_lock.lock().expect("evict lock");
         let mut freed = 0;
         let mut cands = Vec::new();
@@ -311,7 +340,14 @@ impl Core {
         freed
     }
 
-    fn acquire_slots(&self, n: usize) -> Result<Vec<SlotId>, TierError> {
+    /// Takes `n` slots for a save: free ones first, then evicting; all or none.
+    ///
+    /// # Errors
+    /// [`TierError::PoolExhausted`] (the slots taken are returned to the free list).
+    ///
+    /// Model-test hook (the loom models call it directly); not a stable API.
+    #[doc(hidden)]
+    pub fn acquire_slots(&self, n: usize) -> Result<Vec<SlotId>, TierError> {
         let mut got = Vec::with_capacity(n);
         let fill = |got: &mut Vec<SlotId>| {
             while got.len() < n {
@@ -341,25 +377,32 @@ impl Core {
         Ok(got)
     }
 
-    fn query(self: &Arc<Self>, keys: &[ContentKey], uses: u32) -> Lease {
-        let mut pins = SlotPins::empty(self);
+    /// Pins the longest ready prefix of `keys` and returns a lease with `uses` uses (what
+    /// [`HostTier::query_shared`] does).
+    ///
+    /// An associated function (not a method) because `self: &Arc<Self>` is refused for loom's `Arc`.
+    ///
+    /// Model-test hook (the loom models call it directly); not a stable API.
+    #[doc(hidden)]
+    pub fn query(core: &Arc<Self>, keys: &[ContentKey], uses: u32) -> Lease {
+        let mut pins = SlotPins::empty(core);
         let mut blocks = Vec::new();
         {
-            let reader = self.index.reader();
+            let reader = core.index.reader();
             for k in keys {
                 let Some(r) = reader.get(k) else { break };
-                if self.pin(r.slot, r.generation).is_err() {
+                if core.pin(r.slot, r.generation).is_err() {
                     break;
                 }
                 pins.push_pinned(r.slot);
-                self.policy.on_hit(r.slot);
+                core.policy.on_hit(r.slot);
                 blocks.push(LeasedBlock { key: *k, slot: r });
             }
         }
-        add(&self.counters.queries, 1);
-        add(&self.counters.hit_blocks, blocks.len() as u64);
-        add(&self.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
-        Lease::new(self, blocks, pins, uses)
+        add(&core.counters.queries, 1);
+        add(&core.counters.hit_blocks, blocks.len() as u64);
+        add(&core.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
+        Lease::new(core, blocks, pins, uses)
     }
 
     fn stats(&self) -> TierStats {
@@ -427,19 +470,19 @@ impl HostTier {
         }
         backend.bind_pool(&self.core.pool)?;
         let id = self.core.next_rank.fetch_add(1, Ordering::Relaxed);
-        Ok(Rank::start(self.core.clone(), Arc::from(backend), id))
+        Ok(Rank::start(self.core.clone(), std::sync::Arc::from(backend), id))
     }
 
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
     /// them (see [`Lease`]). Hits refresh the blocks' recency.
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
-        self.core.query(keys, 1)
+        Core::query(&self.core, keys, 1)
     }
 
     /// [`HostTier::query`] with `uses` restores allowed (one per rank that will restore), so every
     /// data-parallel rank can restore the same blocks from one lease.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
-        self.core.query(keys, uses)
+        Core::query(&self.core, keys, uses)
     }
 
     /// True if `key`'s block is ready (does not pin or refresh it).
@@ -719,22 +762,11 @@ impl Rank {
         let mut saving = Vec::with_capacity(take);
         let mut batch = Vec::with_capacity(take);
         for (&i, slot) in missing.iter().zip(slots) {
-            let generation = core.control().reserve(slot);
-            core.set_slot_key(slot, &keys[i]);
-            add(&c.writing_slots, 1);
-            match core.index.insert_if_absent(keys[i], SlotRef { slot, generation }) {
-                Ok(()) => {
-                    reservation.push(Reserved { key: keys[i], slot, generation });
-                    saving.push(i);
-                    batch.push(CopyPair::new(gpu_pages[i], slot.0));
-                }
-                Err(_) => {
-                    // Another save of this key won the race: give the slot back.
-                    core.control().release(slot);
-                    core.pool.free(slot);
-                    sub(&c.writing_slots, 1);
-                    in_flight += 1;
-                }
+            if core.reserve_block(keys[i], slot, &mut reservation) {
+                saving.push(i);
+                batch.push(CopyPair::new(gpu_pages[i], slot.0));
+            } else {
+                in_flight += 1;
             }
         }
         add(&c.save_skipped_in_flight, in_flight as u64);

@@ -1,0 +1,94 @@
+//! Shared setup for the tier loom models (`lease`, `guard`, `evict`): a real [`Core`] (pool, index,
+//! LRU policy, slot words) over a one-arena geometry, with no ranks or threads of its own, plus the
+//! single-threaded steps the models use to put blocks in place before their threads start.
+//!
+//! Everything here must run inside `loom::model` (the core's atomics are loom's).
+#![allow(dead_code)]
+
+use kvtier::guard::WriteReservation;
+use kvtier::pool::{BackingChoice, HostPool, PoolConfig};
+use kvtier::slot::{SlotId, SlotState, SlotWord};
+use kvtier::sync::Arc;
+use kvtier::tier::Core;
+use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotRef};
+
+/// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages).
+pub fn core(slots: u32) -> Arc<Core> {
+    let g = Geometry::new("loom", 16, vec![ArenaSpec::packed("a", 16, 4)]).expect("valid geometry");
+    let cfg = PoolConfig { bytes: slots as u64 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+    let pool = HostPool::new(g.slot_bytes(), &cfg).expect("pool");
+    assert_eq!(pool.capacity(), slots);
+    Arc::new(Core::new(g, pool, PolicyKind::Lru, Some(4)))
+}
+
+/// Key number `i` (distinct keys for distinct `i`).
+pub fn key(i: u64) -> ContentKey {
+    ContentKey::from_words(0x6b76_7469_6572_0000 + i, i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Reserves a slot for `key` (taking a free one or evicting) and returns the reservation.
+pub fn reserve(core: &Arc<Core>, key: ContentKey) -> WriteReservation {
+    let slots = core.acquire_slots(1).expect("a slot");
+    let mut r = WriteReservation::new(core);
+    assert!(core.reserve_block(key, slots[0], &mut r), "no other save of {key:?}");
+    r
+}
+
+/// Saves `key` and commits it: the block is ready. Returns its index entry.
+pub fn save_ready(core: &Arc<Core>, key: ContentKey) -> SlotRef {
+    reserve(core, key).commit();
+    core.index().get(&key).expect("committed block is indexed")
+}
+
+/// Evicts at most one unpinned ready block and puts its slot back on the free list.
+pub fn evict_one(core: &Arc<Core>) -> Option<SlotId> {
+    let mut out = Vec::new();
+    core.evict_into(1, &mut out);
+    for &s in &out {
+        core.pool().free(s);
+    }
+    out.first().copied()
+}
+
+/// The control word of `slot`.
+pub fn word(core: &Core, slot: SlotId) -> SlotWord {
+    core.pool().control().load(slot)
+}
+
+/// Asserts `slot` holds the ready block `r` (state READY, same generation).
+pub fn assert_holds(core: &Core, r: SlotRef, what: &str) {
+    let w = word(core, r.slot);
+    assert!(
+        w.state() == SlotState::Ready && w.generation() == r.generation,
+        "{what}: slot {} should hold generation {} READY, found {w:?}",
+        r.slot.0,
+        r.generation
+    );
+}
+
+/// After every thread joined: each slot is either free (and on the free list) or ready, unpinned and
+/// indexed under exactly one of `keys`; no slot is owned twice.
+pub fn assert_quiescent(core: &Core, keys: &[ContentKey]) {
+    let cap = core.pool().capacity();
+    let mut owner = vec![None; cap as usize];
+    for k in keys {
+        if let Some(r) = core.index().get(k) {
+            assert_holds(core, r, "indexed block");
+            assert_eq!(word(core, r.slot).pins(), 0, "pins left on slot {} at the end", r.slot.0);
+            assert!(owner[r.slot.index()].replace(*k).is_none(), "slot {} owned twice", r.slot.0);
+        }
+    }
+    let mut free = 0;
+    for s in 0..cap {
+        let w = word(core, SlotId(s));
+        match w.state() {
+            SlotState::Free => {
+                assert_eq!(w.pins(), 0);
+                free += 1
+            }
+            SlotState::Ready => assert!(owner[s as usize].is_some(), "ready slot {s} has no index entry"),
+            st => panic!("slot {s} left {st:?}"),
+        }
+    }
+    assert_eq!(core.pool().free_count(), free, "free list and FREE slots disagree");
+}

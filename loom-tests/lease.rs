@@ -1,0 +1,103 @@
+//! loom models of leases over the real tier core (`kvtier::tier::Core`): a query's pins hold off a
+//! concurrent eviction; a lease settles exactly once however consumes, releases and the last drop race; a
+//! shared lease serves every rank that restores from it.
+//!
+//! Run with `ci/loom.sh` (cfgs `loom`, `crossbeam_loom`, `crossbeam_sanitize`, feature `loom`,
+//! `LOOM_MAX_PREEMPTIONS=2`, release). Seeded bugs each model must catch (see docs/invariants.md):
+//! `seeded-bug-evict-pinned` (query_pin_holds_off_eviction), `seeded-bug-lease-double-settle`
+//! (settle_exactly_once), `seeded-bug-lease-first-consume-settles` (shared_lease_serves_every_rank).
+#![cfg(loom)]
+
+mod common;
+
+use common::*;
+use kvtier::tier::Core;
+use kvtier::guard::SlotPins;
+use kvtier::sync::Arc;
+use loom::thread;
+
+/// A query pins the ready block; an evictor racing it either evicts first (the query then finds
+/// nothing) or finds it pinned and leaves it. While the lease is held the slot keeps its block.
+#[test]
+fn query_pin_holds_off_eviction() {
+    loom::model(|| {
+        let core = core(1);
+        let k = key(0);
+        save_ready(&core, k);
+        let c = core.clone();
+        let reader = thread::spawn(move || {
+            let lease = Core::query(&c, &[k], 1);
+            if let Some(b) = lease.blocks().first() {
+                assert_holds(&c, b.slot, "slot under a lease");
+                thread::yield_now();
+                assert_holds(&c, b.slot, "slot under a lease");
+            }
+            lease.len()
+        });
+        let evicted = evict_one(&core);
+        let found = reader.join().unwrap();
+        if evicted.is_some() {
+            assert!(core.index().get(&k).is_none());
+        } else {
+            assert_eq!(found, 1, "eviction is refused only because the query held a pin");
+        }
+        assert_quiescent(&core, &[k]);
+    });
+}
+
+/// A consume (a restore), two releases (two holders of clones) and the drop of the last clone race:
+/// the lease settles exactly once (at most one release reports settling it; the pin is dropped
+/// exactly once) and the block is evictable afterwards.
+#[test]
+fn settle_exactly_once() {
+    loom::model(|| {
+        let core = core(1);
+        let k = key(0);
+        let r = save_ready(&core, k);
+        let lease = Core::query(&core, &[k], 1);
+        assert_eq!(lease.len(), 1);
+        let (l1, l2) = (lease.clone(), lease.clone());
+        let consumer = thread::spawn(move || l1.consume());
+        let releaser = thread::spawn(move || l2.release());
+        let released_main = lease.release();
+        let consumed = consumer.join().unwrap();
+        let released = releaser.join().unwrap();
+        assert!(!(released && released_main), "two releases both settled the lease");
+        // A consume fails only when a release settled first.
+        assert!(consumed || released || released_main, "nobody settled, yet the consume failed");
+        assert_eq!(word(&core, r.slot).pins(), 0, "the lease's pin is dropped exactly once");
+        assert_eq!(evict_one(&core), Some(r.slot), "a settled lease no longer pins the block");
+        assert_quiescent(&core, &[k]);
+    });
+}
+
+/// A lease with one use per rank: two ranks restore from it (guard pins, then consume) while an
+/// evictor runs. Both ranks get the block; neither restore fails because the other consumed first.
+#[test]
+fn shared_lease_serves_every_rank() {
+    loom::model(|| {
+        let core = core(1);
+        let k = key(0);
+        save_ready(&core, k);
+        let lease = Core::query(&core, &[k], 2);
+        assert_eq!((lease.len(), lease.uses_left()), (1, 2));
+        let ranks: Vec<_> = (0..2)
+            .map(|_| {
+                let (c, l) = (core.clone(), lease.clone());
+                thread::spawn(move || {
+                    let guards = SlotPins::take(&c, l.blocks().iter().map(|b| b.slot))
+                        .expect("a rank's restore finds the leased block pinned and ready");
+                    assert!(l.consume(), "each rank has a use");
+                    assert_holds(&c, l.blocks()[0].slot, "slot under a restore guard");
+                    drop(guards);
+                })
+            })
+            .collect();
+        drop(lease);
+        let _ = evict_one(&Arc::clone(&core));
+        for r in ranks {
+            r.join().unwrap();
+        }
+        assert_quiescent(&core, &[k]);
+    });
+}
