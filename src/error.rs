@@ -307,6 +307,27 @@ pub enum TraceError {
     },
 }
 
+/// A replay that cannot run as configured.
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    /// A request has more full pages than the replay's GPU pages.
+    #[error(
+        "request {request} of the trace has {pages} pages but the replay has only {gpu_pages} GPU pages; \
+         raise --gpu-pages to at least {pages}"
+    )]
+    RequestTooLarge {
+        /// 1-based request number (after blank lines are skipped).
+        request: usize,
+        /// Full pages of the request.
+        pages: usize,
+        /// GPU pages available to the replay.
+        gpu_pages: u64,
+    },
+    /// Nothing to replay (an empty trace or `--requests 0`).
+    #[error("no request to replay")]
+    NoRequests,
+}
+
 /// Any kvtier error.
 #[derive(Debug, Error)]
 pub enum Error {
@@ -325,6 +346,9 @@ pub enum Error {
     /// See [`TraceError`].
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// See [`ReplayError`].
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
     /// A replay whose restored bytes did not match their keys, or another failed check.
     #[error("verification failed: {0}")]
     Verification(String),
