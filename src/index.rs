@@ -34,6 +34,10 @@ impl BlockIndex {
     pub fn remove_if(&self, _key: &ContentKey, _expected: SlotRef) -> bool {
         todo!()
     }
+    /// A reader that pins the epoch once for several lookups.
+    pub fn reader(&self) -> IndexReader<'_> {
+        todo!()
+    }
     /// Live entries.
     pub fn len(&self) -> usize {
         todo!()
@@ -41,5 +45,16 @@ impl BlockIndex {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// A batch reader (stub).
+pub struct IndexReader<'a> {
+    _i: &'a BlockIndex,
+}
+impl IndexReader<'_> {
+    /// Looks `key` up.
+    pub fn get(&self, _key: &ContentKey) -> Option<SlotRef> {
+        todo!()
     }
 }
