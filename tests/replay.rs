@@ -6,7 +6,8 @@ use kvtier::copy::{CopyBackend, EngineArenas};
 use kvtier::evict::PolicyKind;
 use kvtier::replay::{self, ReplayConfig, ReplayReport};
 use kvtier::trace::{self, TraceRequest};
-use kvtier::{ArenaSpec, BackingChoice, ContentKey, Error, Geometry, ReplayError, TraceError};
+use kvtier::error::ReplayError;
+use kvtier::{ArenaSpec, BackingChoice, ContentKey, Error, Geometry, TraceError};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::path::Path;
@@ -50,7 +51,7 @@ impl<K: Copy + Eq + Hash> Lru<K> {
 /// hits = longest run of leading resident keys, touched in order; then among the rest, resident
 /// keys are touched in order and the first `min(missing, cap)` missing keys are inserted in order.
 fn model_hits<K: Copy + Eq + Hash>(requests: impl IntoIterator<Item = Vec<K>>, cap: usize) -> u64 {
-    let mut lru = Lru::new(cap);
+    let mut lru: Lru<K> = Lru::new(cap);
     let mut hits = 0u64;
     for keys in requests {
         let h = keys.iter().take_while(|k| lru.contains(k)).count();
