@@ -423,7 +423,7 @@ pub fn run(
         backend: backend_name,
         model: geometry.model().to_string(),
         block_bytes,
-        policy: format!("{:?}", config.policy).to_lowercase(),
+        policy: config.policy.name().to_string(),
         concurrency: config.concurrency,
         gpu_pages,
         pool_backing: backing_name(tier.pool().backing()).to_string(),

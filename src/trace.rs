@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 /// Tokens per trace block (one `hash_ids` entry).
 pub const TRACE_BLOCK_TOKENS: u32 = 512;
 
-/// The bundled sample: the first 120 requests of the Mooncake conversation trace, unmodified (see
+/// The bundled sample: the first 80 requests of the Mooncake conversation trace, unmodified (see
 /// `data/README.md` for attribution). The default input of `kvtier replay`.
 pub const SAMPLE: &str = include_str!("../data/mooncake_conversation_sample.jsonl");
 

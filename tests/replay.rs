@@ -3,10 +3,10 @@
 
 use kvtier::copy::host::HostArenas;
 use kvtier::copy::{CopyBackend, EngineArenas};
+use kvtier::error::ReplayError;
 use kvtier::evict::PolicyKind;
 use kvtier::replay::{self, ReplayConfig, ReplayReport};
 use kvtier::trace::{self, TraceRequest};
-use kvtier::error::ReplayError;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, Error, Geometry, TraceError};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -139,6 +139,48 @@ fn lru_replay_of_the_sample_equals_the_reference_model() {
         assert_eq!(r.hit_pages + r.saved_pages + r.resident_pages + r.dropped_pages, r.pages);
         assert_eq!(r.in_flight_pages + r.refused_pages, 0);
     }
+}
+
+/// A deterministic synthetic trace with heavy, interleaved prefix reuse: 400 requests from 25
+/// conversations whose prompts grow turn by turn (half of them behind a shared system block), with
+/// partial last pages.
+fn synthetic_trace() -> Vec<TraceRequest> {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |m: u64| {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) % m
+    };
+    let mut turns = [0u64; 25];
+    (0..400)
+        .map(|i| {
+            let c = next(25);
+            turns[c as usize] += 1;
+            let blocks = (turns[c as usize] + next(3)).min(12);
+            let mut hash_ids: Vec<u64> = (0..blocks).map(|b| 1_000 * (c + 1) + b).collect();
+            if c % 2 == 0 {
+                hash_ids[0] = 7; // a shared system prompt block
+            }
+            let input_length = blocks * 512 - next(500);
+            TraceRequest { timestamp_ms: i, input_length, output_length: 1, hash_ids }
+        })
+        .collect()
+}
+
+#[test]
+fn lru_replay_of_a_reuse_heavy_trace_equals_the_reference_model() {
+    let reqs = synthetic_trace();
+    let total: u64 = reqs.iter().map(|r| r.page_count(64) as u64).sum();
+    let mut seen = Vec::new();
+    for slots in [40u64, 150, 600, total + 1] {
+        let r = replay_lru(&reqs, slots, 1);
+        let want = model_for(&reqs, slots);
+        assert_eq!(r.hit_pages, want, "hit pages with {slots} slots");
+        assert_eq!(r.verified_pages, want);
+        assert_eq!(r.hit_pages + r.saved_pages + r.resident_pages + r.dropped_pages, r.pages);
+        seen.push(want);
+    }
+    // The capacities must matter, or the comparison proves little.
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "hits by capacity: {seen:?}");
 }
 
 #[test]
@@ -317,26 +359,27 @@ fn cli_errors_are_clear_and_exit_non_zero() {
     let p = dir.path().join("tiny.jsonl");
     std::fs::write(&p, TINY).unwrap();
     let trace = p.to_str().unwrap();
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    // (arguments, exit code, text the error must contain); clap's usage errors exit with 2.
+    let mut cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (
             vec!["replay", trace, "--geometry", "deepseek-v3", "--gpu-pages", "9", "--pool", "64MiB"],
-            "request 3 of the trace has 10 pages but the replay has only 9 GPU pages",
+            1,
+            "error: request 3 of the trace has 10 pages but the replay has only 9 GPU pages",
         ),
-        (vec!["replay", trace, "--geometry", "nope"], "unknown geometry preset `nope`"),
-        (vec!["replay", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
-        (vec!["replay", trace, "--pool", "lots"], "`lots` is not a byte size"),
+        (vec!["replay", trace, "--geometry", "nope"], 1, "error: unknown geometry preset `nope`"),
+        (vec!["replay", "/nonexistent/trace.jsonl"], 1, "error: reading trace /nonexistent/trace.jsonl"),
+        (vec!["replay", trace, "--geometry", "deepseek-v3", "--pool", "1MiB"], 1, "holds no slot"),
+        (vec!["replay", trace, "--pool", "lots"], 2, "`lots` is not a byte size"),
+        (vec!["replay", trace, "--policy", "fifo"], 2, "unknown policy `fifo` (known: lru, clock"),
     ];
-    #[cfg(not(feature = "cuda"))]
-    let cases = {
-        let mut c = cases;
-        c.push((vec!["replay", trace, "--backend", "cuda"], "built without CUDA support"));
-        c.push((vec!["replay", trace, "--backend", "cuda"], "--features cuda"));
-        c
-    };
-    for (args, want) in cases {
+    if cfg!(not(feature = "cuda")) {
+        cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "built without CUDA support"));
+        cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "--features cuda"));
+    }
+    for (args, code, want) in cases {
         let out = kvtier(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), if want.contains("byte size") { Some(2) } else { Some(1) }, "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: stderr `{err}` lacks `{want}`");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }

@@ -40,9 +40,9 @@ struct ReplayArgs {
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
     #[arg(long)]
     gpu_pages: Option<u64>,
-    /// Eviction policy.
-    #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
-    policy: PolicyArg,
+    /// Eviction policy (one of the built-in policies: lru, clock, ...).
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    policy: PolicyKind,
     /// Copy backend: auto = cuda if built with feature `cuda` and a GPU is present, else host.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
@@ -60,14 +60,6 @@ struct ReplayArgs {
     json: bool,
 }
 
-#[derive(Copy, Clone, ValueEnum)]
-enum PolicyArg {
-    /// Least recently used.
-    Lru,
-    /// CLOCK (second chance).
-    Clock,
-}
-
 #[derive(Copy, Clone, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
     Auto,
@@ -81,6 +73,13 @@ enum BackingArg {
     Hugetlb,
     Thp,
     Plain,
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    PolicyKind::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| {
+        let known: Vec<&str> = PolicyKind::ALL.iter().map(|p| p.name()).collect();
+        format!("unknown policy `{s}` (known: {})", known.join(", "))
+    })
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -112,7 +111,7 @@ fn cuda_present() -> bool {
 
 #[cfg(feature = "cuda")]
 fn cuda_arenas(geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
-    Ok(Box::new(kvtier::cuda::CudaArenas::new(0, geometry)?))
+    Ok(Box::new(kvtier::cuda::CudaArenas::new(0, geometry, kvtier::cuda::CudaOptions::default())?))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -149,10 +148,7 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
     let geometry = probe.with_pages(gpu_pages)?;
     let arenas = make_arenas(args.backend, &geometry)?;
     let config = ReplayConfig {
-        policy: match args.policy {
-            PolicyArg::Lru => PolicyKind::Lru,
-            PolicyArg::Clock => PolicyKind::Clock,
-        },
+        policy: args.policy,
         pool_bytes: args.pool,
         backing: match args.backing {
             BackingArg::Auto => BackingChoice::Auto,
