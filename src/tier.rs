@@ -176,6 +176,21 @@ fn gauge(c: &AtomicU64) -> u64 {
     (c.load(Ordering::Relaxed) as i64).max(0) as u64
 }
 
+/// Slot counts by state, from [`Core::audit`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AuditReport {
+    /// `FREE` slots.
+    pub free: usize,
+    /// `WRITING` slots.
+    pub writing: usize,
+    /// `READY` slots.
+    pub ready: usize,
+    /// `EVICTING` slots (0 when quiescent).
+    pub evicting: usize,
+    /// Slots with at least one pin.
+    pub pinned: usize,
+}
+
 /// The shared state behind a [`HostTier`]: pool, index, policy, per-slot keys and counters.
 pub struct Core {
     geometry: Geometry,
@@ -360,6 +375,67 @@ impl Core {
         add(&self.counters.hit_blocks, blocks.len() as u64);
         add(&self.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
         Lease::new(self, blocks, pins, uses)
+    }
+
+    /// Checks the tier's structural invariants; meant for quiescent moments (tests, fuzzing,
+    /// debugging), it reads every slot word and walks the index keys it is given.
+    ///
+    /// Checked: every key in `resident_keys` that the index holds maps to a distinct slot (no slot
+    /// owned twice) whose word has the entry's generation and is `READY` or `WRITING`; the number of
+    /// `READY` + `WRITING` slots equals the index's entry count; pinned slots are all `READY`; the
+    /// free-list count equals the number of `FREE` slots.
+    ///
+    /// # Errors
+    /// A description of the first violated invariant.
+    pub fn audit(&self, resident_keys: &[ContentKey]) -> Result<AuditReport, String> {
+        use bitvec::prelude::*;
+        let cap = self.pool.capacity() as usize;
+        let mut owned: BitVec = bitvec![0; cap];
+        let mut rep = AuditReport::default();
+        for k in resident_keys {
+            let Some(r) = self.index.get(k) else { continue };
+            if owned.replace(r.slot.index(), true) {
+                return Err(format!("slot {} is named by two index entries", r.slot.0));
+            }
+            let w = self.control().load(r.slot);
+            if w.generation() != r.generation || !matches!(w.state(), SlotState::Ready | SlotState::Writing) {
+                return Err(format!("key {k} maps to slot {} gen {} but the slot is {w:?}", r.slot.0, r.generation));
+            }
+            if self.slot_key(r.slot) != *k {
+                return Err(format!(
+                    "slot {} holds key {} but the index maps {k} to it",
+                    r.slot.0,
+                    self.slot_key(r.slot)
+                ));
+            }
+        }
+        for s in 0..cap as u32 {
+            let w = self.control().load(SlotId(s));
+            match w.state() {
+                SlotState::Free => rep.free += 1,
+                SlotState::Writing => rep.writing += 1,
+                SlotState::Ready => rep.ready += 1,
+                SlotState::Evicting => rep.evicting += 1,
+            }
+            if w.pins() > 0 {
+                rep.pinned += 1;
+                if w.state() != SlotState::Ready {
+                    return Err(format!("slot {s} is pinned but {w:?}"));
+                }
+            }
+        }
+        if rep.ready + rep.writing != self.index.len() {
+            return Err(format!(
+                "{} ready + {} writing slots but {} index entries",
+                rep.ready,
+                rep.writing,
+                self.index.len()
+            ));
+        }
+        if rep.free != self.pool.free_count() {
+            return Err(format!("{} free slots but the free list holds {}", rep.free, self.pool.free_count()));
+        }
+        Ok(rep)
     }
 
     fn stats(&self) -> TierStats {
