@@ -210,7 +210,12 @@ fn anon_map(len: usize, flags: MapFlags) -> Result<NonNull<u8>, std::io::Error> 
     // SAFETY: a fresh anonymous private mapping at an address the kernel picks: it aliases no Rust
     // object. The caller owns the returned range and unmaps it (Mapping::drop).
     let p = unsafe {
-        nix::sys::mman::mmap_anonymous(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_PRIVATE | flags)
+        nix::sys::mman::mmap_anonymous(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_PRIVATE | flags,
+        )
     };
     p.map(|p| p.cast()).map_err(std::io::Error::from)
 }
@@ -238,22 +243,26 @@ fn map_thp(data: u64) -> Result<(Mapping, Backing), PoolError> {
     let len = map_len(data, Backing::TransparentHuge)?;
     let huge = HUGE_PAGE_BYTES as usize;
     let total = len.checked_add(huge).ok_or_else(|| too_big(data, Backing::TransparentHuge))?;
-    let raw = anon_map(total, MapFlags::empty())
-        .map_err(|e| PoolError::Map { bytes: total as u64, backing: "thp", source: e })?;
+    let raw = anon_map(total, MapFlags::empty()).map_err(|e| PoolError::Map {
+        bytes: total as u64,
+        backing: "thp",
+        source: e,
+    })?;
     let start = raw.as_ptr() as usize;
     let aligned = start.next_multiple_of(huge);
     let head = aligned - start;
     let tail = total - head - len;
-    // SAFETY (both munmaps): the trimmed pieces lie inside the mapping just made (head + len + tail =
-    // total) and nothing refers to them; both are page-aligned because mmap returns page-aligned
-    // addresses and head, len, tail are multiples of the base page size.
-    unsafe {
-        if head > 0 {
-            let _ = nix::sys::mman::munmap(raw.cast(), head);
-        }
-        if tail > 0 {
-            let _ = nix::sys::mman::munmap(NonNull::new_unchecked((aligned + len) as *mut c_void), tail);
-        }
+    // Trim: the pieces before `aligned` and after `aligned + len` lie inside the mapping just made
+    // (head + len + tail = total), nothing refers to them, and both are page-aligned (mmap returns
+    // page-aligned addresses; head, len and tail are multiples of the base page size).
+    if head > 0 {
+        // SAFETY: see the trim comment above; `raw..raw+head` is our own, unused.
+        let _ = unsafe { nix::sys::mman::munmap(raw.cast(), head) };
+    }
+    if tail > 0 {
+        let tail_start = NonNull::new((aligned + len) as *mut c_void).expect("inside a mapping, non-null");
+        // SAFETY: see the trim comment above; `aligned+len..raw+total` is our own, unused.
+        let _ = unsafe { nix::sys::mman::munmap(tail_start, tail) };
     }
     // SAFETY: aligned is inside a successful mapping, hence non-null.
     let map = Mapping { ptr: unsafe { NonNull::new_unchecked(aligned as *mut u8) }, len };
@@ -268,8 +277,11 @@ fn map_thp(data: u64) -> Result<(Mapping, Backing), PoolError> {
 
 fn map_plain(data: u64) -> Result<Mapping, PoolError> {
     let len = map_len(data, Backing::Plain)?;
-    let ptr = anon_map(len, MapFlags::empty())
-        .map_err(|e| PoolError::Map { bytes: len as u64, backing: "plain", source: e })?;
+    let ptr = anon_map(len, MapFlags::empty()).map_err(|e| PoolError::Map {
+        bytes: len as u64,
+        backing: "plain",
+        source: e,
+    })?;
     Ok(Mapping { ptr, len })
 }
 
@@ -585,7 +597,9 @@ mod tests {
     fn meminfo(field: &str) -> u64 {
         let s = std::fs::read_to_string("/proc/meminfo").unwrap();
         s.lines()
-            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':').map(|v| v.trim().split(' ').next().unwrap().parse().unwrap()))
+            .find_map(|l| {
+                l.strip_prefix(field)?.strip_prefix(':').map(|v| v.trim().split(' ').next().unwrap().parse().unwrap())
+            })
             .unwrap()
     }
 
@@ -623,7 +637,10 @@ mod tests {
         assert!(p.mapped_bytes() >= 3 * GLM_SLOT);
         assert_eq!(p.mapped_bytes(), (3 * GLM_SLOT).next_multiple_of(4096));
         let r = p.region();
-        assert_eq!(r, PoolRegion { host_base: r.host_base, bytes: p.mapped_bytes(), slot_bytes: GLM_SLOT, capacity: 3 });
+        assert_eq!(
+            r,
+            PoolRegion { host_base: r.host_base, bytes: p.mapped_bytes(), slot_bytes: GLM_SLOT, capacity: 3 }
+        );
         assert!(r.capacity as u64 * r.slot_bytes <= r.bytes);
         assert_eq!(p.slot_ptr(SlotId(2)) as usize, r.host_base + 2 * GLM_SLOT as usize);
         // Exactly one slot.
