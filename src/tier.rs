@@ -492,8 +492,12 @@ impl HostTier {
         if self.core.shutting_down.load(Ordering::Acquire) {
             return Err(TierError::ShuttingDown);
         }
-        if backend.geometry().namespace() != self.core.geometry.namespace()
-            || backend.geometry().slot_bytes() != self.core.geometry.slot_bytes()
+        // Same slot layout required; the tensor-parallel shard may differ (its keys differ anyway).
+        let (bg, tg) = (backend.geometry(), &self.core.geometry);
+        if bg.model() != tg.model()
+            || bg.page_tokens() != tg.page_tokens()
+            || bg.slot_bytes() != tg.slot_bytes()
+            || bg.chunk_offsets() != tg.chunk_offsets()
         {
             return Err(TierError::Copy(CopyError::Mismatch(format!(
                 "backend geometry `{}` does not match the tier's `{}`",
@@ -670,6 +674,11 @@ impl Rank {
     /// This rank's id (attach order, from 0).
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// The namespace of this rank's keys (its geometry's, which includes its tensor-parallel shard).
+    pub fn namespace(&self) -> Namespace {
+        self.backend.geometry().namespace()
     }
 
     /// The copy backend's name.
