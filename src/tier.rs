@@ -875,12 +875,14 @@ impl Rank {
         if n > lease.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: lease.len() });
         }
-        if lease.is_settled() {
-            return Err(TierError::LeaseSettled);
-        }
         if n == 0 {
+            // Nothing to copy (an empty lease is settled from birth): a no-op that still uses up
+            // one restore of a non-empty lease.
             lease.consume();
             return Ok(CopyHandle::ready());
+        }
+        if lease.is_settled() {
+            return Err(TierError::LeaseSettled);
         }
         let core = &self.core;
         let guards =
