@@ -116,6 +116,19 @@ pub enum PoolError {
         /// One slot in bytes.
         slot_bytes: u64,
     },
+    /// The slot size is zero or not a multiple of 16 B (the copy kernels move 16 B per access;
+    /// [`crate::Geometry::slot_bytes`] is always a multiple of 256 B).
+    #[error("slot size {slot_bytes} B is zero or not a multiple of 16 B")]
+    BadSlotSize {
+        /// The slot size given, in bytes.
+        slot_bytes: u64,
+    },
+    /// The NUMA node asked for does not exist (or has no memory) on this machine.
+    #[error("NUMA node {node} does not exist or has no memory (see /sys/devices/system/node/)")]
+    NoSuchNumaNode {
+        /// Node number given.
+        node: u32,
+    },
     /// More slots than a slot id can name.
     #[error("pool would hold {slots} slots; at most {max} are supported")]
     TooManySlots {

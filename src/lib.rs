@@ -23,7 +23,7 @@ pub mod sync;
 pub mod tier;
 pub mod trace;
 
-pub use copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
+pub use copy::{Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
 pub use error::{CopyError, Error, GeometryError, PoolError, TierError, TraceError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
