@@ -278,6 +278,12 @@ pub enum TierError {
     /// The tier is shutting down.
     #[error("tier is shutting down and accepts no new work")]
     ShuttingDown,
+    /// Copies were still in flight when a drain's deadline passed (nothing was freed under them).
+    #[error("{in_flight} copy batches still in flight at the drain deadline")]
+    DrainTimeout {
+        /// Batches in flight.
+        in_flight: u64,
+    },
     /// A pin count would overflow its field in the slot word.
     #[error("slot {slot} has too many pins")]
     TooManyPins {

@@ -6,9 +6,11 @@
 //! which for a tier rank is the rank's completion thread, so `save`/`restore` return at once as
 //! they do on a GPU.
 
-use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, WaitFor};
+use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
 use crate::error::{CopyError, Error, GeometryError};
 use crate::geometry::{ArenaBinding, Geometry, Placement};
+use crate::key::ContentKey;
+use crate::pattern;
 use crate::pool::{HostPool, PoolRegion};
 use memmap2::MmapMut;
 use std::sync::Arc;
@@ -109,6 +111,54 @@ impl HostArenas {
 unsafe impl Send for HostArenas {}
 // SAFETY: as above; &HostArenas methods only compute addresses.
 unsafe impl Sync for HostArenas {}
+
+impl HostArenas {
+    fn check(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+        if pages.len() != keys.len() {
+            return Err(Error::Config(format!("{} pages but {} keys", pages.len(), keys.len())));
+        }
+        if let Some(p) = pages.iter().find(|&&p| p >= self.geometry.pages()) {
+            return Err(Error::Copy(CopyError::PageOutOfRange { page: *p, pages: self.geometry.pages() }));
+        }
+        Ok(())
+    }
+}
+
+/// Host arenas as the engine side of a replay. Callers must not fill or verify pages that a copy is
+/// using (the replay only touches pages it owns).
+impl EngineArenas for Arc<HostArenas> {
+    fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+    fn fill(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+        self.check(pages, keys)?;
+        for (&p, k) in pages.iter().zip(keys) {
+            for a in 0..self.geometry.arenas().len() {
+                // SAFETY: the caller owns page p (no copy or other reference uses it meanwhile).
+                pattern::fill(k, a, unsafe { self.chunk_mut(a, p) });
+            }
+        }
+        Ok(())
+    }
+    fn verify(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+        self.check(pages, keys)?;
+        for (&p, k) in pages.iter().zip(keys) {
+            for (a, spec) in self.geometry.arenas().iter().enumerate() {
+                // SAFETY: the caller owns page p; nothing writes it while we read.
+                if let Some(off) = pattern::first_mismatch(k, a, unsafe { self.chunk(a, p) }) {
+                    return Err(Error::Verification(format!(
+                        "GPU page {p}, arena `{}`, byte {off}: bytes differ from those of key {k}",
+                        spec.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+    fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
+        Ok(Box::new(HostBackend::new(self.clone())))
+    }
+}
 
 /// The host backend for one "rank".
 pub struct HostBackend {

@@ -15,6 +15,7 @@
 //! contents. A completion can expose a CUDA event ([`Completion::cuda_event`]) that the engine's
 //! compute stream waits on before it reads restored pages.
 
+pub mod fault;
 pub mod host;
 
 use crate::error::CopyError;
@@ -159,4 +160,30 @@ impl Completion for Done {
     fn wait(&mut self) -> Result<(), CopyError> {
         self.0.clone().map_err(|m| CopyError::Device { call: "copy".into(), message: m })
     }
+}
+
+/// The engine side of a replay or test: one rank's GPU arenas that can be filled with the bytes
+/// derived from content keys ([`crate::pattern`]), checked against them, and copied by a backend.
+/// Implemented by [`host::HostArenas`] (host memory) and, with feature `cuda`, by the CUDA arenas
+/// (device memory, fill and verify kernels).
+pub trait EngineArenas: Send + Sync {
+    /// The geometry the arenas follow.
+    fn geometry(&self) -> &Geometry;
+    /// "Prefill": writes the pattern of `keys[i]` into every arena of GPU page `pages[i]`.
+    /// Returns after the bytes are in place (a copy started afterwards sees them).
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] if the lengths differ or a page is out of range; device errors.
+    fn fill(&self, pages: &[u64], keys: &[crate::ContentKey]) -> Result<(), crate::Error>;
+    /// Checks that every arena of GPU page `pages[i]` holds the pattern of `keys[i]`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Verification`] naming the first mismatching page, arena and byte offset;
+    /// [`crate::Error::Config`] for bad input; device errors.
+    fn verify(&self, pages: &[u64], keys: &[crate::ContentKey]) -> Result<(), crate::Error>;
+    /// A new copy backend over these arenas, to attach to a tier as one rank.
+    ///
+    /// # Errors
+    /// Backend construction errors (device, registration).
+    fn backend(&self) -> Result<Box<dyn CopyBackend>, crate::Error>;
 }
