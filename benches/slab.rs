@@ -54,26 +54,29 @@ impl SlotAlloc for MutexList {
     }
 }
 
-/// `threads` threads each run `iters` alloc+free pairs; the time from the common start to the last
-/// finisher.
+/// `threads` threads each run `iters` alloc+free pairs after a common barrier; the time from the
+/// first thread's start to the last thread's finish (each thread reads its own clock, so a slow
+/// main thread cannot shorten it).
 fn contended<A: SlotAlloc>(a: &A, threads: usize, iters: u64) -> Duration {
-    let start = Barrier::new(threads + 1);
+    let start = Barrier::new(threads);
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
                 let start = &start;
                 s.spawn(move || {
                     start.wait();
+                    let t0 = Instant::now();
                     for _ in 0..iters {
                         a.pair();
                     }
-                    Instant::now()
+                    (t0, Instant::now())
                 })
             })
             .collect();
-        start.wait();
-        let t0 = Instant::now();
-        hs.into_iter().map(|h| h.join().unwrap()).max().unwrap() - t0
+        let spans: Vec<(Instant, Instant)> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let first = spans.iter().map(|s| s.0).min().unwrap();
+        let last = spans.iter().map(|s| s.1).max().unwrap();
+        last - first
     })
 }
 

@@ -4,18 +4,25 @@
 //! Run (see docs and facts.md section 5):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2 \
 //!  CARGO_TARGET_DIR=/work/target-loom cargo test --release --features loom --test loom_freelist`
-//! With `--features loom,seeded-bug-freelist-aba` (no tag increment) `aba_two_threads_one_shard` fails.
+//! With `--features loom,seeded-bug-freelist-aba` (no tag increment) both models fail: two owners
+//! touch one slot's bytes (a loom causality violation) or an id is handed out twice. A push CAS
+//! weakened from Release to Relaxed fails the same way (checked by hand).
 #![cfg(loom)]
 
 use kvtier::freelist::FreeList;
+use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-/// The list plus one "owned" flag per id, set by whoever popped it.
+/// The list plus one "owned" flag per id, set by whoever popped it, and one plain (non-atomic) cell
+/// per id standing for the slot's bytes: its owner writes it after the pop and reads it before the
+/// push, so loom reports a data race if a push -> pop handover lacked a happens-before edge (the
+/// Release push / Acquire pop orderings).
 struct Model {
     list: FreeList,
     owned: Vec<AtomicBool>,
+    bytes: Vec<UnsafeCell<u32>>,
 }
 
 impl Model {
@@ -23,14 +30,19 @@ impl Model {
         Arc::new(Model {
             list: FreeList::with_shards(n, shards),
             owned: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            bytes: (0..n).map(|_| UnsafeCell::new(0)).collect(),
         })
     }
     fn pop(&self, hint: usize) -> Option<u32> {
         let id = self.list.pop_near(hint)?;
         assert!(!self.owned[id as usize].swap(true, Ordering::Relaxed), "id {id} handed to two owners (ABA)");
+        // SAFETY: the pop made this thread the id's only owner (checked above).
+        self.bytes[id as usize].with_mut(|b| unsafe { *b = *b + 1 + hint as u32 });
         Some(id)
     }
     fn push(&self, hint: usize, id: u32) {
+        // SAFETY: this thread still owns the id.
+        let _ = self.bytes[id as usize].with(|b| unsafe { *b });
         self.owned[id as usize].store(false, Ordering::Relaxed);
         self.list.push_near(hint, id);
     }

@@ -446,8 +446,9 @@ impl HostPool {
         self.slot_bytes
     }
 
-    /// Bytes mapped: `capacity * slot_bytes` rounded up to the backing page size (2 MiB for hugetlb
-    /// and THP, the base page size for plain pages).
+    /// Bytes mapped: `capacity * slot_bytes` rounded up to 2 MiB when hugetlb or THP was asked for
+    /// (also when THP then turned out unavailable and [`HostPool::backing`] says `Plain`), else to
+    /// the base page size (4 KiB).
     #[inline]
     pub fn mapped_bytes(&self) -> u64 {
         self.map.len as u64
