@@ -176,6 +176,21 @@ fn gauge(c: &AtomicU64) -> u64 {
     (c.load(Ordering::Relaxed) as i64).max(0) as u64
 }
 
+/// Slot counts by state, from [`Core::audit`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AuditReport {
+    /// `FREE` slots.
+    pub free: usize,
+    /// `WRITING` slots.
+    pub writing: usize,
+    /// `READY` slots.
+    pub ready: usize,
+    /// `EVICTING` slots (0 when quiescent).
+    pub evicting: usize,
+    /// Slots with at least one pin.
+    pub pinned: usize,
+}
+
 /// The shared state behind a [`HostTier`]: pool, index, policy, per-slot keys and counters.
 pub struct Core {
     geometry: Geometry,
@@ -405,6 +420,67 @@ impl Core {
         Lease::new(core, blocks, pins, uses)
     }
 
+    /// Checks the tier's structural invariants; meant for quiescent moments (tests, fuzzing,
+    /// debugging), it reads every slot word and walks the index keys it is given.
+    ///
+    /// Checked: every key in `resident_keys` that the index holds maps to a distinct slot (no slot
+    /// owned twice) whose word has the entry's generation and is `READY` or `WRITING`; the number of
+    /// `READY` + `WRITING` slots equals the index's entry count; pinned slots are all `READY`; the
+    /// free-list count equals the number of `FREE` slots.
+    ///
+    /// # Errors
+    /// A description of the first violated invariant.
+    pub fn audit(&self, resident_keys: &[ContentKey]) -> Result<AuditReport, String> {
+        use bitvec::prelude::*;
+        let cap = self.pool.capacity() as usize;
+        let mut owned: BitVec = bitvec![0; cap];
+        let mut rep = AuditReport::default();
+        for k in resident_keys {
+            let Some(r) = self.index.get(k) else { continue };
+            if owned.replace(r.slot.index(), true) {
+                return Err(format!("slot {} is named by two index entries", r.slot.0));
+            }
+            let w = self.control().load(r.slot);
+            if w.generation() != r.generation || !matches!(w.state(), SlotState::Ready | SlotState::Writing) {
+                return Err(format!("key {k} maps to slot {} gen {} but the slot is {w:?}", r.slot.0, r.generation));
+            }
+            if self.slot_key(r.slot) != *k {
+                return Err(format!(
+                    "slot {} holds key {} but the index maps {k} to it",
+                    r.slot.0,
+                    self.slot_key(r.slot)
+                ));
+            }
+        }
+        for s in 0..cap as u32 {
+            let w = self.control().load(SlotId(s));
+            match w.state() {
+                SlotState::Free => rep.free += 1,
+                SlotState::Writing => rep.writing += 1,
+                SlotState::Ready => rep.ready += 1,
+                SlotState::Evicting => rep.evicting += 1,
+            }
+            if w.pins() > 0 {
+                rep.pinned += 1;
+                if w.state() != SlotState::Ready {
+                    return Err(format!("slot {s} is pinned but {w:?}"));
+                }
+            }
+        }
+        if rep.ready + rep.writing != self.index.len() {
+            return Err(format!(
+                "{} ready + {} writing slots but {} index entries",
+                rep.ready,
+                rep.writing,
+                self.index.len()
+            ));
+        }
+        if rep.free != self.pool.free_count() {
+            return Err(format!("{} free slots but the free list holds {}", rep.free, self.pool.free_count()));
+        }
+        Ok(rep)
+    }
+
     fn stats(&self) -> TierStats {
         let c = &self.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -459,8 +535,12 @@ impl HostTier {
         if self.core.shutting_down.load(Ordering::Acquire) {
             return Err(TierError::ShuttingDown);
         }
-        if backend.geometry().namespace() != self.core.geometry.namespace()
-            || backend.geometry().slot_bytes() != self.core.geometry.slot_bytes()
+        // Same slot layout required; the tensor-parallel shard may differ (its keys differ anyway).
+        let (bg, tg) = (backend.geometry(), &self.core.geometry);
+        if bg.model() != tg.model()
+            || bg.page_tokens() != tg.page_tokens()
+            || bg.slot_bytes() != tg.slot_bytes()
+            || bg.chunk_offsets() != tg.chunk_offsets()
         {
             return Err(TierError::Copy(CopyError::Mismatch(format!(
                 "backend geometry `{}` does not match the tier's `{}`",
@@ -637,6 +717,11 @@ impl Rank {
     /// This rank's id (attach order, from 0).
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// The namespace of this rank's keys (its geometry's, which includes its tensor-parallel shard).
+    pub fn namespace(&self) -> Namespace {
+        self.backend.geometry().namespace()
     }
 
     /// The copy backend's name.
@@ -822,12 +907,14 @@ impl Rank {
         if n > lease.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: lease.len() });
         }
-        if lease.is_settled() {
-            return Err(TierError::LeaseSettled);
-        }
         if n == 0 {
+            // Nothing to copy (an empty lease is settled from birth): a no-op that still uses up
+            // one restore of a non-empty lease.
             lease.consume();
             return Ok(CopyHandle::ready());
+        }
+        if lease.is_settled() {
+            return Err(TierError::LeaseSettled);
         }
         let core = &self.core;
         let guards =

@@ -222,10 +222,7 @@ fn bad_input_gets_typed_errors_and_loses_nothing() {
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
     save_filled(&rank, &a, &k[0..1], &[0]);
-    assert!(matches!(
-        rank.save(&k, &[1], WaitFor::Nothing),
-        Err(TierError::LengthMismatch { keys: 2, pages: 1 })
-    ));
+    assert!(matches!(rank.save(&k, &[1], WaitFor::Nothing), Err(TierError::LengthMismatch { keys: 2, pages: 1 })));
     assert!(matches!(
         rank.save(&k[1..2], &[64], WaitFor::Nothing),
         Err(TierError::Copy(kvtier::CopyError::PageOutOfRange { page: 64, pages: 64 }))
@@ -320,4 +317,18 @@ fn shutdown_drains_or_reports_in_flight_copies() {
     let b = arenas();
     assert!(matches!(tier.attach(b.backend().unwrap()), Err(TierError::ShuttingDown)));
     assert_eq!(tier.query(&k).len(), 1, "queries still answer after shutdown");
+}
+
+#[test]
+fn audit_sees_a_consistent_tier_after_churn() {
+    let tier = tier(4, PolicyKind::Clock);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..12);
+    for c in k.chunks(3) {
+        save_filled(&rank, &a, c, &[0, 1, 2]);
+    }
+    let lease = tier.query(&k[9..11]);
+    let rep = tier.core().audit(&k).unwrap();
+    assert_eq!((rep.ready, rep.free, rep.writing, rep.pinned), (4, 0, 0, lease.len()));
 }
