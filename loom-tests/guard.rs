@@ -19,6 +19,10 @@ use loom::thread;
 
 /// The restore takes its guard pins, then its lease is dropped (settles) while the "copy" reads the
 /// slot; an evictor races both. The slot keeps its block until the guard drops.
+///
+/// The restore runs on the main thread and the evictor is spawned: loom's DPOR tracks only the last
+/// access to an atomic, so the racing writes (pin, lease unpin, guard unpin) must come first in the
+/// initial schedule for the evictor's later loads to be raced against each of them.
 #[test]
 fn lease_dropped_during_copy_keeps_slot() {
     loom::model(|| {
@@ -28,21 +32,19 @@ fn lease_dropped_during_copy_keeps_slot() {
         let lease = Core::query(&core, &[k], 1);
         let in_flight = Arc::new(AtomicBool::new(false));
         let (c, f) = (core.clone(), in_flight.clone());
-        let restore = thread::spawn(move || {
-            let r = lease.blocks()[0].slot;
-            let guards = SlotPins::take(&c, [r]).expect("the leased block is pinned");
-            f.store(true, Ordering::SeqCst);
-            drop(lease); // the engine drops its lease while the copy runs
-            assert_holds(&c, r, "slot under an in-flight copy");
-            thread::yield_now();
-            assert_holds(&c, r, "slot under an in-flight copy");
-            f.store(false, Ordering::SeqCst);
-            drop(guards);
+        let evictor = thread::spawn(move || {
+            if evict_one(&c).is_some() {
+                assert!(!f.load(Ordering::SeqCst), "evicted a slot under an in-flight copy");
+            }
         });
-        if evict_one(&core).is_some() {
-            assert!(!in_flight.load(Ordering::SeqCst), "evicted a slot under an in-flight copy");
-        }
-        restore.join().unwrap();
+        let r = lease.blocks()[0].slot;
+        let guards = SlotPins::take(&core, [r]).expect("the leased block is pinned");
+        in_flight.store(true, Ordering::SeqCst);
+        drop(lease); // the engine drops its lease while the copy runs
+        assert_holds(&core, r, "slot under an in-flight copy");
+        in_flight.store(false, Ordering::SeqCst);
+        drop(guards);
+        evictor.join().unwrap();
         assert_quiescent(&core, &[k]);
     });
 }

@@ -43,6 +43,16 @@ proptest! {
 mod regressions {
     use super::*;
 
+    /// Found by the property after main made zero-page restores a no-op (model was stale): a
+    /// zero-page restore from a settled (zero-use) lease succeeds and changes nothing.
+    #[test]
+    fn zero_page_restore_of_a_settled_lease_is_a_no_op() {
+        Machine::run(
+            1,
+            &[Op::Query { start: 0, len: 1, uses: 0 }, Op::Restore { lease: 0, n: 0, gated: false }],
+        );
+    }
+
     #[test]
     fn lease_dropped_while_its_restore_is_in_flight() {
         Machine::run(

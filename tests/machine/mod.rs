@@ -572,6 +572,16 @@ impl Machine {
                 matches!(got, Err(TierError::LeaseTooShort { asked, held: h }) if asked == n && h == held),
                 "restore of {n} from a {held}-block lease: {got:?}"
             );
+        } else if n == 0 {
+            // Nothing to copy: a no-op that uses up one restore of an unsettled lease.
+            let h = got.unwrap_or_else(|e| panic!("restore of 0 blocks: {e}"));
+            assert!(h.is_done());
+            if !ml.settled {
+                ml.uses -= 1;
+                if ml.uses == 0 {
+                    self.model.settle(&mut ml);
+                }
+            }
         } else if ml.settled {
             assert!(matches!(got, Err(TierError::LeaseSettled)), "restore from a settled lease: {got:?}");
         } else {
@@ -584,9 +594,7 @@ impl Machine {
             if ml.uses == 0 {
                 self.model.settle(&mut ml);
             }
-            if n == 0 {
-                assert!(h.is_done());
-            } else if gated {
+            if gated {
                 self.restore_handles.push_back((h, keys.clone()));
                 self.model.pending_restores.push_back(keys);
             } else {
@@ -705,6 +713,13 @@ impl Machine {
             assert_eq!(l.uses_left(), if ml.settled { 0 } else { ml.uses }, "lease on keys {:?}: uses", ml.keys);
         }
         assert_eq!(self.tier.stats(), m.expected_stats(), "stats after step {}", self.steps);
+        // The tier's own audit agrees (it also checks each slot's recorded key).
+        let audit = core.audit(&self.keys).unwrap_or_else(|e| panic!("audit after step {}: {e}", self.steps));
+        assert_eq!(
+            (audit.free, audit.writing, audit.ready, audit.evicting, audit.pinned),
+            (m.free(), m.writing.len(), m.ready.len(), 0, m.pinned()),
+            "audit"
+        );
     }
 
     fn check_bytes(&self, k: u8, slot: SlotId) {
