@@ -9,9 +9,9 @@
 mod common;
 
 use common::*;
-use kvtier::tier::Core;
 use kvtier::guard::SlotPins;
 use kvtier::slot::SlotState;
+use kvtier::tier::Core;
 use loom::thread;
 
 /// One thread looks the key up and then queries it (lookup + pin) while the main thread evicts. A

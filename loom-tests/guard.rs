@@ -10,8 +10,8 @@
 mod common;
 
 use common::*;
-use kvtier::tier::Core;
 use kvtier::guard::SlotPins;
+use kvtier::tier::Core;
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;

@@ -11,9 +11,9 @@
 mod common;
 
 use common::*;
-use kvtier::tier::Core;
 use kvtier::guard::SlotPins;
 use kvtier::sync::Arc;
+use kvtier::tier::Core;
 use loom::thread;
 
 /// A query pins the ready block; an evictor racing it either evicts first (the query then finds

@@ -226,7 +226,9 @@ impl SlotControl {
             if !gen_ok {
                 why = PinError::Stale;
                 None
-            } else if w.state() != SlotState::Ready && !(cfg!(feature = "seeded-bug-pin-writing") && w.state() == SlotState::Writing) {
+            } else if w.state() != SlotState::Ready
+                && !(cfg!(feature = "seeded-bug-pin-writing") && w.state() == SlotState::Writing)
+            {
                 // (Seeded bug, model checking only: `seeded-bug-pin-writing` lets a query pin a slot
                 // whose save has not committed.)
                 why = PinError::NotReady;

@@ -47,10 +47,7 @@ mod regressions {
     /// zero-page restore from a settled (zero-use) lease succeeds and changes nothing.
     #[test]
     fn zero_page_restore_of_a_settled_lease_is_a_no_op() {
-        Machine::run(
-            1,
-            &[Op::Query { start: 0, len: 1, uses: 0 }, Op::Restore { lease: 0, n: 0, gated: false }],
-        );
+        Machine::run(1, &[Op::Query { start: 0, len: 1, uses: 0 }, Op::Restore { lease: 0, n: 0, gated: false }]);
     }
 
     #[test]
@@ -162,7 +159,9 @@ fn stamped(pool: &HostPool, s: SlotId) -> bool {
     let sb = pool.slot_bytes() as usize;
     let p = pool.slot_ptr(s);
     // SAFETY: as in `stamp`; reads only.
-    unsafe { p.cast::<u64>().read_unaligned() == s.0 as u64 && p.add(sb - 8).cast::<u64>().read_unaligned() == !(s.0 as u64) }
+    unsafe {
+        p.cast::<u64>().read_unaligned() == s.0 as u64 && p.add(sb - 8).cast::<u64>().read_unaligned() == !(s.0 as u64)
+    }
 }
 
 proptest! {
@@ -297,7 +296,8 @@ fn valid(model: &str, page_tokens: u32, arenas: &[RawArena]) -> bool {
         if end > 1u128 << 62 {
             return false;
         }
-        if a.fused.is_some() && (offset % COPY_ALIGN != 0 || offset as u128 + a.bytes_per_page as u128 > a.page_stride as u128)
+        if a.fused.is_some()
+            && (offset % COPY_ALIGN != 0 || offset as u128 + a.bytes_per_page as u128 > a.page_stride as u128)
         {
             return false;
         }

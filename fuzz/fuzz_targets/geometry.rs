@@ -33,7 +33,14 @@ fuzz_target!(|data: &[u8]| {
     let model = if inp.u8() % 8 == 0 { "" } else { "m" };
     let mut arenas = Vec::new();
     for i in 0..n {
-        let name = if inp.u8() % 16 == 0 { String::new() } else { { let _ = i; format!("a{}", inp.u8() % 8) } };
+        let name = if inp.u8() % 16 == 0 {
+            String::new()
+        } else {
+            {
+                let _ = i;
+                format!("a{}", inp.u8() % 8)
+            }
+        };
         let bytes_per_page = inp.u64();
         let page_stride = if inp.u8() % 2 == 0 { bytes_per_page } else { inp.u64() };
         let pages = inp.u64();

@@ -459,7 +459,10 @@ impl Machine {
         let got = rank.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions { fit });
         let want = self.predict_save(&ks, fit);
         match (got, want) {
-            (Err(TierError::CannotFit { needed, available, capacity }), SaveOutcome::Refused { needed: n, available: a }) => {
+            (
+                Err(TierError::CannotFit { needed, available, capacity }),
+                SaveOutcome::Refused { needed: n, available: a },
+            ) => {
                 assert_eq!((needed, available, capacity), (n, a, self.model.capacity), "CannotFit fields");
             }
             (Ok(t), SaveOutcome::Saved { saving, resident, in_flight, dropped }) => {
