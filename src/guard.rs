@@ -27,6 +27,7 @@ impl SlotPins {
     /// Model-test hook (a restore's guard; the loom models take it directly); not a stable API.
     #[doc(hidden)]
     pub fn take(core: &Arc<Core>, refs: impl IntoIterator<Item = SlotRef>) -> Result<Self, (usize, PinError)> {
+        #[cfg_attr(feature = "seeded-bug-guard-borrows-lease-pin", allow(unused_mut))]
         let mut pins = SlotPins { core: core.clone(), slots: Vec::new() };
         for (i, r) in refs.into_iter().enumerate() {
             // Seeded bug (model checking only): the guard "borrows" the lease's pin instead of taking
