@@ -1,9 +1,32 @@
 #!/usr/bin/env bash
-# Runs (debug build: the tier's debug_asserts stay on) the property-test suite (tier state machine vs reference model, slab, geometry) with
-# PROPTEST_CASES cases per property (default 10000) and the kept regression sequences.
-# Usage: ci/proptest.sh [CASES]
+# Property tests: the tier state machine against its reference model, the slab, the geometry
+# validator, plus the kept regression sequences (tests/state_machine.rs). Debug build, so the tier's
+# debug_asserts stay on.
+#
+# Usage: ci/proptest.sh [CASES]      run with CASES cases per property (default 10000)
+#        ci/proptest.sh bites [CASES] show the state machine catches the seeded bugs reachable
+#                                    without concurrency (each must make it fail; default 2000 cases)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ ${1:-} == bites ]]; then
+    export PROPTEST_CASES=${2:-2000} RUST_BACKTRACE=0 PROPTEST_DISABLE_FAILURE_PERSISTENCE=1
+    fail=0
+    for feature in seeded-bug-pin-writing seeded-bug-guard-borrows-lease-pin seeded-bug-lease-first-consume-settles; do
+        cargo test -q --test state_machine --features "$feature" --no-run 2>/dev/null
+        log=$(mktemp)
+        if cargo test -q --test state_machine --features "$feature" tier_matches_reference_model >"$log" 2>&1; then
+            echo "FAIL: seeded bug $feature did NOT make the state machine fail"
+            fail=1
+        else
+            msg=$(grep -m1 "^Test failed:" "$log" | cut -c1-160)
+            ops=$(sed -n '/^minimal failing input/,/^\]/p' "$log" | tr -s ' \n' ' ' | cut -c1-400)
+            echo "bites: $feature: $msg"
+            echo "       $ops"
+        fi
+        rm -f "$log"
+    done
+    exit $fail
+fi
 export PROPTEST_CASES=${1:-${PROPTEST_CASES:-10000}}
 start=$(date +%s)
 cargo test --test state_machine -- --test-threads=2
