@@ -205,15 +205,16 @@ mod imp {
         let block = s.g.block_bytes();
         let kvt: Vec<(u32, CudaBackend)> = [1u32, 2, 4, 8, 16]
             .into_iter()
-            .map(|ctas| (ctas, s.backend(CudaOptions { save_ctas: ctas, restore_ctas: ctas, ..Default::default() })))
+            .map(|ctas| {
+                let o =
+                    CudaOptions { save_ctas: ctas, restore_ctas: ctas, mode: CopyMode::ZeroCopy, ..Default::default() };
+                (ctas, s.backend(o))
+            })
             .collect();
-        let restore_u4 = s.backend(CudaOptions { restore_unroll: 4, ..Default::default() });
-        let save_u8 = s.backend(CudaOptions { save_unroll: 8, ..Default::default() });
-        let staged = s.backend(CudaOptions {
-            mode: CopyMode::Staged,
-            staging_bytes: MAX_BLOCKS as u64 * s.g.slot_bytes(),
-            ..Default::default()
-        });
+        let zc = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
+        let restore_u4 = s.backend(CudaOptions { restore_unroll: 4, ..zc });
+        let save_u8 = s.backend(CudaOptions { save_unroll: 8, ..zc });
+        let staged = s.backend(CudaOptions { mode: CopyMode::Staged, ..Default::default() });
         println!("device: {}", kvt[0].1.device_description());
         for dir in [Direction::Save, Direction::Restore] {
             let name = if dir == Direction::Save { "save" } else { "restore" };
@@ -249,8 +250,8 @@ mod imp {
             }
             group.finish();
         }
-        both_ways(&mut c, &s, &kvt, &timer);
-        interference(&s, &kvt);
+        both_ways(&mut c, &s, &kvt, &staged, &timer);
+        interference(&s, &kvt, &staged);
         drop(kvt);
         drop(staged);
         drop(restore_u4);
@@ -259,7 +260,7 @@ mod imp {
     }
 
     /// Save n blocks and restore n other blocks at once (separate slots and pages).
-    fn both_ways(c: &mut Criterion, s: &Setup, kvt: &[(u32, CudaBackend)], timer: &Timer) {
+    fn both_ways(c: &mut Criterion, s: &Setup, kvt: &[(u32, CudaBackend)], staged: &CudaBackend, timer: &Timer) {
         let mut group = c.benchmark_group("glm52_save_and_restore");
         let block = s.g.block_bytes();
         for n in [43usize, 128] {
@@ -268,8 +269,9 @@ mod imp {
                 .map(|i| CopyPair::new((512 + i * 3) as u64 % s.g.pages(), (MAX_BLOCKS - 1 - i) as u32))
                 .collect();
             group.throughput(Throughput::Bytes(2 * n as u64 * block));
-            for (ctas, b) in kvt.iter().filter(|(c, _)| *c <= 8) {
-                group.bench_function(BenchmarkId::new(format!("kvtier_{ctas}cta"), n), |bch| {
+            let runs = kvt.iter().filter(|(c, _)| *c <= 8).map(|(c, b)| (format!("kvtier_{c}cta"), b));
+            for (id, b) in runs.chain([("staged".to_string(), staged)]) {
+                group.bench_function(BenchmarkId::new(id, n), |bch| {
                     bch.iter_custom(|iters| {
                         (0..iters)
                             .map(|_| {
@@ -305,7 +307,7 @@ mod imp {
 
     /// A compute-bound probe kernel alone, then while restores of 43 blocks run back to back on the
     /// backend; prints the probe's slowdown and the restores' GB/s during it.
-    fn interference(s: &Setup, kvt: &[(u32, CudaBackend)]) {
+    fn interference(s: &Setup, kvt: &[(u32, CudaBackend)], staged: &CudaBackend) {
         let sms = kvtier::cuda::raw::bind_device(0).unwrap();
         let mut probe_stream: sys::CUstream = std::ptr::null_mut();
         let mut out = 0u64;
@@ -332,11 +334,12 @@ mod imp {
             sms,
             sms * 4
         );
-        println!("| restore CTAs | probe with restores (ms) | probe slowdown | restore GB/s meanwhile |");
+        println!("| restores | probe with restores (ms) | probe slowdown | restore GB/s meanwhile |");
         println!("|---|---|---|---|");
         let batch = s.batch(43);
         let bytes = 43.0 * s.g.block_bytes() as f64;
-        for (ctas, b) in kvt.iter().filter(|(c, _)| [2, 4, 8].contains(c)) {
+        let runs = kvt.iter().filter(|(c, _)| [2, 4, 8].contains(c)).map(|(c, b)| (format!("zero-copy {c} CTAs"), b));
+        for (ctas, b) in runs.chain([("staged".to_string(), staged)]) {
             let rs = b.stream(Direction::Restore);
             let restored = 12usize;
             let mut pending = Vec::new();

@@ -124,8 +124,10 @@ fn parity(preset: &str, pages: u64) {
     let g = Geometry::preset(preset, pages).unwrap();
     for (i, n) in [1usize, 8, 64, 256].into_iter().enumerate() {
         round_trip(&g, n, CudaOptions::default(), 11 + i as u64);
-        let staged = CudaOptions { mode: CopyMode::Staged, staging_bytes: 5 * g.slot_bytes(), ..Default::default() };
+        let staged = CudaOptions { mode: CopyMode::Staged, staged_piece_blocks: 3, ..Default::default() };
         round_trip(&g, n, staged, 101 + i as u64);
+        let zero = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
+        round_trip(&g, n, zero, 201 + i as u64);
     }
 }
 

@@ -29,9 +29,14 @@ pub enum CopyMode {
     #[default]
     ZeroCopy,
     /// The kernel gathers into (scatters from) an HBM staging buffer and the copy engine moves it
-    /// with one `cuMemcpyAsync` per run of consecutive host slots. Frees SMs; needs
-    /// [`CudaOptions::staging_bytes`] of HBM per direction.
+    /// with one `cuMemcpyAsync` per run of consecutive host slots, pipelined in pieces of at most
+    /// [`CudaOptions::staged_piece_blocks`] blocks over two halves of the buffer (the kernel of
+    /// piece k+1 runs while the copy engine moves piece k). Holds SMs only for the short HBM
+    /// kernels; needs `2 * staged_piece_blocks` slots of HBM per direction.
     Staged,
+    /// Zero copy for batches of fewer than [`CudaOptions::auto_staged_min_blocks`] blocks, staged
+    /// from there on.
+    Auto,
 }
 
 /// Tuning of a [`CudaBackend`]. Defaults chosen by measurement on an H200 (see `docs/benchmarks.md`).
@@ -47,9 +52,12 @@ pub struct CudaOptions {
     pub restore_unroll: u32,
     /// Zero copy or staged.
     pub mode: CopyMode,
-    /// Staged mode: bytes of the HBM staging buffer of each direction (rounded to whole slots, at
-    /// least one). A larger batch is moved in pieces. Default 256 MiB.
-    pub staging_bytes: u64,
+    /// Staged mode: largest piece of the pipeline, in blocks (the staging buffer of each direction
+    /// holds two pieces). A batch of n blocks uses pieces of `clamp(ceil(n / 4), 1, this)` blocks.
+    /// Default 8 (2 x 27.6 MB of HBM per direction for GLM-5.2).
+    pub staged_piece_blocks: u32,
+    /// Auto mode: batches of at least this many blocks are staged. Default 2.
+    pub auto_staged_min_blocks: u32,
     /// Staged mode: CTAs of the HBM gather/scatter kernel. Default 16.
     pub staged_ctas: u32,
 }
@@ -62,7 +70,8 @@ impl Default for CudaOptions {
             save_unroll: 4,
             restore_unroll: 8,
             mode: CopyMode::ZeroCopy,
-            staging_bytes: 256 << 20,
+            staged_piece_blocks: 8,
+            auto_staged_min_blocks: 2,
             staged_ctas: 16,
         }
     }
@@ -142,10 +151,21 @@ struct DescBuf {
     dev: DeviceBuffer,
 }
 
+/// Staged-mode resources of one direction: the two-piece HBM buffer, the copy-engine stream and
+/// the events that hand pieces between it and the kernel stream.
+struct Staging {
+    buf: DeviceBuffer,
+    piece_slots: usize,
+    copy: Stream,
+    step: Event,
+    half_free: [Event; 2],
+    sync: Event,
+}
+
 /// One direction's submission state.
 struct Lane {
     stream: Stream,
-    submit: Mutex<Option<DeviceBuffer>>,
+    submit: Mutex<Option<Staging>>,
 }
 
 /// Shared state of a backend, kept alive by in-flight completions.
@@ -212,8 +232,12 @@ impl CudaBackend {
                 return Err(CopyError::Mismatch(format!("{what} must be 4 or 8, not {v}")));
             }
         }
-        if options.save_ctas == 0 || options.restore_ctas == 0 || options.staged_ctas == 0 {
-            return Err(CopyError::Mismatch("CTA counts must be at least 1".into()));
+        if options.save_ctas == 0
+            || options.restore_ctas == 0
+            || options.staged_ctas == 0
+            || options.staged_piece_blocks == 0
+        {
+            return Err(CopyError::Mismatch("CTA counts and staged_piece_blocks must be at least 1".into()));
         }
         let dev = Device::get(device)?;
         let segs = desc::segment_table(geometry)?;
@@ -382,8 +406,13 @@ impl CudaBackend {
         let o = &inner.options;
         let k = &inner.dev.kernels;
         let unroll_idx = |u: u32| if u == 8 { 1 } else { 0 };
-        let result = match o.mode {
-            CopyMode::ZeroCopy => {
+        let staged = match o.mode {
+            CopyMode::ZeroCopy => false,
+            CopyMode::Staged => true,
+            CopyMode::Auto => batch.len() >= o.auto_staged_min_blocks as usize,
+        };
+        let result = match staged {
+            false => {
                 let (f, ctas) = match dir {
                     Direction::Save => (k.save[unroll_idx(o.save_unroll)], o.save_ctas),
                     Direction::Restore => (k.restore[unroll_idx(o.restore_unroll)], o.restore_ctas),
@@ -394,7 +423,7 @@ impl CudaBackend {
                 // are the engine's (trait contract). Every id was validated above.
                 unsafe { launch(f, ctas, COPY_THREADS, stream, &args) }
             }
-            CopyMode::Staged => self.staged(&mut staging, &mut args, batch, pool, dir, stream),
+            true => self.staged(&mut staging, &args, batch, pool, dir, stream),
         };
         drop(staging);
         let result = result.and_then(|_| event.record(stream));
@@ -409,14 +438,16 @@ impl CudaBackend {
         Ok(Box::new(CudaCompletion { event, desc, inner: self.inner.clone(), done: false }))
     }
 
-    /// Staged mode: pieces of at most `staging / slot_bytes` pairs; per piece a gather into the
-    /// staging buffer (slot = batch index) then one copy per run of consecutive host slots (save),
-    /// or the copies then the scatter (restore). All on the lane's stream, so pieces reuse the buffer
-    /// in order.
+    /// Staged mode: pieces of `clamp(ceil(n / 4), 1, staged_piece_blocks)` pairs, alternating
+    /// between the two halves of the staging buffer. Save: kernel stream gathers piece k into half
+    /// k % 2 (after the copy of piece k - 2 out of that half), the copy stream then moves it to the
+    /// host slots. Restore: the copy stream fills half k % 2 (after the scatter of piece k - 2 read
+    /// it), then the kernel stream scatters it. The lane stream waits for the copy stream at the end,
+    /// so the completion event covers everything.
     fn staged(
         &self,
-        staging: &mut Option<DeviceBuffer>,
-        args: &mut KvtCopyArgs,
+        staging: &mut Option<Staging>,
+        args: &KvtCopyArgs,
         batch: &[CopyPair],
         pool: BoundPool,
         dir: Direction,
@@ -424,29 +455,44 @@ impl CudaBackend {
     ) -> Result<(), CopyError> {
         let inner = &self.inner;
         let sb = pool.slot_bytes;
-        let per = (inner.options.staging_bytes / sb).max(1) as usize;
+        let max_piece = inner.options.staged_piece_blocks as usize;
         if staging.is_none() {
-            *staging = Some(DeviceBuffer::new(&inner.dev, (per as u64 * sb) as usize)?);
+            let dev = &inner.dev;
+            *staging = Some(Staging {
+                buf: DeviceBuffer::new(dev, (2 * max_piece as u64 * sb) as usize)?,
+                piece_slots: max_piece,
+                copy: Stream::new(dev)?,
+                step: Event::new(dev)?,
+                half_free: [Event::new(dev)?, Event::new(dev)?],
+                sync: Event::new(dev)?,
+            });
         }
-        let st = staging.as_ref().expect("allocated").ptr;
+        let stg = staging.as_ref().expect("allocated");
+        let per = batch.len().div_ceil(4).clamp(1, max_piece);
         let k = &inner.dev.kernels;
         let f = match dir {
             Direction::Save => k.save[1],
             Direction::Restore => k.restore[1],
         };
-        let all_pairs = args.pairs;
-        let all_inline = args.inline_pairs;
+        let cs = stg.copy.raw;
+        // The copy stream starts after everything queued on the lane so far (this batch's WaitFor,
+        // earlier batches' use of the staging buffer).
+        stg.sync.record(stream)?;
+        // SAFETY: live stream and event.
+        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(cs, stg.sync.raw, 0) })?;
         for (pi, piece) in batch.chunks(per).enumerate() {
             let first = pi * per;
+            let half = pi % 2;
+            let st = stg.buf.ptr + (half * stg.piece_slots) as u64 * sb;
             let mut a = *args;
             a.host_base = st;
             a.flags = FLAG_SLOT_IS_INDEX;
             a.n_pairs = piece.len() as u64;
-            if all_pairs != 0 {
-                a.pairs = all_pairs + (first * std::mem::size_of::<KvtPair>()) as u64;
+            if args.pairs != 0 {
+                a.pairs = args.pairs + (first * std::mem::size_of::<KvtPair>()) as u64;
             } else {
                 a.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
-                a.inline_pairs[..piece.len()].copy_from_slice(&all_inline[first..first + piece.len()]);
+                a.inline_pairs[..piece.len()].copy_from_slice(&args.inline_pairs[first..first + piece.len()]);
             }
             let copies = || -> Result<(), CopyError> {
                 let mut j = 0;
@@ -459,25 +505,43 @@ impl CudaBackend {
                     let dev = st + j as u64 * sb;
                     let n = (e - j) as u64 * sb;
                     let (dst, src) = if dir == Direction::Save { (host, dev) } else { (dev, host) };
-                    // SAFETY: both ranges lie inside the staging buffer and the registered pool
-                    // (ids validated); ordered on the lane's stream with the kernels.
-                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, stream) })?;
+                    // SAFETY: both ranges lie inside the staging half and the registered pool (ids
+                    // validated); ordered with the kernels by the events around this call.
+                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, cs) })?;
                     j = e;
                 }
                 Ok(())
             };
-            if dir == Direction::Restore {
-                copies()?;
-            }
-            // SAFETY: as in the zero-copy launch; host_base is the staging buffer, which holds `per`
-            // slots, and FLAG_SLOT_IS_INDEX keeps every access below piece.len() slots.
-            unsafe { launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)? };
-            if dir == Direction::Save {
-                copies()?;
+            // SAFETY (all waits/records below): live streams and events of this lane; a wait takes
+            // the event's state at the call, so re-recording an event later is fine.
+            unsafe {
+                if dir == Direction::Save {
+                    if pi >= 2 {
+                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.half_free[half].raw, 0))?;
+                    }
+                    // SAFETY: as in the zero-copy launch; the staging half holds `per` slots and
+                    // FLAG_SLOT_IS_INDEX keeps every access below piece.len() slots.
+                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    stg.step.record(stream)?;
+                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.step.raw, 0))?;
+                    copies()?;
+                    stg.half_free[half].record(cs)?;
+                } else {
+                    if pi >= 2 {
+                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.half_free[half].raw, 0))?;
+                    }
+                    copies()?;
+                    stg.step.record(cs)?;
+                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.step.raw, 0))?;
+                    // SAFETY: as above.
+                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    stg.half_free[half].record(stream)?;
+                }
             }
         }
-        let _ = args;
-        Ok(())
+        stg.sync.record(cs)?;
+        // SAFETY: live stream and event.
+        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, stg.sync.raw, 0) })
     }
 }
 
