@@ -331,7 +331,8 @@ fn bad_batches_are_rejected_with_nothing_written() {
     let pages = [0u64, 1, 2, 31];
     arenas.fill(&pages, &ks).unwrap();
     pool.map.fill(0xab);
-    let bad: [(Vec<CopyPair>, fn(&CopyError) -> bool); 4] = [
+    type Case = (Vec<CopyPair>, fn(&CopyError) -> bool);
+    let bad: [Case; 4] = [
         (vec![CopyPair::new(0, 0), CopyPair::new(32, 1)], |e| {
             matches!(e, CopyError::PageOutOfRange { page: 32, pages: 32 })
         }),

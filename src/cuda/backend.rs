@@ -26,7 +26,6 @@ use std::sync::{Arc, Mutex};
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum CopyMode {
     /// The kernel reads/writes host slots directly through the pool's device alias.
-    #[default]
     ZeroCopy,
     /// The kernel gathers into (scatters from) an HBM staging buffer and the copy engine moves it
     /// with one `cuMemcpyAsync` per run of consecutive host slots, pipelined in pieces of at most
@@ -35,7 +34,9 @@ pub enum CopyMode {
     /// kernels; needs `2 * staged_piece_blocks` slots of HBM per direction.
     Staged,
     /// Zero copy for batches of fewer than [`CudaOptions::auto_staged_min_blocks`] blocks, staged
-    /// from there on.
+    /// from there on (the default: on the H200 staged reached 97-99% of a contiguous copy from 43
+    /// blocks, zero copy 92-95%; zero copy was faster for one block).
+    #[default]
     Auto,
 }
 
@@ -69,7 +70,7 @@ impl Default for CudaOptions {
             restore_ctas: 4,
             save_unroll: 4,
             restore_unroll: 8,
-            mode: CopyMode::ZeroCopy,
+            mode: CopyMode::Auto,
             staged_piece_blocks: 8,
             auto_staged_min_blocks: 2,
             staged_ctas: 16,
@@ -512,8 +513,8 @@ impl CudaBackend {
                 }
                 Ok(())
             };
-            // SAFETY (all waits/records below): live streams and events of this lane; a wait takes
-            // the event's state at the call, so re-recording an event later is fine.
+            // SAFETY: live streams and events of this lane (a wait takes the event's state at the
+            // call, so re-recording an event later is fine); the launches as noted below.
             unsafe {
                 if dir == Direction::Save {
                     if pi >= 2 {
