@@ -65,7 +65,9 @@ struct Args {
 enum Page {
     Free,
     /// Holds the block of `key_of[page]`, last used at `tick`.
-    Cached { tick: u64 },
+    Cached {
+        tick: u64,
+    },
     InUse,
 }
 
@@ -88,7 +90,8 @@ impl Hbm {
     /// Takes `n` pages: free ones first, then the least recently used cached pages with no save in
     /// flight. `None` if not enough can be had now.
     fn take(&mut self, n: usize) -> Option<Vec<u64>> {
-        let mut free: Vec<u64> = (0..self.pages.len() as u64).filter(|&p| self.pages[p as usize] == Page::Free).collect();
+        let mut free: Vec<u64> =
+            (0..self.pages.len() as u64).filter(|&p| self.pages[p as usize] == Page::Free).collect();
         if free.len() < n {
             let mut evictable: Vec<(u64, u64)> = (0..self.pages.len() as u64)
                 .filter_map(|p| match self.pages[p as usize] {
@@ -233,7 +236,9 @@ fn rank_loop(
             let mut pages = Vec::new();
             for k in &keys {
                 match st.cached.get(k).copied() {
-                    Some(p) if matches!(st.pages[p as usize], Page::Cached { .. }) && !pages.contains(&p) => pages.push(p),
+                    Some(p) if matches!(st.pages[p as usize], Page::Cached { .. }) && !pages.contains(&p) => {
+                        pages.push(p)
+                    }
                     _ => break,
                 }
             }

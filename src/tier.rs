@@ -356,25 +356,26 @@ impl Core {
         Ok(got)
     }
 
-    fn query(self: &Arc<Self>, keys: &[ContentKey], uses: u32) -> Lease {
-        let mut pins = SlotPins::empty(self);
+    fn query(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
+        let this = &**core;
+        let mut pins = SlotPins::empty(core);
         let mut blocks = Vec::new();
         {
-            let reader = self.index.reader();
+            let reader = this.index.reader();
             for k in keys {
                 let Some(r) = reader.get(k) else { break };
-                if self.pin(r.slot, r.generation).is_err() {
+                if this.pin(r.slot, r.generation).is_err() {
                     break;
                 }
                 pins.push_pinned(r.slot);
-                self.policy.on_hit(r.slot);
+                this.policy.on_hit(r.slot);
                 blocks.push(LeasedBlock { key: *k, slot: r });
             }
         }
-        add(&self.counters.queries, 1);
-        add(&self.counters.hit_blocks, blocks.len() as u64);
-        add(&self.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
-        Lease::new(self, blocks, pins, uses)
+        add(&this.counters.queries, 1);
+        add(&this.counters.hit_blocks, blocks.len() as u64);
+        add(&this.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
+        Lease::new(core, blocks, pins, uses)
     }
 
     /// Checks the tier's structural invariants; meant for quiescent moments (tests, fuzzing,
@@ -507,19 +508,19 @@ impl HostTier {
         }
         backend.bind_pool(&self.core.pool)?;
         let id = self.core.next_rank.fetch_add(1, Ordering::Relaxed);
-        Ok(Rank::start(self.core.clone(), Arc::from(backend), id))
+        Ok(Rank::start(self.core.clone(), std::sync::Arc::from(backend), id))
     }
 
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
     /// them (see [`Lease`]). Hits refresh the blocks' recency.
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
-        self.core.query(keys, 1)
+        Core::query(&self.core, keys, 1)
     }
 
     /// [`HostTier::query`] with `uses` restores allowed (one per rank that will restore), so every
     /// data-parallel rank can restore the same blocks from one lease.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
-        self.core.query(keys, uses)
+        Core::query(&self.core, keys, uses)
     }
 
     /// True if `key`'s block is ready (does not pin or refresh it).
