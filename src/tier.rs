@@ -20,7 +20,7 @@
 
 use crate::copy::{CopyBackend, CopyPair, WaitFor};
 use crate::error::{CopyError, Error, TierError};
-use crate::evict::{EvictionPolicy, PolicyKind};
+use crate::evict::{EvictionPolicy, InsertInfo, PolicyKind};
 use crate::geometry::Geometry;
 use crate::guard::{Reserved, SlotPins, WriteReservation};
 use crate::handle::{CopyHandle, HandleShared};
@@ -80,6 +80,16 @@ pub enum Fit {
 pub struct SaveOptions {
     /// What to do when the batch does not fit.
     pub fit: Fit,
+}
+
+/// Hints for the eviction policy about a save ([`Rank::save_hinted`]); they never change what is
+/// saved.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SaveHint {
+    /// Depth of `keys[0]` in its prompt (0 = the prompt's first page), so `keys[i]` is at depth
+    /// `prefix_depth + i`. A prefix-aware policy ([`PolicyKind::PrefixLfu`]) evicts a chain's tail
+    /// before its head.
+    pub prefix_depth: Option<u32>,
 }
 
 /// What a save did.
@@ -200,6 +210,9 @@ pub struct Core {
     /// The key of the block in each slot (two words), written by the slot's owner while `WRITING`
     /// and read by the evictor after it won `READY -> EVICTING`; the slot word's CASes order them.
     slot_keys: Box<[[AtomicU64; 2]]>,
+    /// Prompt depth of the block in each slot ([`SaveHint::prefix_depth`]; `u32::MAX` = unknown),
+    /// written with the key.
+    slot_depth: Box<[AtomicU32]>,
     counters: Counters,
     evict_lock: Mutex<()>,
     shutting_down: AtomicBool,
@@ -214,6 +227,7 @@ impl Core {
             index: BlockIndex::with_capacity(index_capacity.unwrap_or(cap as usize)),
             policy: policy.build(cap),
             slot_keys: (0..cap).map(|_| [AtomicU64::new(0), AtomicU64::new(0)]).collect(),
+            slot_depth: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
             counters: Counters::default(),
             evict_lock: Mutex::new(()),
             shutting_down: AtomicBool::new(false),
@@ -264,7 +278,9 @@ impl Core {
 
     pub(crate) fn commit_reserved(&self, r: Reserved) {
         self.control().commit(r.slot, r.generation);
-        self.policy.on_insert(r.slot);
+        let depth = self.slot_depth[r.slot.index()].load(Ordering::Relaxed);
+        self.policy
+            .on_insert(r.slot, InsertInfo { key_hash: r.key.hash64(), depth: (depth != u32::MAX).then_some(depth) });
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.ready_slots, 1);
     }
@@ -747,6 +763,21 @@ impl Rank {
         wait: WaitFor,
         opts: SaveOptions,
     ) -> Result<SaveTicket, TierError> {
+        self.save_hinted(keys, gpu_pages, wait, opts, SaveHint::default())
+    }
+
+    /// [`Rank::save_with`] with hints for the eviction policy (see [`SaveHint`]).
+    ///
+    /// # Errors
+    /// As [`Rank::save_with`].
+    pub fn save_hinted(
+        &self,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        wait: WaitFor,
+        opts: SaveOptions,
+        hint: SaveHint,
+    ) -> Result<SaveTicket, TierError> {
         self.check_open()?;
         if keys.len() != gpu_pages.len() {
             return Err(TierError::LengthMismatch { keys: keys.len(), pages: gpu_pages.len() });
@@ -807,6 +838,8 @@ impl Rank {
         for (&i, slot) in missing.iter().zip(slots) {
             let generation = core.control().reserve(slot);
             core.set_slot_key(slot, &keys[i]);
+            let depth = hint.prefix_depth.map_or(u32::MAX, |d| d.saturating_add(i as u32).min(u32::MAX - 1));
+            core.slot_depth[slot.index()].store(depth, Ordering::Relaxed);
             add(&c.writing_slots, 1);
             match core.index.insert_if_absent(keys[i], SlotRef { slot, generation }) {
                 Ok(()) => {
