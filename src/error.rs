@@ -116,6 +116,19 @@ pub enum PoolError {
         /// One slot in bytes.
         slot_bytes: u64,
     },
+    /// The slot size is zero or not a multiple of 16 B (the copy kernels move 16 B per access;
+    /// [`crate::Geometry::slot_bytes`] is always a multiple of 256 B).
+    #[error("slot size {slot_bytes} B is zero or not a multiple of 16 B")]
+    BadSlotSize {
+        /// The slot size given, in bytes.
+        slot_bytes: u64,
+    },
+    /// The NUMA node asked for does not exist (or has no memory) on this machine.
+    #[error("NUMA node {node} does not exist or has no memory (see /sys/devices/system/node/)")]
+    NoSuchNumaNode {
+        /// Node number given.
+        node: u32,
+    },
     /// More slots than a slot id can name.
     #[error("pool would hold {slots} slots; at most {max} are supported")]
     TooManySlots {
@@ -265,6 +278,12 @@ pub enum TierError {
     /// The tier is shutting down.
     #[error("tier is shutting down and accepts no new work")]
     ShuttingDown,
+    /// Copies were still in flight when a drain's deadline passed (nothing was freed under them).
+    #[error("{in_flight} copy batches still in flight at the drain deadline")]
+    DrainTimeout {
+        /// Batches in flight.
+        in_flight: u64,
+    },
     /// A pin count would overflow its field in the slot word.
     #[error("slot {slot} has too many pins")]
     TooManyPins {
@@ -307,6 +326,27 @@ pub enum TraceError {
     },
 }
 
+/// A replay that cannot run as configured.
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    /// A request has more full pages than the replay's GPU pages.
+    #[error(
+        "request {request} of the trace has {pages} pages but the replay has only {gpu_pages} GPU pages; \
+         raise --gpu-pages to at least {pages}"
+    )]
+    RequestTooLarge {
+        /// 1-based request number (after blank lines are skipped).
+        request: usize,
+        /// Full pages of the request.
+        pages: usize,
+        /// GPU pages available to the replay.
+        gpu_pages: u64,
+    },
+    /// Nothing to replay (an empty trace or `--requests 0`).
+    #[error("no request to replay")]
+    NoRequests,
+}
+
 /// Any kvtier error.
 #[derive(Debug, Error)]
 pub enum Error {
@@ -325,6 +365,9 @@ pub enum Error {
     /// See [`TraceError`].
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// See [`ReplayError`].
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
     /// A replay whose restored bytes did not match their keys, or another failed check.
     #[error("verification failed: {0}")]
     Verification(String),

@@ -77,6 +77,8 @@ pub struct Geometry {
     chunk_offsets: Vec<u64>,
     slot_bytes: u64,
     pages: u64,
+    /// Tensor-parallel shard `(index, count)` this layout holds, if the block is sharded.
+    shard: Option<(u32, u32)>,
     #[serde(skip)]
     namespace: Namespace,
 }
@@ -176,11 +178,20 @@ impl Geometry {
         }
         let slot_bytes = off;
         let pages = arenas.iter().map(|a| a.pages).min().expect("non-empty");
-        let namespace = Self::derive_namespace(model, page_tokens, &arenas);
-        Ok(Geometry { model: model.to_string(), page_tokens, arenas, chunk_offsets, slot_bytes, pages, namespace })
+        let namespace = Self::derive_namespace(model, page_tokens, &arenas, None);
+        Ok(Geometry {
+            model: model.to_string(),
+            page_tokens,
+            arenas,
+            chunk_offsets,
+            slot_bytes,
+            pages,
+            shard: None,
+            namespace,
+        })
     }
 
-    fn derive_namespace(model: &str, page_tokens: u32, arenas: &[ArenaSpec]) -> Namespace {
+    fn derive_namespace(model: &str, page_tokens: u32, arenas: &[ArenaSpec], shard: Option<(u32, u32)>) -> Namespace {
         // Canonical description: only facts that decide what the bytes of a block mean. Strides,
         // page counts and placement are per-rank memory layout and do not enter it.
         let mut d = Vec::new();
@@ -193,6 +204,11 @@ impl Geometry {
             d.extend_from_slice(a.name.as_bytes());
             d.push(0);
             d.extend_from_slice(&a.bytes_per_page.to_le_bytes());
+        }
+        if let Some((i, n)) = shard {
+            d.extend_from_slice(b"\0tp-shard\0");
+            d.extend_from_slice(&i.to_le_bytes());
+            d.extend_from_slice(&n.to_le_bytes());
         }
         Namespace::from_description(&d)
     }
@@ -237,7 +253,32 @@ impl Geometry {
     /// As [`Geometry::new`] (a zero `pages`, or an extent that overflows).
     pub fn with_pages(&self, pages: u64) -> Result<Self, GeometryError> {
         let arenas = self.arenas.iter().map(|a| ArenaSpec { pages, ..a.clone() }).collect();
-        Geometry::new(&self.model, self.page_tokens, arenas)
+        let g = Geometry::new(&self.model, self.page_tokens, arenas)?;
+        match self.shard {
+            Some((i, n)) => g.with_shard(i, n),
+            None => Ok(g),
+        }
+    }
+
+    /// The same layout marked as tensor-parallel shard `index` of `count`: ranks holding different
+    /// shards of one block get different namespaces, so their keys never collide in a shared pool
+    /// (ranks holding the same shard, as data-parallel ranks do, share blocks).
+    ///
+    /// # Errors
+    /// [`GeometryError::MissingField`] (`shard`) if `count` is 0 or `index >= count`.
+    pub fn with_shard(&self, index: u32, count: u32) -> Result<Self, GeometryError> {
+        if count == 0 || index >= count {
+            return Err(GeometryError::MissingField { field: "shard" });
+        }
+        let mut g = self.clone();
+        g.shard = Some((index, count));
+        g.namespace = Self::derive_namespace(&g.model, g.page_tokens, &g.arenas, g.shard);
+        Ok(g)
+    }
+
+    /// The tensor-parallel shard `(index, count)`, if set by [`Geometry::with_shard`].
+    pub fn shard(&self) -> Option<(u32, u32)> {
+        self.shard
     }
 
     /// Names of the built-in presets, for [`Geometry::preset`].
@@ -411,6 +452,12 @@ mod tests {
         let c = Geometry::preset("deepseek-v3", 16).unwrap();
         assert_eq!(a.namespace(), b.namespace());
         assert_ne!(a.namespace(), c.namespace());
+        let s0 = a.with_shard(0, 2).unwrap();
+        let s1 = a.with_shard(1, 2).unwrap();
+        assert_ne!(s0.namespace(), s1.namespace());
+        assert_ne!(s0.namespace(), a.namespace());
+        assert_eq!(s0.with_pages(8).unwrap().namespace(), s0.namespace());
+        assert!(a.with_shard(2, 2).is_err());
     }
 
     #[test]

@@ -1,7 +1,124 @@
-//! `BlockIndex`: lock-free content-key -> (slot, generation) hash index. (STUB: being written.)
+//! `BlockIndex`: the lock-free content-key -> (slot, generation) hash index.
+//!
+//! Every query of the host tier goes through here: an engine admitting a request asks for the longest
+//! run of its prefix's block keys (about 43 keys for a long prompt) that the tier holds; every save
+//! inserts one key per block, and every eviction removes one. Reads far outnumber writes and must never
+//! wait, not even while the table grows.
+//!
+//! # Layout
+//!
+//! ```text
+//!  BlockIndex { root ─┐, len }
+//!                     v
+//!  Table { buckets: [Atomic<Entry>; 2^k], used, next ─> Table (only while migrating), counters }
+//!             │
+//!             v
+//!  Entry { key: ContentKey, value: SlotRef }   (heap-allocated, immutable once published)
+//! ```
+//!
+//! Open addressing with linear probing from [`ContentKey::hash64`] over a power-of-two array of
+//! `crossbeam_epoch::Atomic<Entry>`. A bucket holds a pointer plus two tag bits (an `Entry` is 8-byte
+//! aligned, so the low 3 bits of its address are free):
+//!
+//! | bucket word             | meaning                                                          |
+//! |-------------------------|------------------------------------------------------------------|
+//! | `null`                  | empty: ends every probe chain; the only state an insert may fill |
+//! | `ptr`                   | live entry                                                       |
+//! | `null \| TOMBSTONE`     | removed; probes walk past it; never reused (keeps chains intact) |
+//! | `x \| MOVED`            | `x` frozen by a migration: no writer may change it again         |
+//!
+//! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and any of those `-> x|MOVED`. A
+//! bucket never becomes empty again, which is what makes the probe chains race-free: the first empty
+//! bucket on a key's probe path is the only place that key can be inserted, so two racing inserts of
+//! one key meet at the same bucket and exactly one CAS wins (two saves of one key move bytes once).
+//!
+//! A table's *load* is `used`: buckets that went non-empty (live entries plus tombstones), counted by
+//! a reservation taken before the insert CAS. A reservation that would push `used` past
+//! `buckets / 2` fails and starts a migration instead, so a table always keeps at least half of its
+//! buckets empty and every probe ends within a few buckets (and provably within one pass).
+//!
+//! # Migration (growth, shrink, and purging tombstones)
+//!
+//! Saves insert and evictions remove all the time, so even a table whose live count is constant fills
+//! with tombstones; the same migration that grows the table also purges them. It runs in two phases
+//! over chunks of 1024 buckets (4 under loom), each chunk claimed by an atomic counter so every writer
+//! that arrives helps:
+//!
+//! 1. **Freeze.** Each bucket is CASed from `x` to `x|MOVED` (keeping the pointer), counting live
+//!    entries. A frozen table is an immutable snapshot: writers' CASes on it fail.
+//! 2. **Size.** The thread that freezes the last chunk knows the exact live count `n` and allocates
+//!    `next` with `max(initial buckets, next_pow2(4 n))` buckets: it grows, keeps its size, or shrinks,
+//!    never below the size chosen by [`BlockIndex::with_capacity`]. Sizing after the freeze (rather than
+//!    when the migration starts) means inserts racing the start can never overfill `next`.
+//! 3. **Copy.** The *same entry pointers* (entries are shared, never copied) are CASed into the empty
+//!    buckets of `next`; tombstones are dropped. The thread finishing the last chunk swaps `root` from
+//!    the old table to `next` and `defer_destroy`s the old table, which frees its bucket array only,
+//!    never the entries it points to.
+//!
+//! **Progress.** Readers never wait and never help: a reader treats `x|MOVED` exactly as `x`, so a
+//! reader walking a frozen table reads a consistent snapshot. Writers that meet a migration (a started
+//! freeze, a `MOVED` bucket, or a failed reservation) help finish it and retry in the new table; once
+//! every chunk has been claimed they spin (with [`crate::sync::spin_loop`]) until the last claimer
+//! finishes. So growth is lock-free for readers and *helping* (not lock-free) for writers: a writer can
+//! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (a few µs of
+//! work), so that wait is short.
+//!
+//! # Why a reader's stale answer during a migration is safe for kvtier
+//!
+//! A reader that loaded the old root just before the swap may keep reading the frozen snapshot while
+//! writers already work in `next`. It can therefore return a value removed a moment ago, or miss one
+//! inserted a moment ago, but only for writes concurrent with that reader and a migration. Both are
+//! harmless here:
+//!
+//! - *Missed insert*: a cache miss; the engine prefills instead. The host tier is a cache.
+//! - *Removed value*: the index is never the final word. A query pins the slot with
+//!   `SlotControl::pin(slot, generation)`, which succeeds only on a `READY` slot of that generation.
+//!   Eviction removes the index entry (`remove_if`) *before* it bumps the slot's generation in
+//!   `SlotControl::release`, so any reference still found in a snapshot carries an old generation once
+//!   the slot can be reused, and the pin fails with `Stale`. No reader ever reads another block's bytes.
+//!
+//! Writers never act on a snapshot: `insert_if_absent` and `remove_if` treat any `MOVED` bucket as
+//! "help and retry", so they are linearizable (each at its successful CAS or at the unfrozen bucket
+//! read that decides its answer).
+//!
+//! # Memory ordering
+//!
+//! - **Publication.** An entry is written completely before the insert CAS (`AcqRel`), and every
+//!   bucket load is `Acquire`, so a reader that sees the pointer sees the key and value. Entries are
+//!   never mutated after publication.
+//! - **Migration.** Freeze CASes are `AcqRel`; each freezer adds its live count to `frozen_live` and
+//!   then increments `freeze_done` (`AcqRel` RMWs form one release sequence), so the last freezer sees
+//!   every count and every frozen bucket. It publishes `next` with a `Release` store; copiers load it
+//!   with `Acquire`, copy with `AcqRel` CASes, and increment `copy_done` (`AcqRel`); the last copier's
+//!   root CAS (`AcqRel`) therefore happens after every copied pointer, and a reader's `Acquire` root
+//!   load sees a complete table. The chain also carries the original inserts' `Release`, so entry
+//!   contents are visible through `next` too.
+//! - **Counters.** `len` and `used` are plain counters updated with `Relaxed` RMWs: atomicity alone
+//!   makes the reservation bound exact, and `len` is incremented before the insert CAS that publishes
+//!   the entry (decremented if that CAS fails), so a remover, which must first `Acquire`-load the
+//!   entry, always decrements after the matching increment and `len` never underflows.
+//! - **Reclamation.** Removal CASes `ptr -> null|TOMBSTONE` and `defer_destroy`s the entry; a retired
+//!   table array is `defer_destroy`ed after the root swap. Both are unreachable from `root` by then
+//!   (an entry removed from `next` is in a retired table at most, which was unlinked before), so
+//!   crossbeam-epoch frees them only after every thread pinned at that time has unpinned. Each
+//!   operation holds one guard for its whole duration; [`IndexReader`] holds one across a batch.
+//!
+//! # Model checking
+//!
+//! Under `cfg(loom)` the atomics come from loom (through [`crate::sync`] and crossbeam-epoch's `loom`
+//! feature) and the models in `loom-tests/index.rs` check racing inserts, removal against lookups with
+//! reclamation, and growth under a reader. A use-after-free of an entry is not reliably visible to loom
+//! (freed memory may still hold the right bytes), so under loom an entry is not freed when retired:
+//! its destructor clears a loom `alive` flag and leaks the allocation, and every read of an entry checks
+//! the flag. A read racing the destructor then fails deterministically in every interleaving loom
+//! explores. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
+//! the entry's value; the models must catch it.
 
 use crate::key::ContentKey;
 use crate::slot::SlotId;
+use crate::sync::{spin_loop, AtomicUsize, Ordering};
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
+use std::fmt;
 
 /// Where a block lives: its slot and the slot generation it was saved under.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Hash)]
@@ -12,34 +129,905 @@ pub struct SlotRef {
     pub generation: u64,
 }
 
-/// The index.
+/// Tag bit: the bucket's entry was removed (the pointer part is null).
+const TOMBSTONE: usize = 0b01;
+/// Tag bit: the bucket was frozen by a migration.
+const MOVED: usize = 0b10;
+
+/// Smallest bucket array (a table always keeps half its buckets empty, so this holds 2 entries).
+const MIN_BUCKETS: usize = 4;
+
+/// Buckets per migration work unit: several threads help by claiming chunks. Under loom, tiny, so a
+/// two-chunk table lets the models interleave helpers.
+#[cfg(not(loom))]
+const MIGRATION_CHUNK: usize = 1024;
+/// Buckets per migration work unit: several threads help by claiming chunks. Under loom, tiny, so a
+/// two-chunk table lets the models interleave helpers.
+#[cfg(loom)]
+const MIGRATION_CHUNK: usize = 4;
+
+/// One key -> value pair. Heap-allocated once, immutable once published, shared by an old and a new
+/// table during a migration, freed exactly once (by the remover's deferred destructor or by
+/// [`BlockIndex`]'s `Drop`).
+struct Entry {
+    key: ContentKey,
+    value: SlotRef,
+    /// Under loom: cleared (instead of freeing) when the entry is reclaimed; see the module docs.
+    #[cfg(loom)]
+    alive: crate::sync::AtomicBool,
+}
+
+// The two tag bits must fit below the alignment of `Entry` (crossbeam would silently drop them).
+const _: () = assert!(std::mem::align_of::<Entry>() >= 4);
+
+impl Entry {
+    fn new(key: ContentKey, value: SlotRef) -> Self {
+        Entry {
+            key,
+            value,
+            #[cfg(loom)]
+            alive: crate::sync::AtomicBool::new(true),
+        }
+    }
+
+    /// The key (under loom, also checks the entry was not reclaimed).
+    #[inline]
+    fn key(&self) -> ContentKey {
+        let k = self.key;
+        self.check_alive();
+        k
+    }
+
+    /// The value (under loom, also checks the entry was not reclaimed).
+    #[inline]
+    fn value(&self) -> SlotRef {
+        let v = self.value;
+        self.check_alive();
+        v
+    }
+
+    #[inline]
+    fn check_alive(&self) {
+        #[cfg(loom)]
+        assert!(self.alive.load(Ordering::Acquire), "use after free: read of a reclaimed index entry");
+    }
+}
+
+/// Hands a removed entry to the epoch collector.
+///
+/// # Safety
+/// `p` must be a non-null entry pointer that was just unlinked by this thread's successful CAS (so it
+/// is retired exactly once) and is no longer reachable from the live table.
+unsafe fn retire_entry(guard: &Guard, p: Shared<'_, Entry>) {
+    #[cfg(not(loom))]
+    // SAFETY: the caller unlinked `p` (exactly once) and it is unreachable from `root`; threads that
+    // could still hold it are pinned, and crossbeam runs the destructor only after they unpin.
+    unsafe {
+        guard.defer_destroy(p)
+    };
+    #[cfg(loom)]
+    {
+        let addr = p.as_raw() as usize;
+        // SAFETY: same argument; under loom the "destructor" only clears `alive` and leaks the box so
+        // that a late read is detected instead of being undefined behaviour (see module docs).
+        unsafe {
+            guard.defer_unchecked(move || {
+                let e = &*(addr as *const Entry);
+                assert!(e.alive.swap(false, Ordering::AcqRel), "index entry reclaimed twice");
+            })
+        };
+    }
+}
+
+/// One bucket array plus its migration state.
+struct Table {
+    buckets: Box<[Atomic<Entry>]>,
+    /// `buckets.len() - 1` (the length is a power of two).
+    mask: usize,
+    /// Most non-empty buckets allowed (`buckets / 2`).
+    limit: usize,
+    /// Non-empty buckets (live + tombstones + in-flight reservations).
+    used: AtomicUsize,
+    /// The table being filled by a migration of this one; null until the freeze phase ends.
+    next: Atomic<Table>,
+    /// Freeze chunks claimed so far; non-zero means a migration has started.
+    freeze_claimed: AtomicUsize,
+    /// Freeze chunks finished.
+    freeze_done: AtomicUsize,
+    /// Live entries seen by the freeze.
+    frozen_live: AtomicUsize,
+    /// Copy chunks claimed.
+    copy_claimed: AtomicUsize,
+    /// Copy chunks finished.
+    copy_done: AtomicUsize,
+}
+
+impl Table {
+    /// A table of `n` (a power of two, at least [`MIN_BUCKETS`]) empty buckets, with `used` preset to
+    /// the number of entries a migration will copy in.
+    fn new(n: usize, used: usize) -> Self {
+        debug_assert!(n.is_power_of_two() && n >= MIN_BUCKETS);
+        debug_assert!(used <= n / 2);
+        Table {
+            buckets: (0..n).map(|_| Atomic::null()).collect(),
+            mask: n - 1,
+            limit: n / 2,
+            used: AtomicUsize::new(used),
+            next: Atomic::null(),
+            freeze_claimed: AtomicUsize::new(0),
+            freeze_done: AtomicUsize::new(0),
+            frozen_live: AtomicUsize::new(0),
+            copy_claimed: AtomicUsize::new(0),
+            copy_done: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bucket `i` of the probe sequence of hash `h`.
+    #[inline]
+    fn bucket(&self, h: u64, i: usize) -> &Atomic<Entry> {
+        let idx = (h as usize).wrapping_add(i) & self.mask;
+        debug_assert!(idx < self.buckets.len());
+        // SAFETY: `mask == buckets.len() - 1` and the length is a power of two, so `idx < len`.
+        unsafe { self.buckets.get_unchecked(idx) }
+    }
+
+    #[inline]
+    fn chunks(&self) -> usize {
+        self.buckets.len().div_ceil(MIGRATION_CHUNK)
+    }
+
+    #[inline]
+    fn chunk_range(&self, c: usize) -> std::ops::Range<usize> {
+        let start = c * MIGRATION_CHUNK;
+        start..(start + MIGRATION_CHUNK).min(self.buckets.len())
+    }
+
+    #[inline]
+    fn migration_started(&self) -> bool {
+        self.freeze_claimed.load(Ordering::Acquire) != 0
+    }
+
+    /// Reserves one empty bucket for an insert; false (and nothing reserved) when the table is full.
+    #[inline]
+    fn reserve(&self) -> bool {
+        let prev = self.used.fetch_add(1, Ordering::Relaxed);
+        if prev < self.limit {
+            true
+        } else {
+            self.used.fetch_sub(1, Ordering::Relaxed);
+            false
+        }
+    }
+
+    #[inline]
+    fn unreserve(&self) {
+        self.used.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Looks `key` up, reading through `MOVED` marks (a frozen table is a consistent snapshot).
+    #[inline]
+    fn find<'g>(&'g self, key: &ContentKey, guard: &'g Guard) -> Option<&'g Entry> {
+        let h = key.hash64();
+        for i in 0..=self.mask {
+            let cur = self.bucket(h, i).load(Ordering::Acquire, guard);
+            if cur.is_null() {
+                if cur.tag() & TOMBSTONE != 0 {
+                    continue;
+                }
+                // Empty (frozen or not): the end of the chain.
+                return None;
+            }
+            // SAFETY: a non-null bucket pointer is a published entry; `guard` was pinned before `root`
+            // (hence this table and bucket) was loaded, so the entry cannot be reclaimed before the
+            // guard drops (module docs, "Reclamation").
+            let e = unsafe { cur.deref() };
+            if e.key() == *key {
+                return Some(e);
+            }
+        }
+        None
+    }
+
+    /// Freezes the buckets of chunk `c`; returns the live entries seen.
+    fn freeze_chunk(&self, c: usize, guard: &Guard) -> usize {
+        let mut live = 0;
+        for b in &self.buckets[self.chunk_range(c)] {
+            let mut cur = b.load(Ordering::Acquire, guard);
+            loop {
+                if cur.tag() & MOVED != 0 {
+                    break;
+                }
+                match b.compare_exchange(
+                    cur,
+                    cur.with_tag(cur.tag() | MOVED),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                    guard,
+                ) {
+                    Ok(_) => break,
+                    Err(e) => {
+                        cur = e.current;
+                        spin_loop();
+                    }
+                }
+            }
+            if !cur.is_null() {
+                live += 1;
+            }
+        }
+        live
+    }
+
+    /// Copies the live entries of frozen chunk `c` into `next`.
+    fn copy_chunk(&self, c: usize, next: &Table, guard: &Guard) {
+        for b in &self.buckets[self.chunk_range(c)] {
+            let cur = b.load(Ordering::Acquire, guard);
+            debug_assert!(cur.tag() & MOVED != 0, "copying an unfrozen bucket");
+            if cur.is_null() {
+                continue;
+            }
+            let p = cur.with_tag(0);
+            // SAFETY: a frozen live bucket's entry cannot be removed until the root swap (writers
+            // never change a MOVED bucket and `next` is not yet reachable), so it is alive.
+            let h = unsafe { p.deref() }.key().hash64();
+            next.place(h, p, guard);
+        }
+    }
+
+    /// Puts an entry that is known to be absent into the first empty bucket of its chain (migration
+    /// only: no other writer touches this table yet, only other copiers).
+    fn place(&self, h: u64, p: Shared<'_, Entry>, guard: &Guard) {
+        for i in 0..=self.mask {
+            let b = self.bucket(h, i);
+            if b.load(Ordering::Relaxed, guard).is_null()
+                && b.compare_exchange(Shared::null(), p, Ordering::AcqRel, Ordering::Acquire, guard).is_ok()
+            {
+                return;
+            }
+        }
+        unreachable!("migration target table is full: it was sized for the frozen live count");
+    }
+}
+
+/// The lock-free block index: [`ContentKey`] -> [`SlotRef`].
+///
+/// Lookups (`get`, [`IndexReader::get`]) never wait, even during growth; `insert_if_absent` and
+/// `remove_if` are lock-free except that they help (and may wait for) an in-progress migration. See
+/// the module docs for the design, the ordering argument and why stale reads during a migration are
+/// safe. Memory: 8 bytes per bucket plus one 32-byte heap entry per live key; the table keeps between
+/// 1/4 and 1/2 of its buckets non-empty after a migration (so 16-32 bytes of buckets per live key).
 pub struct BlockIndex {
-    _p: (),
+    root: Atomic<Table>,
+    /// Live entries (plus in-flight inserts).
+    len: AtomicUsize,
+    /// Bucket count chosen by `with_capacity`: migrations never shrink below it.
+    min_buckets: usize,
 }
 
 impl BlockIndex {
-    /// An index sized for about `expected` live entries.
-    pub fn with_capacity(_expected: usize) -> Self {
-        todo!()
+    /// An index sized for about `expected` live entries without growing: `next_pow2(4 * expected)`
+    /// buckets (at least 4), so it holds `expected` entries plus as many tombstones before the first
+    /// migration. Migrations never shrink the table below this size.
+    ///
+    /// # Panics
+    /// If `4 * expected` buckets overflow `usize` (like `Vec::with_capacity`).
+    pub fn with_capacity(expected: usize) -> Self {
+        let n = expected
+            .checked_mul(4)
+            .and_then(usize::checked_next_power_of_two)
+            .expect("BlockIndex capacity overflows usize")
+            .max(MIN_BUCKETS);
+        BlockIndex { root: Atomic::new(Table::new(n, 0)), len: AtomicUsize::new(0), min_buckets: n }
     }
-    /// Inserts `key -> value` unless `key` is present; `Err(existing)` if present.
-    pub fn insert_if_absent(&self, _key: ContentKey, _value: SlotRef) -> Result<(), SlotRef> {
-        todo!()
+
+    /// Bucket count for a table receiving `live` entries: a quarter full, never below the initial size.
+    fn table_size(&self, live: usize) -> usize {
+        live.saturating_mul(4).checked_next_power_of_two().unwrap_or(usize::MAX / 2 + 1).max(self.min_buckets)
     }
-    /// Looks `key` up.
-    pub fn get(&self, _key: &ContentKey) -> Option<SlotRef> {
-        todo!()
+
+    #[inline]
+    fn root<'g>(&self, guard: &'g Guard) -> (Shared<'g, Table>, &'g Table) {
+        let t = self.root.load(Ordering::Acquire, guard);
+        // SAFETY: `root` is never null (set in `with_capacity`, only ever swapped to a non-null
+        // `next`), and a table swapped out is destroyed only after every guard pinned before the swap
+        // (such as `guard`, pinned before this load) is dropped.
+        (t, unsafe { t.deref() })
     }
-    /// Removes `key` only if it maps to `expected`.
-    pub fn remove_if(&self, _key: &ContentKey, _expected: SlotRef) -> bool {
-        todo!()
+
+    /// Inserts `key -> value` unless `key` is present.
+    ///
+    /// Returns `Ok(())` when inserted, or `Err(existing)` with the value already stored for `key` (the
+    /// index is unchanged). Of several racing inserts of one key exactly one returns `Ok`; the others
+    /// return its value. May help (and wait for) a migration.
+    pub fn insert_if_absent(&self, key: ContentKey, value: SlotRef) -> Result<(), SlotRef> {
+        let guard = epoch::pin();
+        let h = key.hash64();
+        // Allocated at the first empty bucket, reused across retries, freed if never published.
+        let mut new: Option<Owned<Entry>> = None;
+        'retry: loop {
+            let (t_sh, t) = self.root(&guard);
+            if t.migration_started() {
+                self.help_migrate(t_sh, &guard);
+                continue 'retry;
+            }
+            let mut reserved = false;
+            let mut i = 0;
+            while i <= t.mask {
+                let b = t.bucket(h, i);
+                let cur = b.load(Ordering::Acquire, &guard);
+                if cur.tag() & MOVED != 0 {
+                    if reserved {
+                        t.unreserve();
+                    }
+                    self.help_migrate(t_sh, &guard);
+                    continue 'retry;
+                }
+                if cur.is_null() {
+                    if cur.tag() & TOMBSTONE != 0 {
+                        i += 1;
+                        continue;
+                    }
+                    // Empty: the first empty bucket of the chain, so `key` is absent; claim it.
+                    if !reserved {
+                        if !t.reserve() {
+                            self.help_migrate(t_sh, &guard);
+                            continue 'retry;
+                        }
+                        reserved = true;
+                    }
+                    let entry = new.take().unwrap_or_else(|| Owned::new(Entry::new(key, value)));
+                    self.len.fetch_add(1, Ordering::Relaxed);
+                    match b.compare_exchange(Shared::null(), entry, Ordering::AcqRel, Ordering::Acquire, &guard) {
+                        Ok(_) => return Ok(()),
+                        Err(e) => {
+                            // Lost the bucket: look at what won it (same `i`).
+                            self.len.fetch_sub(1, Ordering::Relaxed);
+                            new = Some(e.new);
+                            spin_loop();
+                            continue;
+                        }
+                    }
+                }
+                // SAFETY: published entry, protected by `guard` (see `Table::find`).
+                let e = unsafe { cur.deref() };
+                if e.key() == key {
+                    if reserved {
+                        t.unreserve();
+                    }
+                    return Err(e.value());
+                }
+                i += 1;
+            }
+            unreachable!("index probe found no empty bucket: the load limit keeps half the table empty");
+        }
     }
-    /// Live entries.
+
+    /// Looks `key` up: `Some(value)` if present. Never waits. Pins the epoch once per call; for a batch
+    /// of keys use [`BlockIndex::reader`].
+    pub fn get(&self, key: &ContentKey) -> Option<SlotRef> {
+        let guard = epoch::pin();
+        let (_, t) = self.root(&guard);
+        #[cfg(not(feature = "seeded-bug-index-early-unpin"))]
+        {
+            t.find(key, &guard).map(Entry::value)
+        }
+        #[cfg(feature = "seeded-bug-index-early-unpin")]
+        {
+            // SEEDED BUG (loom must catch it): unpin before reading the value, so a concurrent
+            // removal's deferred destructor may already have run.
+            let raw: *const Entry = t.find(key, &guard).map_or(std::ptr::null(), |e| e as *const Entry);
+            drop(guard);
+            // SAFETY: none: this is the seeded use-after-free.
+            (!raw.is_null()).then(|| unsafe { (*raw).value() })
+        }
+    }
+
+    /// Removes `key` only if it maps to `expected` (same slot and generation). Returns true if this
+    /// call removed it; false if `key` is absent, maps to another value, or a racing call removed it
+    /// first. May help (and wait for) a migration. The entry is reclaimed once no reader can hold it.
+    pub fn remove_if(&self, key: &ContentKey, expected: SlotRef) -> bool {
+        let guard = epoch::pin();
+        let h = key.hash64();
+        'retry: loop {
+            let (t_sh, t) = self.root(&guard);
+            for i in 0..=t.mask {
+                let b = t.bucket(h, i);
+                let cur = b.load(Ordering::Acquire, &guard);
+                if cur.tag() & MOVED != 0 {
+                    self.help_migrate(t_sh, &guard);
+                    continue 'retry;
+                }
+                if cur.is_null() {
+                    if cur.tag() & TOMBSTONE != 0 {
+                        continue;
+                    }
+                    return false;
+                }
+                // SAFETY: published entry, protected by `guard` (see `Table::find`).
+                let e = unsafe { cur.deref() };
+                if e.key() != *key {
+                    continue;
+                }
+                if e.value() != expected {
+                    return false;
+                }
+                let tomb = Shared::null().with_tag(TOMBSTONE);
+                return match b.compare_exchange(cur, tomb, Ordering::AcqRel, Ordering::Acquire, &guard) {
+                    Ok(_) => {
+                        self.len.fetch_sub(1, Ordering::Relaxed);
+                        // SAFETY: our CAS unlinked `cur` from the live table (the only table writers
+                        // change), so we retire it exactly once.
+                        unsafe { retire_entry(&guard, cur) };
+                        true
+                    }
+                    // A bucket holding an entry only becomes a tombstone (someone else removed it:
+                    // false) or frozen (retry in the next table).
+                    Err(err) if err.current.tag() & MOVED != 0 => {
+                        spin_loop();
+                        self.help_migrate(t_sh, &guard);
+                        continue 'retry;
+                    }
+                    Err(_) => false,
+                };
+            }
+            unreachable!("index probe found no empty bucket: the load limit keeps half the table empty");
+        }
+    }
+
+    /// Helps migrate table `t_sh` (starting the migration if needed) and returns once `root` no
+    /// longer points at it.
+    #[cold]
+    fn help_migrate(&self, t_sh: Shared<'_, Table>, guard: &Guard) {
+        // SAFETY: `t_sh` was loaded from `root` under `guard`, which keeps it allocated.
+        let t = unsafe { t_sh.deref() };
+        let chunks = t.chunks();
+        // Phase 1: freeze.
+        while t.freeze_claimed.load(Ordering::Acquire) < chunks {
+            let c = t.freeze_claimed.fetch_add(1, Ordering::AcqRel);
+            if c >= chunks {
+                break;
+            }
+            let live = t.freeze_chunk(c, guard);
+            t.frozen_live.fetch_add(live, Ordering::AcqRel);
+            if t.freeze_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
+                // Last freezer: every count and frozen bucket happens-before this point.
+                let live = t.frozen_live.load(Ordering::Acquire);
+                let next = Owned::new(Table::new(self.table_size(live), live));
+                t.next.store(next, Ordering::Release);
+            }
+        }
+        // Phase 2: wait for `next` (allocated by the last freezer).
+        let next_sh = loop {
+            let n = t.next.load(Ordering::Acquire, guard);
+            if !n.is_null() {
+                break n;
+            }
+            spin_loop();
+        };
+        // SAFETY: `next` is non-null and outlives `t` (it becomes the root, or is retired after `t`).
+        let next = unsafe { next_sh.deref() };
+        // Phase 3: copy.
+        while t.copy_claimed.load(Ordering::Acquire) < chunks {
+            let c = t.copy_claimed.fetch_add(1, Ordering::AcqRel);
+            if c >= chunks {
+                break;
+            }
+            t.copy_chunk(c, next, guard);
+            if t.copy_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
+                // Last copier: every copied pointer happens-before the swap.
+                let swapped = self.root.compare_exchange(t_sh, next_sh, Ordering::AcqRel, Ordering::Acquire, guard);
+                assert!(swapped.is_ok(), "index root changed during its migration");
+                // SAFETY: `t` is now unreachable from `root`; dropping it frees its bucket array only
+                // (`Atomic` has no destructor), never the entries it shares with `next`.
+                unsafe { guard.defer_destroy(t_sh) };
+            }
+        }
+        // Phase 4: wait for the last copier's swap.
+        while self.root.load(Ordering::Acquire, guard) == t_sh {
+            spin_loop();
+        }
+    }
+
+    /// A read handle that pins the epoch once for a batch of lookups (a ~43-key prefix query pays one
+    /// pin instead of 43). Hold it only for the batch: while it lives, memory retired by removals and
+    /// migrations cannot be reclaimed. Not `Send` (the pin belongs to this thread).
+    pub fn reader(&self) -> IndexReader<'_> {
+        IndexReader { index: self, guard: epoch::pin() }
+    }
+
+    /// Live entries. Exact when no insert or remove is in flight; otherwise it may briefly count an
+    /// insert that is about to lose its race.
     pub fn len(&self) -> usize {
-        todo!()
+        self.len.load(Ordering::Relaxed)
     }
+
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Buckets in the current table (a power of two). At most half of them are non-empty (live
+    /// entries plus tombstones); a migration resizes to `max(initial, next_pow2(4 * len))`.
+    pub fn capacity(&self) -> usize {
+        let guard = epoch::pin();
+        self.root(&guard).1.buckets.len()
+    }
+}
+
+impl fmt::Debug for BlockIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let guard = epoch::pin();
+        let (_, t) = self.root(&guard);
+        f.debug_struct("BlockIndex")
+            .field("len", &self.len())
+            .field("capacity", &t.buckets.len())
+            .field("used", &t.used.load(Ordering::Relaxed))
+            .field("migrating", &t.migration_started())
+            .finish()
+    }
+}
+
+impl Drop for BlockIndex {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no other thread can reach this index, so nothing is concurrently
+        // loaded or retired through it.
+        let guard = unsafe { epoch::unprotected() };
+        let root = self.root.load(Ordering::Relaxed, guard);
+        // SAFETY: `root` is never null.
+        let t = unsafe { root.deref() };
+        // Every entry still referenced is in `root` (frozen or not): a migration's `next` holds only
+        // pointers also present in its frozen source, and retired tables never own entries. Removed
+        // entries were handed to the collector already. So freeing `root`'s pointers frees each live
+        // entry exactly once.
+        for b in t.buckets.iter() {
+            let cur = b.load(Ordering::Relaxed, guard);
+            if !cur.is_null() {
+                // SAFETY: a non-null bucket pointer is an entry allocated by `Owned::new` and owned by
+                // the index (never retired: retired entries were replaced by a tombstone first).
+                drop(unsafe { cur.into_owned() });
+            }
+        }
+        let next = t.next.load(Ordering::Relaxed, guard);
+        if !next.is_null() {
+            // A migration was interrupted (only possible after a panic): free `next`'s array only.
+            // SAFETY: allocated by `Owned::new`, unreachable from anywhere else.
+            drop(unsafe { next.into_owned() });
+        }
+        // SAFETY: the root table was allocated by `Owned::new` and is owned by the index.
+        drop(unsafe { root.into_owned() });
+    }
+}
+
+/// A batch lookup handle: one epoch pin for many [`IndexReader::get`] calls (see
+/// [`BlockIndex::reader`]).
+pub struct IndexReader<'a> {
+    index: &'a BlockIndex,
+    guard: epoch::Guard,
+}
+
+impl IndexReader<'_> {
+    /// Looks `key` up: `Some(value)` if present. Never waits. Each call reads the current root, so a
+    /// long batch follows migrations.
+    #[inline]
+    pub fn get(&self, key: &ContentKey) -> Option<SlotRef> {
+        let (_, t) = self.index.root(&self.guard);
+        t.find(key, &self.guard).map(Entry::value)
+    }
+}
+
+impl fmt::Debug for IndexReader<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IndexReader").field("index", self.index).finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::sync::{AtomicBool, AtomicUsize, Ordering};
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    fn k(i: u64) -> ContentKey {
+        ContentKey::from_words(i, i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+
+    fn v(slot: u32, generation: u64) -> SlotRef {
+        SlotRef { slot: SlotId(slot), generation }
+    }
+
+    #[test]
+    fn insert_get_remove_semantics() {
+        let ix = BlockIndex::with_capacity(16);
+        assert!(ix.is_empty());
+        assert_eq!(ix.capacity(), 64);
+        assert_eq!(ix.get(&k(1)), None);
+        assert_eq!(ix.insert_if_absent(k(1), v(7, 3)), Ok(()));
+        assert_eq!(ix.insert_if_absent(k(2), v(8, 0)), Ok(()));
+        assert_eq!(ix.len(), 2);
+        assert_eq!(ix.get(&k(1)), Some(v(7, 3)));
+        assert_eq!(ix.get(&k(2)), Some(v(8, 0)));
+        // Wrong generation, wrong slot, absent key: nothing removed.
+        assert!(!ix.remove_if(&k(1), v(7, 4)));
+        assert!(!ix.remove_if(&k(1), v(6, 3)));
+        assert!(!ix.remove_if(&k(3), v(7, 3)));
+        assert_eq!(ix.get(&k(1)), Some(v(7, 3)));
+        assert_eq!(ix.len(), 2);
+        // Right value: removed once.
+        assert!(ix.remove_if(&k(1), v(7, 3)));
+        assert!(!ix.remove_if(&k(1), v(7, 3)));
+        assert_eq!(ix.get(&k(1)), None);
+        assert_eq!(ix.get(&k(2)), Some(v(8, 0)));
+        assert_eq!(ix.len(), 1);
+        // Re-insert after removal (past the tombstone) with a new generation.
+        assert_eq!(ix.insert_if_absent(k(1), v(7, 4)), Ok(()));
+        assert_eq!(ix.get(&k(1)), Some(v(7, 4)));
+        assert_eq!(ix.len(), 2);
+        let r = ix.reader();
+        assert_eq!(r.get(&k(1)), Some(v(7, 4)));
+        assert_eq!(r.get(&k(2)), Some(v(8, 0)));
+        assert_eq!(r.get(&k(9)), None);
+    }
+
+    #[test]
+    fn insert_present_returns_existing() {
+        let ix = BlockIndex::with_capacity(4);
+        assert_eq!(ix.insert_if_absent(k(5), v(1, 10)), Ok(()));
+        assert_eq!(ix.insert_if_absent(k(5), v(2, 20)), Err(v(1, 10)));
+        assert_eq!(ix.insert_if_absent(k(5), v(1, 10)), Err(v(1, 10)));
+        assert_eq!(ix.get(&k(5)), Some(v(1, 10)));
+        assert_eq!(ix.len(), 1);
+    }
+
+    #[test]
+    fn grows_from_tiny_capacity_and_keeps_every_key() {
+        let ix = BlockIndex::with_capacity(0);
+        assert_eq!(ix.capacity(), MIN_BUCKETS);
+        const N: u64 = 20_000;
+        for i in 0..N {
+            assert_eq!(ix.insert_if_absent(k(i), v(i as u32, i * 3)), Ok(()), "key {i}");
+        }
+        assert_eq!(ix.len(), N as usize);
+        // Quarter full right after a migration, at most half full before the next one.
+        let cap = ix.capacity();
+        assert!(cap.is_power_of_two() && cap >= 2 * N as usize && cap <= 8 * N as usize, "capacity {cap}");
+        for i in 0..N {
+            assert_eq!(ix.get(&k(i)), Some(v(i as u32, i * 3)), "key {i}");
+        }
+        for i in N..N + 1000 {
+            assert_eq!(ix.get(&k(i)), None);
+        }
+        for i in 0..N {
+            assert_eq!(ix.insert_if_absent(k(i), v(0, 0)), Err(v(i as u32, i * 3)));
+        }
+    }
+
+    #[test]
+    fn churn_keeps_len_exact_and_capacity_bounded() {
+        // 32 live keys, 200k insert/remove cycles: tombstones must be purged by same-size rehashes.
+        let ix = BlockIndex::with_capacity(64);
+        assert_eq!(ix.capacity(), 256);
+        const LIVE: u64 = 32;
+        for i in 0..LIVE {
+            ix.insert_if_absent(k(i), v(i as u32, 0)).unwrap();
+        }
+        for i in LIVE..200_000 {
+            let old = i - LIVE;
+            assert!(ix.remove_if(&k(old), v(old as u32, 0)));
+            assert_eq!(ix.insert_if_absent(k(i), v(i as u32, 0)), Ok(()));
+            assert_eq!(ix.len(), LIVE as usize);
+            assert_eq!(ix.capacity(), 256, "at cycle {i}");
+        }
+        for i in 200_000 - LIVE..200_000 {
+            assert_eq!(ix.get(&k(i)), Some(v(i as u32, 0)));
+        }
+        assert_eq!(ix.get(&k(200_000 - LIVE - 1)), None);
+    }
+
+    #[test]
+    fn shrinks_back_to_initial_size() {
+        let ix = BlockIndex::with_capacity(8);
+        assert_eq!(ix.capacity(), 32);
+        for i in 0..10_000 {
+            ix.insert_if_absent(k(i), v(1, i)).unwrap();
+        }
+        assert!(ix.capacity() >= 16_384);
+        for i in 0..10_000 {
+            assert!(ix.remove_if(&k(i), v(1, i)));
+        }
+        assert_eq!(ix.len(), 0);
+        // The next migration (triggered when tombstones + new entries reach half) sizes from the live
+        // count, so after enough inserts the table is back at its initial size.
+        let mut i = 10_000;
+        while ix.capacity() != 32 {
+            ix.insert_if_absent(k(i), v(2, i)).unwrap();
+            assert!(ix.remove_if(&k(i), v(2, i)));
+            i += 1;
+            assert!(i < 100_000, "never shrank");
+        }
+        assert!(ix.is_empty());
+        assert_eq!(ix.insert_if_absent(k(1), v(3, 3)), Ok(()));
+        assert_eq!(ix.get(&k(1)), Some(v(3, 3)));
+    }
+
+    #[test]
+    fn debug_shows_len_and_capacity() {
+        let ix = BlockIndex::with_capacity(1);
+        ix.insert_if_absent(k(1), v(1, 1)).unwrap();
+        let s = format!("{ix:?}");
+        assert!(s.starts_with("BlockIndex { len: 1, capacity: 4,"), "{s}");
+    }
+
+    #[test]
+    fn concurrent_inserts_of_same_keys_have_one_winner() {
+        const T: u32 = 4;
+        const N: u64 = 5_000;
+        let ix = BlockIndex::with_capacity(1); // grows many times while threads race
+        let wins: Vec<Vec<(u64, Result<(), SlotRef>)>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..T)
+                .map(|t| {
+                    let ix = &ix;
+                    s.spawn(move || (0..N).map(|i| (i, ix.insert_if_absent(k(i), v(t, i)))).collect::<Vec<_>>())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(ix.len(), N as usize);
+        for i in 0..N {
+            let stored = ix.get(&k(i)).expect("present");
+            let winners: Vec<u32> = (0..T).filter(|&t| wins[t as usize][i as usize].1.is_ok()).collect();
+            assert_eq!(winners.len(), 1, "key {i}: winners {winners:?}");
+            assert_eq!(stored, v(winners[0], i));
+            for t in 0..T {
+                if t != winners[0] {
+                    assert_eq!(wins[t as usize][i as usize].1, Err(stored), "loser sees the winner's value");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn readers_during_growth_find_old_keys_and_never_a_wrong_value() {
+        const PRE: u64 = 500;
+        const NEW: u64 = 40_000;
+        let ix = BlockIndex::with_capacity(1);
+        for i in 0..PRE {
+            ix.insert_if_absent(k(i), v(i as u32, i + 1)).unwrap();
+        }
+        let done = AtomicBool::new(false);
+        let rounds = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for w in 0..2u64 {
+                let (ix, done) = (&ix, &done);
+                s.spawn(move || {
+                    for i in (PRE + w..PRE + NEW).step_by(2) {
+                        ix.insert_if_absent(k(i), v(i as u32, i + 1)).unwrap();
+                    }
+                    done.store(true, Ordering::Release);
+                });
+            }
+            for r in 0..2 {
+                let (ix, done, rounds) = (&ix, &done, &rounds);
+                s.spawn(move || {
+                    let mut probe = PRE;
+                    loop {
+                        let finished = done.load(Ordering::Acquire);
+                        if r == 0 {
+                            for i in 0..PRE {
+                                assert_eq!(ix.get(&k(i)), Some(v(i as u32, i + 1)), "pre-inserted key {i}");
+                            }
+                        } else {
+                            let rd = ix.reader();
+                            for i in 0..PRE {
+                                assert_eq!(rd.get(&k(i)), Some(v(i as u32, i + 1)), "pre-inserted key {i}");
+                            }
+                        }
+                        for _ in 0..PRE {
+                            if let Some(got) = ix.get(&k(probe)) {
+                                assert_eq!(got, v(probe as u32, probe + 1), "concurrently inserted key {probe}");
+                            }
+                            probe = if probe + 1 == PRE + NEW { PRE } else { probe + 1 };
+                        }
+                        rounds.fetch_add(1, Ordering::Relaxed);
+                        if finished {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        assert!(rounds.load(Ordering::Relaxed) >= 2);
+        assert_eq!(ix.len(), (PRE + NEW) as usize);
+        for i in 0..PRE + NEW {
+            assert_eq!(ix.get(&k(i)), Some(v(i as u32, i + 1)));
+        }
+    }
+
+    #[test]
+    fn concurrent_churn_keeps_len_exact() {
+        // Each thread owns a disjoint key range and cycles insert/remove far beyond the capacity, while
+        // the other threads force migrations (same-size rehashes) that every writer must help with.
+        const T: u64 = 4;
+        const LIVE: u64 = 16;
+        const CYCLES: u64 = 20_000;
+        let ix = BlockIndex::with_capacity(8);
+        std::thread::scope(|s| {
+            for t in 0..T {
+                let ix = &ix;
+                s.spawn(move || {
+                    let base = t << 40;
+                    for i in 0..CYCLES {
+                        assert_eq!(ix.insert_if_absent(k(base + i), v(t as u32, i)), Ok(()));
+                        if i >= LIVE {
+                            let old = i - LIVE;
+                            assert!(ix.remove_if(&k(base + old), v(t as u32, old)));
+                            assert_eq!(ix.get(&k(base + old)), None);
+                        }
+                        assert_eq!(ix.get(&k(base + i)), Some(v(t as u32, i)));
+                    }
+                });
+            }
+        });
+        assert_eq!(ix.len(), (T * LIVE) as usize);
+        // Live count at any migration is at most T * (LIVE + 1), so at most next_pow2(4 * 68) buckets.
+        assert!(ix.capacity() <= 512, "capacity {}", ix.capacity());
+        for t in 0..T {
+            for i in 0..CYCLES {
+                let want = (i >= CYCLES - LIVE).then_some(v(t as u32, i));
+                assert_eq!(ix.get(&k((t << 40) + i)), want);
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(u8, u32, u8),
+        Remove(u8, u32, u8),
+        Get(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u8..48, 0u32..4, 0u8..3).prop_map(|(key, s, g)| Op::Insert(key, s, g)),
+            2 => (0u8..48, 0u32..4, 0u8..3).prop_map(|(key, s, g)| Op::Remove(key, s, g)),
+            2 => (0u8..48).prop_map(Op::Get),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn matches_std_hashmap(cap in 0usize..8, ops in proptest::collection::vec(op(), 1..600)) {
+            let ix = BlockIndex::with_capacity(cap);
+            let mut model: HashMap<u8, SlotRef> = HashMap::new();
+            for o in ops {
+                match o {
+                    Op::Insert(key, s, g) => {
+                        let val = v(s, g as u64);
+                        let want = match model.get(&key) {
+                            Some(&old) => Err(old),
+                            None => {
+                                model.insert(key, val);
+                                Ok(())
+                            }
+                        };
+                        prop_assert_eq!(ix.insert_if_absent(k(key as u64), val), want);
+                    }
+                    Op::Remove(key, s, g) => {
+                        let val = v(s, g as u64);
+                        let want = model.get(&key) == Some(&val);
+                        if want {
+                            model.remove(&key);
+                        }
+                        prop_assert_eq!(ix.remove_if(&k(key as u64), val), want);
+                    }
+                    Op::Get(key) => prop_assert_eq!(ix.get(&k(key as u64)), model.get(&key).copied()),
+                }
+                prop_assert_eq!(ix.len(), model.len());
+            }
+            let rd = ix.reader();
+            for key in 0u8..48 {
+                prop_assert_eq!(rd.get(&k(key as u64)), model.get(&key).copied());
+            }
+        }
     }
 }

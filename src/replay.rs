@@ -1,1 +1,535 @@
-//! Trace replay through the tier. (STUB: being written.)
+//! Trace replay through [`HostTier`] in pure host-tier mode (no GPU prefix cache): the engine side of
+//! `kvtier replay`.
+//!
+//! For each request (its full pages and keys from [`TraceRequest::page_keys`]):
+//!
+//! 1. take `n` free GPU pages from the replay's GPU-page free list (waiting while other requests in
+//!    flight hold them);
+//! 2. `tier.query(keys)`: a lease over the longest run of leading resident pages (`h` hits);
+//! 3. restore the lease into the first `h` GPU pages and wait (the restore latency is measured from
+//!    submission to completion);
+//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`crate::pattern`]);
+//!    any mismatch fails the run;
+//! 5. "prefill" pages `h..n`: write the pattern of each key into its GPU page;
+//! 6. save pages `h..n` with [`Fit::Prefix`]: resident pages copy nothing (their recency is
+//!    refreshed), missing pages are copied, as many leading ones as the pool can hold (the rest are
+//!    counted as dropped); wait for the copy, then give the GPU pages back.
+//!
+//! With `concurrency == 1` every request, save included, completes before the next starts, so the
+//! hit count is a deterministic function of the trace, the pool capacity and the policy (and equals
+//! the reference model in `tests/replay.rs` for LRU). With `concurrency = N`, N worker threads take
+//! requests in file order and run them concurrently against one rank.
+
+use crate::copy::{EngineArenas, WaitFor};
+use crate::error::{Error, ReplayError, TierError};
+use crate::evict::PolicyKind;
+use crate::pool::{BackingChoice, PoolConfig};
+use crate::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use crate::trace::{pages_per_block, TraceRequest};
+use serde::Serialize;
+use std::fmt;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What to replay and how.
+#[derive(Clone, Debug)]
+pub struct ReplayConfig {
+    /// Eviction policy of the tier.
+    pub policy: PolicyKind,
+    /// Host pool size in bytes (capacity = `floor(pool_bytes / slot_bytes)` slots).
+    pub pool_bytes: u64,
+    /// Which pages back the pool.
+    pub backing: BackingChoice,
+    /// GPU pages the replay may use; `None` = every page of the arenas. Must not exceed the arenas'
+    /// page count, and must hold the largest request.
+    pub gpu_pages: Option<u64>,
+    /// Replay only the first `requests` requests (`None` = all).
+    pub requests: Option<usize>,
+    /// Requests in flight (worker threads), >= 1.
+    pub concurrency: usize,
+}
+
+impl Default for ReplayConfig {
+    /// LRU, 4 GiB pool, automatic backing, all arena pages, all requests, one at a time.
+    fn default() -> Self {
+        ReplayConfig {
+            policy: PolicyKind::Lru,
+            pool_bytes: 4 << 30,
+            backing: BackingChoice::Auto,
+            gpu_pages: None,
+            requests: None,
+            concurrency: 1,
+        }
+    }
+}
+
+/// GPU pages needed to replay `requests` with `concurrency` requests in flight:
+/// the largest request's page count times `concurrency` (at least 1).
+///
+/// # Errors
+/// [`Error::Config`] if `page_tokens` does not divide 512.
+pub fn gpu_pages_needed(requests: &[TraceRequest], page_tokens: u32, concurrency: usize) -> Result<u64, Error> {
+    check_page_tokens(page_tokens)?;
+    let max = requests.iter().map(|r| r.page_count(page_tokens)).max().unwrap_or(0) as u64;
+    Ok((max * concurrency.max(1) as u64).max(1))
+}
+
+fn check_page_tokens(page_tokens: u32) -> Result<(), Error> {
+    match pages_per_block(page_tokens) {
+        Some(_) => Ok(()),
+        None => Err(Error::Config(format!(
+            "pages of {page_tokens} tokens do not divide the trace's 512-token blocks; replay needs a geometry \
+             whose page size divides 512"
+        ))),
+    }
+}
+
+/// The result of a replay. Byte counts are payload bytes (pages x the geometry's block bytes);
+/// GB = 10^9 B.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    /// Copy backend (`host`, `cuda`).
+    pub backend: String,
+    /// Model of the geometry.
+    pub model: String,
+    /// Bytes of one block (one page across all arenas).
+    pub block_bytes: u64,
+    /// Eviction policy.
+    pub policy: String,
+    /// Requests in flight.
+    pub concurrency: usize,
+    /// GPU pages used by the replay.
+    pub gpu_pages: u64,
+    /// Pool backing (`hugetlb`, `thp`, `plain`).
+    pub pool_backing: String,
+    /// Pool capacity in slots (blocks).
+    pub pool_capacity_slots: u64,
+    /// Pool capacity in bytes (`slots x slot_bytes`).
+    pub pool_capacity_bytes: u64,
+    /// Requests replayed.
+    pub requests: u64,
+    /// Full pages over all requests.
+    pub pages: u64,
+    /// Pages served from the tier (leading resident pages, restored).
+    pub hit_pages: u64,
+    /// `hit_pages / pages` (0 when there are no pages).
+    pub page_hit_ratio: f64,
+    /// Pages copied GPU -> host by saves.
+    pub saved_pages: u64,
+    /// Pages a save skipped because they were already resident (recency refreshed, nothing copied).
+    pub resident_pages: u64,
+    /// Pages a save skipped because another save of the same key was in flight.
+    pub in_flight_pages: u64,
+    /// Missing pages not saved because the pool could not hold them ([`Fit::Prefix`] drops).
+    pub dropped_pages: u64,
+    /// Pages of saves the tier refused outright (pool exhausted by pinned or in-flight slots).
+    pub refused_pages: u64,
+    /// Pages copied host -> GPU by restores (= `hit_pages`).
+    pub restored_pages: u64,
+    /// Bytes copied by saves.
+    pub bytes_saved: u64,
+    /// Bytes copied by restores.
+    pub bytes_restored: u64,
+    /// `bytes_saved / wall_s` in GB/s.
+    pub save_gbps_wall: f64,
+    /// `bytes_restored / wall_s` in GB/s.
+    pub restore_gbps_wall: f64,
+    /// `bytes_saved / summed save time` (submission to completion of each save) in GB/s.
+    pub save_gbps_copy: f64,
+    /// `bytes_restored / summed restore time` (submission to completion of each restore) in GB/s.
+    pub restore_gbps_copy: f64,
+    /// Restores (requests with at least one hit).
+    pub restores: u64,
+    /// Median restore latency, submission to completion, in microseconds (0 without restores).
+    pub restore_latency_p50_us: f64,
+    /// 99th percentile restore latency in microseconds (nearest rank; 0 without restores).
+    pub restore_latency_p99_us: f64,
+    /// Blocks evicted from the pool.
+    pub evictions: u64,
+    /// Restored pages checked byte for byte against their keys (all of them; any mismatch fails
+    /// the run, so a finished report always passed).
+    pub verified_pages: u64,
+    /// `passed` (a failed verification is an error, not a report).
+    pub verification: String,
+    /// Wall time of the replay in seconds (tier creation excluded).
+    pub wall_s: f64,
+    /// The tier's own counters at the end.
+    pub tier: TierStats,
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    let s = d.as_secs_f64();
+    if s > 0.0 {
+        bytes as f64 / s / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Nearest-rank percentile `p` (0..=100) of sorted `v`, or 0 for an empty slice.
+fn percentile(v: &[Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+impl fmt::Display for ReplayReport {
+    /// A human-readable table.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gb = |b: u64| b as f64 / 1e9;
+        let rows: Vec<(&str, String)> = vec![
+            ("backend", self.backend.clone()),
+            ("model", format!("{} ({} B per block)", self.model, self.block_bytes)),
+            ("policy", self.policy.clone()),
+            ("concurrency", self.concurrency.to_string()),
+            ("GPU pages", self.gpu_pages.to_string()),
+            (
+                "pool",
+                format!(
+                    "{} slots, {:.2} GB, backing {}",
+                    self.pool_capacity_slots,
+                    gb(self.pool_capacity_bytes),
+                    self.pool_backing
+                ),
+            ),
+            ("requests", self.requests.to_string()),
+            ("pages", self.pages.to_string()),
+            ("hit pages", self.hit_pages.to_string()),
+            ("page hit ratio", format!("{:.4}", self.page_hit_ratio)),
+            (
+                "saved",
+                format!(
+                    "{} pages, {:.2} GB ({} resident, {} in flight, {} dropped, {} refused)",
+                    self.saved_pages,
+                    gb(self.bytes_saved),
+                    self.resident_pages,
+                    self.in_flight_pages,
+                    self.dropped_pages,
+                    self.refused_pages
+                ),
+            ),
+            (
+                "restored",
+                format!(
+                    "{} pages, {:.2} GB in {} restores",
+                    self.restored_pages,
+                    gb(self.bytes_restored),
+                    self.restores
+                ),
+            ),
+            (
+                "save GB/s",
+                format!("{:.2} over wall time, {:.2} over summed save time", self.save_gbps_wall, self.save_gbps_copy),
+            ),
+            (
+                "restore GB/s",
+                format!(
+                    "{:.2} over wall time, {:.2} over summed restore time",
+                    self.restore_gbps_wall, self.restore_gbps_copy
+                ),
+            ),
+            (
+                "restore latency",
+                format!("p50 {:.0} us, p99 {:.0} us", self.restore_latency_p50_us, self.restore_latency_p99_us),
+            ),
+            ("evictions", self.evictions.to_string()),
+            ("verification", format!("{} ({} pages verified)", self.verification, self.verified_pages)),
+            ("wall time", format!("{:.2} s", self.wall_s)),
+        ];
+        let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        for (k, v) in rows {
+            writeln!(f, "{k:<w$}  {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Per-worker counters, merged at the end.
+#[derive(Default)]
+struct Acc {
+    requests: u64,
+    pages: u64,
+    hits: u64,
+    saved: u64,
+    resident: u64,
+    in_flight: u64,
+    dropped: u64,
+    refused: u64,
+    verified: u64,
+    restore_lat: Vec<Duration>,
+    save_time: Duration,
+}
+
+impl Acc {
+    fn merge(&mut self, o: Acc) {
+        self.requests += o.requests;
+        self.pages += o.pages;
+        self.hits += o.hits;
+        self.saved += o.saved;
+        self.resident += o.resident;
+        self.in_flight += o.in_flight;
+        self.dropped += o.dropped;
+        self.refused += o.refused;
+        self.verified += o.verified;
+        self.restore_lat.extend(o.restore_lat);
+        self.save_time += o.save_time;
+    }
+}
+
+/// The replay's GPU-page free list: requests take pages for their lifetime and give them back.
+struct GpuPages {
+    free: Mutex<Vec<u64>>,
+    returned: Condvar,
+}
+
+impl GpuPages {
+    fn new(pages: u64) -> Self {
+        // LIFO, lowest ids on top: recently used (already touched) pages are reused first.
+        GpuPages { free: Mutex::new((0..pages).rev().collect()), returned: Condvar::new() }
+    }
+
+    /// Takes `n` pages (`n` <= the total, checked by the caller), waiting until they are free.
+    fn take(&self, n: usize) -> PageLease<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while free.len() < n {
+            free = self.returned.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        let at = free.len() - n;
+        let mut pages = free.split_off(at);
+        pages.reverse();
+        PageLease { owner: self, pages }
+    }
+}
+
+/// GPU pages held by one request; given back on drop (also on error paths).
+struct PageLease<'a> {
+    owner: &'a GpuPages,
+    pages: Vec<u64>,
+}
+
+impl Drop for PageLease<'_> {
+    fn drop(&mut self) {
+        let mut free = self.owner.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.extend(self.pages.drain(..).rev());
+        drop(free);
+        self.owner.returned.notify_all();
+    }
+}
+
+/// Work queue shared by the workers: next request index, and a stop flag set by the first error.
+struct Queue {
+    next: usize,
+    stop: bool,
+}
+
+/// Replays `requests` (the first `config.requests` of them) through a new [`HostTier`] over
+/// `arenas` (one rank), calling `progress(1)` after each completed request.
+///
+/// The geometry is `arenas.geometry()`; the replay uses GPU pages `0..config.gpu_pages` (default:
+/// all of the arenas' pages).
+///
+/// # Errors
+/// [`Error::Config`] for a concurrency of 0, a page size that does not divide 512, or more GPU
+/// pages than the arenas have; [`ReplayError::NoRequests`]; [`ReplayError::RequestTooLarge`] (before
+/// anything runs) if a request has more pages than the GPU pages; pool and tier construction
+/// errors; [`Error::Verification`] if a restored page differs from its key's bytes; copy and tier
+/// errors of any request (the first one stops the replay).
+pub fn run(
+    requests: &[TraceRequest],
+    config: &ReplayConfig,
+    arenas: &dyn EngineArenas,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<ReplayReport, Error> {
+    let geometry = arenas.geometry().clone();
+    let page_tokens = geometry.page_tokens();
+    check_page_tokens(page_tokens)?;
+    if config.concurrency == 0 {
+        return Err(Error::Config("concurrency must be at least 1".into()));
+    }
+    let requests = &requests[..config.requests.unwrap_or(usize::MAX).min(requests.len())];
+    if requests.is_empty() {
+        return Err(ReplayError::NoRequests.into());
+    }
+    let gpu_pages = config.gpu_pages.unwrap_or(geometry.pages());
+    if gpu_pages > geometry.pages() {
+        return Err(Error::Config(format!(
+            "{gpu_pages} GPU pages asked for but the arenas hold {} pages",
+            geometry.pages()
+        )));
+    }
+    for (i, r) in requests.iter().enumerate() {
+        let pages = r.page_count(page_tokens);
+        if pages as u64 > gpu_pages {
+            return Err(ReplayError::RequestTooLarge { request: i + 1, pages, gpu_pages }.into());
+        }
+    }
+
+    let tier = HostTier::new(TierConfig {
+        pool: PoolConfig { bytes: config.pool_bytes, backing: config.backing, ..Default::default() },
+        policy: config.policy,
+        ..TierConfig::default_for(geometry.clone())
+    })?;
+    let backend = arenas.backend()?;
+    let backend_name = backend.name().to_string();
+    let rank = tier.attach(backend)?;
+    let ns = geometry.namespace();
+    let gpu = GpuPages::new(gpu_pages);
+    let queue = Mutex::new(Queue { next: 0, stop: false });
+    let workers = config.concurrency.min(requests.len());
+
+    let start = Instant::now();
+    let results: Vec<Result<Acc, Error>> = std::thread::scope(|s| {
+        let worker = || {
+            let mut acc = Acc::default();
+            loop {
+                let i = {
+                    let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                    if q.stop || q.next >= requests.len() {
+                        return Ok(acc);
+                    }
+                    q.next += 1;
+                    q.next - 1
+                };
+                let keys = requests[i].page_keys(&ns, page_tokens);
+                if let Err(e) = one_request(&tier, &rank, arenas, &gpu, &keys, &mut acc) {
+                    queue.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+                    return Err(e);
+                }
+                progress(1);
+            }
+        };
+        let handles: Vec<_> = (1..workers).map(|_| s.spawn(worker)).collect();
+        let mut results = vec![worker()];
+        results.extend(handles.into_iter().map(|h| h.join().expect("replay worker panicked")));
+        results
+    });
+    let wall = start.elapsed();
+
+    let mut acc = Acc::default();
+    for r in results {
+        acc.merge(r?);
+    }
+    acc.restore_lat.sort_unstable();
+    let stats = tier.stats();
+    let block_bytes = geometry.block_bytes();
+    let bytes_saved = acc.saved * block_bytes;
+    let bytes_restored = acc.hits * block_bytes;
+    let restore_time: Duration = acc.restore_lat.iter().sum();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let capacity = tier.capacity() as u64;
+    Ok(ReplayReport {
+        backend: backend_name,
+        model: geometry.model().to_string(),
+        block_bytes,
+        policy: config.policy.name().to_string(),
+        concurrency: config.concurrency,
+        gpu_pages,
+        pool_backing: backing_name(tier.pool().backing()).to_string(),
+        pool_capacity_slots: capacity,
+        pool_capacity_bytes: capacity * geometry.slot_bytes(),
+        requests: acc.requests,
+        pages: acc.pages,
+        hit_pages: acc.hits,
+        page_hit_ratio: if acc.pages > 0 { acc.hits as f64 / acc.pages as f64 } else { 0.0 },
+        saved_pages: acc.saved,
+        resident_pages: acc.resident,
+        in_flight_pages: acc.in_flight,
+        dropped_pages: acc.dropped,
+        refused_pages: acc.refused,
+        restored_pages: acc.hits,
+        bytes_saved,
+        bytes_restored,
+        save_gbps_wall: gbps(bytes_saved, wall),
+        restore_gbps_wall: gbps(bytes_restored, wall),
+        save_gbps_copy: gbps(bytes_saved, acc.save_time),
+        restore_gbps_copy: gbps(bytes_restored, restore_time),
+        restores: acc.restore_lat.len() as u64,
+        restore_latency_p50_us: us(percentile(&acc.restore_lat, 50.0)),
+        restore_latency_p99_us: us(percentile(&acc.restore_lat, 99.0)),
+        evictions: stats.evictions,
+        verified_pages: acc.verified,
+        verification: "passed".into(),
+        wall_s: wall.as_secs_f64(),
+        tier: stats,
+    })
+}
+
+/// Report name of a pool backing.
+pub fn backing_name(b: crate::pool::Backing) -> &'static str {
+    match b {
+        crate::pool::Backing::HugeTlb => "hugetlb",
+        crate::pool::Backing::TransparentHuge => "thp",
+        crate::pool::Backing::Plain => "plain",
+    }
+}
+
+/// One request: query, restore + verify the hits, prefill and save the rest (see the module docs).
+fn one_request(
+    tier: &HostTier,
+    rank: &Rank,
+    arenas: &dyn EngineArenas,
+    gpu: &GpuPages,
+    keys: &[crate::ContentKey],
+    acc: &mut Acc,
+) -> Result<(), Error> {
+    let n = keys.len();
+    let held = gpu.take(n);
+    let pages = &held.pages[..];
+    let lease = tier.query(keys);
+    let h = lease.len();
+    if h > 0 {
+        let t0 = Instant::now();
+        let handle = rank.restore(&lease, &pages[..h], WaitFor::Nothing)?;
+        handle.wait()?;
+        acc.restore_lat.push(t0.elapsed());
+        arenas.verify(&pages[..h], &keys[..h])?;
+        acc.verified += h as u64;
+    }
+    drop(lease);
+    if h < n {
+        arenas.fill(&pages[h..], &keys[h..])?;
+        let t0 = Instant::now();
+        match rank.save_with(&keys[h..], &pages[h..], WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }) {
+            Ok(ticket) => {
+                ticket.handle.wait()?;
+                acc.save_time += t0.elapsed();
+                acc.saved += ticket.saving.len() as u64;
+                acc.resident += ticket.resident as u64;
+                acc.in_flight += ticket.in_flight as u64;
+                acc.dropped += ticket.dropped as u64;
+            }
+            Err(TierError::CannotFit { .. } | TierError::PoolExhausted { .. }) => acc.refused += (n - h) as u64,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    acc.requests += 1;
+    acc.pages += n as u64;
+    acc.hits += h as u64;
+    Ok(())
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile(&v, 50.0), Duration::from_micros(50));
+        assert_eq!(percentile(&v, 99.0), Duration::from_micros(99));
+        assert_eq!(percentile(&v[..1], 99.0), Duration::from_micros(1));
+        assert_eq!(percentile(&[], 50.0), Duration::ZERO);
+    }
+
+    #[test]
+    fn gpu_pages_wait_and_return() {
+        let g = GpuPages::new(4);
+        let a = g.take(3);
+        assert_eq!(a.pages, vec![0, 1, 2]);
+        drop(a);
+        let b = g.take(4);
+        assert_eq!(b.pages, vec![0, 1, 2, 3]);
+    }
+}

@@ -1,1 +1,218 @@
-fn main() {}
+//! The `kvtier` command line.
+//!
+//! `kvtier replay [TRACE]` replays a Mooncake-format trace (default: the bundled sample) through the
+//! host tier and prints a report (a table, or JSON with `--json`). Logs go to stderr, filtered by
+//! `RUST_LOG` (default `warn`). Any error exits with status 1 and its message on stderr.
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvtier::copy::EngineArenas;
+use kvtier::evict::PolicyKind;
+use kvtier::replay::{self, ReplayConfig};
+use kvtier::trace::{self, TraceRequest};
+use kvtier::{BackingChoice, Error, Geometry, TraceError};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "kvtier", version, about = "A host-memory tier for LLM KV caches")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay a Mooncake-format trace through the host tier and report hits, bytes moved and speed.
+    Replay(ReplayArgs),
+}
+
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// Trace file (JSON Lines, Mooncake format). Default: the bundled sample of the conversation trace.
+    trace: Option<PathBuf>,
+    /// Block layout preset: glm52, qwen3-4b, deepseek-v3, deepseek-v3-bf16, llama3-8b.
+    #[arg(long, default_value = "glm52")]
+    geometry: String,
+    /// Host pool size, with units (e.g. 4GiB, 512MiB, 32GB; GB = 10^9 B, GiB = 2^30 B).
+    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+    pool: u64,
+    /// GPU pages for the replay. Default: the largest request's pages x concurrency.
+    #[arg(long)]
+    gpu_pages: Option<u64>,
+    /// Eviction policy (one of the built-in policies: lru, clock, ...).
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    policy: PolicyKind,
+    /// Copy backend: auto = cuda if built with feature `cuda` and a GPU is present, else host.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Pool backing: auto = hugetlb if enough 2 MiB pages are reserved, else THP, else plain pages.
+    #[arg(long, value_enum, default_value_t = BackingArg::Auto)]
+    backing: BackingArg,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Requests in flight (1 = one at a time in file order, deterministic hits).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    concurrency: u64,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Copy, Clone, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Auto,
+    Host,
+    Cuda,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum BackingArg {
+    Auto,
+    Hugetlb,
+    Thp,
+    Plain,
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    PolicyKind::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| {
+        let known: Vec<&str> = PolicyKind::ALL.iter().map(|p| p.name()).collect();
+        format!("unknown policy `{s}` (known: {})", known.join(", "))
+    })
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("`{s}` is not a byte size (e.g. 4GiB, 512MiB, 32GB): {e}"))
+}
+
+/// The engine arenas for the chosen backend.
+fn make_arenas(backend: BackendArg, geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
+    let use_cuda = match backend {
+        BackendArg::Host => false,
+        BackendArg::Cuda => true,
+        BackendArg::Auto => cuda_present(),
+    };
+    if use_cuda {
+        return cuda_arenas(geometry);
+    }
+    Ok(Box::new(std::sync::Arc::new(kvtier::copy::host::HostArenas::new(geometry)?)))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_present() -> bool {
+    kvtier::cuda::cuda_available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_present() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_arenas(geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
+    Ok(Box::new(kvtier::cuda::CudaArenas::new(0, geometry, kvtier::cuda::CudaOptions::default())?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_arenas(_geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
+    Err(kvtier::CopyError::Unavailable {
+        backend: "cuda",
+        reason: "this kvtier was built without CUDA support; rebuild it with \
+                 `cargo build --release --features cuda` (or use --backend host)"
+            .into(),
+    }
+    .into())
+}
+
+fn replay(args: ReplayArgs) -> Result<(), Error> {
+    let requests: Vec<TraceRequest> = match &args.trace {
+        Some(p) => trace::load(p)?,
+        None => {
+            let r = trace::sample()?;
+            if r.is_empty() {
+                return Err(TraceError::Empty { path: trace::SAMPLE_NAME.into() }.into());
+            }
+            r
+        }
+    };
+    let requests = &requests[..args.requests.unwrap_or(usize::MAX).min(requests.len())];
+    let concurrency = args.concurrency as usize;
+    // Page size first (presets differ), then the arenas sized for the replay.
+    let probe = Geometry::preset(&args.geometry, 1)?;
+    let gpu_pages = match args.gpu_pages {
+        Some(0) => return Err(Error::Config("--gpu-pages must be at least 1".into())),
+        Some(n) => n,
+        None => replay::gpu_pages_needed(requests, probe.page_tokens(), concurrency)?,
+    };
+    let geometry = probe.with_pages(gpu_pages)?;
+    let arenas = make_arenas(args.backend, &geometry)?;
+    let config = ReplayConfig {
+        policy: args.policy,
+        pool_bytes: args.pool,
+        backing: match args.backing {
+            BackingArg::Auto => BackingChoice::Auto,
+            BackingArg::Hugetlb => BackingChoice::HugeTlb,
+            BackingArg::Thp => BackingChoice::TransparentHuge,
+            BackingArg::Plain => BackingChoice::Plain,
+        },
+        gpu_pages: Some(gpu_pages),
+        requests: None,
+        concurrency,
+    };
+    tracing::info!(
+        requests = requests.len(),
+        gpu_pages,
+        pool_bytes = args.pool,
+        geometry = %args.geometry,
+        "starting replay"
+    );
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(requests.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests ({eta} left)")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let progress = |n: u64| {
+        if let Some(b) = &bar {
+            b.inc(n);
+        }
+    };
+    let result = replay::run(requests, &config, arenas.as_ref(), &progress);
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let report = result?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Replay(args) => replay(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -15,6 +15,7 @@
 //! contents. A completion can expose a CUDA event ([`Completion::cuda_event`]) that the engine's
 //! compute stream waits on before it reads restored pages.
 
+pub mod fault;
 pub mod host;
 
 use crate::error::CopyError;

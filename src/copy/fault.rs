@@ -1,0 +1,111 @@
+//! A copy backend wrapper that injects failures, for testing that an engine degrades correctly.
+//!
+//! The host tier is a cache, never a correctness dependency: when a save or restore fails, the
+//! engine must fall back to a full prefill and still produce correct output. [`FaultyBackend`] wraps
+//! any backend and makes a deterministic pseudo-random fraction of batches fail, either at
+//! submission (the call returns an error) or at completion (the copy "ran" but reports failure; for
+//! a restore the destination pages then hold garbage, which is what a real device fault leaves).
+
+use super::{Completion, CopyBackend, CopyPair, WaitFor};
+use crate::error::CopyError;
+use crate::geometry::Geometry;
+use crate::pool::HostPool;
+use crate::sync::{AtomicU64, Ordering};
+
+/// Where an injected failure shows up.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FaultSite {
+    /// `save`/`restore` return [`CopyError::Device`] and nothing is copied.
+    Submit,
+    /// The copy is submitted but its completion reports [`CopyError::Device`].
+    Completion,
+}
+
+/// Wraps a backend and fails about `rate` of its batches (see the module docs).
+pub struct FaultyBackend {
+    inner: Box<dyn CopyBackend>,
+    rate: f64,
+    state: AtomicU64,
+    injected: AtomicU64,
+}
+
+impl FaultyBackend {
+    /// Fails a fraction `rate` (0.0..=1.0) of batches, chosen by a generator seeded with `seed`.
+    pub fn new(inner: Box<dyn CopyBackend>, rate: f64, seed: u64) -> Self {
+        FaultyBackend {
+            inner,
+            rate: rate.clamp(0.0, 1.0),
+            state: AtomicU64::new(seed | 1),
+            injected: AtomicU64::new(0),
+        }
+    }
+
+    /// Failures injected so far.
+    pub fn injected(&self) -> u64 {
+        self.injected.load(Ordering::Relaxed)
+    }
+
+    /// Decides the next batch's fate: `None` (no fault) or where it fails.
+    fn roll(&self) -> Option<FaultSite> {
+        let x = crate::pattern::mix64(self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+        let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+        if u >= self.rate {
+            return None;
+        }
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        Some(if x & 1 == 0 { FaultSite::Submit } else { FaultSite::Completion })
+    }
+
+    fn fault(what: &str) -> CopyError {
+        CopyError::Device { call: what.to_string(), message: "injected fault".into() }
+    }
+}
+
+struct Failing(Box<dyn Completion>);
+
+impl Completion for Failing {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        match self.0.poll()? {
+            true => Err(FaultyBackend::fault("completion")),
+            false => Ok(false),
+        }
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        // Let the real copy finish first: memory is never released under a running copy.
+        self.0.wait()?;
+        Err(FaultyBackend::fault("completion"))
+    }
+    fn cuda_event(&self) -> Option<u64> {
+        self.0.cuda_event()
+    }
+}
+
+impl CopyBackend for FaultyBackend {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn geometry(&self) -> &Geometry {
+        self.inner.geometry()
+    }
+    fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
+        self.inner.bind_pool(pool)
+    }
+    unsafe fn save(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        match self.roll() {
+            Some(FaultSite::Submit) => Err(Self::fault("save")),
+            // SAFETY: forwarded under the caller's contract.
+            Some(FaultSite::Completion) => Ok(Box::new(Failing(unsafe { self.inner.save(batch, wait) }?))),
+            // SAFETY: forwarded under the caller's contract.
+            None => unsafe { self.inner.save(batch, wait) },
+        }
+    }
+    unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        match self.roll() {
+            Some(FaultSite::Submit) => Err(Self::fault("restore")),
+            // SAFETY: forwarded under the caller's contract.
+            Some(FaultSite::Completion) => Ok(Box::new(Failing(unsafe { self.inner.restore(batch, wait) }?))),
+            // SAFETY: forwarded under the caller's contract.
+            None => unsafe { self.inner.restore(batch, wait) },
+        }
+    }
+}

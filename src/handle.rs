@@ -1,0 +1,174 @@
+//! Completion handles for submitted copies: poll, wait, await, or register a callback.
+//!
+//! A [`CopyHandle`] is completed by the rank's completion thread after the backend reports the copy
+//! finished *and* the tier has finalised it (saved blocks committed and visible, restore guards
+//! dropped). So once a save's handle is done, a query finds the blocks; once a restore's handle is
+//! done, the GPU pages hold the bytes. Waiting with a timeout never frees anything: memory is
+//! released only by completion.
+
+use crate::error::{CopyError, TierError};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+type Callback = Box<dyn FnOnce(&Result<(), String>) + Send>;
+
+#[derive(Default)]
+struct State {
+    result: Option<Result<(), String>>,
+    completed_at: Option<Instant>,
+    wakers: Vec<Waker>,
+    callbacks: Vec<Callback>,
+}
+
+pub(crate) struct HandleShared {
+    state: Mutex<State>,
+    cv: Condvar,
+    submitted_at: Instant,
+    blocks: usize,
+    bytes: u64,
+}
+
+impl HandleShared {
+    pub(crate) fn new(blocks: usize, bytes: u64) -> Arc<Self> {
+        Arc::new(HandleShared {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            submitted_at: Instant::now(),
+            blocks,
+            bytes,
+        })
+    }
+
+    /// Records the outcome and wakes every waiter, future and callback (once).
+    pub(crate) fn complete(&self, result: &Result<(), CopyError>) {
+        let r = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        let (wakers, callbacks) = {
+            let mut st = self.state.lock().expect("handle lock");
+            debug_assert!(st.result.is_none(), "handle completed twice");
+            st.result = Some(r.clone());
+            st.completed_at = Some(Instant::now());
+            (std::mem::take(&mut st.wakers), std::mem::take(&mut st.callbacks))
+        };
+        self.cv.notify_all();
+        for w in wakers {
+            w.wake();
+        }
+        for cb in callbacks {
+            cb(&r);
+        }
+    }
+}
+
+fn to_tier(r: &Result<(), String>) -> Result<(), TierError> {
+    r.clone().map_err(|m| TierError::Copy(CopyError::Device { call: "copy".into(), message: m }))
+}
+
+/// A handle to one submitted save or restore batch. Cloning shares it.
+#[derive(Clone)]
+pub struct CopyHandle {
+    shared: Arc<HandleShared>,
+}
+
+impl CopyHandle {
+    pub(crate) fn new(shared: Arc<HandleShared>) -> Self {
+        CopyHandle { shared }
+    }
+
+    /// A handle that is already complete (a save with nothing to copy).
+    pub(crate) fn ready() -> Self {
+        let shared = HandleShared::new(0, 0);
+        shared.complete(&Ok(()));
+        CopyHandle { shared }
+    }
+
+    /// Blocks in the batch.
+    pub fn blocks(&self) -> usize {
+        self.shared.blocks
+    }
+
+    /// Payload bytes the batch moves (blocks x bytes per block).
+    pub fn bytes(&self) -> u64 {
+        self.shared.bytes
+    }
+
+    /// True once the copy has completed and been finalised; never blocks.
+    pub fn is_done(&self) -> bool {
+        self.shared.state.lock().expect("handle lock").result.is_some()
+    }
+
+    /// The outcome if complete, without blocking.
+    pub fn try_result(&self) -> Option<Result<(), TierError>> {
+        self.shared.state.lock().expect("handle lock").result.as_ref().map(to_tier)
+    }
+
+    /// Blocks until complete.
+    ///
+    /// # Errors
+    /// The copy's failure ([`TierError::Copy`]); a failed save's blocks were never made visible.
+    pub fn wait(&self) -> Result<(), TierError> {
+        let mut st = self.shared.state.lock().expect("handle lock");
+        while st.result.is_none() {
+            st = self.shared.cv.wait(st).expect("handle lock");
+        }
+        to_tier(st.result.as_ref().expect("set"))
+    }
+
+    /// Blocks until complete or `timeout` passes; `None` on timeout (nothing is cancelled or freed).
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<(), TierError>> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.state.lock().expect("handle lock");
+        while st.result.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self.shared.cv.wait_timeout(st, deadline - now).expect("handle lock").0;
+        }
+        st.result.as_ref().map(to_tier)
+    }
+
+    /// Runs `f` with the outcome when the copy completes (at once, on this thread, if it already
+    /// has; otherwise on the rank's completion thread, which `f` must not block for long).
+    pub fn on_complete(&self, f: impl FnOnce(Result<(), TierError>) + Send + 'static) {
+        let mut st = self.shared.state.lock().expect("handle lock");
+        if let Some(r) = st.result.clone() {
+            drop(st);
+            f(to_tier(&r));
+        } else {
+            st.callbacks.push(Box::new(move |r| f(to_tier(r))));
+        }
+    }
+
+    /// Time from submission to completion, once complete.
+    pub fn latency(&self) -> Option<Duration> {
+        let st = self.shared.state.lock().expect("handle lock");
+        st.completed_at.map(|t| t.saturating_duration_since(self.shared.submitted_at))
+    }
+}
+
+/// Awaiting a handle resolves when the copy completes; the waker is called from the rank's
+/// completion thread, so an async scheduler is never blocked.
+impl Future for CopyHandle {
+    type Output = Result<(), TierError>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = self.shared.state.lock().expect("handle lock");
+        match &st.result {
+            Some(r) => Poll::Ready(to_tier(r)),
+            None => {
+                if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                    st.wakers.push(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for CopyHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyHandle").field("blocks", &self.blocks()).field("done", &self.is_done()).finish()
+    }
+}

@@ -1,0 +1,390 @@
+//! Trace replay end to end: LRU hits equal an independent reference model, every restored page is
+//! verified, bad input gives typed errors, and the `kvtier replay` command line works.
+
+use kvtier::copy::host::HostArenas;
+use kvtier::copy::{CopyBackend, EngineArenas};
+use kvtier::error::ReplayError;
+use kvtier::evict::PolicyKind;
+use kvtier::replay::{self, ReplayConfig, ReplayReport};
+use kvtier::trace::{self, TraceRequest};
+use kvtier::{ArenaSpec, BackingChoice, ContentKey, Error, Geometry, TraceError};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+// ---------------------------------------------------------------------------------------------
+// The reference model: a plain LRU over keys, with the replay's prefix-hit semantics.
+// ---------------------------------------------------------------------------------------------
+
+/// LRU set of at most `cap` keys: `last` maps key -> last-use tick, `order` tick -> key.
+struct Lru<K> {
+    cap: usize,
+    tick: u64,
+    last: HashMap<K, u64>,
+    order: BTreeMap<u64, K>,
+}
+
+impl<K: Copy + Eq + Hash> Lru<K> {
+    fn new(cap: usize) -> Self {
+        Lru { cap, tick: 0, last: HashMap::new(), order: BTreeMap::new() }
+    }
+    fn contains(&self, k: &K) -> bool {
+        self.last.contains_key(k)
+    }
+    /// Marks `k` most recently used, inserting it (and evicting the least recently used key when
+    /// full) if absent.
+    fn use_key(&mut self, k: K) {
+        self.tick += 1;
+        if let Some(t) = self.last.insert(k, self.tick) {
+            self.order.remove(&t);
+        } else if self.last.len() > self.cap {
+            let (_, victim) = self.order.pop_first().expect("non-empty");
+            self.last.remove(&victim);
+        }
+        self.order.insert(self.tick, k);
+    }
+}
+
+/// Hit pages of `requests` (key lists) replayed one at a time through an LRU of `cap` blocks:
+/// hits = longest run of leading resident keys, touched in order; then among the rest, resident
+/// keys are touched in order and the first `min(missing, cap)` missing keys are inserted in order.
+fn model_hits<K: Copy + Eq + Hash>(requests: impl IntoIterator<Item = Vec<K>>, cap: usize) -> u64 {
+    let mut lru: Lru<K> = Lru::new(cap);
+    let mut hits = 0u64;
+    for keys in requests {
+        let h = keys.iter().take_while(|k| lru.contains(k)).count();
+        hits += h as u64;
+        for k in &keys[..h] {
+            lru.use_key(*k);
+        }
+        let (resident, missing): (Vec<K>, Vec<K>) = keys[h..].iter().partition(|k| lru.contains(k));
+        for k in resident {
+            lru.use_key(k);
+        }
+        for k in missing.into_iter().take(cap) {
+            lru.use_key(k);
+        }
+    }
+    hits
+}
+
+#[test]
+fn model_semantics_by_hand() {
+    // cap 3: [1,2] -> 0 hits, {1,2}; [1,2,3] -> 2 hits, {1,2,3}; [4] -> evicts 1; [1,2] -> 0 hits
+    // (1 gone); 2 resident is touched, 1 inserted evicting 3.  [2,1] -> 2 hits.
+    let reqs = vec![vec![1, 2], vec![1, 2, 3], vec![4], vec![1, 2], vec![2, 1]];
+    assert_eq!(model_hits(reqs, 3), 2 + 2);
+    // Missing keys beyond the capacity are dropped: [1..=5] with cap 2 keeps {1,2}.
+    assert_eq!(model_hits(vec![vec![1, 2, 3, 4, 5], vec![1, 2, 3]], 2), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replays on a tiny geometry.
+// ---------------------------------------------------------------------------------------------
+
+/// Two packed arenas of 256 B and 128 B per 64-token page: 512 B host slots.
+fn tiny_geometry(pages: u64) -> Geometry {
+    Geometry::new("test-2arena", 64, vec![ArenaSpec::packed("a", 256, pages), ArenaSpec::packed("b", 128, pages)])
+        .unwrap()
+}
+
+fn sample() -> Vec<TraceRequest> {
+    trace::sample().unwrap()
+}
+
+fn replay_lru(requests: &[TraceRequest], slots: u64, concurrency: usize) -> ReplayReport {
+    let pages = replay::gpu_pages_needed(requests, 64, concurrency).unwrap();
+    let g = tiny_geometry(pages);
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let config = ReplayConfig {
+        policy: PolicyKind::Lru,
+        pool_bytes: slots * g.slot_bytes(),
+        backing: BackingChoice::Plain,
+        gpu_pages: None,
+        requests: None,
+        concurrency,
+    };
+    replay::run(requests, &config, &arenas, &|_| {}).unwrap()
+}
+
+fn model_for(requests: &[TraceRequest], slots: u64) -> u64 {
+    let ns = tiny_geometry(1).namespace();
+    model_hits(requests.iter().map(|r| r.page_keys(&ns, 64)), slots as usize)
+}
+
+#[test]
+fn lru_replay_of_the_sample_equals_the_reference_model() {
+    let reqs = sample();
+    let total: u64 = reqs.iter().map(|r| r.page_count(64) as u64).sum();
+    // Small pools (heavy eviction, requests larger than the pool), a medium one, and one that
+    // holds everything.
+    for slots in [500u64, 2_000, 8_000, total + 1] {
+        let r = replay_lru(&reqs, slots, 1);
+        assert_eq!(r.pool_capacity_slots, slots, "pool rounding");
+        let want = model_for(&reqs, slots);
+        assert_eq!(r.requests, reqs.len() as u64);
+        assert_eq!(r.pages, total);
+        assert_eq!(r.hit_pages, want, "hit pages with {slots} slots");
+        assert_eq!(r.verified_pages, want, "every restored page is verified");
+        assert_eq!(r.restored_pages, want);
+        if slots <= 2_000 {
+            assert!(r.evictions > 0, "a {slots}-slot pool must evict");
+        } else if slots > total {
+            assert_eq!(r.evictions, 0);
+            assert_eq!(r.dropped_pages, 0);
+        }
+        // Every page is either a hit, or saved, or already resident, or dropped.
+        assert_eq!(r.hit_pages + r.saved_pages + r.resident_pages + r.dropped_pages, r.pages);
+        assert_eq!(r.in_flight_pages + r.refused_pages, 0);
+    }
+}
+
+/// A deterministic synthetic trace with heavy, interleaved prefix reuse: 400 requests from 25
+/// conversations whose prompts grow turn by turn (half of them behind a shared system block), with
+/// partial last pages.
+fn synthetic_trace() -> Vec<TraceRequest> {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |m: u64| {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) % m
+    };
+    let mut turns = [0u64; 25];
+    (0..400)
+        .map(|i| {
+            let c = next(25);
+            turns[c as usize] += 1;
+            let blocks = (turns[c as usize] + next(3)).min(12);
+            let mut hash_ids: Vec<u64> = (0..blocks).map(|b| 1_000 * (c + 1) + b).collect();
+            if c % 2 == 0 {
+                hash_ids[0] = 7; // a shared system prompt block
+            }
+            let input_length = blocks * 512 - next(500);
+            TraceRequest { timestamp_ms: i, input_length, output_length: 1, hash_ids }
+        })
+        .collect()
+}
+
+#[test]
+fn lru_replay_of_a_reuse_heavy_trace_equals_the_reference_model() {
+    let reqs = synthetic_trace();
+    let total: u64 = reqs.iter().map(|r| r.page_count(64) as u64).sum();
+    let mut seen = Vec::new();
+    for slots in [40u64, 150, 600, total + 1] {
+        let r = replay_lru(&reqs, slots, 1);
+        let want = model_for(&reqs, slots);
+        assert_eq!(r.hit_pages, want, "hit pages with {slots} slots");
+        assert_eq!(r.verified_pages, want);
+        assert_eq!(r.hit_pages + r.saved_pages + r.resident_pages + r.dropped_pages, r.pages);
+        seen.push(want);
+    }
+    // The capacities must matter, or the comparison proves little.
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "hits by capacity: {seen:?}");
+}
+
+#[test]
+fn concurrent_replay_verifies_every_restore() {
+    let reqs = &sample()[..40];
+    let r = replay_lru(reqs, 2_000, 4);
+    assert_eq!(r.requests, 40);
+    assert_eq!(r.verified_pages, r.hit_pages);
+    assert!(r.hit_pages > 0);
+    assert_eq!(r.pages, reqs.iter().map(|q| q.page_count(64) as u64).sum::<u64>());
+}
+
+/// Arenas whose prefill writes the wrong bytes for one key (as if a save or restore had corrupted
+/// it): the replay must fail verification when that page is restored.
+struct Corrupting {
+    inner: Arc<HostArenas>,
+    victim: ContentKey,
+}
+
+impl EngineArenas for Corrupting {
+    fn geometry(&self) -> &Geometry {
+        self.inner.geometry()
+    }
+    fn fill(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+        let keys: Vec<ContentKey> =
+            keys.iter().map(|k| if *k == self.victim { ContentKey([0xEE; 16]) } else { *k }).collect();
+        self.inner.fill(pages, &keys)
+    }
+    fn verify(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+        self.inner.verify(pages, keys)
+    }
+    fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
+        self.inner.backend()
+    }
+}
+
+#[test]
+fn corrupted_restore_fails_the_run() {
+    let reqs = &sample()[..2]; // both start with block 0
+    let g = tiny_geometry(replay::gpu_pages_needed(reqs, 64, 1).unwrap());
+    let arenas = Corrupting {
+        inner: Arc::new(HostArenas::new(&g).unwrap()),
+        victim: g.namespace().trace_page_key(reqs[0].hash_ids[0], 3),
+    };
+    let config =
+        ReplayConfig { pool_bytes: 1_000 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+    match replay::run(reqs, &config, &arenas, &|_| {}) {
+        Err(Error::Verification(m)) => assert!(m.contains("GPU page 3"), "{m}"),
+        other => panic!("expected a verification failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn request_larger_than_the_gpu_pages_is_a_typed_error() {
+    let reqs = trace::parse_str(
+        "{\"timestamp\": 0, \"input_length\": 640, \"output_length\": 1, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": 1100, \"output_length\": 1, \"hash_ids\": [1, 2, 3]}\n",
+    )
+    .unwrap();
+    let g = tiny_geometry(16);
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let config = ReplayConfig { pool_bytes: 100 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+    match replay::run(&reqs, &config, &arenas, &|_| {}) {
+        Err(Error::Replay(ReplayError::RequestTooLarge { request: 2, pages: 17, gpu_pages: 16 })) => {}
+        other => panic!("expected RequestTooLarge, got {other:?}"),
+    }
+    let e = replay::run(&reqs, &ReplayConfig { gpu_pages: Some(8), ..config }, &arenas, &|_| {}).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "request 1 of the trace has 10 pages but the replay has only 8 GPU pages; raise --gpu-pages to at least 10"
+    );
+}
+
+#[test]
+fn malformed_lines_are_rejected_with_their_line_number() {
+    let good = r#"{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}"#;
+    let bad = [
+        ("{\"timestamp\": 0,", "not valid JSON"),
+        (r#"{"timestamp": 0, "output_length": 1, "hash_ids": [1]}"#, "missing field `input_length`"),
+        (r#"{"timestamp": -5, "input_length": 6, "output_length": 1, "hash_ids": [1]}"#, "`timestamp` is negative"),
+        (
+            r#"{"timestamp": 0, "input_length": 6, "output_length": 1.5, "hash_ids": [1]}"#,
+            "`output_length` is not an integer",
+        ),
+        (r#"{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": []}"#, "`hash_ids` is empty"),
+        (r#"{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}"#, "`input_length` is 0"),
+        (
+            r#"{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1, "x"]}"#,
+            "`hash_ids[1]` must be a non-negative integer",
+        ),
+    ];
+    for (line, want) in bad {
+        // Line 4: a blank line is skipped but still counted.
+        let text = format!("{good}\n\n{good}\n{line}\n{good}\n");
+        match trace::parse_str(&text) {
+            Err(TraceError::Malformed { line: 4, message }) => assert!(message.contains(want), "{message}"),
+            other => panic!("`{line}`: expected a malformed line 4, got {other:?}"),
+        }
+    }
+}
+
+/// Block-level sanity check against the reference figures in `shared/traces/README.md` (the model
+/// only; no bytes move). Skipped where the full trace is not beside the repository.
+#[test]
+fn block_level_model_matches_the_published_reference_figures() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake_conversation_trace.jsonl");
+    if !path.exists() {
+        eprintln!("skipped: {} not found", path.display());
+        return;
+    }
+    let reqs = trace::load(&path).unwrap();
+    assert_eq!(reqs.len(), 12_031);
+    let refs: u64 = reqs.iter().map(|r| r.hash_ids.len() as u64).sum();
+    assert_eq!(refs, 288_500);
+    let blocks = || reqs.iter().map(|r| r.hash_ids.clone());
+    for (cap, want) in [(usize::MAX, 0.366), (1_243, 0.046), (4_000, 0.086), (9_950, 0.209)] {
+        let ratio = model_hits(blocks(), cap) as f64 / refs as f64;
+        assert!((ratio - want).abs() < 0.0005, "capacity {cap}: LRU block hit ratio {ratio:.4}, README says {want}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line.
+// ---------------------------------------------------------------------------------------------
+
+fn kvtier(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).env_remove("RUST_LOG").output().unwrap()
+}
+
+/// Three requests on deepseek-v3 (64-token pages, 8 per block): 8 pages, the same 8 again (8 hits),
+/// then 10 pages of which the first 8 hit.
+const TINY: &str = "\
+{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 5, \"hash_ids\": [1]}
+{\"timestamp\": 10, \"input_length\": 520, \"output_length\": 5, \"hash_ids\": [1]}
+
+{\"timestamp\": 20, \"input_length\": 700, \"output_length\": 5, \"hash_ids\": [1, 2]}
+";
+
+#[test]
+fn cli_replays_a_trace_file_and_prints_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny.jsonl");
+    std::fs::write(&p, TINY).unwrap();
+    let out = kvtier(&[
+        "replay",
+        p.to_str().unwrap(),
+        "--geometry",
+        "deepseek-v3",
+        "--pool",
+        "64MiB",
+        "--backend",
+        "host",
+        "--backing",
+        "plain",
+        "--policy",
+        "lru",
+        "--json",
+    ]);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["requests"], 3);
+    assert_eq!(v["pages"], 26);
+    assert_eq!(v["hit_pages"], 16);
+    assert_eq!(v["verified_pages"], 16);
+    assert_eq!(v["saved_pages"], 10);
+    assert_eq!(v["gpu_pages"], 10);
+    assert_eq!(v["backend"], "host");
+    assert_eq!(v["pool_backing"], "plain");
+    assert_eq!(v["verification"], "passed");
+    assert_eq!(v["evictions"], 0);
+}
+
+#[test]
+fn cli_errors_are_clear_and_exit_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny.jsonl");
+    std::fs::write(&p, TINY).unwrap();
+    let trace = p.to_str().unwrap();
+    // (arguments, exit code, text the error must contain); clap's usage errors exit with 2.
+    let mut cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["replay", trace, "--geometry", "deepseek-v3", "--gpu-pages", "9", "--pool", "64MiB"],
+            1,
+            "error: request 3 of the trace has 10 pages but the replay has only 9 GPU pages",
+        ),
+        (vec!["replay", trace, "--geometry", "nope"], 1, "error: unknown geometry preset `nope`"),
+        (vec!["replay", "/nonexistent/trace.jsonl"], 1, "error: reading trace /nonexistent/trace.jsonl"),
+        (vec!["replay", trace, "--geometry", "deepseek-v3", "--pool", "1MiB"], 1, "holds no slot"),
+        (vec!["replay", trace, "--pool", "lots"], 2, "`lots` is not a byte size"),
+        (vec!["replay", trace, "--policy", "fifo"], 2, "unknown policy `fifo` (known: lru, clock"),
+    ];
+    if cfg!(not(feature = "cuda")) {
+        cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "built without CUDA support"));
+        cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "--features cuda"));
+    }
+    for (args, code, want) in cases {
+        let out = kvtier(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: stderr `{err}` lacks `{want}`");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    std::fs::write(&p, format!("{TINY}{{\"timestamp\": 1, \"input_length\": 6}}\n")).unwrap();
+    let out = kvtier(&["replay", trace, "--geometry", "deepseek-v3"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(String::from_utf8_lossy(&out.stderr).trim(), "error: trace line 5: missing field `output_length`");
+}
