@@ -198,7 +198,12 @@ fn arenas_for(rank: usize, geometry: &Geometry, backend: &str) -> Result<Arc<dyn
         #[cfg(feature = "cuda")]
         "cuda" => {
             let n = kvtier::cuda::device_count().map_err(|e| e.to_string())?;
-            let a = kvtier::cuda::CudaArenas::new(rank % n, geometry).map_err(|e| e.to_string())?;
+            let a = kvtier::cuda::CudaArenas::new(
+                (rank % n as usize) as u32,
+                geometry,
+                kvtier::cuda::CudaOptions::default(),
+            )
+            .map_err(|e| e.to_string())?;
             Ok(Arc::new(a))
         }
         #[cfg(not(feature = "cuda"))]
