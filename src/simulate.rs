@@ -18,20 +18,18 @@
 //! then the page whose next use is furthest (deepest first on ties) is evicted.
 
 use crate::copy::{CopyBackend, CopyPair, Done, WaitFor};
-use crate::error::{CopyError, Error, TierError, TraceError};
+use crate::error::{CopyError, Error, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry};
 use crate::key::ContentKey;
 use crate::pool::{BackingChoice, HostPool, PoolConfig};
 use crate::tier::{Fit, HostTier, SaveHint, SaveOptions, TierConfig};
+use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use serde::Serialize;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// Tokens per trace block (one `hash_ids` entry of a Mooncake trace).
-const TRACE_BLOCK_TOKENS: u32 = 512;
 
 /// `kvtier simulate` options.
 #[derive(clap::Args, Clone, Debug)]
@@ -61,66 +59,18 @@ pub struct SimulateArgs {
     pub plot: Option<PathBuf>,
 }
 
-/// One request of a trace, as the simulation needs it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
-pub struct SimRequest {
-    /// Prompt length in tokens.
-    pub input_length: u64,
-    /// Prefix-block ids, one per 512 prompt tokens.
-    pub hash_ids: Vec<u64>,
-}
-
-/// Reads a Mooncake trace (one JSON object per line; blank lines skipped).
-///
-/// # Errors
-/// [`TraceError::Io`] if the file cannot be read, [`TraceError::Malformed`] (1-based line) for a line
-/// that is not an object with integer `input_length` and integer array `hash_ids`,
-/// [`TraceError::Empty`] for a trace with no request.
-pub fn load_trace(path: &Path) -> Result<Vec<SimRequest>, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
-    let reqs = parse_trace(&text)?;
-    if reqs.is_empty() {
-        return Err(TraceError::Empty { path: path.into() });
-    }
-    Ok(reqs)
-}
-
-/// Parses trace text (see [`load_trace`]).
-///
-/// # Errors
-/// [`TraceError::Malformed`] for the first bad line.
-pub fn parse_trace(text: &str) -> Result<Vec<SimRequest>, TraceError> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let r: SimRequest =
-            serde_json::from_str(line).map_err(|e| TraceError::Malformed { line: i + 1, message: e.to_string() })?;
-        out.push(r);
-    }
-    Ok(out)
-}
-
 /// The page keys of every request for `geometry` (`min(floor(input_length / page_tokens),
 /// ppb x len(hash_ids))` full pages, `ppb = 512 / page_tokens`).
 ///
 /// # Errors
 /// [`Error::Config`] if the geometry's page size does not divide 512 tokens.
-pub fn page_keys(reqs: &[SimRequest], geometry: &Geometry) -> Result<Vec<Vec<ContentKey>>, Error> {
+pub fn page_keys(reqs: &[TraceRequest], geometry: &Geometry) -> Result<Vec<Vec<ContentKey>>, Error> {
     let pt = geometry.page_tokens();
-    if TRACE_BLOCK_TOKENS % pt != 0 {
+    if pages_per_block(pt).is_none() {
         return Err(Error::Config(format!("page size {pt} tokens does not divide a {TRACE_BLOCK_TOKENS}-token block")));
     }
-    let ppb = (TRACE_BLOCK_TOKENS / pt) as u64;
     let ns = geometry.namespace();
-    Ok(reqs
-        .iter()
-        .map(|r| {
-            let n = (r.input_length / pt as u64).min(ppb * r.hash_ids.len() as u64);
-            (0..n).map(|j| ns.trace_page_key(r.hash_ids[(j / ppb) as usize], j % ppb)).collect()
-        })
-        .collect())
+    Ok(reqs.iter().map(|r| r.page_keys(&ns, pt)).collect())
 }
 
 /// A copy backend that moves nothing: every batch completes at once.
@@ -410,7 +360,7 @@ fn peak_rss_kib() -> u64 {
 /// [`Error::Config`] for bad sizes, policies or geometry; trace errors; tier errors.
 pub fn run(args: &SimulateArgs) -> Result<SimReport, Error> {
     let geometry = Geometry::preset(&args.geometry, 1)?;
-    let mut reqs = load_trace(&args.trace)?;
+    let mut reqs = crate::trace::load(&args.trace)?;
     if let Some(n) = args.requests {
         reqs.truncate(n);
     }

@@ -1,13 +1,14 @@
 //! `kvtier simulate`: the tier-driven LRU equals an independent reference model, the offline optimum
 //! bounds every policy, and the byte-size parser.
 
-use kvtier::simulate::{belady, page_keys, parse_size, parse_trace, run_policy, SimRequest};
+use kvtier::simulate::{belady, page_keys, parse_size, run_policy};
+use kvtier::trace::{parse_str, TraceRequest};
 use kvtier::{ContentKey, Geometry, PolicyKind};
 use std::collections::HashMap;
 
 /// A small synthetic conversation trace: every prompt starts with shared block 0, then the growing
 /// history of one of `convs` conversations (skewed choice), with partial last pages.
-fn synthetic(seed: u64, requests: usize, convs: u64) -> Vec<SimRequest> {
+fn synthetic(seed: u64, requests: usize, convs: u64) -> Vec<TraceRequest> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut rnd = move |m: u64| {
         x ^= x << 13;
@@ -24,7 +25,7 @@ fn synthetic(seed: u64, requests: usize, convs: u64) -> Vec<SimRequest> {
             let mut ids = vec![0];
             ids.extend((0..blocks).map(|k| 1000 * (c + 1) + k));
             let input_length = ids.len() as u64 * 512 - rnd(512);
-            SimRequest { input_length, hash_ids: ids }
+            TraceRequest { timestamp_ms: 0, input_length, output_length: 1, hash_ids: ids }
         })
         .collect()
 }
@@ -107,7 +108,7 @@ fn optimum_is_exact_on_a_tiny_trace() {
     let g = glm52();
     let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
     let text: String = [1u64, 2, 1, 3, 1, 2].iter().map(|&i| line(i)).collect();
-    let keys = page_keys(&parse_trace(&text).unwrap(), &g).unwrap();
+    let keys = page_keys(&parse_str(&text).unwrap(), &g).unwrap();
     // 4 slots: blocks 1 and 2 both fit; 3 bypasses; hits: 1 (2 pages), 1 (2), 2 (2).
     assert_eq!(belady(&keys, 4), 6);
     // 2 slots: keep block 1 throughout (3 bypasses, 2 bypasses): hits on requests 3 and 5.
