@@ -35,3 +35,8 @@ pub use lease::Lease;
 pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
 pub use slot::{SlotId, SlotState, SlotWord};
 pub use tier::{Fit, HostTier, Rank, SaveHint, SaveOptions, SaveTicket, TierConfig, TierStats};
+
+/// The README's example, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
