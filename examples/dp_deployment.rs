@@ -198,7 +198,9 @@ fn arenas_for(
             Ok(Arc::new(Arc::new(kvtier::copy::host::HostArenas::new(geometry)?)))
         }
         #[cfg(feature = "cuda")]
-        "cuda" => Ok(kvtier::cuda::CudaArenas::new(dev as u32, geometry, kvtier::cuda::CudaOptions::default())?),
+        "cuda" => {
+            Ok(Arc::new(kvtier::cuda::CudaArenas::new(dev as u32, geometry, kvtier::cuda::CudaOptions::default())?))
+        }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err("built without the `cuda` feature (cargo run --features cuda ...)".into()),
         other => Err(format!("unknown backend `{other}` (host or cuda)").into()),
@@ -224,7 +226,14 @@ fn print_phase(name: &str, rows: &[PhaseRank], wall: f64) {
     for r in rows {
         println!(
             "{:>4}  {:>12.2}  {:>9.2}  {:>14.0}  {:>6.0}  {:>9.4}  {:>6}  {:>14}",
-            r.rank, r.restore_gbps, r.save_gbps, r.restore_p50_us, r.restore_p99_us, r.hit_ratio, r.errors, r.verified_pages
+            r.rank,
+            r.restore_gbps,
+            r.save_gbps,
+            r.restore_p50_us,
+            r.restore_p99_us,
+            r.hit_ratio,
+            r.errors,
+            r.verified_pages
         );
     }
     let sum = |f: fn(&PhaseRank) -> f64| rows.iter().map(f).sum::<f64>();
@@ -288,13 +297,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for id in 0..ranks {
         let arenas = arenas_for(id % ndev, &geometry, &args.backend)?;
         let rank = tier.attach(arenas.backend()?)?;
-        nodes.push(Node {
-            id,
-            arenas,
-            rank,
-            free: Mutex::new((0..args.gpu_pages).collect()),
-            freed: Condvar::new(),
-        });
+        nodes.push(Node { id, arenas, rank, free: Mutex::new((0..args.gpu_pages).collect()), freed: Condvar::new() });
     }
     println!(
         "{ranks} ranks on {} device(s), backend {}, {} GPU pages each; attached (pool registered) in {:.2} s",
