@@ -329,10 +329,9 @@ fn rank_loop(
                 for &i in &t.saving {
                     copied[i] = true;
                 }
-                let (saved, untouched): (Vec<(usize, u64)>, Vec<(usize, u64)>) =
-                    pages.iter().copied().enumerate().partition(|&(i, _)| copied[i]);
-                release(&untouched.into_iter().map(|(_, p)| p).collect::<Vec<_>>());
-                let saved: Vec<u64> = saved.into_iter().map(|(_, p)| p).collect();
+                let saved: Vec<u64> = (0..n).filter(|&i| copied[i]).map(|i| pages[i]).collect();
+                let untouched: Vec<u64> = (0..n).filter(|&i| !copied[i]).map(|i| pages[i]).collect();
+                release(&untouched);
                 let hbm2 = hbm.clone();
                 t.handle.on_complete(move |_| {
                     let mut st = hbm2.0.lock().unwrap();
