@@ -18,7 +18,7 @@
 //! - **restore** ([`Rank::restore`]): takes guard pins on the leased slots, submits the host -> GPU
 //!   batch, consumes one use of the lease; the guards drop when the copy completes.
 
-use crate::copy::{CopyBackend, CopyPair, WaitFor};
+use crate::copy::{CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, Error, TierError};
 use crate::evict::{EvictionPolicy, InsertInfo, PolicyKind};
 use crate::geometry::Geometry;
@@ -174,6 +174,27 @@ struct Counters {
     pinned_slots: AtomicU64,
     ready_slots: AtomicU64,
     writing_slots: AtomicU64,
+}
+
+impl Counters {
+    fn done(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.saved_blocks,
+            Direction::Restore => &self.restored_blocks,
+        }
+    }
+    fn bytes(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.bytes_saved,
+            Direction::Restore => &self.bytes_restored,
+        }
+    }
+    fn failed(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.save_failed_blocks,
+            Direction::Restore => &self.restore_failed_blocks,
+        }
+    }
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -617,6 +638,13 @@ struct InFlight {
 }
 
 impl InFlight {
+    /// GPU pages read by saves (save) or host slots pinned by restores (restore) in flight.
+    fn load(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.save_gpu_pages,
+            Direction::Restore => &self.restore_slots,
+        }
+    }
     fn begin(&self) {
         *self.batches.lock().expect("in-flight lock") += 1;
     }
@@ -720,8 +748,53 @@ impl Rank {
         }
     }
 
-    fn submit(&self, restore: bool, mut job: Job) {
-        let tx = if restore { &self.restore_tx } else { &self.save_tx };
+    /// Submits `batch` to the backend in direction `dir` and queues its completion: when the copy
+    /// has finished, the completion thread runs `settle(ok)` (commit or abort a save's reservation,
+    /// drop a restore's guards), updates the counters and this rank's load, then completes the
+    /// handle. Nothing `settle` owns is released before the copy has finished.
+    ///
+    /// # Safety
+    /// The backend contract for `batch` ([`CopyBackend`]): `settle` must own the slots' reservation
+    /// (save) or pins (restore), and the caller must own the GPU pages until the handle completes.
+    unsafe fn launch(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        wait: WaitFor,
+        settle: Box<dyn FnOnce(bool) + Send>,
+    ) -> Result<CopyHandle, TierError> {
+        let n = batch.len() as u64;
+        let core = &self.core;
+        // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
+        let submitted = unsafe {
+            match dir {
+                Direction::Save => self.backend.save(batch, wait),
+                Direction::Restore => self.backend.restore(batch, wait),
+            }
+        };
+        let completion = submitted.inspect_err(|_| add(core.counters.failed(dir), n))?;
+        let bytes = n * core.geometry.block_bytes();
+        let handle = HandleShared::new(batch.len(), bytes);
+        self.inflight.load(dir).fetch_add(n, Ordering::Relaxed);
+        let core2 = core.clone();
+        let inf = self.inflight.clone();
+        let finish: Finish = Box::new(move |r| {
+            let c = &core2.counters;
+            settle(r.is_ok());
+            match r {
+                Ok(()) => {
+                    add(c.done(dir), n);
+                    add(c.bytes(dir), bytes);
+                }
+                Err(e) => {
+                    tracing::warn!("{dir:?} of {n} blocks failed: {e}");
+                    add(c.failed(dir), n);
+                }
+            }
+            inf.load(dir).fetch_sub(n, Ordering::Relaxed);
+        });
+        let mut job = Job { completion, finish, handle: handle.clone() };
+        let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
         self.inflight.begin();
         let sent = match tx.lock().expect("rank sender lock").as_ref() {
             Some(tx) => tx.send(job).map_err(|e| e.0),
@@ -736,6 +809,7 @@ impl Rank {
             job.handle.complete(&r);
             self.inflight.end();
         }
+        Ok(CopyHandle::new(handle))
     }
 
     /// Saves with [`Fit::AllOrNothing`]; see [`Rank::save_with`].
@@ -861,34 +935,18 @@ impl Rank {
         if batch.is_empty() {
             return Ok(SaveTicket { saving, resident, in_flight, dropped, handle: CopyHandle::ready() });
         }
-        let n = batch.len() as u64;
-        // SAFETY: every slot in `batch` is WRITING and owned by `reservation` until the job's finish
-        // runs after the completion; the pool outlives the job (the reservation holds the core).
-        // GPU pages are the caller's, who may not rewrite them before the handle completes.
-        let completion = unsafe { self.backend.save(&batch, wait) }.inspect_err(|_| add(&c.save_failed_blocks, n))?;
-        let bytes = n * core.geometry.block_bytes();
-        let handle = HandleShared::new(batch.len(), bytes);
-        self.inflight.save_gpu_pages.fetch_add(n, Ordering::Relaxed);
-        let core2 = core.clone();
-        let inf = self.inflight.clone();
-        let finish: Finish = Box::new(move |r| {
-            let c = &core2.counters;
-            match r {
-                Ok(()) => {
-                    reservation.commit();
-                    add(&c.saved_blocks, n);
-                    add(&c.bytes_saved, bytes);
-                }
-                Err(e) => {
-                    tracing::warn!("save of {n} blocks failed: {e}");
-                    drop(reservation);
-                    add(&c.save_failed_blocks, n);
-                }
-            }
-            inf.save_gpu_pages.fetch_sub(n, Ordering::Relaxed);
-        });
-        self.submit(false, Job { completion, finish, handle: handle.clone() });
-        Ok(SaveTicket { saving, resident, in_flight, dropped, handle: CopyHandle::new(handle) })
+        // SAFETY: every slot in `batch` is WRITING and owned by `reservation`, which the settle closure
+        // owns until the copy has finished (the reservation holds the core, so the pool outlives the
+        // copy); GPU pages are the caller's, who may not rewrite them before the handle completes.
+        let handle = unsafe {
+            self.launch(
+                Direction::Save,
+                &batch,
+                wait,
+                Box::new(move |ok| if ok { reservation.commit() } else { drop(reservation) }),
+            )
+        }?;
+        Ok(SaveTicket { saving, resident, in_flight, dropped, handle })
     }
 
     /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
@@ -923,34 +981,12 @@ impl Rank {
             SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|_| TierError::LeaseSettled)?;
         let batch: Vec<CopyPair> =
             gpu_pages.iter().zip(lease.blocks()).map(|(&p, b)| CopyPair::new(p, b.slot.slot.0)).collect();
-        // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the job drops only after
-        // the completion; the caller owns the GPU pages until the handle completes.
-        let completion = unsafe { self.backend.restore(&batch, wait) }?;
+        // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the settle closure owns
+        // until the copy has finished; the caller owns the GPU pages until the handle completes.
+        let handle = unsafe { self.launch(Direction::Restore, &batch, wait, Box::new(move |_| drop(guards))) }?;
         // Guards are held: consuming (and perhaps settling) the lease cannot free a slot under the copy.
         lease.consume();
-        let n = n as u64;
-        let bytes = n * core.geometry.block_bytes();
-        let handle = HandleShared::new(batch.len(), bytes);
-        self.inflight.restore_slots.fetch_add(n, Ordering::Relaxed);
-        let core2 = core.clone();
-        let inf = self.inflight.clone();
-        let finish: Finish = Box::new(move |r| {
-            let c = &core2.counters;
-            match r {
-                Ok(()) => {
-                    add(&c.restored_blocks, n);
-                    add(&c.bytes_restored, bytes);
-                }
-                Err(e) => {
-                    tracing::warn!("restore of {n} blocks failed: {e}");
-                    add(&c.restore_failed_blocks, n);
-                }
-            }
-            drop(guards);
-            inf.restore_slots.fetch_sub(n, Ordering::Relaxed);
-        });
-        self.submit(true, Job { completion, finish, handle: handle.clone() });
-        Ok(CopyHandle::new(handle))
+        Ok(handle)
     }
 
     /// Blocks until this rank has nothing in flight, or `timeout` passes.

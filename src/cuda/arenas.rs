@@ -5,7 +5,7 @@ use super::backend::{CudaBackend, CudaOptions};
 use super::desc::{self, KvtPatternArgs};
 use super::device::{ck, launch, Device, DeviceBuffer, Event, Stream};
 use crate::copy::{CopyBackend, EngineArenas};
-use crate::error::{CopyError, Error};
+use crate::error::Error;
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
 use crate::pattern;
@@ -139,13 +139,7 @@ impl CudaArenas {
     }
 
     fn check(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
-        if pages.len() != keys.len() {
-            return Err(Error::Config(format!("{} pages but {} keys", pages.len(), keys.len())));
-        }
-        if let Some(p) = pages.iter().find(|&&p| p >= self.geometry.pages()) {
-            return Err(Error::Copy(CopyError::PageOutOfRange { page: *p, pages: self.geometry.pages() }));
-        }
-        Ok(())
+        crate::copy::check_pages_and_keys(&self.geometry, pages, keys)
     }
 
     /// Queues a fill (`verify == false`) or verify of `pages[i]` with the pattern of `keys[i]` on
