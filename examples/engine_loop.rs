@@ -65,7 +65,9 @@ struct Args {
 enum Page {
     Free,
     /// Holds the block of `key_of[page]`, last used at `tick`.
-    Cached { tick: u64 },
+    Cached {
+        tick: u64,
+    },
     InUse,
 }
 
@@ -88,7 +90,8 @@ impl Hbm {
     /// Takes `n` pages: free ones first, then the least recently used cached pages with no save in
     /// flight. `None` if not enough can be had now.
     fn take(&mut self, n: usize) -> Option<Vec<u64>> {
-        let mut free: Vec<u64> = (0..self.pages.len() as u64).filter(|&p| self.pages[p as usize] == Page::Free).collect();
+        let mut free: Vec<u64> =
+            (0..self.pages.len() as u64).filter(|&p| self.pages[p as usize] == Page::Free).collect();
         if free.len() < n {
             let mut evictable: Vec<(u64, u64)> = (0..self.pages.len() as u64)
                 .filter_map(|p| match self.pages[p as usize] {
@@ -195,7 +198,12 @@ fn arenas_for(rank: usize, geometry: &Geometry, backend: &str) -> Result<Arc<dyn
         #[cfg(feature = "cuda")]
         "cuda" => {
             let n = kvtier::cuda::device_count().map_err(|e| e.to_string())?;
-            let a = kvtier::cuda::CudaArenas::new(rank % n, geometry).map_err(|e| e.to_string())?;
+            let a = kvtier::cuda::CudaArenas::new(
+                (rank % n as usize) as u32,
+                geometry,
+                kvtier::cuda::CudaOptions::default(),
+            )
+            .map_err(|e| e.to_string())?;
             Ok(Arc::new(a))
         }
         #[cfg(not(feature = "cuda"))]
@@ -233,7 +241,9 @@ fn rank_loop(
             let mut pages = Vec::new();
             for k in &keys {
                 match st.cached.get(k).copied() {
-                    Some(p) if matches!(st.pages[p as usize], Page::Cached { .. }) && !pages.contains(&p) => pages.push(p),
+                    Some(p) if matches!(st.pages[p as usize], Page::Cached { .. }) && !pages.contains(&p) => {
+                        pages.push(p)
+                    }
                     _ => break,
                 }
             }
@@ -319,10 +329,9 @@ fn rank_loop(
                 for &i in &t.saving {
                     copied[i] = true;
                 }
-                let (saved, untouched): (Vec<(usize, u64)>, Vec<(usize, u64)>) =
-                    pages.iter().copied().enumerate().partition(|&(i, _)| copied[i]);
-                release(&untouched.into_iter().map(|(_, p)| p).collect::<Vec<_>>());
-                let saved: Vec<u64> = saved.into_iter().map(|(_, p)| p).collect();
+                let saved: Vec<u64> = (0..n).filter(|&i| copied[i]).map(|i| pages[i]).collect();
+                let untouched: Vec<u64> = (0..n).filter(|&i| !copied[i]).map(|i| pages[i]).collect();
+                release(&untouched);
                 let hbm2 = hbm.clone();
                 t.handle.on_complete(move |_| {
                     let mut st = hbm2.0.lock().unwrap();

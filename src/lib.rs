@@ -18,6 +18,7 @@ pub mod lease;
 pub mod pattern;
 pub mod pool;
 pub mod replay;
+pub mod simulate;
 pub mod slot;
 pub mod sync;
 pub mod tier;
@@ -33,4 +34,9 @@ pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
 pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
 pub use slot::{SlotId, SlotState, SlotWord};
-pub use tier::{Fit, HostTier, Rank, SaveOptions, SaveTicket, TierConfig, TierStats};
+pub use tier::{Fit, HostTier, Rank, SaveHint, SaveOptions, SaveTicket, TierConfig, TierStats};
+
+/// The README's example, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

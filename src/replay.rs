@@ -367,7 +367,8 @@ pub fn run(
     }
 
     let tier = HostTier::new(TierConfig {
-        pool: PoolConfig { bytes: config.pool_bytes, backing: config.backing, ..Default::default() },
+        // Prefault so copies are timed against resident memory, as an engine would set the pool up.
+        pool: PoolConfig { bytes: config.pool_bytes, backing: config.backing, prefault: true, ..Default::default() },
         policy: config.policy,
         ..TierConfig::default_for(geometry.clone())
     })?;

@@ -18,9 +18,9 @@
 //! - **restore** ([`Rank::restore`]): takes guard pins on the leased slots, submits the host -> GPU
 //!   batch, consumes one use of the lease; the guards drop when the copy completes.
 
-use crate::copy::{CopyBackend, CopyPair, WaitFor};
+use crate::copy::{CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, Error, TierError};
-use crate::evict::{EvictionPolicy, PolicyKind};
+use crate::evict::{EvictionPolicy, InsertInfo, PolicyKind};
 use crate::geometry::Geometry;
 use crate::guard::{Reserved, SlotPins, WriteReservation};
 use crate::handle::{CopyHandle, HandleShared};
@@ -80,6 +80,16 @@ pub enum Fit {
 pub struct SaveOptions {
     /// What to do when the batch does not fit.
     pub fit: Fit,
+}
+
+/// Hints for the eviction policy about a save ([`Rank::save_hinted`]); they never change what is
+/// saved.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SaveHint {
+    /// Depth of `keys[0]` in its prompt (0 = the prompt's first page), so `keys[i]` is at depth
+    /// `prefix_depth + i`. A prefix-aware policy ([`PolicyKind::PrefixLfu`]) evicts a chain's tail
+    /// before its head.
+    pub prefix_depth: Option<u32>,
 }
 
 /// What a save did.
@@ -166,6 +176,27 @@ struct Counters {
     writing_slots: AtomicU64,
 }
 
+impl Counters {
+    fn done(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.saved_blocks,
+            Direction::Restore => &self.restored_blocks,
+        }
+    }
+    fn bytes(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.bytes_saved,
+            Direction::Restore => &self.bytes_restored,
+        }
+    }
+    fn failed(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.save_failed_blocks,
+            Direction::Restore => &self.restore_failed_blocks,
+        }
+    }
+}
+
 fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
@@ -200,6 +231,9 @@ pub struct Core {
     /// The key of the block in each slot (two words), written by the slot's owner while `WRITING`
     /// and read by the evictor after it won `READY -> EVICTING`; the slot word's CASes order them.
     slot_keys: Box<[[AtomicU64; 2]]>,
+    /// Prompt depth of the block in each slot ([`SaveHint::prefix_depth`]; `u32::MAX` = unknown),
+    /// written with the key.
+    slot_depth: Box<[AtomicU32]>,
     counters: Counters,
     evict_lock: Mutex<()>,
     shutting_down: AtomicBool,
@@ -214,6 +248,7 @@ impl Core {
             index: BlockIndex::with_capacity(index_capacity.unwrap_or(cap as usize)),
             policy: policy.build(cap),
             slot_keys: (0..cap).map(|_| [AtomicU64::new(0), AtomicU64::new(0)]).collect(),
+            slot_depth: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
             counters: Counters::default(),
             evict_lock: Mutex::new(()),
             shutting_down: AtomicBool::new(false),
@@ -263,15 +298,17 @@ impl Core {
     }
 
     /// Reserves `slot` (just taken from the pool or freed by eviction, owned by the caller) for
-    /// `key`: `FREE -> WRITING`, records the key, inserts the index entry. Returns true and adds the
-    /// block to `reservation` if this call's entry won; false if another save of `key` holds the
-    /// entry (the slot is then released and returned to the free list).
+    /// `key`: `FREE -> WRITING`, records the key and its prefix `depth` (`u32::MAX`: unknown), inserts
+    /// the index entry. Returns true and adds the block to `reservation` if this call's entry won;
+    /// false if another save of `key` holds the entry (the slot is then released and returned to the
+    /// free list).
     ///
     /// Model-test hook (used by `Rank::save_with` and the loom models); not a stable API.
     #[doc(hidden)]
-    pub fn reserve_block(&self, key: ContentKey, slot: SlotId, reservation: &mut WriteReservation) -> bool {
+    pub fn reserve_block(&self, key: ContentKey, slot: SlotId, depth: u32, reservation: &mut WriteReservation) -> bool {
         let generation = self.control().reserve(slot);
         self.set_slot_key(slot, &key);
+        self.slot_depth[slot.index()].store(depth, Ordering::Relaxed);
         add(&self.counters.writing_slots, 1);
         match self.index.insert_if_absent(key, SlotRef { slot, generation }) {
             Ok(()) => {
@@ -290,7 +327,9 @@ impl Core {
 
     pub(crate) fn commit_reserved(&self, r: Reserved) {
         self.control().commit(r.slot, r.generation);
-        self.policy.on_insert(r.slot);
+        let depth = self.slot_depth[r.slot.index()].load(Ordering::Relaxed);
+        self.policy
+            .on_insert(r.slot, InsertInfo { key_hash: r.key.hash64(), depth: (depth != u32::MAX).then_some(depth) });
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.ready_slots, 1);
     }
@@ -395,28 +434,27 @@ impl Core {
     /// Pins the longest ready prefix of `keys` and returns a lease with `uses` uses (what
     /// [`HostTier::query_shared`] does).
     ///
-    /// An associated function (not a method) because `self: &Arc<Self>` is refused for loom's `Arc`.
-    ///
     /// Model-test hook (the loom models call it directly); not a stable API.
     #[doc(hidden)]
-    pub fn query(core: &Arc<Self>, keys: &[ContentKey], uses: u32) -> Lease {
+    pub fn query(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
+        let this = &**core;
         let mut pins = SlotPins::empty(core);
         let mut blocks = Vec::new();
         {
-            let reader = core.index.reader();
+            let reader = this.index.reader();
             for k in keys {
                 let Some(r) = reader.get(k) else { break };
-                if core.pin(r.slot, r.generation).is_err() {
+                if this.pin(r.slot, r.generation).is_err() {
                     break;
                 }
                 pins.push_pinned(r.slot);
-                core.policy.on_hit(r.slot);
+                this.policy.on_hit(r.slot);
                 blocks.push(LeasedBlock { key: *k, slot: r });
             }
         }
-        add(&core.counters.queries, 1);
-        add(&core.counters.hit_blocks, blocks.len() as u64);
-        add(&core.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
+        add(&this.counters.queries, 1);
+        add(&this.counters.hit_blocks, blocks.len() as u64);
+        add(&this.counters.miss_blocks, (keys.len() - blocks.len()) as u64);
         Lease::new(core, blocks, pins, uses)
     }
 
@@ -643,6 +681,13 @@ struct InFlight {
 }
 
 impl InFlight {
+    /// GPU pages read by saves (save) or host slots pinned by restores (restore) in flight.
+    fn load(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.save_gpu_pages,
+            Direction::Restore => &self.restore_slots,
+        }
+    }
     fn begin(&self) {
         *self.batches.lock().expect("in-flight lock") += 1;
     }
@@ -746,8 +791,53 @@ impl Rank {
         }
     }
 
-    fn submit(&self, restore: bool, mut job: Job) {
-        let tx = if restore { &self.restore_tx } else { &self.save_tx };
+    /// Submits `batch` to the backend in direction `dir` and queues its completion: when the copy
+    /// has finished, the completion thread runs `settle(ok)` (commit or abort a save's reservation,
+    /// drop a restore's guards), updates the counters and this rank's load, then completes the
+    /// handle. Nothing `settle` owns is released before the copy has finished.
+    ///
+    /// # Safety
+    /// The backend contract for `batch` ([`CopyBackend`]): `settle` must own the slots' reservation
+    /// (save) or pins (restore), and the caller must own the GPU pages until the handle completes.
+    unsafe fn launch(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        wait: WaitFor,
+        settle: Box<dyn FnOnce(bool) + Send>,
+    ) -> Result<CopyHandle, TierError> {
+        let n = batch.len() as u64;
+        let core = &self.core;
+        // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
+        let submitted = unsafe {
+            match dir {
+                Direction::Save => self.backend.save(batch, wait),
+                Direction::Restore => self.backend.restore(batch, wait),
+            }
+        };
+        let completion = submitted.inspect_err(|_| add(core.counters.failed(dir), n))?;
+        let bytes = n * core.geometry.block_bytes();
+        let handle = HandleShared::new(batch.len(), bytes);
+        self.inflight.load(dir).fetch_add(n, Ordering::Relaxed);
+        let core2 = core.clone();
+        let inf = self.inflight.clone();
+        let finish: Finish = Box::new(move |r| {
+            let c = &core2.counters;
+            settle(r.is_ok());
+            match r {
+                Ok(()) => {
+                    add(c.done(dir), n);
+                    add(c.bytes(dir), bytes);
+                }
+                Err(e) => {
+                    tracing::warn!("{dir:?} of {n} blocks failed: {e}");
+                    add(c.failed(dir), n);
+                }
+            }
+            inf.load(dir).fetch_sub(n, Ordering::Relaxed);
+        });
+        let mut job = Job { completion, finish, handle: handle.clone() };
+        let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
         self.inflight.begin();
         let sent = match tx.lock().expect("rank sender lock").as_ref() {
             Some(tx) => tx.send(job).map_err(|e| e.0),
@@ -762,6 +852,7 @@ impl Rank {
             job.handle.complete(&r);
             self.inflight.end();
         }
+        Ok(CopyHandle::new(handle))
     }
 
     /// Saves with [`Fit::AllOrNothing`]; see [`Rank::save_with`].
@@ -788,6 +879,21 @@ impl Rank {
         gpu_pages: &[u64],
         wait: WaitFor,
         opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
+        self.save_hinted(keys, gpu_pages, wait, opts, SaveHint::default())
+    }
+
+    /// [`Rank::save_with`] with hints for the eviction policy (see [`SaveHint`]).
+    ///
+    /// # Errors
+    /// As [`Rank::save_with`].
+    pub fn save_hinted(
+        &self,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        wait: WaitFor,
+        opts: SaveOptions,
+        hint: SaveHint,
     ) -> Result<SaveTicket, TierError> {
         self.check_open()?;
         if keys.len() != gpu_pages.len() {
@@ -847,7 +953,8 @@ impl Rank {
         let mut saving = Vec::with_capacity(take);
         let mut batch = Vec::with_capacity(take);
         for (&i, slot) in missing.iter().zip(slots) {
-            if core.reserve_block(keys[i], slot, &mut reservation) {
+            let depth = hint.prefix_depth.map_or(u32::MAX, |d| d.saturating_add(i as u32).min(u32::MAX - 1));
+            if core.reserve_block(keys[i], slot, depth, &mut reservation) {
                 saving.push(i);
                 batch.push(CopyPair::new(gpu_pages[i], slot.0));
             } else {
@@ -859,34 +966,18 @@ impl Rank {
         if batch.is_empty() {
             return Ok(SaveTicket { saving, resident, in_flight, dropped, handle: CopyHandle::ready() });
         }
-        let n = batch.len() as u64;
-        // SAFETY: every slot in `batch` is WRITING and owned by `reservation` until the job's finish
-        // runs after the completion; the pool outlives the job (the reservation holds the core).
-        // GPU pages are the caller's, who may not rewrite them before the handle completes.
-        let completion = unsafe { self.backend.save(&batch, wait) }.inspect_err(|_| add(&c.save_failed_blocks, n))?;
-        let bytes = n * core.geometry.block_bytes();
-        let handle = HandleShared::new(batch.len(), bytes);
-        self.inflight.save_gpu_pages.fetch_add(n, Ordering::Relaxed);
-        let core2 = core.clone();
-        let inf = self.inflight.clone();
-        let finish: Finish = Box::new(move |r| {
-            let c = &core2.counters;
-            match r {
-                Ok(()) => {
-                    reservation.commit();
-                    add(&c.saved_blocks, n);
-                    add(&c.bytes_saved, bytes);
-                }
-                Err(e) => {
-                    tracing::warn!("save of {n} blocks failed: {e}");
-                    drop(reservation);
-                    add(&c.save_failed_blocks, n);
-                }
-            }
-            inf.save_gpu_pages.fetch_sub(n, Ordering::Relaxed);
-        });
-        self.submit(false, Job { completion, finish, handle: handle.clone() });
-        Ok(SaveTicket { saving, resident, in_flight, dropped, handle: CopyHandle::new(handle) })
+        // SAFETY: every slot in `batch` is WRITING and owned by `reservation`, which the settle closure
+        // owns until the copy has finished (the reservation holds the core, so the pool outlives the
+        // copy); GPU pages are the caller's, who may not rewrite them before the handle completes.
+        let handle = unsafe {
+            self.launch(
+                Direction::Save,
+                &batch,
+                wait,
+                Box::new(move |ok| if ok { reservation.commit() } else { drop(reservation) }),
+            )
+        }?;
+        Ok(SaveTicket { saving, resident, in_flight, dropped, handle })
     }
 
     /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
@@ -921,34 +1012,12 @@ impl Rank {
             SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|_| TierError::LeaseSettled)?;
         let batch: Vec<CopyPair> =
             gpu_pages.iter().zip(lease.blocks()).map(|(&p, b)| CopyPair::new(p, b.slot.slot.0)).collect();
-        // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the job drops only after
-        // the completion; the caller owns the GPU pages until the handle completes.
-        let completion = unsafe { self.backend.restore(&batch, wait) }?;
+        // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the settle closure owns
+        // until the copy has finished; the caller owns the GPU pages until the handle completes.
+        let handle = unsafe { self.launch(Direction::Restore, &batch, wait, Box::new(move |_| drop(guards))) }?;
         // Guards are held: consuming (and perhaps settling) the lease cannot free a slot under the copy.
         lease.consume();
-        let n = n as u64;
-        let bytes = n * core.geometry.block_bytes();
-        let handle = HandleShared::new(batch.len(), bytes);
-        self.inflight.restore_slots.fetch_add(n, Ordering::Relaxed);
-        let core2 = core.clone();
-        let inf = self.inflight.clone();
-        let finish: Finish = Box::new(move |r| {
-            let c = &core2.counters;
-            match r {
-                Ok(()) => {
-                    add(&c.restored_blocks, n);
-                    add(&c.bytes_restored, bytes);
-                }
-                Err(e) => {
-                    tracing::warn!("restore of {n} blocks failed: {e}");
-                    add(&c.restore_failed_blocks, n);
-                }
-            }
-            drop(guards);
-            inf.restore_slots.fetch_sub(n, Ordering::Relaxed);
-        });
-        self.submit(true, Job { completion, finish, handle: handle.clone() });
-        Ok(CopyHandle::new(handle))
+        Ok(handle)
     }
 
     /// Blocks until this rank has nothing in flight, or `timeout` passes.

@@ -30,7 +30,7 @@ pub fn key(i: u64) -> ContentKey {
 pub fn reserve(core: &Arc<Core>, key: ContentKey) -> WriteReservation {
     let slots = core.acquire_slots(1).expect("a slot");
     let mut r = WriteReservation::new(core);
-    assert!(core.reserve_block(key, slots[0], &mut r), "no other save of {key:?}");
+    assert!(core.reserve_block(key, slots[0], u32::MAX, &mut r), "no other save of {key:?}");
     r
 }
 

@@ -1,5 +1,6 @@
 //! The `kvtier` command line.
 //!
+//! `kvtier simulate TRACE` compares eviction policies' hit ratios on a trace (no bytes moved).
 //! `kvtier replay [TRACE]` replays a Mooncake-format trace (default: the bundled sample) through the
 //! host tier and prints a report (a table, or JSON with `--json`). Logs go to stderr, filtered by
 //! `RUST_LOG` (default `warn`). Any error exits with status 1 and its message on stderr.
@@ -25,6 +26,9 @@ struct Cli {
 enum Command {
     /// Replay a Mooncake-format trace through the host tier and report hits, bytes moved and speed.
     Replay(ReplayArgs),
+    /// Page hit ratio of every eviction policy (and the offline optimum) against pool size on a trace,
+    /// through the real index, slab and policy code, moving no bytes.
+    Simulate(kvtier::simulate::SimulateArgs),
 }
 
 #[derive(clap::Args)]
@@ -207,6 +211,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay(args),
+        Command::Simulate(args) => kvtier::simulate::cli(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

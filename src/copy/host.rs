@@ -114,13 +114,7 @@ unsafe impl Sync for HostArenas {}
 
 impl HostArenas {
     fn check(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
-        if pages.len() != keys.len() {
-            return Err(Error::Config(format!("{} pages but {} keys", pages.len(), keys.len())));
-        }
-        if let Some(p) = pages.iter().find(|&&p| p >= self.geometry.pages()) {
-            return Err(Error::Copy(CopyError::PageOutOfRange { page: *p, pages: self.geometry.pages() }));
-        }
-        Ok(())
+        crate::copy::check_pages_and_keys(&self.geometry, pages, keys)
     }
 }
 

@@ -150,6 +150,25 @@ pub fn validate_batch(batch: &[CopyPair], pages: u64, capacity: u32, dir: Direct
     Ok(())
 }
 
+/// Checks the arguments of [`EngineArenas::fill`] / [`EngineArenas::verify`]: one key per page and
+/// every page below `geometry.pages()`.
+///
+/// # Errors
+/// [`crate::Error::Config`] for differing lengths, [`CopyError::PageOutOfRange`] for a page id.
+pub fn check_pages_and_keys(
+    geometry: &Geometry,
+    pages: &[u64],
+    keys: &[crate::ContentKey],
+) -> Result<(), crate::Error> {
+    if pages.len() != keys.len() {
+        return Err(crate::Error::Config(format!("{} pages but {} keys", pages.len(), keys.len())));
+    }
+    if let Some(&p) = pages.iter().find(|&&p| p >= geometry.pages()) {
+        return Err(CopyError::PageOutOfRange { page: p, pages: geometry.pages() }.into());
+    }
+    Ok(())
+}
+
 /// A completion that is already finished (used by synchronous backends).
 pub struct Done(pub Result<(), String>);
 

@@ -1,0 +1,633 @@
+//! [`CudaBackend`]: the [`CopyBackend`] over the gather/scatter kernels of `cuda/kvtier_copy.cu`.
+//!
+//! Per backend: one arena table and one segment table in device memory (uploaded at construction),
+//! two non-blocking streams (saves and restores run concurrently), pooled descriptor buffers for
+//! pair lists of more than [`INLINE_PAIRS`] pairs (pinned host copy + device copy, returned to the
+//! pool only after the batch's completion event), and, in staged mode, a lazily allocated HBM
+//! staging buffer per direction.
+//!
+//! A batch is: validate on the host ([`validate_batch`]: no out-of-range id reaches a kernel) ->
+//! `cuStreamWaitEvent` for its [`WaitFor`] -> pair upload (large batches) -> one kernel launch (zero
+//! copy: the kernel reads and writes host slots through the pool's device alias) -> event record.
+//! The completion owns the event; `wait` is `cuEventSynchronize`.
+
+use super::desc::{self, KvtCopyArgs, KvtPair, COPY_THREADS, FLAG_SLOT_IS_INDEX, INLINE_PAIRS};
+use super::device::{ck, launch, Device, DeviceBuffer, Event, Stream};
+use crate::copy::{validate_batch, Completion, CopyBackend, CopyPair, Direction, WaitFor};
+use crate::error::CopyError;
+use crate::geometry::{ArenaBinding, Geometry};
+use crate::pool::{HostPool, PoolRegion};
+use cudarc::driver::sys;
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// How a batch crosses PCIe.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum CopyMode {
+    /// The kernel reads/writes host slots directly through the pool's device alias.
+    ZeroCopy,
+    /// The kernel gathers into (scatters from) an HBM staging buffer and the copy engine moves it
+    /// with one `cuMemcpyAsync` per run of consecutive host slots, pipelined in pieces of at most
+    /// [`CudaOptions::staged_piece_blocks`] blocks over two halves of the buffer (the kernel of
+    /// piece k+1 runs while the copy engine moves piece k). Holds SMs only for the short HBM
+    /// kernels; needs `2 * staged_piece_blocks` slots of HBM per direction.
+    Staged,
+    /// Zero copy for batches of fewer than [`CudaOptions::auto_staged_min_blocks`] blocks, staged
+    /// from there on (the default: on the H200 staged reached 97-99% of a contiguous copy from 43
+    /// blocks, zero copy 92-95%; zero copy was faster for one block).
+    #[default]
+    Auto,
+}
+
+/// Tuning of a [`CudaBackend`]. Defaults chosen by measurement on an H200 (see `docs/benchmarks.md`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// CTAs (of 512 threads) of a save launch (zero copy). Default 2.
+    pub save_ctas: u32,
+    /// CTAs of a restore launch (zero copy). Default 4.
+    pub restore_ctas: u32,
+    /// 16-byte loads in flight per lane in saves: 4 or 8. Default 4.
+    pub save_unroll: u32,
+    /// 16-byte loads in flight per lane in restores: 4 or 8. Default 8.
+    pub restore_unroll: u32,
+    /// Zero copy or staged.
+    pub mode: CopyMode,
+    /// Staged mode: largest piece of the pipeline, in blocks (the staging buffer of each direction
+    /// holds two pieces). A batch of n blocks uses pieces of `clamp(ceil(n / 4), 1, this)` blocks.
+    /// Default 8 (2 x 27.6 MB of HBM per direction for GLM-5.2).
+    pub staged_piece_blocks: u32,
+    /// Auto mode: batches of at least this many blocks are staged. Default 2.
+    pub auto_staged_min_blocks: u32,
+    /// Staged mode: CTAs of the HBM gather/scatter kernel. Default 16.
+    pub staged_ctas: u32,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            save_ctas: 2,
+            restore_ctas: 4,
+            save_unroll: 4,
+            restore_unroll: 8,
+            mode: CopyMode::Auto,
+            staged_piece_blocks: 8,
+            auto_staged_min_blocks: 2,
+            staged_ctas: 16,
+        }
+    }
+}
+
+/// The pool's registration with the driver, kept in [`HostPool::with_registrations`] so it is
+/// dropped (unregistered) before the pool unmaps. Shared by every backend bound to the pool, on any
+/// device (the registration is portable).
+struct CudaRegistration {
+    host_base: usize,
+    bytes: u64,
+    devices: Mutex<Vec<Arc<Device>>>,
+}
+
+impl Drop for CudaRegistration {
+    fn drop(&mut self) {
+        let devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: drain every context that holds an alias of the region before unregistering, so no
+        // copy still reads or writes it; the region was registered by us with this base address.
+        unsafe {
+            for d in devices.iter() {
+                if d.bind().is_ok() {
+                    let _ = sys::cuCtxSynchronize();
+                }
+            }
+            if let Some(d) = devices.first() {
+                let _ = d.bind();
+            }
+            let _ = sys::cuMemHostUnregister(self.host_base as *mut c_void);
+        }
+    }
+}
+
+/// The bound pool as the kernels see it.
+#[derive(Copy, Clone, Debug)]
+struct BoundPool {
+    alias: u64,
+    capacity: u32,
+    slot_bytes: u64,
+}
+
+/// Pinned host memory (`cuMemHostAlloc`), freed on drop.
+struct Pinned {
+    ptr: *mut u8,
+    dev: Arc<Device>,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for Pinned {}
+// SAFETY: as above.
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    fn new(dev: &Arc<Device>, bytes: usize) -> Result<Self, CopyError> {
+        dev.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer to `bytes` of pinned memory.
+        ck("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 0) })?;
+        Ok(Pinned { ptr: p as *mut u8, dev: dev.clone() })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc; owners free only after the copies reading it finished.
+        unsafe {
+            let _ = self.dev.bind();
+            let _ = sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// A pooled pair-list buffer: pinned host copy and device copy of up to `cap` pairs.
+struct DescBuf {
+    cap: usize,
+    host: Pinned,
+    dev: DeviceBuffer,
+}
+
+/// Staged-mode resources of one direction: the two-piece HBM buffer, the copy-engine stream and
+/// the events that hand pieces between it and the kernel stream.
+struct Staging {
+    buf: DeviceBuffer,
+    piece_slots: usize,
+    copy: Stream,
+    step: Event,
+    half_free: [Event; 2],
+    sync: Event,
+}
+
+/// One direction's submission state.
+struct Lane {
+    stream: Stream,
+    submit: Mutex<Option<Staging>>,
+}
+
+/// Shared state of a backend, kept alive by in-flight completions.
+struct Inner {
+    dev: Arc<Device>,
+    geometry: Geometry,
+    options: CudaOptions,
+    arena_table: DeviceBuffer,
+    seg_table: DeviceBuffer,
+    segs_per_block: u32,
+    save: Lane,
+    restore: Lane,
+    descs: Mutex<Vec<DescBuf>>,
+}
+
+impl Inner {
+    fn take_desc(&self, n: usize) -> Result<DescBuf, CopyError> {
+        let mut pool = self.descs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = pool.iter().position(|d| d.cap >= n) {
+            return Ok(pool.swap_remove(i));
+        }
+        drop(pool);
+        let cap = n.next_power_of_two().max(256);
+        let bytes = cap * std::mem::size_of::<KvtPair>();
+        Ok(DescBuf { cap, host: Pinned::new(&self.dev, bytes)?, dev: DeviceBuffer::new(&self.dev, bytes)? })
+    }
+
+    fn give_desc(&self, d: DescBuf) {
+        self.descs.lock().unwrap_or_else(|p| p.into_inner()).push(d);
+    }
+}
+
+/// The CUDA copy backend for one rank: one device, its arenas (raw device pointers), the pool.
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+    pool: Option<BoundPool>,
+    _keepalive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl CudaBackend {
+    /// A backend on device `device` (ordinal) over the arenas at `binding`.
+    ///
+    /// Compiles the kernels on first use of the device (NVRTC, about 0.2 s) and uploads the arena
+    /// and segment tables.
+    ///
+    /// # Errors
+    /// [`CopyError::Unavailable`] without a usable CUDA device or NVRTC; [`CopyError::Mismatch`] for
+    /// a binding of another geometry, a chunk of 4 GiB or more, or bad options; driver errors.
+    pub fn new(
+        device: u32,
+        geometry: &Geometry,
+        binding: ArenaBinding,
+        options: CudaOptions,
+    ) -> Result<Self, CopyError> {
+        if binding.bases().len() != geometry.arenas().len() {
+            return Err(CopyError::Mismatch(format!(
+                "binding has {} bases, geometry {} arenas",
+                binding.bases().len(),
+                geometry.arenas().len()
+            )));
+        }
+        for (what, v) in [("save_unroll", options.save_unroll), ("restore_unroll", options.restore_unroll)] {
+            if v != 4 && v != 8 {
+                return Err(CopyError::Mismatch(format!("{what} must be 4 or 8, not {v}")));
+            }
+        }
+        if options.save_ctas == 0
+            || options.restore_ctas == 0
+            || options.staged_ctas == 0
+            || options.staged_piece_blocks == 0
+        {
+            return Err(CopyError::Mismatch("CTA counts and staged_piece_blocks must be at least 1".into()));
+        }
+        let dev = Device::get(device)?;
+        let segs = desc::segment_table(geometry)?;
+        let inner = Inner {
+            arena_table: DeviceBuffer::from_slice(&dev, &desc::arena_table(geometry, &binding))?,
+            seg_table: DeviceBuffer::from_slice(&dev, &segs)?,
+            segs_per_block: segs.len() as u32,
+            save: Lane { stream: Stream::new(&dev)?, submit: Mutex::new(None) },
+            restore: Lane { stream: Stream::new(&dev)?, submit: Mutex::new(None) },
+            descs: Mutex::new(Vec::new()),
+            geometry: geometry.clone(),
+            options,
+            dev,
+        };
+        Ok(CudaBackend { inner: Arc::new(inner), pool: None, _keepalive: None })
+    }
+
+    /// Keeps `owner` (e.g. the arenas' allocations) alive as long as the backend.
+    pub fn keep_alive(mut self, owner: Arc<dyn Any + Send + Sync>) -> Self {
+        self._keepalive = Some(owner);
+        self
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> &CudaOptions {
+        &self.inner.options
+    }
+
+    /// Device name and architecture, e.g. `NVIDIA H200 (sm_90, 132 SMs)`.
+    pub fn device_description(&self) -> String {
+        let d = &self.inner.dev;
+        format!("{} ({}, {} SMs)", d.name, d.arch, d.sm_count)
+    }
+
+    /// The raw `CUstream` the backend queues `dir`'s copies on (benchmarks record timing events on
+    /// it). Work queued there by others is ordered with the backend's copies.
+    pub fn stream(&self, dir: Direction) -> u64 {
+        let lane = if dir == Direction::Save { &self.inner.save } else { &self.inner.restore };
+        lane.stream.raw as u64
+    }
+
+    /// The device alias of host slot 0 of the bound pool, if bound.
+    pub fn pool_alias(&self) -> Option<u64> {
+        self.pool.map(|p| p.alias)
+    }
+
+    /// Binds host memory described by `region` (which need not come from a [`HostPool`]): registers
+    /// it with the driver once (portable, device-mapped), storing the registration in `registry`,
+    /// reusing one already there for the same region, and takes this device's alias of it.
+    ///
+    /// # Safety
+    /// `region` must describe mapped memory that stays mapped until `registry` (the registration
+    /// inside it) is dropped; the registry must be dropped before the memory is unmapped.
+    ///
+    /// # Errors
+    /// [`CopyError::Mismatch`] if the slot size differs from the geometry's or the region is not
+    /// 16-byte aligned or shorter than its slots; driver errors.
+    pub unsafe fn bind_region(
+        &mut self,
+        region: PoolRegion,
+        registry: &mut Vec<Box<dyn Any + Send + Sync>>,
+    ) -> Result<(), CopyError> {
+        let g = &self.inner.geometry;
+        if region.slot_bytes != g.slot_bytes() {
+            return Err(CopyError::Mismatch(format!(
+                "pool slots are {} B, geometry slots {} B",
+                region.slot_bytes,
+                g.slot_bytes()
+            )));
+        }
+        if region.host_base % 16 != 0 || (region.capacity as u64) * region.slot_bytes > region.bytes {
+            return Err(CopyError::Mismatch(format!(
+                "pool region at {:#x} ({} B) is misaligned or shorter than {} slots",
+                region.host_base, region.bytes, region.capacity
+            )));
+        }
+        self.drain()?;
+        let dev = &self.inner.dev;
+        dev.bind()?;
+        let existing = registry.iter().find_map(|b| {
+            b.downcast_ref::<CudaRegistration>().filter(|r| r.host_base == region.host_base && r.bytes == region.bytes)
+        });
+        let reg = match existing {
+            Some(r) => r,
+            None => {
+                let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+                // SAFETY: the caller guarantees the region is mapped until the registration (pushed
+                // into the registry below) is dropped, which unregisters it.
+                ck("cuMemHostRegister", unsafe {
+                    sys::cuMemHostRegister_v2(region.host_base as *mut c_void, region.bytes as usize, flags)
+                })?;
+                registry.push(Box::new(CudaRegistration {
+                    host_base: region.host_base,
+                    bytes: region.bytes,
+                    devices: Mutex::new(Vec::new()),
+                }));
+                registry.last().and_then(|b| b.downcast_ref::<CudaRegistration>()).expect("just pushed")
+            }
+        };
+        {
+            let mut devs = reg.devices.lock().unwrap_or_else(|p| p.into_inner());
+            if !devs.iter().any(|d| d.ordinal == dev.ordinal) {
+                devs.push(dev.clone());
+            }
+        }
+        let mut alias = 0u64;
+        // SAFETY: the region is registered (portable, device-mapped); writes one device address.
+        ck("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut alias, region.host_base as *mut c_void, 0)
+        })?;
+        self.pool = Some(BoundPool { alias, capacity: region.capacity, slot_bytes: region.slot_bytes });
+        Ok(())
+    }
+
+    /// Blocks until every copy submitted so far has finished.
+    ///
+    /// # Errors
+    /// Driver errors (a failed copy).
+    pub fn drain(&self) -> Result<(), CopyError> {
+        self.inner.save.stream.synchronize()?;
+        self.inner.restore.stream.synchronize()
+    }
+
+    fn submit(&self, batch: &[CopyPair], wait: WaitFor, dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
+        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        let inner = &self.inner;
+        validate_batch(batch, inner.geometry.pages(), pool.capacity, dir)?;
+        inner.dev.bind()?;
+        let lane = if dir == Direction::Save { &inner.save } else { &inner.restore };
+        let event = Event::new(&inner.dev)?;
+        let mut staging = lane.submit.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = lane.stream.raw;
+        lane.stream.wait_for(wait)?;
+        let mut desc = None;
+        let mut args = KvtCopyArgs {
+            arenas: inner.arena_table.ptr,
+            segs: inner.seg_table.ptr,
+            pairs: 0,
+            host_base: pool.alias,
+            slot_bytes: pool.slot_bytes,
+            n_pairs: batch.len() as u64,
+            segs_per_block: inner.segs_per_block,
+            flags: 0,
+            inline_pairs: [KvtPair::default(); INLINE_PAIRS],
+        };
+        if batch.len() <= INLINE_PAIRS {
+            for (d, p) in args.inline_pairs.iter_mut().zip(batch) {
+                *d = KvtPair { gpu_page: p.gpu_page, slot: p.slot, reserved: 0 };
+            }
+        } else {
+            let d = inner.take_desc(batch.len())?;
+            let bytes = std::mem::size_of_val(batch);
+            // SAFETY: d.host holds cap >= batch.len() pairs; CopyPair and KvtPair are both repr(C)
+            // {u64, u32, u32}; the pinned buffer is not in use (pooled buffers return only after
+            // their completion).
+            unsafe {
+                std::ptr::copy_nonoverlapping(batch.as_ptr() as *const u8, d.host.ptr, bytes);
+                ck(
+                    "cuMemcpyHtoDAsync",
+                    sys::cuMemcpyHtoDAsync_v2(d.dev.ptr, d.host.ptr as *const c_void, bytes, stream),
+                )?;
+            }
+            args.pairs = d.dev.ptr;
+            desc = Some(d);
+        }
+        let o = &inner.options;
+        let k = &inner.dev.kernels;
+        let unroll_idx = |u: u32| if u == 8 { 1 } else { 0 };
+        let staged = match o.mode {
+            CopyMode::ZeroCopy => false,
+            CopyMode::Staged => true,
+            CopyMode::Auto => batch.len() >= o.auto_staged_min_blocks as usize,
+        };
+        let result = match staged {
+            false => {
+                let (f, ctas) = match dir {
+                    Direction::Save => (k.save[unroll_idx(o.save_unroll)], o.save_ctas),
+                    Direction::Restore => (k.restore[unroll_idx(o.restore_unroll)], o.restore_ctas),
+                };
+                // SAFETY: args is kvt_copy_args; the tables live in `inner` (kept alive by the
+                // completion), the pair list in `desc` (released after completion), the host slots in
+                // the registered pool (the registration drains before unregistering), and the arenas
+                // are the engine's (trait contract). Every id was validated above.
+                unsafe { launch(f, ctas, COPY_THREADS, stream, &args) }
+            }
+            true => self.staged(&mut staging, &args, batch, pool, dir, stream),
+        };
+        drop(staging);
+        let result = result.and_then(|_| event.record(stream));
+        if let Err(e) = result {
+            // Nothing may be released while queued work could still use it.
+            let _ = lane.stream.synchronize();
+            if let Some(d) = desc {
+                inner.give_desc(d);
+            }
+            return Err(e);
+        }
+        Ok(Box::new(CudaCompletion { event, desc, inner: self.inner.clone(), done: false }))
+    }
+
+    /// Staged mode: pieces of `clamp(ceil(n / 4), 1, staged_piece_blocks)` pairs, alternating
+    /// between the two halves of the staging buffer. Save: kernel stream gathers piece k into half
+    /// k % 2 (after the copy of piece k - 2 out of that half), the copy stream then moves it to the
+    /// host slots. Restore: the copy stream fills half k % 2 (after the scatter of piece k - 2 read
+    /// it), then the kernel stream scatters it. The lane stream waits for the copy stream at the end,
+    /// so the completion event covers everything.
+    fn staged(
+        &self,
+        staging: &mut Option<Staging>,
+        args: &KvtCopyArgs,
+        batch: &[CopyPair],
+        pool: BoundPool,
+        dir: Direction,
+        stream: sys::CUstream,
+    ) -> Result<(), CopyError> {
+        let inner = &self.inner;
+        let sb = pool.slot_bytes;
+        let max_piece = inner.options.staged_piece_blocks as usize;
+        if staging.is_none() {
+            let dev = &inner.dev;
+            *staging = Some(Staging {
+                buf: DeviceBuffer::new(dev, (2 * max_piece as u64 * sb) as usize)?,
+                piece_slots: max_piece,
+                copy: Stream::new(dev)?,
+                step: Event::new(dev)?,
+                half_free: [Event::new(dev)?, Event::new(dev)?],
+                sync: Event::new(dev)?,
+            });
+        }
+        let stg = staging.as_ref().expect("allocated");
+        let per = batch.len().div_ceil(4).clamp(1, max_piece);
+        let k = &inner.dev.kernels;
+        let f = match dir {
+            Direction::Save => k.save[1],
+            Direction::Restore => k.restore[1],
+        };
+        let cs = stg.copy.raw;
+        // The copy stream starts after everything queued on the lane so far (this batch's WaitFor,
+        // earlier batches' use of the staging buffer).
+        stg.sync.record(stream)?;
+        // SAFETY: live stream and event.
+        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(cs, stg.sync.raw, 0) })?;
+        for (pi, piece) in batch.chunks(per).enumerate() {
+            let first = pi * per;
+            let half = pi % 2;
+            let st = stg.buf.ptr + (half * stg.piece_slots) as u64 * sb;
+            let mut a = *args;
+            a.host_base = st;
+            a.flags = FLAG_SLOT_IS_INDEX;
+            a.n_pairs = piece.len() as u64;
+            if args.pairs != 0 {
+                a.pairs = args.pairs + (first * std::mem::size_of::<KvtPair>()) as u64;
+            } else {
+                a.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
+                a.inline_pairs[..piece.len()].copy_from_slice(&args.inline_pairs[first..first + piece.len()]);
+            }
+            let copies = || -> Result<(), CopyError> {
+                let mut j = 0;
+                while j < piece.len() {
+                    let mut e = j + 1;
+                    while e < piece.len() && piece[e].slot == piece[e - 1].slot + 1 {
+                        e += 1;
+                    }
+                    let host = pool.alias + piece[j].slot as u64 * sb;
+                    let dev = st + j as u64 * sb;
+                    let n = (e - j) as u64 * sb;
+                    let (dst, src) = if dir == Direction::Save { (host, dev) } else { (dev, host) };
+                    // SAFETY: both ranges lie inside the staging half and the registered pool (ids
+                    // validated); ordered with the kernels by the events around this call.
+                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, cs) })?;
+                    j = e;
+                }
+                Ok(())
+            };
+            // SAFETY: live streams and events of this lane (a wait takes the event's state at the
+            // call, so re-recording an event later is fine); the launches as noted below.
+            unsafe {
+                if dir == Direction::Save {
+                    if pi >= 2 {
+                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.half_free[half].raw, 0))?;
+                    }
+                    // SAFETY: as in the zero-copy launch; the staging half holds `per` slots and
+                    // FLAG_SLOT_IS_INDEX keeps every access below piece.len() slots.
+                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    stg.step.record(stream)?;
+                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.step.raw, 0))?;
+                    copies()?;
+                    stg.half_free[half].record(cs)?;
+                } else {
+                    if pi >= 2 {
+                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.half_free[half].raw, 0))?;
+                    }
+                    copies()?;
+                    stg.step.record(cs)?;
+                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.step.raw, 0))?;
+                    // SAFETY: as above.
+                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    stg.half_free[half].record(stream)?;
+                }
+            }
+        }
+        stg.sync.record(cs)?;
+        // SAFETY: live stream and event.
+        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, stg.sync.raw, 0) })
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Teardown drains in-flight copies first (completions also keep the shared state alive).
+        let _ = self.drain();
+    }
+}
+
+impl CopyBackend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn geometry(&self) -> &Geometry {
+        &self.inner.geometry
+    }
+    fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
+        let region = pool.region();
+        // SAFETY: the registration is stored in the pool's own registry, which the pool drops
+        // before it unmaps the region (HostPool::with_registrations contract).
+        pool.with_registrations(|reg| unsafe { self.bind_region(region, reg) })
+    }
+    unsafe fn save(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        self.submit(batch, wait, Direction::Save)
+    }
+    unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        self.submit(batch, wait, Direction::Restore)
+    }
+}
+
+/// A submitted CUDA batch: its completion event, and the descriptor buffer it reads.
+struct CudaCompletion {
+    event: Event,
+    desc: Option<DescBuf>,
+    inner: Arc<Inner>,
+    done: bool,
+}
+
+impl CudaCompletion {
+    fn finish(&mut self) {
+        self.done = true;
+        if let Some(d) = self.desc.take() {
+            self.inner.give_desc(d);
+        }
+    }
+}
+
+impl Completion for CudaCompletion {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        if self.done {
+            return Ok(true);
+        }
+        match self.event.query() {
+            Ok(true) => {
+                self.finish();
+                Ok(true)
+            }
+            Ok(false) => Ok(false),
+            Err(e) => {
+                // A failed query means a sticky context error: the work is over either way.
+                self.finish();
+                Err(e)
+            }
+        }
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        if self.done {
+            return Ok(());
+        }
+        let r = self.event.synchronize();
+        self.finish();
+        r
+    }
+    fn cuda_event(&self) -> Option<u64> {
+        Some(self.event.raw as u64)
+    }
+}
+
+impl Drop for CudaCompletion {
+    fn drop(&mut self) {
+        if !self.done {
+            // Never release the descriptor buffer under a running copy.
+            let _ = self.event.synchronize();
+            self.finish();
+        }
+    }
+}

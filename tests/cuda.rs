@@ -1,0 +1,382 @@
+//! GPU tests of the CUDA backend: byte parity both ways, offsets above 2^31, concurrent save and
+//! restore, ordering against engine kernels, rejection of bad batches. Every test needs an NVIDIA
+//! GPU; run them on the device with `--include-ignored`.
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::sys;
+use kvtier::copy::EngineArenas;
+use kvtier::cuda::{cuda_available, CopyMode, CudaArenas, CudaBackend, CudaOptions};
+use kvtier::{ArenaSpec, ContentKey, CopyBackend, CopyError, CopyPair, Geometry, PoolRegion, WaitFor};
+use memmap2::MmapMut;
+use std::any::Any;
+use std::sync::Arc;
+
+const GPU: &str = "needs an NVIDIA GPU: run on the device with --include-ignored";
+
+/// Host memory standing in for the pool: an anonymous mapping and its registration registry
+/// (declared first so it drops, and unregisters, before the mapping is unmapped).
+struct TestPool {
+    registry: Vec<Box<dyn Any + Send + Sync>>,
+    map: MmapMut,
+    region: PoolRegion,
+}
+
+impl TestPool {
+    fn new(slot_bytes: u64, capacity: u32) -> Self {
+        let bytes = slot_bytes * capacity as u64;
+        let mut map = MmapMut::map_anon(bytes as usize).unwrap();
+        let region = PoolRegion { host_base: map.as_mut_ptr() as usize, bytes, slot_bytes, capacity };
+        TestPool { registry: Vec::new(), map, region }
+    }
+    fn bind(&mut self, b: &mut CudaBackend) {
+        // SAFETY: the registry drops before the mapping (field order).
+        unsafe { b.bind_region(self.region, &mut self.registry).unwrap() }
+    }
+    fn slot(&self, s: u32) -> &[u8] {
+        let sb = self.region.slot_bytes as usize;
+        &self.map[s as usize * sb..(s as usize + 1) * sb]
+    }
+    fn slot_mut(&mut self, s: u32) -> &mut [u8] {
+        let sb = self.region.slot_bytes as usize;
+        &mut self.map[s as usize * sb..(s as usize + 1) * sb]
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        kvtier::pattern::mix64(self.0)
+    }
+    /// `n` distinct values from `0..range` in random order.
+    fn distinct(&mut self, n: usize, range: u64) -> Vec<u64> {
+        let mut all: Vec<u64> = (0..range).collect();
+        for i in 0..n {
+            let j = i + (self.next() % (range - i as u64)) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all
+    }
+}
+
+fn keys(rng: &mut Rng, n: usize) -> Vec<ContentKey> {
+    (0..n)
+        .map(|_| {
+            let mut k = [0u8; 16];
+            k[..8].copy_from_slice(&rng.next().to_le_bytes());
+            k[8..].copy_from_slice(&rng.next().to_le_bytes());
+            ContentKey(k)
+        })
+        .collect()
+}
+
+/// Host slot `s` holds the pattern of `key` in every arena's chunk.
+fn check_slot(g: &Geometry, pool: &TestPool, s: u32, key: &ContentKey) {
+    let slot = pool.slot(s);
+    for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
+        let chunk = &slot[off as usize..(off + spec.bytes_per_page) as usize];
+        if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
+            panic!("slot {s}, arena {} byte {b}: wrong bytes after save", spec.name);
+        }
+    }
+}
+
+fn fill_slot(g: &Geometry, pool: &mut TestPool, s: u32, key: &ContentKey) {
+    let offs: Vec<(u64, u64)> = g.arenas().iter().zip(g.chunk_offsets()).map(|(a, &o)| (o, a.bytes_per_page)).collect();
+    let slot = pool.slot_mut(s);
+    for (a, (off, n)) in offs.into_iter().enumerate() {
+        kvtier::pattern::fill(key, a, &mut slot[off as usize..(off + n) as usize]);
+    }
+}
+
+/// Fill `n` random pages, save them to random slots, check the slots; restore those slots into
+/// other random pages and verify them on the GPU.
+fn round_trip(g: &Geometry, n: usize, options: CudaOptions, seed: u64) {
+    let arenas = CudaArenas::new(0, g, options).unwrap();
+    let cap = (n as u32 + 17).max(32);
+    let mut pool = TestPool::new(g.slot_bytes(), cap);
+    let mut b = CudaBackend::new(0, g, arenas.binding().clone(), options).unwrap();
+    pool.bind(&mut b);
+    let mut rng = Rng(seed);
+    let ks = keys(&mut rng, n);
+    let pages = rng.distinct(n, g.pages());
+    let slots: Vec<u32> = rng.distinct(n, cap as u64).into_iter().map(|s| s as u32).collect();
+    arenas.fill(&pages, &ks).unwrap();
+    let batch: Vec<CopyPair> = pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
+    // SAFETY: this test owns every slot and page of the batch until wait returns.
+    let mut c = unsafe { b.save(&batch, WaitFor::Nothing) }.unwrap();
+    c.wait().unwrap();
+    for (s, k) in slots.iter().zip(&ks) {
+        check_slot(g, &pool, *s, k);
+    }
+    let pages2 = rng.distinct(n, g.pages());
+    let back: Vec<CopyPair> = pages2.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
+    // SAFETY: as above.
+    let mut c = unsafe { b.restore(&back, WaitFor::Nothing) }.unwrap();
+    assert!(c.cuda_event().is_some());
+    c.wait().unwrap();
+    assert!(c.poll().unwrap());
+    arenas.verify(&pages2, &ks).unwrap();
+}
+
+fn parity(preset: &str, pages: u64) {
+    let g = Geometry::preset(preset, pages).unwrap();
+    for (i, n) in [1usize, 8, 64, 256].into_iter().enumerate() {
+        round_trip(&g, n, CudaOptions::default(), 11 + i as u64);
+        let staged = CudaOptions { mode: CopyMode::Staged, staged_piece_blocks: 3, ..Default::default() };
+        round_trip(&g, n, staged, 101 + i as u64);
+        let zero = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
+        round_trip(&g, n, zero, 201 + i as u64);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn available() {
+    let _ = GPU;
+    assert!(cuda_available());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn parity_glm52() {
+    parity("glm52", 600);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn parity_qwen3_4b_fused_strided() {
+    parity("qwen3-4b", 600);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn parity_llama3_8b() {
+    parity("llama3-8b", 600);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn parity_every_kernel_variant() {
+    let g = Geometry::preset("glm52", 300).unwrap();
+    for (i, (ctas, unroll)) in [(1, 4), (1, 8), (3, 4), (16, 8)].into_iter().enumerate() {
+        let o = CudaOptions {
+            save_ctas: ctas,
+            restore_ctas: ctas,
+            save_unroll: unroll,
+            restore_unroll: unroll,
+            ..Default::default()
+        };
+        round_trip(&g, 65, o, 500 + i as u64);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn offsets_above_2_gib_in_every_arena() {
+    // 41,984 B arenas cross 2^31 at page 51,150; the 8,448 B one at page 254,200.
+    let pages = 254_400u64;
+    let arenas = vec![
+        ArenaSpec::packed("mla.a", 41_984, pages),
+        ArenaSpec::packed("idx", 8_448, pages),
+        ArenaSpec::packed("mla.b", 41_984, pages),
+    ];
+    let g = Geometry::new("offset-test", 64, arenas).unwrap();
+    let top = [pages - 1, pages - 2, 254_200, 254_201, 254_399 - 7];
+    let mid = [51_150u64, 51_151, 200_000, 254_250, 254_300];
+    for (src, dst) in [(top, mid), (mid, top)] {
+        let o = CudaOptions::default();
+        let arenas = CudaArenas::new(0, &g, o).unwrap();
+        let mut pool = TestPool::new(g.slot_bytes(), 8);
+        let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+        pool.bind(&mut b);
+        let ks = keys(&mut Rng(7), 5);
+        arenas.fill(&src, &ks).unwrap();
+        let save: Vec<CopyPair> = src.iter().enumerate().map(|(i, &p)| CopyPair::new(p, i as u32)).collect();
+        // SAFETY: the test owns these slots and pages.
+        unsafe { b.save(&save, WaitFor::Nothing) }.unwrap().wait().unwrap();
+        for (i, k) in ks.iter().enumerate() {
+            check_slot(&g, &pool, i as u32, k);
+        }
+        let rest: Vec<CopyPair> = dst.iter().enumerate().map(|(i, &p)| CopyPair::new(p, i as u32)).collect();
+        // SAFETY: as above.
+        unsafe { b.restore(&rest, WaitFor::Nothing) }.unwrap().wait().unwrap();
+        arenas.verify(&dst, &ks).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn save_and_restore_run_concurrently() {
+    let g = Geometry::preset("glm52", 400).unwrap();
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut pool = TestPool::new(g.slot_bytes(), 128);
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    pool.bind(&mut b);
+    let mut rng = Rng(99);
+    let (ks_save, ks_rest) = (keys(&mut rng, 64), keys(&mut rng, 64));
+    let pages = rng.distinct(128, g.pages());
+    let (save_pages, rest_pages) = pages.split_at(64);
+    arenas.fill(save_pages, &ks_save).unwrap();
+    for (i, k) in ks_rest.iter().enumerate() {
+        fill_slot(&g, &mut pool, 64 + i as u32, k);
+    }
+    let save: Vec<CopyPair> = save_pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, i as u32)).collect();
+    let rest: Vec<CopyPair> = rest_pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, 64 + i as u32)).collect();
+    // SAFETY: disjoint slots and pages, owned by the test until both waits return.
+    let (mut cs, mut cr) =
+        unsafe { (b.save(&save, WaitFor::Nothing).unwrap(), b.restore(&rest, WaitFor::Nothing).unwrap()) };
+    cr.wait().unwrap();
+    cs.wait().unwrap();
+    for (i, k) in ks_save.iter().enumerate() {
+        check_slot(&g, &pool, i as u32, k);
+    }
+    arenas.verify(rest_pages, &ks_rest).unwrap();
+}
+
+fn new_stream() -> u64 {
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one handle; the device context is current (CudaArenas::new bound it).
+    unsafe { kvtier::cuda::raw::ck("cuStreamCreate", sys::cuStreamCreate(&mut s, 1)).unwrap() };
+    s as u64
+}
+
+fn record(stream: u64) -> u64 {
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: creates and records one event on a live stream.
+    unsafe {
+        kvtier::cuda::raw::ck("cuEventCreate", sys::cuEventCreate(&mut e, 2)).unwrap();
+        kvtier::cuda::raw::ck("cuEventRecord", sys::cuEventRecord(e, stream as sys::CUstream)).unwrap();
+    }
+    e as u64
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn save_waits_for_the_kernel_that_wrote_the_pages() {
+    let g = Geometry::preset("glm52", 64).unwrap();
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut pool = TestPool::new(g.slot_bytes(), 16);
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    pool.bind(&mut b);
+    kvtier::cuda::raw::bind_device(0).unwrap();
+    let engine = new_stream();
+    let mut rng = Rng(5);
+    let (old, new) = (keys(&mut rng, 8), keys(&mut rng, 8));
+    let pages: Vec<u64> = (10..18).collect();
+    let batch: Vec<CopyPair> = pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, i as u32)).collect();
+    for by_stream in [false, true] {
+        arenas.fill(&pages, &old).unwrap();
+        // The "engine" writes the pages slowly (the kernel sleeps 30 ms first).
+        let job = arenas.pattern_on(engine, &pages, &new, false, 30_000_000).unwrap();
+        let wait = if by_stream { WaitFor::CudaStream(engine) } else { WaitFor::CudaEvent(record(engine)) };
+        // SAFETY: the test owns the slots; the pages are written only by the job the save waits for.
+        unsafe { b.save(&batch, wait) }.unwrap().wait().unwrap();
+        job.wait().unwrap();
+        for (i, k) in new.iter().enumerate() {
+            check_slot(&g, &pool, i as u32, k);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn restore_is_ordered_after_old_readers_and_before_new_readers() {
+    let g = Geometry::preset("glm52", 64).unwrap();
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut pool = TestPool::new(g.slot_bytes(), 16);
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    pool.bind(&mut b);
+    kvtier::cuda::raw::bind_device(0).unwrap();
+    let (readers, compute) = (new_stream(), new_stream());
+    let mut rng = Rng(6);
+    let (old, new) = (keys(&mut rng, 8), keys(&mut rng, 8));
+    let pages: Vec<u64> = (20..28).collect();
+    arenas.fill(&pages, &old).unwrap();
+    for (i, k) in new.iter().enumerate() {
+        fill_slot(&g, &mut pool, i as u32, k);
+    }
+    // A slow reader of the old contents (sleeps 30 ms, then checks them).
+    let old_reader = arenas.pattern_on(readers, &pages, &old, true, 30_000_000).unwrap();
+    let batch: Vec<CopyPair> = pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, i as u32)).collect();
+    // SAFETY: the test owns the pinned slots and the pages' next contents.
+    let c = unsafe { b.restore(&batch, WaitFor::CudaEvent(record(readers))) }.unwrap();
+    // The compute stream waits on the completion event, then reads the restored pages.
+    let ev = c.cuda_event().unwrap();
+    // SAFETY: live stream and event (the completion is alive until after the wait).
+    unsafe { kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(compute as _, ev as _, 0)).unwrap() };
+    let new_reader = arenas.pattern_on(compute, &pages, &new, true, 0).unwrap();
+    new_reader.wait().unwrap();
+    old_reader.wait().unwrap();
+    drop(c);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn bad_batches_are_rejected_with_nothing_written() {
+    let g = Geometry::preset("glm52", 32).unwrap();
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut pool = TestPool::new(g.slot_bytes(), 4);
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    // Not bound yet.
+    // SAFETY: nothing is copied.
+    assert!(matches!(unsafe { b.save(&[CopyPair::new(0, 0)], WaitFor::Nothing) }, Err(CopyError::Mismatch(_))));
+    pool.bind(&mut b);
+    let ks = keys(&mut Rng(8), 4);
+    let pages = [0u64, 1, 2, 31];
+    arenas.fill(&pages, &ks).unwrap();
+    pool.map.fill(0xab);
+    type Case = (Vec<CopyPair>, fn(&CopyError) -> bool);
+    let bad: [Case; 4] = [
+        (vec![CopyPair::new(0, 0), CopyPair::new(32, 1)], |e| {
+            matches!(e, CopyError::PageOutOfRange { page: 32, pages: 32 })
+        }),
+        (vec![CopyPair::new(u64::MAX, 1)], |e| matches!(e, CopyError::PageOutOfRange { .. })),
+        (vec![CopyPair::new(1, 0), CopyPair::new(2, 4)], |e| {
+            matches!(e, CopyError::SlotOutOfRange { slot: 4, capacity: 4 })
+        }),
+        (vec![CopyPair::new(1, 2), CopyPair::new(2, 2)], |e| matches!(e, CopyError::DuplicateDestination { .. })),
+    ];
+    for (batch, want) in &bad {
+        // SAFETY: rejected before anything is queued.
+        let e = unsafe { b.save(batch, WaitFor::Nothing) }.err().expect("rejected");
+        assert!(want(&e), "{e:?}");
+    }
+    // Restores: out-of-range pages and slots, and a GPU page written twice.
+    for batch in [vec![CopyPair::new(32, 0)], vec![CopyPair::new(0, 9)], vec![CopyPair::new(3, 0), CopyPair::new(3, 1)]]
+    {
+        // SAFETY: rejected before anything is queued.
+        assert!(unsafe { b.restore(&batch, WaitFor::Nothing) }.is_err());
+    }
+    b.drain().unwrap();
+    assert!(pool.map.iter().all(|&x| x == 0xab), "a rejected save wrote host memory");
+    arenas.verify(&pages, &ks).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn one_registration_serves_every_backend_of_a_pool() {
+    let g = Geometry::preset("llama3-8b", 16).unwrap();
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut pool = TestPool::new(g.slot_bytes(), 4);
+    let mut b1 = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    let mut b2 = arenas.backend().unwrap();
+    pool.bind(&mut b1);
+    // SAFETY: registry outlives nothing it registered (dropped before the map).
+    unsafe { b1.bind_region(pool.region, &mut pool.registry).unwrap() };
+    assert_eq!(pool.registry.len(), 1);
+    let _ = &mut b2;
+    let ks = keys(&mut Rng(9), 2);
+    arenas.fill(&[3, 4], &ks).unwrap();
+    // SAFETY: owned slots/pages.
+    unsafe { b1.save(&[CopyPair::new(3, 0), CopyPair::new(4, 1)], WaitFor::Nothing) }.unwrap().wait().unwrap();
+    check_slot(&g, &pool, 1, &ks[1]);
+    // Dropping the pool's registry first drains and unregisters; the backend then drops cleanly.
+    drop(Arc::new(()));
+}

@@ -1,0 +1,132 @@
+//! `kvtier simulate`: the tier-driven LRU equals an independent reference model, the offline optimum
+//! bounds every policy, and the byte-size parser.
+
+use kvtier::simulate::{belady, page_keys, parse_size, run_policy};
+use kvtier::trace::{parse_str, TraceRequest};
+use kvtier::{ContentKey, Geometry, PolicyKind};
+use std::collections::HashMap;
+
+/// A small synthetic conversation trace: every prompt starts with shared block 0, then the growing
+/// history of one of `convs` conversations (skewed choice), with partial last pages.
+fn synthetic(seed: u64, requests: usize, convs: u64) -> Vec<TraceRequest> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rnd = move |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    let mut hist: Vec<u64> = vec![0; convs as usize];
+    (0..requests)
+        .map(|_| {
+            let c = rnd(convs).min(rnd(convs)); // skewed towards low ids
+            hist[c as usize] += 1 + rnd(3);
+            let blocks = hist[c as usize].min(12);
+            let mut ids = vec![0];
+            ids.extend((0..blocks).map(|k| 1000 * (c + 1) + k));
+            let input_length = ids.len() as u64 * 512 - rnd(512);
+            TraceRequest { timestamp_ms: 0, input_length, output_length: 1, hash_ids: ids }
+        })
+        .collect()
+}
+
+/// Page-level LRU with the simulation's semantics, written independently of the tier: query touches
+/// the resident prefix in order; the save touches resident pages of the rest in order, then takes
+/// `min(missing, capacity)` slots (free ones first, then the least recently touched pages), and
+/// the saved pages are touched in order.
+fn reference_lru(keys: &[Vec<ContentKey>], cap: usize) -> u64 {
+    let mut tick = 0u64;
+    let mut res: HashMap<ContentKey, u64> = HashMap::new();
+    let mut hits = 0;
+    for k in keys {
+        let h = k.iter().take_while(|key| res.contains_key(key)).count();
+        hits += h as u64;
+        for key in &k[..h] {
+            tick += 1;
+            res.insert(*key, tick);
+        }
+        let mut missing = Vec::new();
+        for key in &k[h..] {
+            if let Some(t) = res.get_mut(key) {
+                tick += 1;
+                *t = tick;
+            } else {
+                missing.push(*key);
+            }
+        }
+        let take = missing.len().min(cap);
+        let free = cap - res.len();
+        if take > free {
+            let mut by_age: Vec<(u64, ContentKey)> = res.iter().map(|(k, t)| (*t, *k)).collect();
+            by_age.sort();
+            for (_, key) in by_age.into_iter().take(take - free) {
+                res.remove(&key);
+            }
+        }
+        for key in &missing[..take] {
+            tick += 1;
+            res.insert(*key, tick);
+        }
+    }
+    hits
+}
+
+fn glm52() -> Geometry {
+    Geometry::preset("glm52", 1).unwrap()
+}
+
+#[test]
+fn lru_through_the_tier_equals_the_reference_model() {
+    let g = glm52();
+    for (seed, cap) in [(1u64, 40u32), (2, 90), (3, 200)] {
+        let keys = page_keys(&synthetic(seed, 300, 12), &g).unwrap();
+        let want = reference_lru(&keys, cap as usize);
+        let got = run_policy(&keys, PolicyKind::Lru, cap, &g).unwrap();
+        assert_eq!(got.hit_pages, want, "seed {seed}, {cap} slots");
+        assert!(want > 0, "the trace must exercise hits");
+    }
+}
+
+#[test]
+fn optimum_bounds_every_policy() {
+    let g = glm52();
+    for seed in [4u64, 5, 6] {
+        let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
+        for cap in [24u32, 64, 150] {
+            let opt = belady(&keys, cap);
+            for &p in PolicyKind::ALL {
+                let r = run_policy(&keys, p, cap, &g).unwrap();
+                assert!(r.hit_pages <= opt, "{p} got {} > optimum {opt} (seed {seed}, {cap} slots)", r.hit_pages);
+            }
+        }
+    }
+}
+
+#[test]
+fn optimum_is_exact_on_a_tiny_trace() {
+    // Pages: each request is one block of 2 full pages (128 tokens of 64-token pages).
+    let g = glm52();
+    let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
+    let text: String = [1u64, 2, 1, 3, 1, 2].iter().map(|&i| line(i)).collect();
+    let keys = page_keys(&parse_str(&text).unwrap(), &g).unwrap();
+    // 4 slots: blocks 1 and 2 both fit; 3 bypasses; hits: 1 (2 pages), 1 (2), 2 (2).
+    assert_eq!(belady(&keys, 4), 6);
+    // 2 slots: keep block 1 throughout (3 bypasses, 2 bypasses): hits on requests 3 and 5.
+    assert_eq!(belady(&keys, 2), 4);
+    // LRU on 2 slots: 1, 2 (evicts 1), 1 (evicts 2), 3 (evicts 1), 1, 2: no hits.
+    assert_eq!(run_policy(&keys, PolicyKind::Lru, 2, &g).unwrap().hit_pages, 0);
+}
+
+#[test]
+fn sizes_parse_as_bytes_or_slots() {
+    let slot = glm52().slot_bytes();
+    assert_eq!(slot, 3_452_160);
+    assert_eq!(parse_size("32GiB", slot).unwrap(), 9953);
+    assert_eq!(parse_size("8GiB", slot).unwrap(), 2488);
+    assert_eq!(parse_size("64GiB", slot).unwrap(), 19_906);
+    assert_eq!(parse_size("34.52216MB", slot).unwrap(), 10);
+    assert_eq!(parse_size("9952slots", slot).unwrap(), 9952);
+    assert!(parse_size("1MiB", slot).is_err());
+    assert!(parse_size("12 parsecs", slot).is_err());
+    assert!(parse_size("0slots", slot).is_err());
+}
