@@ -337,8 +337,13 @@ impl Table {
                 if cur.tag() & MOVED != 0 {
                     break;
                 }
-                match b.compare_exchange(cur, cur.with_tag(cur.tag() | MOVED), Ordering::AcqRel, Ordering::Acquire, guard)
-                {
+                match b.compare_exchange(
+                    cur,
+                    cur.with_tag(cur.tag() | MOVED),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                    guard,
+                ) {
                     Ok(_) => break,
                     Err(e) => {
                         cur = e.current;
