@@ -8,8 +8,8 @@
 //! - `prefix43`: a 43-key prefix query (count the leading hits), one op = the whole query; kvtier
 //!   through `reader()` (one epoch pin) and through 43 `get` calls (43 pins).
 //!
-//! Each multi-thread sample spawns scoped threads that wait on a barrier, run a fixed op count each,
-//! and wait again; only the time between the barriers is measured (`iter_custom`). The other maps use
+//! Each sample spawns scoped threads that wait on a barrier and run a fixed op count each; the
+//! measured time (`iter_custom`) spans from the first thread's start to the last thread's end. The other maps use
 //! `ahash` (a fast hasher, as a production user would), kvtier its own `ContentKey::hash64`.
 //!
 //! Quick run: `cargo bench --bench index -- --warm-up-time 1 --measurement-time 2`.
@@ -181,23 +181,28 @@ impl Index for Mutex<HashMap<ContentKey, SlotRef, ARandom>> {
     }
 }
 
-/// Runs `work(thread)` on `threads` scoped threads between two barriers; returns the time between.
+/// Runs `work(thread)` on `threads` scoped threads released together by a barrier; returns the span
+/// from the first thread's start to the last thread's end. Each thread reads the clock itself, so a
+/// descheduled coordinator (16 threads share 2 cores here) cannot shorten the measured span.
 fn timed<F: Fn(usize) + Sync>(threads: usize, work: F) -> Duration {
-    let barrier = Barrier::new(threads + 1);
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let (barrier, work) = (&barrier, &work);
-            s.spawn(move || {
-                barrier.wait();
-                work(t);
-                barrier.wait();
-            });
-        }
-        barrier.wait();
-        let start = Instant::now();
-        barrier.wait();
-        start.elapsed()
-    })
+    let barrier = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, work) = (&barrier, &work);
+                s.spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    work(t);
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("bench thread panicked")).collect()
+    });
+    let first = spans.iter().map(|s| s.0).min().expect("at least one thread");
+    let last = spans.iter().map(|s| s.1).max().expect("at least one thread");
+    last - first
 }
 
 fn prefilled<M: Index>(n: usize) -> M {
