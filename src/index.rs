@@ -27,7 +27,7 @@
 //! | `null \| TOMBSTONE`     | removed; probes walk past it; never reused (keeps chains intact) |
 //! | `x \| MOVED`            | `x` frozen by a migration: no writer may change it again         |
 //!
-//! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and any of those `-> x|MOVED`. A
+//! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and `null` or `ptr -> x|MOVED`. A
 //! bucket never becomes empty again, which is what makes the probe chains race-free: the first empty
 //! bucket on a key's probe path is the only place that key can be inserted, so two racing inserts of
 //! one key meet at the same bucket and exactly one CAS wins (two saves of one key move bytes once).
@@ -45,7 +45,8 @@
 //! that arrives helps:
 //!
 //! 1. **Freeze.** Each bucket is CASed from `x` to `x|MOVED` (keeping the pointer), counting live
-//!    entries. A frozen table is an immutable snapshot: writers' CASes on it fail.
+//!    entries. Tombstones are left as they are: no writer ever changes one. A frozen table is an
+//!    immutable snapshot: writers' CASes on it fail.
 //! 2. **Size.** The thread that freezes the last chunk knows the exact live count `n` and allocates
 //!    `next` with `max(initial buckets, next_pow2(4 n))` buckets: it grows, keeps its size, or shrinks,
 //!    never below the size chosen by [`BlockIndex::with_capacity`]. Sizing after the freeze (rather than
@@ -60,8 +61,8 @@
 //! freeze, a `MOVED` bucket, or a failed reservation) help finish it and retry in the new table; once
 //! every chunk has been claimed they spin (with [`crate::sync::spin_loop`]) until the last claimer
 //! finishes. So growth is lock-free for readers and *helping* (not lock-free) for writers: a writer can
-//! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (a few µs of
-//! work), so that wait is short.
+//! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (1024 bucket
+//! CASes, tens of µs), so that wait is short unless the migrator is preempted.
 //!
 //! # Why a reader's stale answer during a migration is safe for kvtier
 //!
@@ -334,7 +335,9 @@ impl Table {
         for b in &self.buckets[self.chunk_range(c)] {
             let mut cur = b.load(Ordering::Acquire, guard);
             loop {
-                if cur.tag() & MOVED != 0 {
+                // Already frozen, or a tombstone: no writer ever changes a tombstone (inserts fill only
+                // empty buckets, removals CAS only live pointers), so it needs no mark.
+                if cur.tag() & MOVED != 0 || (cur.is_null() && cur.tag() & TOMBSTONE != 0) {
                     break;
                 }
                 match b.compare_exchange(
@@ -362,7 +365,7 @@ impl Table {
     fn copy_chunk(&self, c: usize, next: &Table, guard: &Guard) {
         for b in &self.buckets[self.chunk_range(c)] {
             let cur = b.load(Ordering::Acquire, guard);
-            debug_assert!(cur.tag() & MOVED != 0, "copying an unfrozen bucket");
+            debug_assert!(cur.tag() & (MOVED | TOMBSTONE) != 0, "copying an unfrozen bucket");
             if cur.is_null() {
                 continue;
             }
@@ -734,6 +737,13 @@ mod tests {
 
     fn v(slot: u32, generation: u64) -> SlotRef {
         SlotRef { slot: SlotId(slot), generation }
+    }
+
+    #[test]
+    fn index_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<BlockIndex>();
+        check::<SlotRef>();
     }
 
     #[test]
