@@ -40,7 +40,7 @@
 //! # Migration (growth, shrink, and purging tombstones)
 //!
 //! Saves insert and evictions remove all the time, so even a table whose live count is constant fills
-//! with tombstones; the same migration that grows the table also purges them. It runs in two phases
+//! with tombstones; the same migration that grows the table also purges them. It runs in three steps
 //! over chunks of 1024 buckets (4 under loom), each chunk claimed by an atomic counter so every writer
 //! that arrives helps:
 //!
@@ -50,7 +50,8 @@
 //! 2. **Size.** The thread that freezes the last chunk knows the exact live count `n` and allocates
 //!    `next` with `max(initial buckets, next_pow2(4 n))` buckets: it grows, keeps its size, or shrinks,
 //!    never below the size chosen by [`BlockIndex::with_capacity`]. Sizing after the freeze (rather than
-//!    when the migration starts) means inserts racing the start can never overfill `next`.
+//!    when the migration starts, as a design that allocates `next` first would) means inserts racing
+//!    the start can never overfill `next`; the price is that helpers wait for this one allocation.
 //! 3. **Copy.** The *same entry pointers* (entries are shared, never copied) are CASed into the empty
 //!    buckets of `next`; tombstones are dropped. The thread finishing the last chunk swaps `root` from
 //!    the old table to `next` and `defer_destroy`s the old table, which frees its bucket array only,
@@ -107,12 +108,13 @@
 //! # Model checking
 //!
 //! Under `cfg(loom)` the atomics come from loom (through [`crate::sync`] and crossbeam-epoch's `loom`
-//! feature) and the models in `loom-tests/index.rs` check racing inserts, removal against lookups with
-//! reclamation, and growth under a reader. A use-after-free of an entry is not reliably visible to loom
+//! feature) and the models in `loom-tests/index.rs` check racing inserts of one key, removal against a
+//! lookup with reclamation, growth under a reader, removal racing a migration, and two writers helping
+//! one two-chunk migration. A use-after-free of an entry is not reliably visible to loom
 //! (freed memory may still hold the right bytes), so under loom an entry is not freed when retired:
 //! its destructor clears a loom `alive` flag and leaks the allocation, and every read of an entry checks
-//! the flag. A read racing the destructor then fails deterministically in every interleaving loom
-//! explores. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
+//! the flag. A read that races the destructor then fails in every explored interleaving where the
+//! destructor runs first, whatever the freed memory would have held. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
 //! the entry's value; the models must catch it.
 
 use crate::key::ContentKey;
