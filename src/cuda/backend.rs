@@ -71,7 +71,8 @@ pub struct CudaOptions {
     /// Staged mode: 16-byte loads in flight per lane of the HBM kernel: 4 or 8. Default 8.
     pub staged_unroll: u32,
     /// Create the backend's streams with the device's greatest priority, so its kernels' CTAs are
-    /// dispatched ahead of pending CTAs of the engine's default-priority streams. Default true.
+    /// dispatched ahead of pending CTAs of the engine's default-priority streams. Default true
+    /// (measured neutral on the H200 benchmark: see `docs/benchmarks.md`).
     pub high_priority: bool,
 }
 
