@@ -198,28 +198,70 @@ mod imp {
         Some(c.unwrap())
     }
 
+    /// A staged backend's label: CTAs, first piece, unroll and priority when not the defaults.
+    fn staged_label(o: &CudaOptions) -> String {
+        let d = CudaOptions::default();
+        let mut l = format!("staged_{}cta_f{}k", o.staged_ctas, o.staged_first_piece_bytes >> 10);
+        if o.staged_unroll != d.staged_unroll {
+            l += &format!("_u{}", o.staged_unroll);
+        }
+        if !o.high_priority {
+            l += "_lowprio";
+        }
+        l
+    }
+
+    fn staged_opts(ctas: u32, first_kib: u64, unroll: u32, high: bool) -> CudaOptions {
+        CudaOptions {
+            mode: CopyMode::Staged,
+            staged_ctas: ctas,
+            staged_first_piece_bytes: first_kib << 10,
+            staged_unroll: unroll,
+            high_priority: high,
+            ..Default::default()
+        }
+    }
+
     pub fn main() {
+        // KVT_EXPLORE=1: a short sweep of staged-mode variants (CTAs, first piece, unroll, stream
+        // priority) at 1, 8 and 43 blocks instead of the full table.
+        let explore = std::env::var_os("KVT_EXPLORE").is_some();
         let mut c = Criterion::default().configure_from_args();
         let mut s = setup();
         let timer = Timer::new();
         let block = s.g.block_bytes();
-        let kvt: Vec<(u32, CudaBackend)> = [1u32, 2, 4, 8, 16]
-            .into_iter()
-            .map(|ctas| {
+        let zc_ctas: &[u32] = if explore { &[4] } else { &[1, 2, 4, 8, 16] };
+        let kvt: Vec<(u32, CudaBackend)> = zc_ctas
+            .iter()
+            .map(|&ctas| {
                 let o =
                     CudaOptions { save_ctas: ctas, restore_ctas: ctas, mode: CopyMode::ZeroCopy, ..Default::default() };
                 (ctas, s.backend(o))
             })
             .collect();
-        let zc = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
-        let restore_u4 = s.backend(CudaOptions { restore_unroll: 4, ..zc });
-        let save_u8 = s.backend(CudaOptions { save_unroll: 8, ..zc });
-        let staged = s.backend(CudaOptions { mode: CopyMode::Staged, ..Default::default() });
+        let d = CudaOptions::default();
+        let staged_set: Vec<CudaOptions> = if explore {
+            let mut v = Vec::new();
+            for ctas in [4, 8, 16] {
+                for first in [128, 512, 4096] {
+                    v.push(staged_opts(ctas, first, 8, true));
+                }
+            }
+            v.push(staged_opts(8, 256, 4, true));
+            v.push(staged_opts(8, 256, 8, true));
+            v
+        } else {
+            vec![CudaOptions { mode: CopyMode::Staged, ..d }]
+        };
+        let staged: Vec<(String, CudaBackend)> = staged_set.iter().map(|o| (staged_label(o), s.backend(*o))).collect();
+        let auto = s.backend(d);
         println!("device: {}", kvt[0].1.device_description());
+        println!("defaults: {d:?}");
+        let blocks: &[usize] = if explore { &[1, 8, 43] } else { &BLOCKS };
         for dir in [Direction::Save, Direction::Restore] {
             let name = if dir == Direction::Save { "save" } else { "restore" };
             let mut group = c.benchmark_group(format!("glm52_{name}"));
-            for n in BLOCKS {
+            for &n in blocks {
                 let batch = s.batch(n);
                 group.throughput(Throughput::Bytes(n as u64 * block));
                 let mut timed = |id: BenchmarkId, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
@@ -231,18 +273,20 @@ mod imp {
                     let st = b.stream(dir);
                     timed(BenchmarkId::new(format!("kvtier_{ctas}cta"), n), st, &|| run_backend(b, &batch, dir));
                 }
-                let alt =
-                    if dir == Direction::Save { (&save_u8, "kvtier_2cta_u8") } else { (&restore_u4, "kvtier_4cta_u4") };
-                timed(BenchmarkId::new(alt.1, n), alt.0.stream(dir), &|| run_backend(alt.0, &batch, dir));
-                timed(BenchmarkId::new("staged", n), staged.stream(dir), &|| run_backend(&staged, &batch, dir));
-                timed(BenchmarkId::new("memcpy_per_chunk", n), s.stream, &|| {
-                    memcpy_each(&s, n, dir);
-                    None
-                });
-                timed(BenchmarkId::new("memcpy_batch", n), s.stream, &|| {
-                    memcpy_batch(&s, n, dir);
-                    None
-                });
+                for (label, b) in &staged {
+                    timed(BenchmarkId::new(label, n), b.stream(dir), &|| run_backend(b, &batch, dir));
+                }
+                if !explore {
+                    timed(BenchmarkId::new("auto_default", n), auto.stream(dir), &|| run_backend(&auto, &batch, dir));
+                    timed(BenchmarkId::new("memcpy_per_chunk", n), s.stream, &|| {
+                        memcpy_each(&s, n, dir);
+                        None
+                    });
+                    timed(BenchmarkId::new("memcpy_batch", n), s.stream, &|| {
+                        memcpy_batch(&s, n, dir);
+                        None
+                    });
+                }
                 timed(BenchmarkId::new("contiguous", n), s.stream, &|| {
                     contiguous(&s, n, dir);
                     None
@@ -250,27 +294,100 @@ mod imp {
             }
             group.finish();
         }
-        both_ways(&mut c, &s, &kvt, &staged, &timer);
-        interference(&s, &kvt, &staged);
+        let staged_both: Vec<(String, &CudaBackend)> = if explore {
+            staged
+                .iter()
+                .filter(|(l, _)| l.contains("f512k") || l.contains("f128k") || l.ends_with("_u4"))
+                .map(|(l, b)| (l.clone(), b))
+                .collect()
+        } else {
+            staged.iter().map(|(l, b)| (l.clone(), b)).collect()
+        };
+        both_ways(&mut c, &s, &kvt, &staged_both, &timer, if explore { &[43] } else { &[43, 128] });
+        let mut probe_runs: Vec<(String, CudaBackend)> = Vec::new();
+        let prios: &[bool] = &[true, false];
+        for &high in prios {
+            let sets: Vec<CudaOptions> = if explore {
+                vec![
+                    staged_opts(4, 256, 8, high),
+                    staged_opts(8, 256, 8, high),
+                    staged_opts(16, 256, 8, high),
+                    staged_opts(8, 256, 4, high),
+                ]
+            } else {
+                let mut v = vec![CudaOptions { mode: CopyMode::Staged, high_priority: high, ..d }];
+                if high {
+                    v.push(CudaOptions { mode: CopyMode::Staged, staged_ctas: 16, ..d });
+                }
+                v
+            };
+            for o in sets {
+                probe_runs.push((staged_label(&o), s.backend(o)));
+            }
+            for &ctas in if explore { &[4u32][..] } else { &[2u32, 4, 8][..] } {
+                let o = CudaOptions { restore_ctas: ctas, mode: CopyMode::ZeroCopy, high_priority: high, ..d };
+                let l = format!("zero-copy {ctas} CTAs{}", if high { "" } else { ", low priority" });
+                probe_runs.push((l, s.backend(o)));
+            }
+        }
+        interference(&s, &probe_runs);
+        drop(probe_runs);
         drop(kvt);
         drop(staged);
-        drop(restore_u4);
-        drop(save_u8);
+        drop(auto);
         s.registry.clear();
     }
 
     /// Save n blocks and restore n other blocks at once (separate slots and pages).
-    fn both_ways(c: &mut Criterion, s: &Setup, kvt: &[(u32, CudaBackend)], staged: &CudaBackend, timer: &Timer) {
+    fn both_ways(
+        c: &mut Criterion,
+        s: &Setup,
+        kvt: &[(u32, CudaBackend)],
+        staged: &[(String, &CudaBackend)],
+        timer: &Timer,
+        sizes: &[usize],
+    ) {
         let mut group = c.benchmark_group("glm52_save_and_restore");
         let block = s.g.block_bytes();
-        for n in [43usize, 128] {
+        // A second stream for the contiguous H2D copy beside the contiguous D2H one.
+        let mut s2: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: plain stream creation on the bound device.
+        unsafe { ok("cuStreamCreate", sys::cuStreamCreate(&mut s2, 1)) };
+        for &n in sizes {
             let save: Vec<CopyPair> = s.batch(n);
             let rest: Vec<CopyPair> = (0..n)
                 .map(|i| CopyPair::new((512 + i * 3) as u64 % s.g.pages(), (MAX_BLOCKS - 1 - i) as u32))
                 .collect();
             group.throughput(Throughput::Bytes(2 * n as u64 * block));
             let runs = kvt.iter().filter(|(c, _)| *c <= 8).map(|(c, b)| (format!("kvtier_{c}cta"), b));
-            for (id, b) in runs.chain([("staged".to_string(), staged)]) {
+            let bytes = n * s.g.slot_bytes() as usize;
+            group.bench_function(BenchmarkId::new("contiguous", n), |bch| {
+                bch.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| {
+                            timer.time(s.stream, s.stream, || {
+                                // SAFETY: disjoint halves of the pool and of the device buffer;
+                                // the H2D copy starts with the timer and the end waits for it.
+                                unsafe {
+                                    let half = (MAX_BLOCKS / 2) as u64 * s.g.slot_bytes();
+                                    ok("cuStreamWaitEvent", sys::cuStreamWaitEvent(s2, timer.start, 0));
+                                    ok(
+                                        "cuMemcpyAsync",
+                                        sys::cuMemcpyAsync(s.alias, s.contiguous, bytes, s.stream as _),
+                                    );
+                                    ok(
+                                        "cuMemcpyAsync",
+                                        sys::cuMemcpyAsync(s.contiguous + half, s.alias + half, bytes, s2),
+                                    );
+                                    ok("cuEventRecord", sys::cuEventRecord(timer.end, s2));
+                                    ok("cuStreamWaitEvent", sys::cuStreamWaitEvent(s.stream as _, timer.end, 0));
+                                }
+                            })
+                        })
+                        .sum()
+                })
+            });
+            for (id, b) in runs.chain(staged.iter().map(|(l, b)| (l.clone(), *b))) {
                 group.bench_function(BenchmarkId::new(id, n), |bch| {
                     bch.iter_custom(|iters| {
                         (0..iters)
@@ -307,7 +424,7 @@ mod imp {
 
     /// A compute-bound probe kernel alone, then while restores of 43 blocks run back to back on the
     /// backend; prints the probe's slowdown and the restores' GB/s during it.
-    fn interference(s: &Setup, kvt: &[(u32, CudaBackend)], staged: &CudaBackend) {
+    fn interference(s: &Setup, runs: &[(String, CudaBackend)]) {
         let sms = kvtier::cuda::raw::bind_device(0).unwrap();
         let mut probe_stream: sys::CUstream = std::ptr::null_mut();
         let mut out = 0u64;
@@ -338,8 +455,7 @@ mod imp {
         println!("|---|---|---|---|");
         let batch = s.batch(43);
         let bytes = 43.0 * s.g.block_bytes() as f64;
-        let runs = kvt.iter().filter(|(c, _)| [2, 4, 8].contains(c)).map(|(c, b)| (format!("zero-copy {c} CTAs"), b));
-        for (ctas, b) in runs.chain([("staged".to_string(), staged)]) {
+        for (ctas, b) in runs {
             let rs = b.stream(Direction::Restore);
             let restored = 12usize;
             let mut pending = Vec::new();

@@ -37,10 +37,9 @@ __device__ __forceinline__ void kvt_copy_body(const kvt_copy_args& a) {
     const kvt_u64 warp = ((kvt_u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const kvt_u64 nwarps = ((kvt_u64)gridDim.x * blockDim.x) >> 5;
     const kvt_u64 spb = a.segs_per_block;
-    const kvt_u64 total = a.n_pairs * spb;
     const kvt_seg* segs = reinterpret_cast<const kvt_seg*>(a.segs);
     const kvt_arena* arenas = reinterpret_cast<const kvt_arena*>(a.arenas);
-    for (kvt_u64 w = warp; w < total; w += nwarps) {
+    for (kvt_u64 w = a.item_begin + warp; w < a.item_end; w += nwarps) {
         const kvt_u64 i = w / spb;
         const kvt_u32 s = (kvt_u32)(w - i * spb);
         const uint4 sv = __ldg(reinterpret_cast<const uint4*>(segs + s));

@@ -46,15 +46,17 @@ struct kvt_seg {
     kvt_u32 reserved;
 };
 
-// Arguments of the save/restore kernels (passed by value). Work item w of the launch is segment
-// (w % segs_per_block) of pair (w / segs_per_block).
+// Arguments of the save/restore kernels (passed by value). Work item w is segment
+// (w % segs_per_block) of pair (w / segs_per_block); a launch moves items [item_begin, item_end)
+// (a whole batch: [0, n_pairs * segs_per_block); a staged piece: any sub-range, also part of a block).
 struct kvt_copy_args {
     kvt_u64 arenas;        // const kvt_arena*: the arena table (device memory)
     kvt_u64 segs;          // const kvt_seg*: the segment table (device memory)
     kvt_u64 pairs;         // const kvt_pair*: the batch (device memory), or 0: use inline_pairs
     kvt_u64 host_base;     // device address of host slot 0 (pool alias) or of the staging buffer
     kvt_u64 slot_bytes;    // host slot stride
-    kvt_u64 n_pairs;       // pairs in the batch
+    kvt_u64 item_begin;    // first work item of the launch
+    kvt_u64 item_end;      // one past the last work item
     kvt_u32 segs_per_block;
     kvt_u32 flags;         // KVT_FLAG_*
     struct kvt_pair inline_pairs[KVT_INLINE_PAIRS];
@@ -80,7 +82,7 @@ struct kvt_pattern_args {
 static_assert(sizeof(kvt_arena) == 32, "kvt_arena is 32 B");
 static_assert(sizeof(kvt_pair) == 16, "kvt_pair is 16 B (Rust CopyPair)");
 static_assert(sizeof(kvt_seg) == 16, "kvt_seg is 16 B");
-static_assert(sizeof(kvt_copy_args) == 56 + 16 * KVT_INLINE_PAIRS, "kvt_copy_args size");
+static_assert(sizeof(kvt_copy_args) == 64 + 16 * KVT_INLINE_PAIRS, "kvt_copy_args size");
 static_assert(sizeof(kvt_pattern_args) == 64, "kvt_pattern_args size");
 #endif
 

@@ -271,7 +271,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let want = hugepages_total() + need.saturating_sub(free_before);
         std::fs::write("/proc/sys/vm/nr_hugepages", want.to_string())
             .map_err(|e| format!("reserving {want} hugepages (needs root): {e}"))?;
-        cfg.pool.backing = kvtier::BackingChoice::HugeTlb;
+        if kvtier::pool::hugetlb_free_pages(None) >= need {
+            cfg.pool.backing = kvtier::BackingChoice::HugeTlb;
+        } else {
+            println!(
+                "only {} of {need} hugepages could be reserved; the pool falls back to automatic backing",
+                kvtier::pool::hugetlb_free_pages(None)
+            );
+        }
     }
     let free_reserved = kvtier::pool::hugetlb_free_pages(None);
     let t0 = Instant::now();

@@ -27,7 +27,7 @@
 //! | `null \| TOMBSTONE`     | removed; probes walk past it; never reused (keeps chains intact) |
 //! | `x \| MOVED`            | `x` frozen by a migration: no writer may change it again         |
 //!
-//! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and any of those `-> x|MOVED`. A
+//! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and `null` or `ptr -> x|MOVED`. A
 //! bucket never becomes empty again, which is what makes the probe chains race-free: the first empty
 //! bucket on a key's probe path is the only place that key can be inserted, so two racing inserts of
 //! one key meet at the same bucket and exactly one CAS wins (two saves of one key move bytes once).
@@ -40,16 +40,18 @@
 //! # Migration (growth, shrink, and purging tombstones)
 //!
 //! Saves insert and evictions remove all the time, so even a table whose live count is constant fills
-//! with tombstones; the same migration that grows the table also purges them. It runs in two phases
+//! with tombstones; the same migration that grows the table also purges them. It runs in three steps
 //! over chunks of 1024 buckets (4 under loom), each chunk claimed by an atomic counter so every writer
 //! that arrives helps:
 //!
 //! 1. **Freeze.** Each bucket is CASed from `x` to `x|MOVED` (keeping the pointer), counting live
-//!    entries. A frozen table is an immutable snapshot: writers' CASes on it fail.
+//!    entries. Tombstones are left as they are: no writer ever changes one. A frozen table is an
+//!    immutable snapshot: writers' CASes on it fail.
 //! 2. **Size.** The thread that freezes the last chunk knows the exact live count `n` and allocates
 //!    `next` with `max(initial buckets, next_pow2(4 n))` buckets: it grows, keeps its size, or shrinks,
 //!    never below the size chosen by [`BlockIndex::with_capacity`]. Sizing after the freeze (rather than
-//!    when the migration starts) means inserts racing the start can never overfill `next`.
+//!    when the migration starts, as a design that allocates `next` first would) means inserts racing
+//!    the start can never overfill `next`; the price is that helpers wait for this one allocation.
 //! 3. **Copy.** The *same entry pointers* (entries are shared, never copied) are CASed into the empty
 //!    buckets of `next`; tombstones are dropped. The thread finishing the last chunk swaps `root` from
 //!    the old table to `next` and `defer_destroy`s the old table, which frees its bucket array only,
@@ -60,8 +62,8 @@
 //! freeze, a `MOVED` bucket, or a failed reservation) help finish it and retry in the new table; once
 //! every chunk has been claimed they spin (with [`crate::sync::spin_loop`]) until the last claimer
 //! finishes. So growth is lock-free for readers and *helping* (not lock-free) for writers: a writer can
-//! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (a few µs of
-//! work), so that wait is short.
+//! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (1024 bucket
+//! CASes, tens of µs), so that wait is short unless the migrator is preempted.
 //!
 //! # Why a reader's stale answer during a migration is safe for kvtier
 //!
@@ -106,12 +108,13 @@
 //! # Model checking
 //!
 //! Under `cfg(loom)` the atomics come from loom (through [`crate::sync`] and crossbeam-epoch's `loom`
-//! feature) and the models in `loom-tests/index.rs` check racing inserts, removal against lookups with
-//! reclamation, and growth under a reader. A use-after-free of an entry is not reliably visible to loom
+//! feature) and the models in `loom-tests/index.rs` check racing inserts of one key, removal against a
+//! lookup with reclamation, growth under a reader, removal racing a migration, and two writers helping
+//! one two-chunk migration. A use-after-free of an entry is not reliably visible to loom
 //! (freed memory may still hold the right bytes), so under loom an entry is not freed when retired:
 //! its destructor clears a loom `alive` flag and leaks the allocation, and every read of an entry checks
-//! the flag. A read racing the destructor then fails deterministically in every interleaving loom
-//! explores. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
+//! the flag. A read that races the destructor then fails in every explored interleaving where the
+//! destructor runs first, whatever the freed memory would have held. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
 //! the entry's value; the models must catch it.
 
 use crate::key::ContentKey;
@@ -334,7 +337,9 @@ impl Table {
         for b in &self.buckets[self.chunk_range(c)] {
             let mut cur = b.load(Ordering::Acquire, guard);
             loop {
-                if cur.tag() & MOVED != 0 {
+                // Already frozen, or a tombstone: no writer ever changes a tombstone (inserts fill only
+                // empty buckets, removals CAS only live pointers), so it needs no mark.
+                if cur.tag() & MOVED != 0 || (cur.is_null() && cur.tag() & TOMBSTONE != 0) {
                     break;
                 }
                 match b.compare_exchange(
@@ -362,7 +367,7 @@ impl Table {
     fn copy_chunk(&self, c: usize, next: &Table, guard: &Guard) {
         for b in &self.buckets[self.chunk_range(c)] {
             let cur = b.load(Ordering::Acquire, guard);
-            debug_assert!(cur.tag() & MOVED != 0, "copying an unfrozen bucket");
+            debug_assert!(cur.tag() & (MOVED | TOMBSTONE) != 0, "copying an unfrozen bucket");
             if cur.is_null() {
                 continue;
             }
@@ -734,6 +739,13 @@ mod tests {
 
     fn v(slot: u32, generation: u64) -> SlotRef {
         SlotRef { slot: SlotId(slot), generation }
+    }
+
+    #[test]
+    fn index_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<BlockIndex>();
+        check::<SlotRef>();
     }
 
     #[test]

@@ -440,7 +440,7 @@ impl SimReport {
             self.peak_rss_kib / 1024
         );
         let head = |s: &mut String, title: &str| {
-            let _ = write!(s, "\n{title:<12}");
+            let _ = write!(s, "\n{title:<16}");
             for (label, slots) in &self.sizes {
                 let _ = write!(s, " {:>18}", format!("{label} ({slots})"));
             }
@@ -448,7 +448,7 @@ impl SimReport {
         };
         head(&mut s, "hit ratio");
         for p in self.policies() {
-            let _ = write!(s, "{p:<12}");
+            let _ = write!(s, "{p:<16}");
             for (_, slots) in &self.sizes {
                 let v = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
                 let _ = write!(s, " {v:>18}");
@@ -457,7 +457,7 @@ impl SimReport {
         }
         head(&mut s, "x LRU / %opt");
         for p in self.policies() {
-            let _ = write!(s, "{p:<12}");
+            let _ = write!(s, "{p:<16}");
             for (_, slots) in &self.sizes {
                 let r = self.get(p, *slots);
                 let l = self.get("lru", *slots);
@@ -476,7 +476,7 @@ impl SimReport {
         }
         head(&mut s, "query/save us");
         for p in self.policies().into_iter().filter(|p| *p != "optimum") {
-            let _ = write!(s, "{p:<12}");
+            let _ = write!(s, "{p:<16}");
             for (_, slots) in &self.sizes {
                 let v = self
                     .get(p, *slots)

@@ -71,7 +71,8 @@ pub enum Fit {
     /// [`TierError::CannotFit`] before evicting anything.
     #[default]
     AllOrNothing,
-    /// Save the longest leading run of missing keys that fits; report the rest as dropped.
+    /// Save the longest leading run of missing keys that fits and that the eviction policy admits
+    /// ([`crate::evict::EvictionPolicy::admit`]); report the rest as dropped.
     Prefix,
 }
 
@@ -101,7 +102,8 @@ pub struct SaveTicket {
     pub resident: usize,
     /// Keys being saved by another save right now: nothing copied.
     pub in_flight: usize,
-    /// Missing keys not saved because they did not fit ([`Fit::Prefix`] only).
+    /// Missing keys not saved because they did not fit or the policy did not admit them (or one
+    /// before them) ([`Fit::Prefix`] only).
     pub dropped: usize,
     /// Completes when the copied blocks are committed and visible to queries.
     pub handle: CopyHandle,
@@ -123,7 +125,7 @@ pub struct TierStats {
     pub save_skipped_resident: u64,
     /// Save keys skipped because another save of them was in flight.
     pub save_skipped_in_flight: u64,
-    /// Save keys dropped by [`Fit::Prefix`] because they did not fit.
+    /// Save keys dropped by [`Fit::Prefix`] because they did not fit or were not admitted.
     pub save_dropped: u64,
     /// Saves refused whole ([`TierError::CannotFit`] or [`TierError::PoolExhausted`]).
     pub saves_refused: u64,
@@ -931,6 +933,22 @@ impl Rank {
             }
         }
         add(&c.save_skipped_resident, resident as u64);
+        // Admission (Fit::Prefix only): every missing key is shown to the policy in order; from its
+        // first refusal on nothing is saved (a prefix hit cannot reach past the gap).
+        let mut refused = 0;
+        if opts.fit == Fit::Prefix {
+            let mut cut = None;
+            for (j, &i) in missing.iter().enumerate() {
+                let depth = hint.prefix_depth.map(|d| d.saturating_add(i as u32).min(u32::MAX - 1));
+                if !core.policy.admit(InsertInfo { key_hash: keys[i].hash64(), depth }) && cut.is_none() {
+                    cut = Some(j);
+                }
+            }
+            if let Some(j) = cut {
+                refused = missing.len() - j;
+                missing.truncate(j);
+            }
+        }
         let need = missing.len();
         let avail = core.available_slots();
         let take = match opts.fit {
@@ -946,7 +964,7 @@ impl Rank {
             Fit::AllOrNothing => need,
             Fit::Prefix => need.min(avail),
         };
-        let dropped = need - take;
+        let dropped = need - take + refused;
         missing.truncate(take);
         let slots = core.acquire_slots(take).inspect_err(|_| add(&c.saves_refused, 1))?;
         let mut reservation = WriteReservation::new(core);

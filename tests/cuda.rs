@@ -123,11 +123,25 @@ fn round_trip(g: &Geometry, n: usize, options: CudaOptions, seed: u64) {
 fn parity(preset: &str, pages: u64) {
     let g = Geometry::preset(preset, pages).unwrap();
     for (i, n) in [1usize, 8, 64, 256].into_iter().enumerate() {
+        // The default: Auto (staged from one block, pieces ramping from 256 KiB inside a block).
         round_trip(&g, n, CudaOptions::default(), 11 + i as u64);
-        let staged = CudaOptions { mode: CopyMode::Staged, staged_piece_blocks: 3, ..Default::default() };
+        // Staged with small, odd pieces (cut inside chunks' segment runs and across blocks), the
+        // other kernel unroll, other CTA count and default-priority streams.
+        let staged = CudaOptions {
+            mode: CopyMode::Staged,
+            staged_piece_blocks: 3,
+            staged_first_piece_bytes: 100_000,
+            staged_ctas: 3,
+            staged_unroll: 4,
+            high_priority: false,
+            ..Default::default()
+        };
         round_trip(&g, n, staged, 101 + i as u64);
         let zero = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
         round_trip(&g, n, zero, 201 + i as u64);
+        // Auto choosing zero copy for one block and staged from two.
+        let auto2 = CudaOptions { mode: CopyMode::Auto, auto_staged_min_blocks: 2, ..Default::default() };
+        round_trip(&g, n, auto2, 301 + i as u64);
     }
 }
 
@@ -379,4 +393,54 @@ fn one_registration_serves_every_backend_of_a_pool() {
     check_slot(&g, &pool, 1, &ks[1]);
     // Dropping the pool's registry first drains and unregisters; the backend then drops cleanly.
     drop(Arc::new(()));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn bind_pool_through_a_real_host_pool() {
+    use kvtier::{HostPool, PoolConfig, SlotId};
+    let g = Geometry::preset("glm52", 200).unwrap();
+    let pool = HostPool::new(g.slot_bytes(), &PoolConfig { bytes: 24 * g.slot_bytes(), ..Default::default() }).unwrap();
+    assert_eq!(pool.capacity(), 24);
+    let o = CudaOptions::default();
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    b.bind_pool(&pool).unwrap();
+    // A second backend (zero copy) binds the same pool through the same registration.
+    let mut z =
+        CudaBackend::new(0, &g, arenas.binding().clone(), CudaOptions { mode: CopyMode::ZeroCopy, ..o }).unwrap();
+    z.bind_pool(&pool).unwrap();
+    assert_eq!(pool.with_registrations(|r| r.len()), 1);
+    let mut rng = Rng(77);
+    for (round, be) in [&b, &z].into_iter().enumerate() {
+        for n in [1usize, 5] {
+            let ks = keys(&mut rng, n);
+            let pages = rng.distinct(n, g.pages());
+            let slots: Vec<SlotId> = (0..n).map(|_| pool.alloc().expect("free slot")).collect();
+            arenas.fill(&pages, &ks).unwrap();
+            let batch: Vec<CopyPair> = pages.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+            // SAFETY: the test owns the allocated slots and the pages until wait returns.
+            unsafe { be.save(&batch, WaitFor::Nothing) }.unwrap().wait().unwrap();
+            for (s, k) in slots.iter().zip(&ks) {
+                // SAFETY: the slot is ours and no copy is in flight (waited above).
+                let bytes = unsafe { std::slice::from_raw_parts(pool.slot_ptr(*s), g.slot_bytes() as usize) };
+                for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
+                    let chunk = &bytes[off as usize..(off + spec.bytes_per_page) as usize];
+                    assert_eq!(kvtier::pattern::first_mismatch(k, a, chunk), None, "round {round}, slot {}", s.0);
+                }
+            }
+            let pages2 = rng.distinct(n, g.pages());
+            let back: Vec<CopyPair> = pages2.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+            // SAFETY: as above.
+            unsafe { be.restore(&back, WaitFor::Nothing) }.unwrap().wait().unwrap();
+            arenas.verify(&pages2, &ks).unwrap();
+            for s in slots {
+                pool.free(s);
+            }
+        }
+    }
+    drop(z);
+    drop(b);
+    // The pool drains and unregisters on drop.
+    drop(pool);
 }

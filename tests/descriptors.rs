@@ -87,7 +87,7 @@ fn rust_descriptors_match_the_cuda_header() {
         check_struct!(
             "kvt_copy_args",
             KvtCopyArgs,
-            [arenas, segs, pairs, host_base, slot_bytes, n_pairs, segs_per_block, flags, inline_pairs]
+            [arenas, segs, pairs, host_base, slot_bytes, item_begin, item_end, segs_per_block, flags, inline_pairs]
         );
         check_struct!(
             "kvt_pattern_args",

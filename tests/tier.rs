@@ -332,3 +332,31 @@ fn audit_sees_a_consistent_tier_after_churn() {
     let rep = tier.core().audit(&k).unwrap();
     assert_eq!((rep.ready, rep.free, rep.writing, rep.pinned), (4, 0, 0, lease.len()));
 }
+
+#[test]
+fn a_prefix_save_stops_at_the_first_key_the_policy_refuses() {
+    let tier = tier(8, PolicyKind::PrefixTinyLfu);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..4);
+    a.fill(&[0, 1, 2, 3], &k).unwrap();
+    let prefix = SaveOptions { fit: Fit::Prefix };
+    // First sighting of every key: nothing admitted, all four dropped (and counted by the policy).
+    let t = rank.save_with(&k[1..4], &[1, 2, 3], WaitFor::Nothing, prefix).unwrap();
+    assert_eq!((t.saving.clone(), t.dropped), (vec![], 3));
+    // k0 is new, k1..k3 seen once: the refusal of k0 drops the whole batch.
+    let t = rank.save_with(&k, &[0, 1, 2, 3], WaitFor::Nothing, prefix).unwrap();
+    assert_eq!((t.saving.clone(), t.dropped), (vec![], 4));
+    // Now every key has history: all saved.
+    let t = rank.save_with(&k, &[0, 1, 2, 3], WaitFor::Nothing, prefix).unwrap();
+    t.handle.wait().unwrap();
+    assert_eq!((t.saving.clone(), t.dropped), (vec![0, 1, 2, 3], 0));
+    assert_eq!(tier.stats().save_dropped, 7);
+    // All-or-nothing saves bypass admission.
+    let k2 = keys(&tier, 10..12);
+    a.fill(&[4, 5], &k2).unwrap();
+    let t = rank.save(&k2, &[4, 5], WaitFor::Nothing).unwrap();
+    t.handle.wait().unwrap();
+    assert_eq!(t.saving, vec![0, 1]);
+    a.verify(&[0, 1, 2, 3], &k).unwrap();
+}

@@ -28,14 +28,18 @@ pub enum CopyMode {
     /// The kernel reads/writes host slots directly through the pool's device alias.
     ZeroCopy,
     /// The kernel gathers into (scatters from) an HBM staging buffer and the copy engine moves it
-    /// with one `cuMemcpyAsync` per run of consecutive host slots, pipelined in pieces of at most
-    /// [`CudaOptions::staged_piece_blocks`] blocks over two halves of the buffer (the kernel of
-    /// piece k+1 runs while the copy engine moves piece k). Holds SMs only for the short HBM
-    /// kernels; needs `2 * staged_piece_blocks` slots of HBM per direction.
+    /// with one `cuMemcpyAsync` per run of consecutive host slots, pipelined in pieces over two
+    /// halves of the buffer (the kernel of piece k+1 runs while the copy engine moves piece k).
+    /// Pieces are cut at segment boundaries, also inside a block: a save's first piece (a
+    /// restore's last) is [`CudaOptions::staged_first_piece_bytes`], and each next piece (each
+    /// earlier one) twice the size, up to [`CudaOptions::staged_piece_blocks`] blocks, so the
+    /// exposed kernel time at the start of a save (end of a restore) is one small piece. Holds SMs
+    /// only for the short HBM kernels; needs `2 * (staged_piece_blocks + 2)` slots of HBM per
+    /// direction.
     Staged,
     /// Zero copy for batches of fewer than [`CudaOptions::auto_staged_min_blocks`] blocks, staged
-    /// from there on (the default: on the H200 staged reached 97-99% of a contiguous copy from 43
-    /// blocks, zero copy 92-95%; zero copy was faster for one block).
+    /// from there on (the default: on the H200 staged reached 95-99% of a contiguous copy from 8
+    /// blocks with 8 CTAs, zero copy 92-95%; zero copy was faster for one block).
     #[default]
     Auto,
 }
@@ -51,16 +55,25 @@ pub struct CudaOptions {
     pub save_unroll: u32,
     /// 16-byte loads in flight per lane in restores: 4 or 8. Default 8.
     pub restore_unroll: u32,
-    /// Zero copy or staged.
+    /// Zero copy, staged, or by batch size.
     pub mode: CopyMode,
-    /// Staged mode: largest piece of the pipeline, in blocks (the staging buffer of each direction
-    /// holds two pieces). A batch of n blocks uses pieces of `clamp(ceil(n / 4), 1, this)` blocks.
-    /// Default 8 (2 x 27.6 MB of HBM per direction for GLM-5.2).
+    /// Staged mode: largest piece of the pipeline, in blocks. Default 8 (2 x 10 slots = 69 MB of
+    /// HBM per direction for GLM-5.2).
     pub staged_piece_blocks: u32,
-    /// Auto mode: batches of at least this many blocks are staged. Default 2.
+    /// Staged mode: bytes of a save's first piece and a restore's last piece (rounded up to a
+    /// segment boundary); the pieces double from there. At least 1. Default 512 KiB.
+    pub staged_first_piece_bytes: u64,
+    /// Auto mode: batches of at least this many blocks are staged. Default 2 (one block alone is
+    /// faster zero copy: 72 us against 82 us staged on the H200).
     pub auto_staged_min_blocks: u32,
-    /// Staged mode: CTAs of the HBM gather/scatter kernel. Default 16.
+    /// Staged mode: CTAs of the HBM gather/scatter kernel. Default 8.
     pub staged_ctas: u32,
+    /// Staged mode: 16-byte loads in flight per lane of the HBM kernel: 4 or 8. Default 8.
+    pub staged_unroll: u32,
+    /// Create the backend's streams with the device's greatest priority, so its kernels' CTAs are
+    /// dispatched ahead of pending CTAs of the engine's default-priority streams. Default true
+    /// (measured neutral on the H200 benchmark: see `docs/benchmarks.md`).
+    pub high_priority: bool,
 }
 
 impl Default for CudaOptions {
@@ -72,10 +85,62 @@ impl Default for CudaOptions {
             restore_unroll: 8,
             mode: CopyMode::Auto,
             staged_piece_blocks: 8,
+            staged_first_piece_bytes: 512 << 10,
             auto_staged_min_blocks: 2,
-            staged_ctas: 16,
+            staged_ctas: 8,
+            staged_unroll: 8,
+            high_priority: true,
         }
     }
+}
+
+/// Splits `total` bytes into pieces of `first`, `2 * first`, `4 * first`, ... bytes, each at most
+/// `max` (the last one holds the rest). Returns the piece sizes in order; empty for `total == 0`.
+fn ramp(total: u64, first: u64, max: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let (mut done, mut size) = (0u64, first.clamp(1, max.max(1)));
+    while done < total {
+        let s = size.min(total - done);
+        out.push(s);
+        done += s;
+        size = size.saturating_mul(2).min(max.max(1));
+    }
+    out
+}
+
+/// The staged pipeline's pieces of a batch of `n` blocks as work-item ranges `[begin, end)`
+/// (item `w` = segment `w % spb` of pair `w / spb`), cut at segment boundaries: a ramp of
+/// [`ramp`] sizes over the batch's data bytes, ascending for saves and descending for restores.
+/// `seg_cum[s]` = data bytes of a block before segment `s` (`spb` entries), `block` = data bytes of
+/// a block. Every range is non-empty and they tile `[0, n * spb)` in order.
+fn pieces(n: u64, seg_cum: &[u64], block: u64, first: u64, max: u64, dir: Direction) -> Vec<(u64, u64)> {
+    let spb = seg_cum.len() as u64;
+    let mut sizes = ramp(n * block, first, max);
+    if dir == Direction::Restore {
+        sizes.reverse();
+    }
+    // Data byte position -> first item starting at or after it.
+    let item_at = |b: u64| -> u64 {
+        let (blk, rem) = (b / block, b % block);
+        blk * spb + seg_cum.partition_point(|&c| c < rem) as u64
+    };
+    let mut out = Vec::with_capacity(sizes.len());
+    let (mut pos, mut begin) = (0u64, 0u64);
+    for s in sizes {
+        pos += s;
+        let end = item_at(pos).min(n * spb);
+        if end > begin {
+            out.push((begin, end));
+            begin = end;
+        }
+    }
+    if begin < n * spb {
+        match out.last_mut() {
+            Some(l) => l.1 = n * spb,
+            None => out.push((0, n * spb)),
+        }
+    }
+    out
 }
 
 /// The pool's registration with the driver, kept in [`HostPool::with_registrations`] so it is
@@ -177,6 +242,10 @@ struct Inner {
     arena_table: DeviceBuffer,
     seg_table: DeviceBuffer,
     segs_per_block: u32,
+    /// Data bytes of a block before segment `s`.
+    seg_cum: Vec<u64>,
+    /// Byte range `[start, end)` of segment `s` inside a host slot.
+    seg_span: Vec<(u64, u64)>,
     save: Lane,
     restore: Lane,
     descs: Mutex<Vec<DescBuf>>,
@@ -228,7 +297,11 @@ impl CudaBackend {
                 geometry.arenas().len()
             )));
         }
-        for (what, v) in [("save_unroll", options.save_unroll), ("restore_unroll", options.restore_unroll)] {
+        for (what, v) in [
+            ("save_unroll", options.save_unroll),
+            ("restore_unroll", options.restore_unroll),
+            ("staged_unroll", options.staged_unroll),
+        ] {
             if v != 4 && v != 8 {
                 return Err(CopyError::Mismatch(format!("{what} must be 4 or 8, not {v}")));
             }
@@ -237,17 +310,37 @@ impl CudaBackend {
             || options.restore_ctas == 0
             || options.staged_ctas == 0
             || options.staged_piece_blocks == 0
+            || options.staged_first_piece_bytes == 0
         {
-            return Err(CopyError::Mismatch("CTA counts and staged_piece_blocks must be at least 1".into()));
+            return Err(CopyError::Mismatch(
+                "CTA counts, staged_piece_blocks and staged_first_piece_bytes must be at least 1".into(),
+            ));
         }
         let dev = Device::get(device)?;
         let segs = desc::segment_table(geometry)?;
+        let offs = geometry.chunk_offsets();
+        let mut seg_cum = Vec::with_capacity(segs.len());
+        let mut cum = 0u64;
+        for sg in &segs {
+            seg_cum.push(cum);
+            cum += sg.len as u64;
+        }
+        let seg_span = segs
+            .iter()
+            .map(|sg| {
+                let start = offs[sg.arena as usize] + sg.offset as u64;
+                (start, start + sg.len as u64)
+            })
+            .collect();
+        let high = options.high_priority;
         let inner = Inner {
             arena_table: DeviceBuffer::from_slice(&dev, &desc::arena_table(geometry, &binding))?,
             seg_table: DeviceBuffer::from_slice(&dev, &segs)?,
             segs_per_block: segs.len() as u32,
-            save: Lane { stream: Stream::new(&dev)?, submit: Mutex::new(None) },
-            restore: Lane { stream: Stream::new(&dev)?, submit: Mutex::new(None) },
+            seg_cum,
+            seg_span,
+            save: Lane { stream: Stream::with_priority(&dev, high)?, submit: Mutex::new(None) },
+            restore: Lane { stream: Stream::with_priority(&dev, high)?, submit: Mutex::new(None) },
             descs: Mutex::new(Vec::new()),
             geometry: geometry.clone(),
             options,
@@ -379,7 +472,8 @@ impl CudaBackend {
             pairs: 0,
             host_base: pool.alias,
             slot_bytes: pool.slot_bytes,
-            n_pairs: batch.len() as u64,
+            item_begin: 0,
+            item_end: batch.len() as u64 * inner.segs_per_block as u64,
             segs_per_block: inner.segs_per_block,
             flags: 0,
             inline_pairs: [KvtPair::default(); INLINE_PAIRS],
@@ -439,12 +533,18 @@ impl CudaBackend {
         Ok(Box::new(CudaCompletion { event, desc, inner: self.inner.clone(), done: false }))
     }
 
-    /// Staged mode: pieces of `clamp(ceil(n / 4), 1, staged_piece_blocks)` pairs, alternating
-    /// between the two halves of the staging buffer. Save: kernel stream gathers piece k into half
-    /// k % 2 (after the copy of piece k - 2 out of that half), the copy stream then moves it to the
-    /// host slots. Restore: the copy stream fills half k % 2 (after the scatter of piece k - 2 read
-    /// it), then the kernel stream scatters it. The lane stream waits for the copy stream at the end,
-    /// so the completion event covers everything.
+    /// Staged mode: the pieces of [`pieces`], alternating between the two halves of the staging
+    /// buffer (piece-relative pair `r` at slot `r` of the half). Save: the kernel stream gathers
+    /// piece k into half k % 2 (after the copy of piece k - 2 out of that half), the copy stream
+    /// then moves it to the host slots. Restore: the copy stream fills half k % 2 (after the
+    /// scatter of piece k - 2 read it), then the kernel stream scatters it. The lane stream waits
+    /// for the copy stream at the end, so the completion event covers everything.
+    ///
+    /// A restore's copies into the staging buffer wait only for the scatters that last read the
+    /// half they fill (also those of earlier batches), not for the whole lane: they touch no GPU
+    /// page, so the batch's [`WaitFor`] and earlier batches' final scatters gate only the scatter
+    /// kernels (on the lane stream), and back-to-back restores keep the copy engine busy while the
+    /// previous batch's last scatter runs.
     fn staged(
         &self,
         staging: &mut Option<Staging>,
@@ -455,61 +555,90 @@ impl CudaBackend {
         stream: sys::CUstream,
     ) -> Result<(), CopyError> {
         let inner = &self.inner;
+        let o = &inner.options;
         let sb = pool.slot_bytes;
-        let max_piece = inner.options.staged_piece_blocks as usize;
+        let spb = inner.segs_per_block as u64;
+        let max_piece = o.staged_piece_blocks as usize;
         if staging.is_none() {
             let dev = &inner.dev;
+            // A piece of at most max_piece blocks (plus one segment of rounding) cut anywhere
+            // spans at most max_piece + 2 pairs.
+            let piece_slots = max_piece + 2;
             *staging = Some(Staging {
-                buf: DeviceBuffer::new(dev, (2 * max_piece as u64 * sb) as usize)?,
-                piece_slots: max_piece,
-                copy: Stream::new(dev)?,
+                buf: DeviceBuffer::new(dev, (2 * piece_slots as u64 * sb) as usize)?,
+                piece_slots,
+                copy: Stream::with_priority(dev, o.high_priority)?,
                 step: Event::new(dev)?,
                 half_free: [Event::new(dev)?, Event::new(dev)?],
                 sync: Event::new(dev)?,
             });
         }
         let stg = staging.as_ref().expect("allocated");
-        let per = batch.len().div_ceil(4).clamp(1, max_piece);
+        let block = inner.geometry.block_bytes();
+        let plan = pieces(
+            batch.len() as u64,
+            &inner.seg_cum,
+            block,
+            o.staged_first_piece_bytes,
+            max_piece as u64 * block,
+            dir,
+        );
         let k = &inner.dev.kernels;
+        let u = if o.staged_unroll == 8 { 1 } else { 0 };
         let f = match dir {
-            Direction::Save => k.save[1],
-            Direction::Restore => k.restore[1],
+            Direction::Save => k.save[u],
+            Direction::Restore => k.restore[u],
         };
         let cs = stg.copy.raw;
-        // The copy stream starts after everything queued on the lane so far (this batch's WaitFor,
-        // earlier batches' use of the staging buffer).
-        stg.sync.record(stream)?;
-        // SAFETY: live stream and event.
-        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(cs, stg.sync.raw, 0) })?;
-        for (pi, piece) in batch.chunks(per).enumerate() {
-            let first = pi * per;
+        if dir == Direction::Save {
+            // Save copies start after everything queued on the lane so far (this batch's WaitFor,
+            // earlier batches' gathers); each also waits for its own piece's gather below.
+            stg.sync.record(stream)?;
+            // SAFETY: live stream and event.
+            ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(cs, stg.sync.raw, 0) })?;
+        }
+        for (pi, &(w0, w1)) in plan.iter().enumerate() {
+            let (i0, i1) = ((w0 / spb) as usize, ((w1 - 1) / spb) as usize);
+            let cnt = i1 - i0 + 1;
+            assert!(cnt <= stg.piece_slots, "staged piece of {cnt} pairs exceeds the staging half");
             let half = pi % 2;
             let st = stg.buf.ptr + (half * stg.piece_slots) as u64 * sb;
             let mut a = *args;
             a.host_base = st;
             a.flags = FLAG_SLOT_IS_INDEX;
-            a.n_pairs = piece.len() as u64;
+            a.item_begin = w0 - i0 as u64 * spb;
+            a.item_end = w1 - i0 as u64 * spb;
             if args.pairs != 0 {
-                a.pairs = args.pairs + (first * std::mem::size_of::<KvtPair>()) as u64;
+                a.pairs = args.pairs + (i0 * std::mem::size_of::<KvtPair>()) as u64;
             } else {
                 a.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
-                a.inline_pairs[..piece.len()].copy_from_slice(&args.inline_pairs[first..first + piece.len()]);
+                a.inline_pairs[..cnt].copy_from_slice(&args.inline_pairs[i0..i0 + cnt]);
             }
+            // Byte range of pair r's slot that the piece covers.
+            let span = |r: usize| -> (u64, u64) {
+                let lo = if r == 0 { inner.seg_span[(w0 % spb) as usize].0 } else { 0 };
+                let hi = if r == cnt - 1 && w1 % spb != 0 { inner.seg_span[(w1 % spb) as usize - 1].1 } else { sb };
+                (lo, hi)
+            };
             let copies = || -> Result<(), CopyError> {
-                let mut j = 0;
-                while j < piece.len() {
-                    let mut e = j + 1;
-                    while e < piece.len() && piece[e].slot == piece[e - 1].slot + 1 {
+                let mut r = 0;
+                while r < cnt {
+                    let (lo, mut hi) = span(r);
+                    let mut e = r + 1;
+                    // Merge whole neighbouring slots that are consecutive on the host too.
+                    while e < cnt && hi == sb && batch[i0 + e].slot == batch[i0 + e - 1].slot + 1 {
+                        hi = span(e).1;
                         e += 1;
                     }
-                    let host = pool.alias + piece[j].slot as u64 * sb;
-                    let dev = st + j as u64 * sb;
-                    let n = (e - j) as u64 * sb;
+                    let len = (e - r - 1) as u64 * sb + hi - lo;
+                    let host = pool.alias + batch[i0 + r].slot as u64 * sb + lo;
+                    let dev = st + r as u64 * sb + lo;
                     let (dst, src) = if dir == Direction::Save { (host, dev) } else { (dev, host) };
-                    // SAFETY: both ranges lie inside the staging half and the registered pool (ids
-                    // validated); ordered with the kernels by the events around this call.
-                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, cs) })?;
-                    j = e;
+                    // SAFETY: both ranges lie inside the staging half (cnt <= piece_slots) and the
+                    // registered pool (ids validated); ordered with the kernels by the events
+                    // around this call.
+                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, len as usize, cs) })?;
+                    r = e;
                 }
                 Ok(())
             };
@@ -520,25 +649,29 @@ impl CudaBackend {
                     if pi >= 2 {
                         ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.half_free[half].raw, 0))?;
                     }
-                    // SAFETY: as in the zero-copy launch; the staging half holds `per` slots and
-                    // FLAG_SLOT_IS_INDEX keeps every access below piece.len() slots.
-                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    // SAFETY: as in the zero-copy launch; FLAG_SLOT_IS_INDEX with the
+                    // piece-relative pair list keeps every access below cnt <= piece_slots slots.
+                    launch(f, o.staged_ctas, COPY_THREADS, stream, &a)?;
                     stg.step.record(stream)?;
                     ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.step.raw, 0))?;
                     copies()?;
                     stg.half_free[half].record(cs)?;
                 } else {
-                    if pi >= 2 {
-                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.half_free[half].raw, 0))?;
-                    }
+                    // The last scatter that read this half (this batch's piece k - 2 or an earlier
+                    // batch's; an event never recorded is no wait).
+                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.half_free[half].raw, 0))?;
                     copies()?;
                     stg.step.record(cs)?;
                     ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.step.raw, 0))?;
                     // SAFETY: as above.
-                    launch(f, inner.options.staged_ctas, COPY_THREADS, stream, &a)?;
+                    launch(f, o.staged_ctas, COPY_THREADS, stream, &a)?;
                     stg.half_free[half].record(stream)?;
                 }
             }
+        }
+        if dir == Direction::Restore {
+            // The last scatter waited for the last copy: the lane already covers everything.
+            return Ok(());
         }
         stg.sync.record(cs)?;
         // SAFETY: live stream and event.
@@ -629,5 +762,51 @@ impl Drop for CudaCompletion {
             let _ = self.event.synchronize();
             self.finish();
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ramp_doubles_up_to_the_cap_and_covers_the_total() {
+        assert_eq!(ramp(0, 10, 100), Vec::<u64>::new());
+        assert_eq!(ramp(5, 10, 100), vec![5]);
+        assert_eq!(ramp(100, 10, 40), vec![10, 20, 40, 30]);
+        assert_eq!(ramp(200, 10, 40), vec![10, 20, 40, 40, 40, 40, 10]);
+        assert_eq!(ramp(7, 100, 3), vec![3, 3, 1]);
+    }
+
+    #[test]
+    fn pieces_tile_the_batch_at_segment_boundaries() {
+        let g = Geometry::preset("glm52", 8).unwrap();
+        let segs = desc::segment_table(&g).unwrap();
+        let mut cum = Vec::new();
+        let mut c = 0u64;
+        for s in &segs {
+            cum.push(c);
+            c += s.len as u64;
+        }
+        let (block, spb) = (g.block_bytes(), segs.len() as u64);
+        for dir in [Direction::Save, Direction::Restore] {
+            for n in [1u64, 2, 8, 43] {
+                let p = pieces(n, &cum, block, 256 << 10, 8 * block, dir);
+                assert_eq!(p[0].0, 0);
+                assert_eq!(p.last().unwrap().1, n * spb);
+                assert!(p.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
+                // Each piece spans at most 8 + 2 pairs.
+                assert!(p.iter().all(|&(a, b)| (b - 1) / spb - a / spb < 10));
+            }
+            // One block: 256 KiB, 512 KiB, 1 MiB, the rest (ascending for saves).
+            let p = pieces(1, &cum, block, 256 << 10, 8 * block, dir);
+            assert_eq!(p.len(), 4);
+            let (small, big) = if dir == Direction::Save { (p[0], p[3]) } else { (p[3], p[0]) };
+            assert!(small.1 - small.0 < big.1 - big.0);
+        }
+        // The first save piece ends at the first segment boundary at or after 256 KiB.
+        let p = pieces(1, &cum, block, 256 << 10, 8 * block, Direction::Save);
+        let want = cum.partition_point(|&c| c < 256 << 10) as u64;
+        assert_eq!(p[0], (0, want));
     }
 }

@@ -67,8 +67,11 @@ pub struct KvtCopyArgs {
     pub host_base: u64,
     /// Host slot stride in bytes.
     pub slot_bytes: u64,
-    /// Pairs in the batch.
-    pub n_pairs: u64,
+    /// First work item of the launch (item `w` = segment `w % segs_per_block` of pair
+    /// `w / segs_per_block`).
+    pub item_begin: u64,
+    /// One past the last work item of the launch.
+    pub item_end: u64,
     /// Segments of one block.
     pub segs_per_block: u32,
     /// `KVT_FLAG_*`.

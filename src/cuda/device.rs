@@ -306,13 +306,24 @@ unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 impl Stream {
-    /// A non-blocking stream on `dev`.
+    /// A non-blocking stream on `dev` of default priority.
     pub fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
+        Self::with_priority(dev, false)
+    }
+
+    /// A non-blocking stream on `dev`; `high`: of the device's greatest stream priority (the block
+    /// scheduler dispatches its pending CTAs before those of lower-priority streams).
+    pub fn with_priority(dev: &Arc<Device>, high: bool) -> Result<Self, CopyError> {
         dev.bind()?;
+        let (mut least, mut greatest) = (0i32, 0i32);
+        if high {
+            // SAFETY: writes two ints; the context is current.
+            ck("cuCtxGetStreamPriorityRange", unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) })?;
+        }
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: writes one handle; the context is current.
-        ck("cuStreamCreate", unsafe {
-            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        ck("cuStreamCreateWithPriority", unsafe {
+            sys::cuStreamCreateWithPriority(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest)
         })?;
         Ok(Stream { raw, dev: dev.clone() })
     }
