@@ -46,8 +46,8 @@ bites=(
     "seeded-bug-pin-writing|loom_guard|reserved_slot_invisible_until_commit"
     "seeded-bug-evict-pinned|loom_evict|evict_vs_pin_vs_lookup"
     "seeded-bug-stale-generation|loom_evict|stale_lookup_after_reuse_fails"
-    "seeded-bug-freelist-aba|loom_freelist|"
-    "seeded-bug-index-early-unpin|loom_index|"
+    "seeded-bug-freelist-aba|loom_freelist|aba_two_threads_one_shard"
+    "seeded-bug-index-early-unpin|loom_index|remove_races_get_with_reclamation"
 )
 if [[ $what == all || $what == bites ]]; then
     for b in "${bites[@]}"; do
