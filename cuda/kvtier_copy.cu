@@ -1,6 +1,6 @@
 // kvtier gather (save, D2H) and scatter (restore, H2D) kernels, and the pattern fill/verify kernels.
 //
-// Compiled at run time with NVRTC for the device's architecture (src/cuda/module.rs) and checked
+// Compiled at run time with NVRTC for the device's architecture (src/cuda/device.rs) and checked
 // for sm_80 and sm_90 in CI (cuda/check.sh). No includes beyond our own headers.
 //
 // Copy kernels: a persistent grid of a few CTAs (the count is a launch parameter: a copy over PCIe

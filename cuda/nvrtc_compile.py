@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile kvtier_copy.cu to PTX with libnvrtc (ctypes), the way src/cuda/module.rs does at run time.
+"""Compile kvtier_copy.cu to PTX with libnvrtc (ctypes), the way src/cuda/device.rs does at run time.
 
 usage: nvrtc_compile.py LIBNVRTC ARCH OUT.ptx   (ARCH like sm_90)
 Exits non-zero with NVRTC's log on a compile error.
@@ -23,7 +23,7 @@ n = len(headers)
 check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"kvtier_copy.cu", n,
                                (ctypes.c_char_p * n)(*hsrc), (ctypes.c_char_p * n)(*[h.encode() for h in headers])),
       "nvrtcCreateProgram")
-# The same options as the Rust side (src/cuda/module.rs), but virtual arch so ptxas can check sm_XY.
+# The same options as the Rust side (src/cuda/device.rs), but virtual arch so ptxas can check sm_XY.
 opts = [f"--gpu-architecture=compute_{arch[3:]}".encode(), b"-std=c++17", b"-default-device", b"-lineinfo"]
 res = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
 size = ctypes.c_size_t()
