@@ -151,7 +151,11 @@ fn parse_line(line: usize, text: &str) -> Result<TraceRequest, TraceError> {
 pub fn parse(reader: impl BufRead) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
     for (i, text) in reader.lines().enumerate() {
-        let text = text.map_err(|source| TraceError::Io { path: PathBuf::from("<reader>"), source })?;
+        let text = text.map_err(|source| match source.kind() {
+            // A line that is not UTF-8 is a malformed line, not an I/O failure: name it.
+            std::io::ErrorKind::InvalidData => TraceError::Malformed { line: i + 1, message: "not valid UTF-8".into() },
+            _ => TraceError::Io { path: PathBuf::from("<reader>"), source },
+        })?;
         if text.trim().is_empty() {
             continue;
         }
@@ -259,6 +263,15 @@ mod tests {
         for (bad, want) in cases {
             let got = err(&format!("{ok}\n{bad}\n{ok}\n"));
             assert!(got.starts_with(want), "line {bad}: got `{got}`, want `{want}...`");
+        }
+    }
+
+    #[test]
+    fn a_line_that_is_not_utf8_is_named() {
+        let bytes: &[u8] = b"{\"timestamp\":0,\"input_length\":64,\"output_length\":1,\"hash_ids\":[1]}\n\xff\xfe\n";
+        match parse(bytes) {
+            Err(TraceError::Malformed { line: 2, message }) => assert_eq!(message, "not valid UTF-8"),
+            other => panic!("expected a malformed line 2, got {other:?}"),
         }
     }
 

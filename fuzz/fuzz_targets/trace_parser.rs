@@ -1,5 +1,6 @@
 //! `kvtier::trace::parse` on arbitrary bytes: never panics; a malformed line is reported with its
-//! 1-based number (within the input); an I/O error happens only for input that is not UTF-8; every
+//! 1-based number (within the input), a line that is not UTF-8 included (reading from a slice never
+//! fails otherwise, so no I/O error may appear); every
 //! accepted request satisfies the format's rules and maps to page keys without panicking.
 #![no_main]
 
@@ -24,9 +25,6 @@ fuzz_target!(|data: &[u8]| {
         Err(TraceError::Malformed { line, message }) => {
             assert!((1..=lines).contains(&line), "line {line} of a {lines}-line input: {message}");
             assert!(!message.is_empty());
-        }
-        Err(TraceError::Io { .. }) => {
-            assert!(std::str::from_utf8(data).is_err(), "I/O error on UTF-8 input");
         }
         Err(e) => panic!("unexpected error from parse: {e}"),
     }
