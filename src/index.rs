@@ -8,34 +8,57 @@
 //! # Layout
 //!
 //! ```text
-//!  BlockIndex { root ─┐, len }
+//!  BlockIndex { root ─┐ (own cache line), len: [stripe; 32] (one padded line each) }
 //!                     v
-//!  Table { buckets: [Atomic<Entry>; 2^k], used, next ─> Table (only while migrating), counters }
+//!  Table { buckets: [Atomic<Entry>; 2^k], mask, limit   (read-only header, own line)
+//!          used (own line), credit: [stripe; 32] (one line each),
+//!          migration: next ─> Table (only while migrating), counters (own line) }
 //!             │
 //!             v
-//!  Entry { key: ContentKey, value: SlotRef }   (heap-allocated, immutable once published)
+//!  Entry { key: ContentKey, value: SlotRef }   (heap-allocated, 16-byte aligned, immutable once published)
 //! ```
 //!
 //! Open addressing with linear probing from [`ContentKey::hash64`] over a power-of-two array of
-//! `crossbeam_epoch::Atomic<Entry>`. A bucket holds a pointer plus two tag bits (an `Entry` is 8-byte
-//! aligned, so the low 3 bits of its address are free):
+//! `crossbeam_epoch::Atomic<Entry>`. A bucket holds a pointer plus four tag bits (an `Entry` is
+//! 16-byte aligned, so the low 4 bits of its address are free): bit 0 is `MOVED`, and bits 1-3 are a
+//! 3-bit hash fragment when the pointer is an entry, or the `TOMBSTONE` value when it is null:
 //!
 //! | bucket word             | meaning                                                          |
 //! |-------------------------|------------------------------------------------------------------|
 //! | `null`                  | empty: ends every probe chain; the only state an insert may fill |
-//! | `ptr`                   | live entry                                                       |
+//! | `ptr \| frag`           | live entry whose hash has top 3 bits `frag`                       |
 //! | `null \| TOMBSTONE`     | removed; probes walk past it; never reused (keeps chains intact) |
 //! | `x \| MOVED`            | `x` frozen by a migration: no writer may change it again         |
+//!
+//! The fragment (the top bits of the hash, independent of the low bits that pick the bucket) lets a
+//! probe skip 7 of 8 entries of other keys without dereferencing them: a lookup's cache misses are
+//! then its bucket and its own entry, rarely a neighbour's. It is written with the entry pointer by
+//! the insert CAS and kept by the freeze and by the copy into the next table, so it is always the
+//! fragment of the entry it sits beside.
 //!
 //! Each bucket only moves forward: `null -> ptr -> null|TOMBSTONE`, and `null` or `ptr -> x|MOVED`. A
 //! bucket never becomes empty again, which is what makes the probe chains race-free: the first empty
 //! bucket on a key's probe path is the only place that key can be inserted, so two racing inserts of
 //! one key meet at the same bucket and exactly one CAS wins (two saves of one key move bytes once).
 //!
-//! A table's *load* is `used`: buckets that went non-empty (live entries plus tombstones), counted by
-//! a reservation taken before the insert CAS. A reservation that would push `used` past
-//! `buckets / 2` fails and starts a migration instead, so a table always keeps at least half of its
-//! buckets empty and every probe ends within a few buckets (and provably within one pass).
+//! A table's *load* is bounded by `used`, the reservations granted for inserts: every bucket that
+//! went non-empty (live entries plus tombstones) was filled by an insert holding a reservation taken
+//! before its CAS. `used` never exceeds `limit = buckets / 2` (it only grows by CASes that check the
+//! limit), and the non-empty buckets plus in-flight reservations plus unspent credit add up to at
+//! most `used`, so a table always keeps at least half of its buckets empty and every probe ends
+//! within a few buckets (and provably within one pass). A reservation that finds no room fails and
+//! starts a migration instead.
+//!
+//! Reservations are taken in batches so that inserts on different cores do not fight over one
+//! counter: a thread first spends its *stripe's* credit (a padded counter written by that thread
+//! alone unless more than 32 threads share the stripes); when it has none it CASes `used` up by a
+//! batch (`limit / 128`, between 1 and 64), keeps one and credits the rest to its stripe; when `used`
+//! is at the limit it takes leftover credit from the other stripes before giving up, so a table
+//! migrates only when every granted bucket is spent or in flight (or, in a narrow race, granted to a
+//! thread that has not yet credited the rest of its batch: an early migration, harmless since the
+//! next table is sized from the live count). An insert that gives its
+//! reservation back (the key was present) returns it as credit. Credit dies with its table; the next
+//! table starts with `used` equal to the live count it was sized for.
 //!
 //! # Migration (growth, shrink, and purging tombstones)
 //!
@@ -95,10 +118,18 @@
 //!   root CAS (`AcqRel`) therefore happens after every copied pointer, and a reader's `Acquire` root
 //!   load sees a complete table. The chain also carries the original inserts' `Release`, so entry
 //!   contents are visible through `next` too.
-//! - **Counters.** `len` and `used` are plain counters updated with `Relaxed` RMWs: atomicity alone
-//!   makes the reservation bound exact, and `len` is incremented before the insert CAS that publishes
-//!   the entry (decremented if that CAS fails), so a remover, which must first `Acquire`-load the
-//!   entry, always decrements after the matching increment and `len` never underflows.
+//! - **Counters.** `len`, `used` and the credits are plain counters updated with `Relaxed` RMWs:
+//!   atomicity alone makes the reservation bound exact (every grant is a CAS from the current value,
+//!   every credit unit is taken by a decrement-if-positive CAS, so no unit is spent twice). `len` is
+//!   striped: an insert increments its thread's stripe before the CAS that publishes the entry
+//!   (decrements it if that CAS fails), and a remove decrements its own thread's stripe, which may be
+//!   another one, so stripes are wrapping counts and only their sum is meaningful. Since a remover
+//!   must first `Acquire`-load the entry, the true sum never goes below zero; [`BlockIndex::len`]
+//!   reads the stripes one by one, may see a removal without its insert, and clamps at zero.
+//! - **False sharing.** Every operation reads `root` and the table header, so both sit in cache lines
+//!   that are written only by a migration; counters written by inserts and removes live in separate
+//!   padded lines, one per thread for the stripes. A read-mostly workload's writes therefore never
+//!   invalidate a line that the readers on other cores need.
 //! - **Reclamation.** Removal CASes `ptr -> null|TOMBSTONE` and `defer_destroy`s the entry; a retired
 //!   table array is `defer_destroy`ed after the root swap. Both are unreachable from `root` by then
 //!   (an entry removed from `next` is in a retired table at most, which was unlinked before), so
@@ -110,17 +141,21 @@
 //! Under `cfg(loom)` the atomics come from loom (through [`crate::sync`] and crossbeam-epoch's `loom`
 //! feature) and the models in `loom-tests/index.rs` check racing inserts of one key, removal against a
 //! lookup with reclamation, growth under a reader, removal racing a migration, and two writers helping
-//! one two-chunk migration. A use-after-free of an entry is not reliably visible to loom
+//! one two-chunk migration, and batched load reservations racing. A use-after-free of an entry is not reliably visible to loom
 //! (freed memory may still hold the right bytes), so under loom an entry is not freed when retired:
 //! its destructor clears a loom `alive` flag and leaks the allocation, and every read of an entry checks
 //! the flag. A read that races the destructor then fails in every explored interleaving where the
-//! destructor runs first, whatever the freed memory would have held. The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
+//! destructor runs first, whatever the freed memory would have held. Under loom there are 2 stripes
+//! (a model thread's stripe is its loom thread number) and batches of at most 2, so a model of two
+//! threads exercises batched grants, credit and stealing (`batched_reservations_race`).
+//! The feature `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading
 //! the entry's value; the models must catch it.
 
 use crate::key::ContentKey;
 use crate::slot::SlotId;
 use crate::sync::{spin_loop, AtomicUsize, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
+use crossbeam_utils::CachePadded;
 use std::fmt;
 
 /// Where a block lives: its slot and the slot generation it was saved under.
@@ -132,10 +167,81 @@ pub struct SlotRef {
     pub generation: u64,
 }
 
-/// Tag bit: the bucket's entry was removed (the pointer part is null).
-const TOMBSTONE: usize = 0b01;
-/// Tag bit: the bucket was frozen by a migration.
-const MOVED: usize = 0b10;
+/// Tag bit: the bucket was frozen by a migration (with a null or an entry pointer).
+const MOVED: usize = 0b0001;
+/// Tag value (with a null pointer only): the bucket's entry was removed.
+const TOMBSTONE: usize = 0b0010;
+/// Tag bits (with an entry pointer only): the entry's hash fragment, see [`fragment`].
+const FRAG_MASK: usize = 0b1110;
+
+/// The hash fragment stored in the tag bits of a bucket that holds an entry with hash `h`: the top 3
+/// bits of `h` (the bucket index uses the low bits), so a probe skips 7 of 8 non-matching entries
+/// without dereferencing them.
+#[inline]
+fn fragment(h: u64) -> usize {
+    ((h >> 61) as usize) << 1
+}
+
+/// Counter stripes (a power of two): `len` and each table's load reservations are split over this
+/// many cache-line-padded counters, one per thread (threads share a stripe only beyond this count).
+#[cfg(not(loom))]
+const STRIPES: usize = 32;
+/// Counter stripes (a power of two); two under loom, so a two-thread model uses both.
+#[cfg(loom)]
+const STRIPES: usize = 2;
+
+/// Largest batch of load reservations a stripe takes from its table's global count at once.
+#[cfg(not(loom))]
+const MAX_BATCH: usize = 64;
+/// Largest batch of load reservations a stripe takes at once; two under loom so models exercise the
+/// batching, the credit and the stealing paths.
+#[cfg(loom)]
+const MAX_BATCH: usize = 2;
+
+/// Reservation batch for a table whose load limit is `limit`: small enough that all stripes together
+/// can hold at most a quarter of the limit as unspent credit, at least 1.
+fn batch_for(limit: usize) -> usize {
+    #[cfg(not(loom))]
+    let b = limit / (4 * STRIPES);
+    #[cfg(loom)]
+    let b = limit / 2;
+    b.clamp(1, MAX_BATCH)
+}
+
+/// This thread's counter stripe, `< STRIPES`: assigned round-robin on a thread's first call, so up to
+/// [`STRIPES`] threads each write their own cache lines.
+#[cfg(not(loom))]
+#[inline]
+fn stripe() -> usize {
+    use std::cell::Cell;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    std::thread_local! {
+        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    STRIPE.with(|s| {
+        let mut v = s.get();
+        if v == usize::MAX {
+            v = NEXT.fetch_add(1, Ordering::Relaxed) & (STRIPES - 1);
+            s.set(v);
+        }
+        v
+    })
+}
+
+/// This thread's counter stripe under loom: the loom thread number (0 for the model's main thread,
+/// then 1, 2, ... in spawn order) modulo [`STRIPES`], deterministic in every explored execution and
+/// without adding atomics to the model.
+#[cfg(loom)]
+fn stripe() -> usize {
+    let id = format!("{:?}", loom::thread::current().id());
+    let n: usize = id.trim_start_matches("ThreadId(").trim_end_matches(')').parse().unwrap_or(0);
+    n & (STRIPES - 1)
+}
+
+/// `STRIPES` zeroed, padded counters.
+fn striped_counters() -> Box<[CachePadded<AtomicUsize>]> {
+    (0..STRIPES).map(|_| CachePadded::new(AtomicUsize::new(0))).collect()
+}
 
 /// Smallest bucket array (a table always keeps half its buckets empty, so this holds 2 entries).
 const MIN_BUCKETS: usize = 4;
@@ -151,7 +257,9 @@ const MIGRATION_CHUNK: usize = 4;
 
 /// One key -> value pair. Heap-allocated once, immutable once published, shared by an old and a new
 /// table during a migration, freed exactly once (by the remover's deferred destructor or by
-/// [`BlockIndex`]'s `Drop`).
+/// [`BlockIndex`]'s `Drop`). Aligned to 16 bytes (its size is 32) so a bucket has 4 tag bits, and so
+/// the allocator's ordinary `malloc` path (16-byte aligned) serves it.
+#[repr(align(16))]
 struct Entry {
     key: ContentKey,
     value: SlotRef,
@@ -160,8 +268,8 @@ struct Entry {
     alive: crate::sync::AtomicBool,
 }
 
-// The two tag bits must fit below the alignment of `Entry` (crossbeam would silently drop them).
-const _: () = assert!(std::mem::align_of::<Entry>() >= 4);
+// The four tag bits must fit below the alignment of `Entry` (crossbeam would silently drop them).
+const _: () = assert!(std::mem::align_of::<Entry>() > (MOVED | TOMBSTONE | FRAG_MASK));
 
 impl Entry {
     fn new(key: ContentKey, value: SlotRef) -> Self {
@@ -223,14 +331,30 @@ unsafe fn retire_entry(guard: &Guard, p: Shared<'_, Entry>) {
 }
 
 /// One bucket array plus its migration state.
+///
+/// Field placement is about cache lines: the read-only header (`buckets`, `mask`, ...) is read by
+/// every operation, so nothing that is written often may share its line. The global load count and
+/// the per-stripe credits are written by inserts and sit in their own padded lines; the migration
+/// counters, written only while migrating, in another.
 struct Table {
     buckets: Box<[Atomic<Entry>]>,
     /// `buckets.len() - 1` (the length is a power of two).
     mask: usize,
     /// Most non-empty buckets allowed (`buckets / 2`).
     limit: usize,
-    /// Non-empty buckets (live + tombstones + in-flight reservations).
-    used: AtomicUsize,
+    /// Reservations a stripe takes from `used` at once ([`batch_for`]).
+    batch: usize,
+    /// Buckets granted for inserts, `<= limit` at all times: non-empty buckets (live + tombstones)
+    /// plus in-flight reservations plus the unspent `credit` of every stripe.
+    used: CachePadded<AtomicUsize>,
+    /// Per stripe: granted (counted in `used`) but not yet spent reservations.
+    credit: Box<[CachePadded<AtomicUsize>]>,
+    /// Migration state, written only while migrating.
+    mig: CachePadded<Migration>,
+}
+
+/// A table's migration progress (see the module docs, "Migration").
+struct Migration {
     /// The table being filled by a migration of this one; null until the freeze phase ends.
     next: Atomic<Table>,
     /// Freeze chunks claimed so far; non-zero means a migration has started.
@@ -255,13 +379,17 @@ impl Table {
             buckets: (0..n).map(|_| Atomic::null()).collect(),
             mask: n - 1,
             limit: n / 2,
-            used: AtomicUsize::new(used),
-            next: Atomic::null(),
-            freeze_claimed: AtomicUsize::new(0),
-            freeze_done: AtomicUsize::new(0),
-            frozen_live: AtomicUsize::new(0),
-            copy_claimed: AtomicUsize::new(0),
-            copy_done: AtomicUsize::new(0),
+            batch: batch_for(n / 2),
+            used: CachePadded::new(AtomicUsize::new(used)),
+            credit: striped_counters(),
+            mig: CachePadded::new(Migration {
+                next: Atomic::null(),
+                freeze_claimed: AtomicUsize::new(0),
+                freeze_done: AtomicUsize::new(0),
+                frozen_live: AtomicUsize::new(0),
+                copy_claimed: AtomicUsize::new(0),
+                copy_done: AtomicUsize::new(0),
+            }),
         }
     }
 
@@ -287,30 +415,75 @@ impl Table {
 
     #[inline]
     fn migration_started(&self) -> bool {
-        self.freeze_claimed.load(Ordering::Acquire) != 0
+        self.mig.freeze_claimed.load(Ordering::Acquire) != 0
     }
 
-    /// Reserves one empty bucket for an insert; false (and nothing reserved) when the table is full.
+    /// Takes one unit of credit from stripe `s`; false if it has none.
     #[inline]
-    fn reserve(&self) -> bool {
-        let prev = self.used.fetch_add(1, Ordering::Relaxed);
-        if prev < self.limit {
-            true
-        } else {
-            self.used.fetch_sub(1, Ordering::Relaxed);
-            false
+    fn take_credit(&self, s: usize) -> bool {
+        let c = &self.credit[s];
+        let mut cur = c.load(Ordering::Relaxed);
+        while cur > 0 {
+            match c.compare_exchange_weak(cur, cur - 1, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return true,
+                Err(now) => {
+                    cur = now;
+                    spin_loop();
+                }
+            }
         }
+        false
     }
 
+    /// Reserves one empty bucket for an insert by the thread of stripe `s`; false (and nothing
+    /// reserved) when the table is full.
+    ///
+    /// The fast path spends the stripe's own credit (one RMW on a line only this thread writes).
+    /// Otherwise it grants itself up to `batch` reservations from `used` by a CAS that never passes
+    /// `limit` (keeping one, crediting the rest to its stripe); when `used` is at the limit it takes
+    /// credit left over by other stripes before reporting the table full, so a table migrates only
+    /// when every granted bucket is spent or in flight.
     #[inline]
-    fn unreserve(&self) {
-        self.used.fetch_sub(1, Ordering::Relaxed);
+    fn reserve(&self, s: usize) -> bool {
+        if self.take_credit(s) {
+            return true;
+        }
+        let mut g = self.used.load(Ordering::Relaxed);
+        while g < self.limit {
+            let take = (self.limit - g).min(self.batch);
+            match self.used.compare_exchange_weak(g, g + take, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    if take > 1 {
+                        self.credit[s].fetch_add(take - 1, Ordering::Relaxed);
+                    }
+                    return true;
+                }
+                Err(now) => {
+                    g = now;
+                    spin_loop();
+                }
+            }
+        }
+        self.steal_credit(s)
+    }
+
+    /// The table is at its limit: takes a unit of another stripe's unspent credit, if any.
+    #[cold]
+    fn steal_credit(&self, s: usize) -> bool {
+        (1..STRIPES).any(|d| self.take_credit((s + d) & (STRIPES - 1)))
+    }
+
+    /// Returns an unused reservation (taken by stripe `s`) as that stripe's credit.
+    #[inline]
+    fn unreserve(&self, s: usize) {
+        self.credit[s].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Looks `key` up, reading through `MOVED` marks (a frozen table is a consistent snapshot).
     #[inline]
     fn find<'g>(&'g self, key: &ContentKey, guard: &'g Guard) -> Option<&'g Entry> {
         let h = key.hash64();
+        let frag = fragment(h);
         for i in 0..=self.mask {
             let cur = self.bucket(h, i).load(Ordering::Acquire, guard);
             if cur.is_null() {
@@ -319,6 +492,10 @@ impl Table {
                 }
                 // Empty (frozen or not): the end of the chain.
                 return None;
+            }
+            if cur.tag() & FRAG_MASK != frag {
+                // Another key's entry (its fragment differs): skip it without dereferencing.
+                continue;
             }
             // SAFETY: a non-null bucket pointer is a published entry; `guard` was pinned before `root`
             // (hence this table and bucket) was loaded, so the entry cannot be reclaimed before the
@@ -371,7 +548,8 @@ impl Table {
             if cur.is_null() {
                 continue;
             }
-            let p = cur.with_tag(0);
+            // The same pointer with its hash fragment, without the MOVED mark.
+            let p = cur.with_tag(cur.tag() & FRAG_MASK);
             // SAFETY: a frozen live bucket's entry cannot be removed until the root swap (writers
             // never change a MOVED bucket and `next` is not yet reachable), so it is alive.
             let h = unsafe { p.deref() }.key().hash64();
@@ -399,12 +577,17 @@ impl Table {
 /// Lookups (`get`, [`IndexReader::get`]) never wait, even during growth; `insert_if_absent` and
 /// `remove_if` are lock-free except that they help (and may wait for) an in-progress migration. See
 /// the module docs for the design, the ordering argument and why stale reads during a migration are
-/// safe. Memory: 8 bytes per bucket plus one 32-byte heap entry per live key; the table keeps between
+/// safe. Memory: 8 bytes per bucket plus one 32-byte heap entry per live key, plus about 8 KiB of
+/// padded counter stripes for the index and for each table; the table keeps between
 /// 1/4 and 1/2 of its buckets non-empty after a migration (so 16-32 bytes of buckets per live key).
 pub struct BlockIndex {
-    root: Atomic<Table>,
-    /// Live entries (plus in-flight inserts).
-    len: AtomicUsize,
+    /// The current table, alone in its cache line: read by every operation, written only by a
+    /// migration's root swap.
+    root: CachePadded<Atomic<Table>>,
+    /// Live entries (plus in-flight inserts), striped per thread: each stripe is a wrapping count
+    /// (a stripe may go "negative" when a thread removes what another inserted); their wrapping sum
+    /// is the count.
+    len: Box<[CachePadded<AtomicUsize>]>,
     /// Bucket count chosen by `with_capacity`: migrations never shrink below it.
     min_buckets: usize,
 }
@@ -422,7 +605,7 @@ impl BlockIndex {
             .and_then(usize::checked_next_power_of_two)
             .expect("BlockIndex capacity overflows usize")
             .max(MIN_BUCKETS);
-        BlockIndex { root: Atomic::new(Table::new(n, 0)), len: AtomicUsize::new(0), min_buckets: n }
+        BlockIndex { root: CachePadded::new(Atomic::new(Table::new(n, 0))), len: striped_counters(), min_buckets: n }
     }
 
     /// Bucket count for a table receiving `live` entries: a quarter full, never below the initial size.
@@ -447,6 +630,8 @@ impl BlockIndex {
     pub fn insert_if_absent(&self, key: ContentKey, value: SlotRef) -> Result<(), SlotRef> {
         let guard = epoch::pin();
         let h = key.hash64();
+        let frag = fragment(h);
+        let s = stripe();
         // Allocated at the first empty bucket, reused across retries, freed if never published.
         let mut new: Option<Owned<Entry>> = None;
         'retry: loop {
@@ -462,7 +647,7 @@ impl BlockIndex {
                 let cur = b.load(Ordering::Acquire, &guard);
                 if cur.tag() & MOVED != 0 {
                     if reserved {
-                        t.unreserve();
+                        t.unreserve(s);
                     }
                     self.help_migrate(t_sh, &guard);
                     continue 'retry;
@@ -474,30 +659,35 @@ impl BlockIndex {
                     }
                     // Empty: the first empty bucket of the chain, so `key` is absent; claim it.
                     if !reserved {
-                        if !t.reserve() {
+                        if !t.reserve(s) {
                             self.help_migrate(t_sh, &guard);
                             continue 'retry;
                         }
                         reserved = true;
                     }
-                    let entry = new.take().unwrap_or_else(|| Owned::new(Entry::new(key, value)));
-                    self.len.fetch_add(1, Ordering::Relaxed);
+                    let entry = new.take().unwrap_or_else(|| Owned::new(Entry::new(key, value)).with_tag(frag));
+                    self.len[s].fetch_add(1, Ordering::Relaxed);
                     match b.compare_exchange(Shared::null(), entry, Ordering::AcqRel, Ordering::Acquire, &guard) {
                         Ok(_) => return Ok(()),
                         Err(e) => {
                             // Lost the bucket: look at what won it (same `i`).
-                            self.len.fetch_sub(1, Ordering::Relaxed);
+                            self.len[s].fetch_sub(1, Ordering::Relaxed);
                             new = Some(e.new);
                             spin_loop();
                             continue;
                         }
                     }
                 }
+                if cur.tag() & FRAG_MASK != frag {
+                    // Another key's entry (see `Table::find`).
+                    i += 1;
+                    continue;
+                }
                 // SAFETY: published entry, protected by `guard` (see `Table::find`).
                 let e = unsafe { cur.deref() };
                 if e.key() == key {
                     if reserved {
-                        t.unreserve();
+                        t.unreserve(s);
                     }
                     return Err(e.value());
                 }
@@ -533,6 +723,7 @@ impl BlockIndex {
     pub fn remove_if(&self, key: &ContentKey, expected: SlotRef) -> bool {
         let guard = epoch::pin();
         let h = key.hash64();
+        let frag = fragment(h);
         'retry: loop {
             let (t_sh, t) = self.root(&guard);
             for i in 0..=t.mask {
@@ -548,6 +739,9 @@ impl BlockIndex {
                     }
                     return false;
                 }
+                if cur.tag() & FRAG_MASK != frag {
+                    continue;
+                }
                 // SAFETY: published entry, protected by `guard` (see `Table::find`).
                 let e = unsafe { cur.deref() };
                 if e.key() != *key {
@@ -559,7 +753,7 @@ impl BlockIndex {
                 let tomb = Shared::null().with_tag(TOMBSTONE);
                 return match b.compare_exchange(cur, tomb, Ordering::AcqRel, Ordering::Acquire, &guard) {
                     Ok(_) => {
-                        self.len.fetch_sub(1, Ordering::Relaxed);
+                        self.len[stripe()].fetch_sub(1, Ordering::Relaxed);
                         // SAFETY: our CAS unlinked `cur` from the live table (the only table writers
                         // change), so we retire it exactly once.
                         unsafe { retire_entry(&guard, cur) };
@@ -587,23 +781,23 @@ impl BlockIndex {
         let t = unsafe { t_sh.deref() };
         let chunks = t.chunks();
         // Phase 1: freeze.
-        while t.freeze_claimed.load(Ordering::Acquire) < chunks {
-            let c = t.freeze_claimed.fetch_add(1, Ordering::AcqRel);
+        while t.mig.freeze_claimed.load(Ordering::Acquire) < chunks {
+            let c = t.mig.freeze_claimed.fetch_add(1, Ordering::AcqRel);
             if c >= chunks {
                 break;
             }
             let live = t.freeze_chunk(c, guard);
-            t.frozen_live.fetch_add(live, Ordering::AcqRel);
-            if t.freeze_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
+            t.mig.frozen_live.fetch_add(live, Ordering::AcqRel);
+            if t.mig.freeze_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
                 // Last freezer: every count and frozen bucket happens-before this point.
-                let live = t.frozen_live.load(Ordering::Acquire);
+                let live = t.mig.frozen_live.load(Ordering::Acquire);
                 let next = Owned::new(Table::new(self.table_size(live), live));
-                t.next.store(next, Ordering::Release);
+                t.mig.next.store(next, Ordering::Release);
             }
         }
         // Phase 2: wait for `next` (allocated by the last freezer).
         let next_sh = loop {
-            let n = t.next.load(Ordering::Acquire, guard);
+            let n = t.mig.next.load(Ordering::Acquire, guard);
             if !n.is_null() {
                 break n;
             }
@@ -612,13 +806,13 @@ impl BlockIndex {
         // SAFETY: `next` is non-null and outlives `t` (it becomes the root, or is retired after `t`).
         let next = unsafe { next_sh.deref() };
         // Phase 3: copy.
-        while t.copy_claimed.load(Ordering::Acquire) < chunks {
-            let c = t.copy_claimed.fetch_add(1, Ordering::AcqRel);
+        while t.mig.copy_claimed.load(Ordering::Acquire) < chunks {
+            let c = t.mig.copy_claimed.fetch_add(1, Ordering::AcqRel);
             if c >= chunks {
                 break;
             }
             t.copy_chunk(c, next, guard);
-            if t.copy_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
+            if t.mig.copy_done.fetch_add(1, Ordering::AcqRel) + 1 == chunks {
                 // Last copier: every copied pointer happens-before the swap.
                 let swapped = self.root.compare_exchange(t_sh, next_sh, Ordering::AcqRel, Ordering::Acquire, guard);
                 assert!(swapped.is_ok(), "index root changed during its migration");
@@ -641,9 +835,12 @@ impl BlockIndex {
     }
 
     /// Live entries. Exact when no insert or remove is in flight; otherwise it may briefly count an
-    /// insert that is about to lose its race.
+    /// insert that is about to lose its race, or miss operations that land on stripes while they are
+    /// summed. Costs one load per stripe (32 cache lines): meant for statistics, not hot paths.
     pub fn len(&self) -> usize {
-        self.len.load(Ordering::Relaxed)
+        let sum = self.len.iter().fold(0usize, |acc, c| acc.wrapping_add(c.load(Ordering::Relaxed)));
+        // A sum taken while operations run may see a removal but not the insert it follows.
+        (sum as isize).max(0) as usize
     }
 
     /// True when empty.
@@ -692,7 +889,7 @@ impl Drop for BlockIndex {
                 drop(unsafe { cur.into_owned() });
             }
         }
-        let next = t.next.load(Ordering::Relaxed, guard);
+        let next = t.mig.next.load(Ordering::Relaxed, guard);
         if !next.is_null() {
             // A migration was interrupted (only possible after a panic): free `next`'s array only.
             // SAFETY: allocated by `Owned::new`, unreachable from anywhere else.
@@ -989,6 +1186,25 @@ mod tests {
                 assert_eq!(ix.get(&k((t << 40) + i)), want);
             }
         }
+    }
+
+    #[test]
+    fn batched_reservations_fill_the_table_exactly() {
+        // 512 buckets: limit 256, batches of 2. Another thread's insert leaves one unit of credit on
+        // its stripe; this thread's 255 inserts must use it rather than migrate early.
+        let ix = BlockIndex::with_capacity(128);
+        assert_eq!(ix.capacity(), 512);
+        std::thread::scope(|s| {
+            s.spawn(|| ix.insert_if_absent(k(0), v(0, 0)).unwrap());
+        });
+        for i in 1..256 {
+            assert_eq!(ix.insert_if_absent(k(i), v(1, i)), Ok(()));
+        }
+        assert_eq!(ix.capacity(), 512);
+        assert_eq!(ix.len(), 256);
+        assert_eq!(ix.insert_if_absent(k(256), v(1, 256)), Ok(()));
+        assert_eq!(ix.capacity(), 1024);
+        assert_eq!(ix.len(), 257);
     }
 
     #[derive(Clone, Debug)]
