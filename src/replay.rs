@@ -24,7 +24,7 @@ use crate::copy::{EngineArenas, WaitFor};
 use crate::error::{Error, ReplayError, TierError};
 use crate::evict::PolicyKind;
 use crate::pool::{BackingChoice, PoolConfig};
-use crate::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use crate::tier::{Fit, HostTier, Rank, SaveHint, SaveOptions, TierConfig, TierStats};
 use crate::trace::{pages_per_block, TraceRequest};
 use serde::Serialize;
 use std::fmt;
@@ -492,7 +492,10 @@ fn one_request(
     if h < n {
         arenas.fill(&pages[h..], &keys[h..])?;
         let t0 = Instant::now();
-        match rank.save_with(&keys[h..], &pages[h..], WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }) {
+        let opts = SaveOptions { fit: Fit::Prefix };
+        // keys[h] is page h of its prompt: prefix-aware policies use the depth.
+        let hint = SaveHint { prefix_depth: Some(h as u32) };
+        match rank.save_hinted(&keys[h..], &pages[h..], WaitFor::Nothing, opts, hint) {
             Ok(ticket) => {
                 ticket.handle.wait()?;
                 acc.save_time += t0.elapsed();

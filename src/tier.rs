@@ -935,12 +935,13 @@ impl Rank {
         add(&c.save_skipped_resident, resident as u64);
         // Admission (Fit::Prefix only): every missing key is shown to the policy in order; from its
         // first refusal on nothing is saved (a prefix hit cannot reach past the gap).
+        // Depth of keys[i] in its prompt, when the caller said where keys[0] sits.
+        let depth_of = |i: usize| hint.prefix_depth.map(|d| d.saturating_add(i as u32).min(u32::MAX - 1));
         let mut refused = 0;
         if opts.fit == Fit::Prefix {
             let mut cut = None;
             for (j, &i) in missing.iter().enumerate() {
-                let depth = hint.prefix_depth.map(|d| d.saturating_add(i as u32).min(u32::MAX - 1));
-                if !core.policy.admit(InsertInfo { key_hash: keys[i].hash64(), depth }) && cut.is_none() {
+                if !core.policy.admit(InsertInfo { key_hash: keys[i].hash64(), depth: depth_of(i) }) && cut.is_none() {
                     cut = Some(j);
                 }
             }
@@ -971,8 +972,7 @@ impl Rank {
         let mut saving = Vec::with_capacity(take);
         let mut batch = Vec::with_capacity(take);
         for (&i, slot) in missing.iter().zip(slots) {
-            let depth = hint.prefix_depth.map_or(u32::MAX, |d| d.saturating_add(i as u32).min(u32::MAX - 1));
-            if core.reserve_block(keys[i], slot, depth, &mut reservation) {
+            if core.reserve_block(keys[i], slot, depth_of(i).unwrap_or(u32::MAX), &mut reservation) {
                 saving.push(i);
                 batch.push(CopyPair::new(gpu_pages[i], slot.0));
             } else {
