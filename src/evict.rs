@@ -72,14 +72,17 @@ pub enum PolicyKind {
     /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
     /// eviction and is halved every `64 x capacity` references), minus twice its prompt depth, so
     /// blocks of keys seen again (continuing conversations, shared prefixes) outlive blocks seen
-    /// once and a chain loses its tail before its head. Victims are the lowest scores. The default:
-    /// the best hit ratio of the built-in policies on the Mooncake conversation trace at 8-64 GiB
-    /// GLM-5.2 pools (`kvtier simulate`, docs/benchmarks.md).
+    /// once and a chain loses its tail before its head. Victims are the lowest scores.
+    /// `PolicyKind::default()` (the best hit ratio of the built-in policies on the Mooncake
+    /// conversation trace at 8-64 GiB GLM-5.2 pools, `kvtier simulate`, docs/benchmarks.md); note
+    /// that [`crate::TierConfig::new`] and `kvtier replay` default to [`PolicyKind::Lru`].
     #[default]
     PrefixLfu,
     /// [`PolicyKind::PrefixLfu`] with a TinyLFU-style doorkeeper on admission: a missing block whose
-    /// key has no reference in the policy's history (never seen, or aged out) is not saved, only
-    /// counted, so it is admitted when it is seen again; the rest of that save is dropped with it
+    /// key has no reference in the policy's history (never seen, or sharing no hash cell with a
+    /// key seen before) is not saved, only counted, so it is admitted when it is seen again. Ageing
+    /// rounds the halved counters up here, so a key once seen is never forgotten; as the history
+    /// fills, more first sightings collide with old keys and are admitted; the rest of that save is dropped with it
     /// (a chain with a gap is worth nothing past the gap). Blocks seen once are the least likely
     /// to be reused (on the Mooncake conversation trace a first turn is continued 31% of the
     /// time, a later one 42-75%), so they no longer push out blocks with a history. No

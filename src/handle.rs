@@ -57,7 +57,12 @@ impl HandleShared {
             w.wake();
         }
         for cb in callbacks {
-            cb(&r);
+            // A panicking callback must not unwind through the rank's completion thread: that would
+            // leave the rest of its queue unfinished (handles never complete, drains never end).
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(&r)));
+            if ran.is_err() {
+                tracing::error!("a CopyHandle::on_complete callback panicked; the panic was contained");
+            }
         }
     }
 }
@@ -131,7 +136,8 @@ impl CopyHandle {
     }
 
     /// Runs `f` with the outcome when the copy completes (at once, on this thread, if it already
-    /// has; otherwise on the rank's completion thread, which `f` must not block for long).
+    /// has; otherwise on the rank's completion thread, which `f` must not block for long). A panic
+    /// in `f` on the completion thread is caught and logged; it does not stop that thread.
     pub fn on_complete(&self, f: impl FnOnce(Result<(), TierError>) + Send + 'static) {
         let mut st = self.shared.state.lock().expect("handle lock");
         if let Some(r) = st.result.clone() {
@@ -170,5 +176,27 @@ impl Future for CopyHandle {
 impl std::fmt::Debug for CopyHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CopyHandle").field("blocks", &self.blocks()).field("done", &self.is_done()).finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::sync::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_panicking_callback_does_not_stop_completion() {
+        let shared = HandleShared::new(1, 10);
+        let h = CopyHandle::new(shared.clone());
+        let ran = Arc::new(AtomicUsize::new(0));
+        h.on_complete(|_| panic!("callback bug"));
+        let r = ran.clone();
+        h.on_complete(move |res| {
+            assert!(res.is_ok());
+            r.fetch_add(1, Ordering::Relaxed);
+        });
+        shared.complete(&Ok(()));
+        assert_eq!(ran.load(Ordering::Relaxed), 1, "the callback after the panicking one ran");
+        assert!(h.wait().is_ok());
     }
 }

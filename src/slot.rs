@@ -131,8 +131,8 @@ pub enum PinError {
 ///
 /// All transitions are lock-free CAS loops. Orderings: transitions that publish a block
 /// (`commit`) or hand a slot to a new owner (`release`) are `Release`; transitions that take
-/// ownership or a pin (`reserve`, `pin`, `begin_evict`) are `Acquire`, so the bytes written by the
-/// previous owner happen-before the new owner's reads.
+/// ownership or a pin (`pin`, `begin_evict`) are `Acquire` (`reserve` is `AcqRel`), so the bytes
+/// written by the previous owner happen-before the new owner's reads.
 pub struct SlotControl {
     words: Box<[AtomicU64]>,
 }

@@ -568,8 +568,8 @@ impl HostTier {
     /// Attaches one rank's copy backend (its device and GPU arenas) and returns its [`Rank`].
     ///
     /// # Errors
-    /// [`TierError::Geometry`]-style mismatch if the backend's geometry differs from the tier's
-    /// (reported as [`CopyError::Mismatch`]); errors from [`CopyBackend::bind_pool`];
+    /// [`TierError::Copy`] with [`CopyError::Mismatch`] if the backend's geometry has another model,
+    /// page size, slot size or chunk layout than the tier's; errors from [`CopyBackend::bind_pool`];
     /// [`TierError::ShuttingDown`].
     pub fn attach(&self, mut backend: Box<dyn CopyBackend>) -> Result<Rank, TierError> {
         if self.core.shutting_down.load(Ordering::Acquire) {
@@ -600,7 +600,8 @@ impl HostTier {
     }
 
     /// [`HostTier::query`] with `uses` restores allowed (one per rank that will restore), so every
-    /// data-parallel rank can restore the same blocks from one lease.
+    /// data-parallel rank can restore the same blocks from one lease. `uses == 0` returns a lease
+    /// that is already settled (it pins nothing).
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
         Core::query(&self.core, keys, uses)
     }
@@ -1003,10 +1004,14 @@ impl Rank {
     /// so the lease may settle (or be dropped) while it runs. The GPU pages hold the bytes once the
     /// returned handle completes.
     ///
+    /// An empty `gpu_pages` copies nothing and returns a completed handle (it still uses up one
+    /// restore of an unsettled lease, and is not an error on a settled one).
+    ///
     /// # Errors
     /// [`TierError::ForeignLease`]; [`TierError::LeaseTooShort`]; [`TierError::LeaseSettled`] if the
-    /// lease was already settled; [`TierError::Copy`] for out-of-range or repeated GPU pages (nothing
-    /// copied, the lease stays usable) and backend errors; [`TierError::ShuttingDown`].
+    /// lease was already settled; [`TierError::TooManyPins`] if a slot's pin count is at
+    /// [`crate::SlotWord::MAX_PINS`]; [`TierError::Copy`] for out-of-range or repeated GPU pages
+    /// (nothing copied, the lease stays usable) and backend errors; [`TierError::ShuttingDown`].
     pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {
@@ -1026,8 +1031,11 @@ impl Rank {
             return Err(TierError::LeaseSettled);
         }
         let core = &self.core;
-        let guards =
-            SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|_| TierError::LeaseSettled)?;
+        let guards = SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|(i, e)| match e {
+            PinError::Overflow => TierError::TooManyPins { slot: lease.blocks()[i].slot.slot.0 },
+            // The lease settled since the check above and its block was evicted or reused.
+            PinError::Stale | PinError::NotReady => TierError::LeaseSettled,
+        })?;
         let batch: Vec<CopyPair> =
             gpu_pages.iter().zip(lease.blocks()).map(|(&p, b)| CopyPair::new(p, b.slot.slot.0)).collect();
         // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the settle closure owns
@@ -1102,5 +1110,43 @@ impl Drop for Rank {
 impl std::fmt::Debug for Rank {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rank").field("id", &self.id).field("backend", &self.backend.name()).finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::copy::host::HostArenas;
+    use crate::copy::EngineArenas;
+    use crate::geometry::ArenaSpec;
+    use crate::pool::BackingChoice;
+    use crate::slot::SlotWord;
+
+    #[test]
+    fn a_restore_at_the_pin_limit_reports_too_many_pins_and_keeps_the_lease() {
+        let g = Geometry::new("pin-test", 16, vec![ArenaSpec::packed("a", 256, 4)]).unwrap();
+        let mut cfg = TierConfig::new(g.clone(), 2 * g.slot_bytes());
+        cfg.pool.backing = BackingChoice::Plain;
+        let tier = HostTier::new(cfg).unwrap();
+        let arenas = Arc::new(HostArenas::new(&g).unwrap());
+        let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+        let k = [tier.namespace().trace_page_key(7, 0)];
+        arenas.fill(&[0], &k).unwrap();
+        rank.save(&k, &[0], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        let lease = tier.query(&k);
+        let r = lease.blocks()[0].slot;
+        // The lease holds one pin; take the rest up to the limit.
+        for _ in 1..SlotWord::MAX_PINS {
+            tier.core().pin(r.slot, r.generation).unwrap();
+        }
+        let e = rank.restore(&lease, &[1], WaitFor::Nothing).unwrap_err();
+        assert!(matches!(e, TierError::TooManyPins { slot } if slot == r.slot.0), "{e:?}");
+        assert_eq!(lease.uses_left(), 1, "a refused restore leaves the lease usable");
+        for _ in 1..SlotWord::MAX_PINS {
+            tier.core().unpin(r.slot);
+        }
+        rank.restore(&lease, &[1], WaitFor::Nothing).unwrap().wait().unwrap();
+        arenas.verify(&[1], &k).unwrap();
+        assert_eq!(tier.stats().pinned_slots, 0);
     }
 }

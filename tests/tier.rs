@@ -360,3 +360,22 @@ fn a_prefix_save_stops_at_the_first_key_the_policy_refuses() {
     assert_eq!(t.saving, vec![0, 1]);
     a.verify(&[0, 1, 2, 3], &k).unwrap();
 }
+
+#[test]
+fn a_panicking_callback_leaves_the_rank_working() {
+    let tier = tier(4, PolicyKind::Lru);
+    let a = arenas();
+    let gate = Gate::default();
+    let rank = tier.attach(TestBackend::gated(&a, &gate)).unwrap();
+    let k = keys(&tier, 0..2);
+    a.fill(&[0, 1], &k).unwrap();
+    let first = rank.save(&k[0..1], &[0], WaitFor::Nothing).unwrap();
+    first.handle.on_complete(|_| panic!("engine callback bug"));
+    let second = rank.save(&k[1..2], &[1], WaitFor::Nothing).unwrap();
+    gate.open();
+    first.handle.wait().unwrap();
+    // Before the fix the panic killed the completion thread and this handle never completed.
+    second.handle.wait_timeout(Duration::from_secs(30)).expect("the second save completed").unwrap();
+    rank.drain(Duration::from_secs(10)).unwrap();
+    assert_eq!(tier.query(&k).len(), 2);
+}

@@ -14,6 +14,7 @@ use kvtier::{BackingChoice, Error, Geometry, TraceError};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::str::FromStr;
 
 #[derive(Parser)]
 #[command(name = "kvtier", version, about = "A host-memory tier for LLM KV caches")]
@@ -44,8 +45,8 @@ struct ReplayArgs {
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
     #[arg(long)]
     gpu_pages: Option<u64>,
-    /// Eviction policy (one of the built-in policies: lru, clock, ...).
-    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu.
+    #[arg(long, default_value = "lru", value_parser = PolicyKind::from_str)]
     policy: PolicyKind,
     /// Copy backend: auto = cuda if built with feature `cuda` and a GPU is present, else host.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -77,13 +78,6 @@ enum BackingArg {
     Hugetlb,
     Thp,
     Plain,
-}
-
-fn parse_policy(s: &str) -> Result<PolicyKind, String> {
-    PolicyKind::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| {
-        let known: Vec<&str> = PolicyKind::ALL.iter().map(|p| p.name()).collect();
-        format!("unknown policy `{s}` (known: {})", known.join(", "))
-    })
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
