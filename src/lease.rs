@@ -137,25 +137,45 @@ impl Lease {
     /// Model-test hook (a restore consumes after taking its guards); not a stable API.
     #[doc(hidden)]
     pub fn consume(&self) -> bool {
+        if !self.take_use() {
+            return false;
+        }
+        self.settle_if_used_up();
+        true
+    }
+
+    /// Takes one use without settling: false if none is left or the lease is settled. A restore
+    /// takes its use before it submits, so two ranks racing for the last use cannot both copy;
+    /// it gives the use back ([`Lease::return_use`]) if the submission fails.
+    pub(crate) fn take_use(&self) -> bool {
         let mut cur = self.inner.uses_left.load(Ordering::Acquire);
         loop {
             if cur == 0 || self.is_settled() {
                 return false;
             }
             match self.inner.uses_left.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    // Seeded bug (model checking only): the first rank's restore settles a shared lease.
-                    let last = cur == 1 || cfg!(feature = "seeded-bug-lease-first-consume-settles");
-                    if last {
-                        self.inner.settle();
-                    }
-                    return true;
-                }
+                Ok(_) => return true,
                 Err(a) => {
                     cur = a;
                     crate::sync::spin_loop();
                 }
             }
+        }
+    }
+
+    /// Gives back a use taken by [`Lease::take_use`] whose restore was never submitted.
+    pub(crate) fn return_use(&self) {
+        self.inner.uses_left.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Settles the lease if its last use has been taken (the restore that took it holds its own
+    /// guards by now).
+    pub(crate) fn settle_if_used_up(&self) {
+        // Seeded bug (model checking only): the first rank's restore settles a shared lease.
+        let last = self.inner.uses_left.load(Ordering::Acquire) == 0
+            || cfg!(feature = "seeded-bug-lease-first-consume-settles");
+        if last {
+            self.inner.settle();
         }
     }
 }

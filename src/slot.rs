@@ -269,6 +269,21 @@ impl SlotControl {
         .map(|(_, n)| n.generation())
     }
 
+    /// `EVICTING(g) -> READY(g, 0)`: the evictor gives a claimed slot back untouched (a save that
+    /// could not get all its slots evicts nothing). The block was never unindexed, so it is visible
+    /// again at once.
+    ///
+    /// Panics if the slot is not `EVICTING` with generation `generation` (only its claimant may).
+    pub fn cancel_evict(&self, slot: SlotId, generation: u64) {
+        let r = self.update(slot, Ordering::Release, |w| {
+            (w.state() == SlotState::Evicting && w.generation() == generation)
+                .then(|| SlotWord::new(SlotState::Ready, 0, generation))
+        });
+        if let Err(w) = r {
+            panic!("cancel_evict of slot {} gen {generation} found {:?}", slot.0, w);
+        }
+    }
+
     /// `EVICTING(g)` or `WRITING(g)` `-> FREE(g+1)`: the owner (an evictor, or a save that aborted)
     /// gives the slot back. The generation bump makes every index entry or lease that still names
     /// `(slot, g)` fail to pin. The caller then returns the slot to the free list.

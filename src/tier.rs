@@ -328,10 +328,12 @@ impl Core {
     }
 
     pub(crate) fn commit_reserved(&self, r: Reserved) {
-        self.control().commit(r.slot, r.generation);
+        // The policy learns about the block before it becomes evictable, so a selection never sees it
+        // with the previous occupant's state.
         let depth = self.slot_depth[r.slot.index()].load(Ordering::Relaxed);
         self.policy
             .on_insert(r.slot, InsertInfo { key_hash: r.key.hash64(), depth: (depth != u32::MAX).then_some(depth) });
+        self.control().commit(r.slot, r.generation);
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.ready_slots, 1);
     }
@@ -356,6 +358,58 @@ impl Core {
         self.pool.free_count() + evictable as usize
     }
 
+    /// Claims up to `n` more unpinned ready victims chosen by the policy (`READY -> EVICTING`), appending
+    /// `(slot, generation)` to `claims`. A claimed block is invisible to new pins but still indexed and
+    /// intact, so a claim can be given back ([`Core::cancel_evictions`]) or completed
+    /// ([`Core::finish_evictions`]). The caller holds the eviction lock.
+    fn claim_victims(&self, n: usize, claims: &mut Vec<(SlotId, u64)>) {
+        let start = claims.len();
+        let mut cands = Vec::new();
+        for _round in 0..3 {
+            let have = claims.len() - start;
+            if have >= n {
+                break;
+            }
+            cands.clear();
+            self.policy.select_victims(n - have, &|s| self.evictable(s), &mut cands);
+            if cands.is_empty() {
+                break;
+            }
+            for &s in &cands {
+                if claims.len() - start >= n {
+                    break;
+                }
+                // The CAS refuses a slot that was pinned since selection: never evict a pinned block.
+                let Some(generation) = self.control().begin_evict(s) else { continue };
+                sub(&self.counters.ready_slots, 1);
+                claims.push((s, generation));
+            }
+        }
+    }
+
+    /// Completes claimed evictions: each index entry is removed before the slot's generation is
+    /// bumped (so even a reader holding the old entry fails to pin); the freed slots (not on the free
+    /// list) are appended to `out`.
+    fn finish_evictions(&self, claims: &[(SlotId, u64)], out: &mut Vec<SlotId>) {
+        for &(s, generation) in claims {
+            let key = self.slot_key(s);
+            let removed = self.index.remove_if(&key, SlotRef { slot: s, generation });
+            debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
+            self.policy.on_remove(s);
+            self.control().release(s);
+            add(&self.counters.evictions, 1);
+            out.push(s);
+        }
+    }
+
+    /// Gives claimed victims back untouched (`EVICTING -> READY`): their blocks stay resident.
+    fn cancel_evictions(&self, claims: &[(SlotId, u64)]) {
+        for &(s, generation) in claims {
+            self.control().cancel_evict(s, generation);
+            add(&self.counters.ready_slots, 1);
+        }
+    }
+
     /// Evicts up to `n` unpinned ready blocks chosen by the policy and appends their (now free,
     /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted.
     ///
@@ -363,73 +417,57 @@ impl Core {
     #[doc(hidden)]
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
         let _serialise = self.evict_lock.lock().expect("evict lock");
-        let mut freed = 0;
-        let mut cands = Vec::new();
-        for _round in 0..3 {
-            if freed >= n {
-                break;
-            }
-            cands.clear();
-            self.policy.select_victims(n - freed, &|s| self.evictable(s), &mut cands);
-            if cands.is_empty() {
-                break;
-            }
-            for &s in &cands {
-                if freed >= n {
-                    break;
-                }
-                // The CAS refuses a slot that was pinned since selection: never evict a pinned block.
-                let Some(generation) = self.control().begin_evict(s) else { continue };
-                sub(&self.counters.ready_slots, 1);
-                let key = self.slot_key(s);
-                // Remove the index entry before the slot can be reused (the release bumps the
-                // generation, so even a reader holding the old entry fails to pin).
-                let removed = self.index.remove_if(&key, SlotRef { slot: s, generation });
-                debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
-                self.policy.on_remove(s);
-                self.control().release(s);
-                add(&self.counters.evictions, 1);
-                out.push(s);
-                freed += 1;
-            }
-        }
-        freed
+        let mut claims = Vec::new();
+        self.claim_victims(n, &mut claims);
+        self.finish_evictions(&claims, out);
+        claims.len()
     }
 
-    /// Takes `n` slots for a save: free ones first, then evicting; all or none.
+    /// Takes `n` slots for a save, all or none: free ones first, then evicting. Eviction is
+    /// two-phase under the eviction lock: victims are only claimed until the save is sure to get all
+    /// `n` slots, so a save that cannot be satisfied (other threads pinned or took slots since its fit
+    /// check) gives every claim back and evicts nothing (invariant I7, also under concurrency).
     ///
     /// # Errors
-    /// [`TierError::PoolExhausted`] (the slots taken are returned to the free list).
+    /// [`TierError::PoolExhausted`] (free slots taken are returned to the free list, claimed blocks
+    /// stay resident).
     ///
     /// Model-test hook (the loom models call it directly); not a stable API.
     #[doc(hidden)]
     pub fn acquire_slots(&self, n: usize) -> Result<Vec<SlotId>, TierError> {
         let mut got = Vec::with_capacity(n);
-        let fill = |got: &mut Vec<SlotId>| {
-            while got.len() < n {
+        let fill = |got: &mut Vec<SlotId>, target: usize| {
+            while got.len() < target {
                 match self.pool.alloc() {
                     Some(s) => got.push(s),
                     None => break,
                 }
             }
         };
-        fill(&mut got);
+        fill(&mut got, n);
+        if got.len() == n {
+            return Ok(got);
+        }
+        let _serialise = self.evict_lock.lock().expect("evict lock");
+        let mut claims = Vec::new();
         let mut stalls = 0;
-        while got.len() < n && stalls < 4 {
-            let before = got.len();
-            self.evict_into(n - got.len(), &mut got);
-            fill(&mut got);
-            if got.len() == before {
+        while got.len() + claims.len() < n && stalls < 4 {
+            let before = got.len() + claims.len();
+            self.claim_victims(n - before, &mut claims);
+            fill(&mut got, n - claims.len());
+            if got.len() + claims.len() == before {
                 stalls += 1;
             }
         }
-        if got.len() < n {
-            let have = got.len();
+        if got.len() + claims.len() < n {
+            self.cancel_evictions(&claims);
+            let have = got.len() + claims.len();
             for s in got {
                 self.pool.free(s);
             }
             return Err(TierError::PoolExhausted { needed: n, got: have });
         }
+        self.finish_evictions(&claims, &mut got);
         Ok(got)
     }
 
@@ -968,7 +1006,10 @@ impl Rank {
         };
         let dropped = need - take + refused;
         missing.truncate(take);
-        let slots = core.acquire_slots(take).inspect_err(|_| add(&c.saves_refused, 1))?;
+        let slots = core.acquire_slots(take).inspect_err(|_| {
+            add(&c.save_skipped_in_flight, in_flight as u64);
+            add(&c.saves_refused, 1);
+        })?;
         let mut reservation = WriteReservation::new(core);
         let mut saving = Vec::with_capacity(take);
         let mut batch = Vec::with_capacity(take);
@@ -1027,22 +1068,27 @@ impl Rank {
             lease.consume();
             return Ok(CopyHandle::ready());
         }
-        if lease.is_settled() {
+        // Take this restore's use first: two ranks racing for a lease's last use cannot both copy.
+        if !lease.take_use() {
             return Err(TierError::LeaseSettled);
         }
         let core = &self.core;
-        let guards = SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|(i, e)| match e {
-            PinError::Overflow => TierError::TooManyPins { slot: lease.blocks()[i].slot.slot.0 },
-            // The lease settled since the check above and its block was evicted or reused.
-            PinError::Stale | PinError::NotReady => TierError::LeaseSettled,
+        let guards = SlotPins::take(core, lease.blocks()[..n].iter().map(|b| b.slot)).map_err(|(i, e)| {
+            lease.return_use();
+            match e {
+                PinError::Overflow => TierError::TooManyPins { slot: lease.blocks()[i].slot.slot.0 },
+                // The lease settled (released) since the use was taken and its block was evicted or reused.
+                PinError::Stale | PinError::NotReady => TierError::LeaseSettled,
+            }
         })?;
         let batch: Vec<CopyPair> =
             gpu_pages.iter().zip(lease.blocks()).map(|(&p, b)| CopyPair::new(p, b.slot.slot.0)).collect();
         // SAFETY: every slot in `batch` is READY and pinned by `guards`, which the settle closure owns
         // until the copy has finished; the caller owns the GPU pages until the handle completes.
-        let handle = unsafe { self.launch(Direction::Restore, &batch, wait, Box::new(move |_| drop(guards))) }?;
-        // Guards are held: consuming (and perhaps settling) the lease cannot free a slot under the copy.
-        lease.consume();
+        let handle = unsafe { self.launch(Direction::Restore, &batch, wait, Box::new(move |_| drop(guards))) }
+            .inspect_err(|_| lease.return_use())?;
+        // Guards are held: settling the lease now cannot free a slot under the copy.
+        lease.settle_if_used_up();
         Ok(handle)
     }
 

@@ -379,3 +379,47 @@ fn a_panicking_callback_leaves_the_rank_working() {
     rank.drain(Duration::from_secs(10)).unwrap();
     assert_eq!(tier.query(&k).len(), 2);
 }
+
+#[test]
+fn slot_acquisition_that_cannot_be_satisfied_evicts_nothing() {
+    // Four ready blocks, two of them leased: a direct request for three slots (as a save racing
+    // other savers would make after its fit check) must fail without evicting the two it could take.
+    let tier = tier(4, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..4);
+    save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    let lease = tier.query(&k[0..2]);
+    match tier.core().acquire_slots(3) {
+        Err(TierError::PoolExhausted { needed: 3, got: 2 }) => {}
+        other => panic!("expected PoolExhausted, got {other:?}"),
+    }
+    assert!(k.iter().all(|key| tier.contains(key)), "every block is still resident");
+    let s = tier.stats();
+    assert_eq!((s.evictions, s.ready_slots, s.free_slots), (0, 4, 0));
+    tier.core().audit(&k).unwrap();
+    drop(lease);
+}
+
+#[test]
+fn a_restore_takes_its_use_before_it_copies_and_gives_it_back_on_failure() {
+    let tier = tier(8, PolicyKind::Lru);
+    let a = arenas();
+    let r0 = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..2);
+    save_filled(&r0, &a, &k, &[0, 1]);
+    let b = arenas();
+    let gate = Gate::default();
+    let r1 = tier.attach(TestBackend::gated(&b, &gate)).unwrap();
+    let lease = tier.query(&k);
+    // A submission that fails (page out of range) leaves the use in the lease.
+    assert!(matches!(r1.restore(&lease, &[5, 99], WaitFor::Nothing), Err(TierError::Copy(_))));
+    assert_eq!(lease.uses_left(), 1);
+    let h = r1.restore(&lease, &[5, 6], WaitFor::Nothing).unwrap();
+    // The one use is taken while the first copy is still in flight: a second rank gets nothing.
+    assert!(matches!(r0.restore(&lease, &[7, 8], WaitFor::Nothing), Err(TierError::LeaseSettled)));
+    gate.open();
+    h.wait().unwrap();
+    b.verify(&[5, 6], &k).unwrap();
+    assert_eq!(tier.stats().pinned_slots, 0);
+}

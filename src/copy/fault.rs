@@ -30,7 +30,8 @@ pub struct FaultyBackend {
 }
 
 impl FaultyBackend {
-    /// Fails a fraction `rate` (0.0..=1.0) of batches, chosen by a generator seeded with `seed`.
+    /// Fails a fraction `rate` (clamped to 0.0..=1.0; NaN means 0) of batches, chosen by a generator
+    /// seeded with `seed`.
     pub fn new(inner: Box<dyn CopyBackend>, rate: f64, seed: u64) -> Self {
         FaultyBackend {
             inner,
