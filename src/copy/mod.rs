@@ -71,7 +71,8 @@ pub enum WaitFor {
 /// A submitted batch. The tier waits on it from a completion thread; host slots, pins, GPU page pins
 /// and descriptor buffers are released only after [`Completion::wait`] returns (never on a timeout).
 pub trait Completion: Send {
-    /// True once the copy has finished (successfully or not); never blocks.
+    /// True once the copy has finished (successfully or not). Never waits for other work; a backend
+    /// that copies on the calling thread (the host backend) does its copy here.
     ///
     /// # Errors
     /// The copy's failure, if it has failed.
