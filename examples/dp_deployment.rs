@@ -20,6 +20,7 @@
 //! ```
 
 use clap::Parser;
+use kvtier::copy::BackendKind;
 use kvtier::{ContentKey, EngineArenas, Fit, Geometry, HostTier, PolicyKind, Rank, SaveOptions, TierConfig, WaitFor};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,9 +32,9 @@ struct Args {
     /// Ranks (default: one per GPU with --backend cuda, else 2).
     #[arg(long)]
     ranks: Option<usize>,
-    /// Copy backend: host or cuda.
-    #[arg(long, default_value = "host")]
-    backend: String,
+    /// Copy backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    backend: BackendKind,
     /// Trace (Mooncake JSONL); default: the bundled sample.
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
@@ -187,35 +188,6 @@ fn serve(tier: &HostTier, node: &Node, keys: &[ContentKey], m: &Meter, block_byt
     node.give(pages);
 }
 
-fn arenas_for(
-    dev: usize,
-    geometry: &Geometry,
-    backend: &str,
-) -> Result<Arc<dyn EngineArenas>, Box<dyn std::error::Error>> {
-    match backend {
-        "host" => {
-            let _ = dev;
-            Ok(Arc::new(Arc::new(kvtier::copy::host::HostArenas::new(geometry)?)))
-        }
-        #[cfg(feature = "cuda")]
-        "cuda" => {
-            Ok(Arc::new(kvtier::cuda::CudaArenas::new(dev as u32, geometry, kvtier::cuda::CudaOptions::default())?))
-        }
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => Err("built without the `cuda` feature (cargo run --features cuda ...)".into()),
-        other => Err(format!("unknown backend `{other}` (host or cuda)").into()),
-    }
-}
-
-fn devices(backend: &str) -> usize {
-    #[cfg(feature = "cuda")]
-    if backend == "cuda" {
-        return kvtier::cuda::device_count().map(|n| n as usize).unwrap_or(1).max(1);
-    }
-    let _ = backend;
-    1
-}
-
 fn hugepages_total() -> u64 {
     std::fs::read_to_string("/proc/sys/vm/nr_hugepages").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
 }
@@ -251,8 +223,9 @@ fn print_phase(name: &str, rows: &[PhaseRank], wall: f64) {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let ndev = devices(&args.backend);
-    let ranks = args.ranks.unwrap_or(if args.backend == "cuda" { ndev } else { 2 });
+    let backend = args.backend.resolve();
+    let ndev = backend.devices() as usize;
+    let ranks = args.ranks.unwrap_or(if backend == BackendKind::Cuda { ndev } else { 2 });
     let geometry = Geometry::preset(&args.geometry, args.gpu_pages)?;
     let block_bytes = geometry.block_bytes();
     let pool_bytes = parse_size::parse_size(&args.pool).map_err(|e| format!("--pool: {e}"))?;
@@ -302,14 +275,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t1 = Instant::now();
     let mut nodes = Vec::new();
     for id in 0..ranks {
-        let arenas = arenas_for(id % ndev, &geometry, &args.backend)?;
+        let arenas = backend.arenas((id % ndev) as u32, &geometry)?;
         let rank = tier.attach(arenas.backend()?)?;
         nodes.push(Node { id, arenas, rank, free: Mutex::new((0..args.gpu_pages).collect()), freed: Condvar::new() });
     }
     println!(
         "{ranks} ranks on {} device(s), backend {}, {} GPU pages each; attached (pool registered) in {:.2} s",
         ndev.min(ranks),
-        args.backend,
+        backend,
         args.gpu_pages,
         t1.elapsed().as_secs_f64()
     );
@@ -417,7 +390,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if parity_ok { "PASS" } else { "FAIL" }
     );
     if args.json {
-        let j = serde_json::json!({ "ranks": ranks, "backend": args.backend, "churn": churn, "mixed": mixed,
+        let j = serde_json::json!({ "ranks": ranks, "backend": backend, "churn": churn, "mixed": mixed,
             "parity_ok": parity_ok, "errors": errors, "tier": s, "pool_backing": tier.pool().backing().name() });
         println!("{}", serde_json::to_string_pretty(&j)?);
     }

@@ -24,7 +24,8 @@
 
 use clap::Parser;
 use kvtier::copy::fault::FaultyBackend;
-use kvtier::{ContentKey, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig, WaitFor};
+use kvtier::copy::BackendKind;
+use kvtier::{ContentKey, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig, WaitFor};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
@@ -56,9 +57,9 @@ struct Args {
     /// Fraction of copy batches that fail (injected faults).
     #[arg(long, default_value_t = 0.05)]
     fault_rate: f64,
-    /// Copy backend: host or cuda.
-    #[arg(long, default_value = "host")]
-    backend: String,
+    /// Copy backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    backend: BackendKind,
 }
 
 #[derive(Copy, Clone, PartialEq, Eq)]
@@ -192,29 +193,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn arenas_for(rank: usize, geometry: &Geometry, backend: &str) -> Result<Arc<dyn EngineArenas>, String> {
-    match backend {
-        "host" => Ok(Arc::new(Arc::new(kvtier::copy::host::HostArenas::new(geometry).map_err(|e| e.to_string())?))),
-        #[cfg(feature = "cuda")]
-        "cuda" => {
-            let n = kvtier::cuda::device_count().map_err(|e| e.to_string())?;
-            let a = kvtier::cuda::CudaArenas::new(
-                (rank % n as usize) as u32,
-                geometry,
-                kvtier::cuda::CudaOptions::default(),
-            )
-            .map_err(|e| e.to_string())?;
-            Ok(Arc::new(a))
-        }
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => {
-            let _ = rank;
-            Err("this example was built without the `cuda` feature (cargo run --features cuda ...)".into())
-        }
-        other => Err(format!("unknown backend `{other}` (host or cuda)")),
-    }
-}
-
 fn rank_loop(
     rank: usize,
     tier: &HostTier,
@@ -222,7 +200,7 @@ fn rank_loop(
     args: &Args,
     requests: &[kvtier::trace::TraceRequest],
 ) -> Result<RankReport, String> {
-    let arenas = arenas_for(rank, geometry, &args.backend)?;
+    let arenas = args.backend.arenas(rank as u32 % args.backend.devices(), geometry).map_err(|e| e.to_string())?;
     let backend = arenas.backend().map_err(|e| e.to_string())?;
     let backend = Box::new(FaultyBackend::new(backend, args.fault_rate, 0x5eed + rank as u64));
     let handle = tier.attach(backend).map_err(|e| e.to_string())?;

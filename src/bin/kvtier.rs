@@ -6,7 +6,7 @@
 //! `RUST_LOG` (default `warn`). Any error exits with status 1 and its message on stderr.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kvtier::copy::EngineArenas;
+use kvtier::copy::BackendKind;
 use kvtier::evict::PolicyKind;
 use kvtier::replay::{self, ReplayConfig};
 use kvtier::trace::{self, TraceRequest};
@@ -49,8 +49,8 @@ struct ReplayArgs {
     #[arg(long, default_value = "lru", value_parser = PolicyKind::from_str)]
     policy: PolicyKind,
     /// Copy backend: auto = cuda if built with feature `cuda` and a GPU is present, else host.
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
-    backend: BackendArg,
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    backend: BackendKind,
     /// Pool backing: auto = hugetlb if enough 2 MiB pages are reserved, else THP, else plain pages.
     #[arg(long, value_enum, default_value_t = BackingArg::Auto)]
     backing: BackingArg,
@@ -65,13 +65,6 @@ struct ReplayArgs {
     json: bool,
 }
 
-#[derive(Copy, Clone, PartialEq, Eq, ValueEnum)]
-enum BackendArg {
-    Auto,
-    Host,
-    Cuda,
-}
-
 #[derive(Copy, Clone, ValueEnum)]
 enum BackingArg {
     Auto,
@@ -82,45 +75,6 @@ enum BackingArg {
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
     parse_size::parse_size(s).map_err(|e| format!("`{s}` is not a byte size (e.g. 4GiB, 512MiB, 32GB): {e}"))
-}
-
-/// The engine arenas for the chosen backend.
-fn make_arenas(backend: BackendArg, geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
-    let use_cuda = match backend {
-        BackendArg::Host => false,
-        BackendArg::Cuda => true,
-        BackendArg::Auto => cuda_present(),
-    };
-    if use_cuda {
-        return cuda_arenas(geometry);
-    }
-    Ok(Box::new(std::sync::Arc::new(kvtier::copy::host::HostArenas::new(geometry)?)))
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_present() -> bool {
-    kvtier::cuda::cuda_available()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_present() -> bool {
-    false
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_arenas(geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
-    Ok(Box::new(kvtier::cuda::CudaArenas::new(0, geometry, kvtier::cuda::CudaOptions::default())?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_arenas(_geometry: &Geometry) -> Result<Box<dyn EngineArenas>, Error> {
-    Err(kvtier::CopyError::Unavailable {
-        backend: "cuda",
-        reason: "this kvtier was built without CUDA support; rebuild it with \
-                 `cargo build --release --features cuda` (or use --backend host)"
-            .into(),
-    }
-    .into())
 }
 
 fn replay(args: ReplayArgs) -> Result<(), Error> {
@@ -144,7 +98,7 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
         None => replay::gpu_pages_needed(requests, probe.page_tokens(), concurrency)?,
     };
     let geometry = probe.with_pages(gpu_pages)?;
-    let arenas = make_arenas(args.backend, &geometry)?;
+    let arenas = args.backend.arenas(0, &geometry)?;
     let config = ReplayConfig {
         policy: args.policy,
         pool_bytes: args.pool,

@@ -207,3 +207,85 @@ pub trait EngineArenas: Send + Sync {
     /// Backend construction errors (device, registration).
     fn backend(&self) -> Result<Box<dyn CopyBackend>, crate::Error>;
 }
+
+/// Which copy backend to run on (`--backend` of the CLI and examples).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum BackendKind {
+    /// CUDA if this build has the `cuda` feature and a GPU is present, else host.
+    #[default]
+    Auto,
+    /// Host memory stands in for GPU arenas ([`host::HostArenas`]).
+    Host,
+    /// Real HBM arenas on a GPU (feature `cuda`).
+    Cuda,
+}
+
+impl BackendKind {
+    /// `Auto` resolved for this machine: `Cuda` or `Host`.
+    pub fn resolve(self) -> BackendKind {
+        match self {
+            BackendKind::Auto if cuda_present() => BackendKind::Cuda,
+            BackendKind::Auto => BackendKind::Host,
+            k => k,
+        }
+    }
+
+    /// Devices this backend spreads ranks over: the GPU count for CUDA (at least 1), 1 for host.
+    pub fn devices(self) -> u32 {
+        match self.resolve() {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => crate::cuda::device_count().unwrap_or(1).max(1),
+            _ => 1,
+        }
+    }
+
+    /// Allocates one rank's engine arenas for `geometry` on device `device` (ignored by the host
+    /// backend).
+    ///
+    /// # Errors
+    /// [`CopyError::Unavailable`] for CUDA in a build without the `cuda` feature or on a machine
+    /// without a GPU; allocation and device errors.
+    pub fn arenas(self, device: u32, geometry: &Geometry) -> Result<std::sync::Arc<dyn EngineArenas>, crate::Error> {
+        match self.resolve() {
+            BackendKind::Cuda => cuda_arenas(device, geometry),
+            _ => Ok(std::sync::Arc::new(std::sync::Arc::new(host::HostArenas::new(geometry)?))),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_present() -> bool {
+    crate::cuda::cuda_available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_present() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_arenas(device: u32, geometry: &Geometry) -> Result<std::sync::Arc<dyn EngineArenas>, crate::Error> {
+    let a = crate::cuda::CudaArenas::new(device, geometry, crate::cuda::CudaOptions::default())?;
+    Ok(std::sync::Arc::new(a))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_arenas(_device: u32, _geometry: &Geometry) -> Result<std::sync::Arc<dyn EngineArenas>, crate::Error> {
+    Err(CopyError::Unavailable {
+        backend: "cuda",
+        reason: "this kvtier was built without CUDA support; rebuild it with \
+                 `cargo build --release --features cuda` (or use --backend host)"
+            .into(),
+    }
+    .into())
+}
