@@ -81,11 +81,9 @@ fn contended<A: SlotAlloc>(a: &A, threads: usize, iters: u64) -> Duration {
 }
 
 fn slot_alloc_free(c: &mut Criterion) {
-    let pool = HostPool::new(
-        SLOT_BYTES,
-        &PoolConfig { bytes: SLOTS as u64 * SLOT_BYTES, backing: BackingChoice::Plain, ..Default::default() },
-    )
-    .unwrap();
+    let pool =
+        HostPool::new(SLOT_BYTES, &PoolConfig::new(SLOTS as u64 * SLOT_BYTES).with_backing(BackingChoice::Plain))
+            .unwrap();
     let mutex = MutexList::new(SLOTS);
     let mut g = c.benchmark_group("slot_alloc_free");
     g.throughput(Throughput::Elements(1));
@@ -131,7 +129,7 @@ fn pool_setup(c: &mut Criterion) {
     let mut g = c.benchmark_group("pool_setup");
     g.sample_size(10).sampling_mode(SamplingMode::Flat).throughput(Throughput::Bytes(GIB));
     let slot = 3_452_160; // one GLM-5.2 block
-    let cfg = |backing| PoolConfig { bytes: GIB, backing, prefault: true, ..Default::default() };
+    let cfg = |backing| PoolConfig::new(GIB).with_backing(backing).with_prefault(true);
     let _reserve = Reserve::at_least(GIB / (2 << 20));
     for (name, choice, want) in [
         ("hugetlb", BackingChoice::HugeTlb, Backing::HugeTlb),

@@ -171,7 +171,7 @@ fn serve(tier: &HostTier, node: &Node, keys: &[ContentKey], m: &Meter, block_byt
         eprintln!("rank {}: fill: {e}", node.id);
         m.errors.fetch_add(1, Ordering::Relaxed);
     }
-    match node.rank.save_with(&keys[from..], &pages[from..], WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }) {
+    match node.rank.save_with(&keys[from..], &pages[from..], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix)) {
         Ok(t) => match t.handle.wait() {
             Ok(()) => {
                 m.saved.fetch_add(t.saving.len() as u64 * block_bytes, Ordering::Relaxed);

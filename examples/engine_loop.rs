@@ -301,7 +301,7 @@ fn rank_loop(
             }
             hbm.1.notify_all();
         };
-        match handle.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }) {
+        match handle.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix)) {
             Ok(t) => {
                 let mut copied = vec![false; n];
                 for &i in &t.saving {

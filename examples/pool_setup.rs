@@ -42,7 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         [("HostPool hugetlb", BackingChoice::HugeTlb), ("HostPool THP", BackingChoice::TransparentHuge)]
     {
         let t = Instant::now();
-        let cfg = PoolConfig { bytes, backing, prefault: false, ..Default::default() };
+        let cfg = PoolConfig::new(bytes).with_backing(backing);
         let pool = match HostPool::new(geometry.slot_bytes(), &cfg) {
             Ok(p) => p,
             Err(e) => {
@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         drop(pool);
         // Prefault timed separately: map again with prefault on.
         let t = Instant::now();
-        let pool = HostPool::new(geometry.slot_bytes(), &PoolConfig { prefault: true, ..cfg })?;
+        let pool = HostPool::new(geometry.slot_bytes(), &cfg.clone().with_prefault(true))?;
         let mapped_prefaulted = t.elapsed().as_secs_f64();
         let reg_s = register(&pool, &geometry)?;
         println!(

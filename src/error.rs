@@ -9,6 +9,7 @@ use thiserror::Error;
 
 /// A geometry (arena layout) or an arena binding (device base addresses) that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum GeometryError {
     /// The geometry lists no arenas.
     #[error("geometry has no arenas: a block needs at least one")]
@@ -107,6 +108,7 @@ pub enum GeometryError {
 
 /// The host pool could not be created or configured.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum PoolError {
     /// The requested pool is smaller than one slot.
     #[error("pool of {bytes} B holds no slot of {slot_bytes} B")]
@@ -179,7 +181,8 @@ pub enum PoolError {
 }
 
 /// A copy backend refused or failed a batch.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
+#[non_exhaustive]
 pub enum CopyError {
     /// A GPU page id is not below the arenas' page count; nothing was written.
     #[error("GPU page {page} is out of range (arenas hold {pages} pages); nothing was copied")]
@@ -227,10 +230,30 @@ pub enum CopyError {
     /// The backend is shutting down and accepts no new copies.
     #[error("copy backend is shut down")]
     ShutDown,
+    /// The backend panicked while the tier waited for a copy, so the copy's outcome is unknown:
+    /// its host slots are quarantined (never reused), and the engine must treat the copy's GPU
+    /// pages as possibly still being read or written.
+    #[error("copy backend panicked while waiting for a copy; its host slots are quarantined")]
+    BackendPanicked,
+}
+
+/// The index cannot be built as asked.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum IndexError {
+    /// The requested capacity needs more buckets than the index can address.
+    #[error("index capacity of {requested} entries is too large (at most {max})")]
+    CapacityTooLarge {
+        /// Entries asked for.
+        requested: usize,
+        /// Largest supported capacity.
+        max: usize,
+    },
 }
 
 /// An operation of [`crate::HostTier`] that cannot be carried out. Nothing ready is lost.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum TierError {
     /// Keys and GPU pages differ in number.
     #[error("{keys} keys but {pages} GPU pages: each key needs exactly one page")]
@@ -264,6 +287,9 @@ pub enum TierError {
     /// The lease was already settled (released, dropped, or all its restores consumed).
     #[error("lease is already settled")]
     LeaseSettled,
+    /// The lease outlived the tier's lease time-to-live and was settled by the tier.
+    #[error("lease expired (it outlived the tier's lease time-to-live) and was settled")]
+    LeaseExpired,
     /// The lease has fewer pages than the restore asks for.
     #[error("restore asks for {asked} pages but the lease holds {held}")]
     LeaseTooShort {
@@ -293,9 +319,19 @@ pub enum TierError {
     /// The copy backend failed.
     #[error(transparent)]
     Copy(#[from] CopyError),
-    /// The rank's geometry differs from the tier's.
+    /// A backend attached to the tier follows another block layout than the tier's.
+    #[error(
+        "backend geometry `{backend}` does not match the tier's `{tier}` (model, page size, slot size or chunk layout)"
+    )]
+    GeometryMismatch {
+        /// The backend's model name.
+        backend: String,
+        /// The tier's model name.
+        tier: String,
+    },
+    /// The index could not be built.
     #[error(transparent)]
-    Geometry(#[from] GeometryError),
+    Index(#[from] IndexError),
 }
 
 /// A trace that cannot be read or a line that is malformed.
@@ -349,6 +385,7 @@ pub enum ReplayError {
 
 /// Any kvtier error.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// See [`GeometryError`].
     #[error(transparent)]

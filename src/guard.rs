@@ -12,9 +12,10 @@ use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::slot::{PinError, SlotId};
 use crate::sync::Arc;
-use crate::tier::Core;
+use crate::tier::core::{Core, Reserved};
 
 /// One pin on each slot of a set (see the module docs).
+#[derive(Debug)]
 pub struct SlotPins {
     core: Arc<Core>,
     slots: Vec<SlotId>,
@@ -24,15 +25,14 @@ impl SlotPins {
     /// Pins every `(slot, generation)` of `refs`, in order. On the first failure the pins already
     /// taken are dropped and `(index, why)` is returned.
     ///
-    /// Model-test hook (a restore's guard; the loom models take it directly); not a stable API.
-    #[doc(hidden)]
+    /// A restore takes its pins through [`crate::Lease`]'s restore claim, which calls this.
     pub fn take(core: &Arc<Core>, refs: impl IntoIterator<Item = SlotRef>) -> Result<Self, (usize, PinError)> {
-        #[cfg_attr(feature = "seeded-bug-guard-borrows-lease-pin", allow(unused_mut))]
+        #[cfg_attr(kvtier_seeded_bug = "guard-borrows-lease-pin", allow(unused_mut))]
         let mut pins = SlotPins { core: core.clone(), slots: Vec::new() };
         for (i, r) in refs.into_iter().enumerate() {
             // Seeded bug (model checking only): the guard "borrows" the lease's pin instead of taking
             // its own, so a lease settled while its copy is in flight lets the slot be evicted.
-            #[cfg(feature = "seeded-bug-guard-borrows-lease-pin")]
+            #[cfg(kvtier_seeded_bug = "guard-borrows-lease-pin")]
             {
                 let w = core.pool().control().load(r.slot);
                 if w.generation() != r.generation || w.state() != crate::slot::SlotState::Ready {
@@ -49,20 +49,11 @@ impl SlotPins {
         Ok(pins)
     }
 
-    /// An empty set whose slots are added with [`SlotPins::push_pinned`].
-    pub(crate) fn empty(core: &Arc<Core>) -> Self {
-        SlotPins { core: core.clone(), slots: Vec::new() }
-    }
-
-    /// Adds a slot the caller has already pinned; this set now owns that pin.
-    pub(crate) fn push_pinned(&mut self, slot: SlotId) {
-        self.slots.push(slot);
-    }
-
-    /// Gives up ownership of the pins without dropping them; the caller must unpin each returned
-    /// slot exactly once (the lease does, when it settles).
-    pub(crate) fn into_raw(mut self) -> Vec<SlotId> {
-        std::mem::take(&mut self.slots)
+    /// Keeps these pins for good (never unpinned): for slots a copy may still be reading after
+    /// its outcome became unknown (counted in [`crate::TierStats::quarantined_slots`]).
+    pub(crate) fn quarantine(mut self) {
+        self.core.record_quarantined_pins(self.slots.len());
+        self.slots.clear();
     }
 
     /// The pinned slots, in order.
@@ -89,31 +80,35 @@ impl Drop for SlotPins {
     }
 }
 
-/// A reserved, not yet visible block: key, slot and the generation recorded in the index.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Reserved {
-    pub key: ContentKey,
-    pub slot: SlotId,
-    pub generation: u64,
-}
-
 /// A save's reserved slots (see the module docs).
+#[derive(Debug)]
 pub struct WriteReservation {
     core: Arc<Core>,
     entries: Vec<Reserved>,
 }
 
 impl WriteReservation {
-    /// An empty reservation; blocks are added by [`Core::reserve_block`].
-    ///
-    /// Model-test hook; not a stable API.
-    #[doc(hidden)]
+    /// An empty reservation.
     pub fn new(core: &Arc<Core>) -> Self {
         WriteReservation { core: core.clone(), entries: Vec::new() }
     }
 
-    pub(crate) fn push(&mut self, r: Reserved) {
-        self.entries.push(r);
+    /// Reserves `slot` (owned by the caller: fresh from the free list or from eviction) for `key`
+    /// at prompt `depth` (`u32::MAX`: unknown) and adds it to this reservation. Returns false, with
+    /// the slot back on the free list, if another save holds `key`'s index entry.
+    pub fn reserve(&mut self, key: ContentKey, slot: SlotId, depth: u32) -> bool {
+        match self.core.reserve_slot(key, slot, depth) {
+            Some(r) => {
+                self.entries.push(r);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The reserved blocks, in reservation order.
+    pub fn entries(&self) -> &[Reserved] {
+        &self.entries
     }
 
     /// Number of reserved slots.
@@ -131,6 +126,16 @@ impl WriteReservation {
     pub fn commit(mut self) {
         for r in std::mem::take(&mut self.entries) {
             self.core.commit_reserved(r);
+        }
+    }
+}
+
+impl WriteReservation {
+    /// Withholds every reserved slot for good (the copy's outcome is unknown): the index entries
+    /// go, the slots stay `WRITING` and are never reused.
+    pub(crate) fn quarantine(mut self) {
+        for r in std::mem::take(&mut self.entries) {
+            self.core.quarantine_reserved(r);
         }
     }
 }

@@ -13,11 +13,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-type Callback = Box<dyn FnOnce(&Result<(), String>) + Send>;
+type Callback = Box<dyn FnOnce(&Result<(), CopyError>) + Send>;
 
 #[derive(Default)]
 struct State {
-    result: Option<Result<(), String>>,
+    result: Option<Result<(), CopyError>>,
     completed_at: Option<Instant>,
     wakers: Vec<Waker>,
     callbacks: Vec<Callback>,
@@ -44,7 +44,7 @@ impl HandleShared {
 
     /// Records the outcome and wakes every waiter, future and callback (once).
     pub(crate) fn complete(&self, result: &Result<(), CopyError>) {
-        let r = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        let r = result.clone();
         let (wakers, callbacks) = {
             let mut st = self.state.lock().expect("handle lock");
             debug_assert!(st.result.is_none(), "handle completed twice");
@@ -67,8 +67,9 @@ impl HandleShared {
     }
 }
 
-fn to_tier(r: &Result<(), String>) -> Result<(), TierError> {
-    r.clone().map_err(|m| TierError::Copy(CopyError::Device { call: "copy".into(), message: m }))
+/// The copy's outcome as the handle reports it: the backend's error, in its original variant.
+fn to_tier(r: &Result<(), CopyError>) -> Result<(), TierError> {
+    r.clone().map_err(TierError::Copy)
 }
 
 /// A handle to one submitted save or restore batch. Cloning shares it.

@@ -608,6 +608,19 @@ impl BlockIndex {
         BlockIndex { root: CachePadded::new(Atomic::new(Table::new(n, 0))), len: striped_counters(), min_buckets: n }
     }
 
+    /// [`BlockIndex::with_capacity`] without the panic: the largest capacity is bounded by the
+    /// bucket array's size in bytes.
+    ///
+    /// # Errors
+    /// [`crate::error::IndexError::CapacityTooLarge`].
+    pub fn try_with_capacity(expected: usize) -> Result<Self, crate::error::IndexError> {
+        let max = (isize::MAX as usize / 64) / 4;
+        if expected > max {
+            return Err(crate::error::IndexError::CapacityTooLarge { requested: expected, max });
+        }
+        Ok(Self::with_capacity(expected))
+    }
+
     /// Bucket count for a table receiving `live` entries: a quarter full, never below the initial size.
     fn table_size(&self, live: usize) -> usize {
         live.saturating_mul(4).checked_next_power_of_two().unwrap_or(usize::MAX / 2 + 1).max(self.min_buckets)

@@ -4,24 +4,32 @@
 //! are ready, each pinned so eviction cannot take it. A lease **settles exactly once**, and settling
 //! drops its pins:
 //!
-//! - **consumed**: every restore from the lease consumes one use; the lease settles when the last
-//!   use is consumed. A lease has one use by default; [`crate::HostTier::query_shared`] makes a lease
-//!   with one use per rank, so several data-parallel ranks can each restore the same blocks (one
-//!   rank consuming the lease never makes the others fail);
+//! - **consumed**: every restore from the lease takes one use; the lease settles when the last
+//!   use is taken by a restore that was submitted. A lease has one use by default;
+//!   [`crate::HostTier::query_shared`] makes a lease with one use per rank, so several data-parallel
+//!   ranks can each restore the same blocks (one rank consuming the lease never makes another fail);
 //! - **released**: [`Lease::release`] settles at once, whatever uses are left;
 //! - **dropped**: when the last clone of the lease is dropped unsettled, it settles (RAII), so a
-//!   forgotten lease never pins host memory past its owner.
+//!   forgotten lease never pins host memory past its owner;
+//! - **expired**: with [`crate::TierConfig::lease_ttl`] set, the tier settles a lease that outlived
+//!   it (a restore from it then fails with [`TierError::LeaseExpired`]).
 //!
-//! Whichever of these happens first settles; the others find it settled (an atomic swap decides).
-//! A restore takes its own guard pins *before* it consumes a use, so a lease that settles while its
-//! copy is in flight never frees a slot under the copy.
+//! Whichever of these happens first settles; the others find it settled (one CAS decides).
+//!
+//! A restore ([`crate::Rank::restore`]) first takes its **own pins** on the blocks it copies, then
+//! one use of the lease (see [`Lease::begin_restore`]): while a use is left the lease is unsettled,
+//! so its pins still hold the blocks and the restore's pins cannot fail; a restore that finds no use
+//! left drops its pins and fails with [`TierError::LeaseSettled`]. Its pins then keep the slots for
+//! the whole copy, whatever happens to the lease.
 
+use crate::error::TierError;
 use crate::guard::SlotPins;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::SlotId;
-use crate::sync::{Arc, AtomicBool, AtomicU32, Ordering};
-use crate::tier::Core;
+use crate::slot::{PinError, SlotId};
+use crate::sync::{Arc, AtomicU32, AtomicU8, Ordering};
+use crate::tier::core::Core;
+use crate::tier::stats::{add, sub};
 use std::fmt;
 
 /// One leased block.
@@ -33,37 +41,79 @@ pub struct LeasedBlock {
     pub slot: SlotRef,
 }
 
-pub(crate) struct LeaseInner {
-    pub(crate) core: Arc<Core>,
-    blocks: Vec<LeasedBlock>,
-    uses_left: AtomicU32,
-    settled: AtomicBool,
+/// How a lease settled (the `settled` byte of [`LeaseState`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Settled {
+    Live = 0,
+    Consumed = 1,
+    Released = 2,
+    Dropped = 3,
+    Expired = 4,
 }
 
-impl LeaseInner {
-    /// Settles the lease if nobody has, dropping its pins; returns true if this call settled it.
-    /// The atomic swap is what makes settling exactly-once under races.
-    fn settle(&self) -> bool {
-        #[cfg(not(feature = "seeded-bug-lease-double-settle"))]
-        let first = !self.settled.swap(true, Ordering::AcqRel);
-        // Seeded bug (model checking only): check-then-act instead of one swap.
-        #[cfg(feature = "seeded-bug-lease-double-settle")]
-        let first = !self.settled.load(Ordering::Acquire) && {
-            self.settled.store(true, Ordering::Release);
+impl Settled {
+    fn from_u8(v: u8) -> Settled {
+        match v {
+            0 => Settled::Live,
+            1 => Settled::Consumed,
+            2 => Settled::Released,
+            3 => Settled::Dropped,
+            _ => Settled::Expired,
+        }
+    }
+}
+
+/// The part of a lease the tier's expiry clock may hold too: its blocks, uses and settle state.
+/// It holds no reference to the tier (the clock lives inside it).
+pub(crate) struct LeaseState {
+    blocks: Vec<LeasedBlock>,
+    uses_left: AtomicU32,
+    settled: AtomicU8,
+}
+
+impl LeaseState {
+    /// Settles the lease as `how` if nobody has, dropping its pins; returns true if this call
+    /// settled it. The CAS is what makes settling exactly-once under races.
+    pub(crate) fn settle(&self, core: &Core, how: Settled) -> bool {
+        #[cfg(not(kvtier_seeded_bug = "lease-double-settle"))]
+        let first =
+            self.settled.compare_exchange(Settled::Live as u8, how as u8, Ordering::AcqRel, Ordering::Acquire).is_ok();
+        // Seeded bug (model checking only): check-then-act instead of one CAS.
+        #[cfg(kvtier_seeded_bug = "lease-double-settle")]
+        let first = self.settled.load(Ordering::Acquire) == Settled::Live as u8 && {
+            self.settled.store(how as u8, Ordering::Release);
             true
         };
         if first {
             for b in &self.blocks {
-                self.core.unpin(b.slot.slot);
+                core.unpin(b.slot.slot);
+            }
+            sub(&core.counters.live_leases, 1);
+            if how == Settled::Expired {
+                add(&core.counters.expired_leases, 1);
             }
         }
         first
     }
+
+    pub(crate) fn how(&self) -> Settled {
+        Settled::from_u8(self.settled.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn is_settled(&self) -> bool {
+        self.how() != Settled::Live
+    }
+}
+
+struct LeaseInner {
+    core: Arc<Core>,
+    state: Arc<LeaseState>,
 }
 
 impl Drop for LeaseInner {
     fn drop(&mut self) {
-        self.settle();
+        self.state.settle(&self.core, Settled::Dropped);
     }
 }
 
@@ -74,16 +124,31 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub(crate) fn new(core: &Arc<Core>, blocks: Vec<LeasedBlock>, pins: SlotPins, uses: u32) -> Self {
-        debug_assert_eq!(blocks.len(), pins.len());
+    /// Pins the longest ready prefix of `keys` and returns a lease with `uses` restores allowed
+    /// (what [`crate::HostTier::query`] and [`crate::HostTier::query_shared`] do). `uses == 0`, or
+    /// no leading key ready, gives a lease that is settled from birth.
+    pub(crate) fn acquire(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
+        let mut blocks = Vec::new();
+        {
+            let reader = core.index().reader();
+            for k in keys {
+                let Some(r) = reader.get(k) else { break };
+                if core.pin(r.slot, r.generation).is_err() {
+                    break;
+                }
+                core.policy().on_hit(r.slot);
+                blocks.push(LeasedBlock { key: *k, slot: r });
+            }
+        }
+        core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
-        // The lease owns the pins from here on and drops them in `settle`.
-        let _ = pins.into_raw();
-        let inner =
-            LeaseInner { core: core.clone(), blocks, uses_left: AtomicU32::new(uses), settled: AtomicBool::new(false) };
-        let lease = Lease { inner: Arc::new(inner) };
+        let state = Arc::new(LeaseState { blocks, uses_left: AtomicU32::new(uses), settled: AtomicU8::new(0) });
+        add(&core.counters.live_leases, 1);
+        let lease = Lease { inner: Arc::new(LeaseInner { core: core.clone(), state: state.clone() }) };
         if empty || uses == 0 {
-            lease.inner.settle();
+            state.settle(core, Settled::Consumed);
+        } else {
+            core.leases.register(&state);
         }
         lease
     }
@@ -92,29 +157,38 @@ impl Lease {
         &self.inner.core
     }
 
+    fn state(&self) -> &LeaseState {
+        &self.inner.state
+    }
+
     /// Number of leased blocks: the length of the resident prefix the query found.
     pub fn len(&self) -> usize {
-        self.inner.blocks.len()
+        self.state().blocks.len()
     }
 
     /// True if the query found no leading resident block.
     pub fn is_empty(&self) -> bool {
-        self.inner.blocks.is_empty()
+        self.state().blocks.is_empty()
     }
 
     /// The leased blocks, in key order.
     pub fn blocks(&self) -> &[LeasedBlock] {
-        &self.inner.blocks
+        &self.state().blocks
     }
 
     /// The host slots of the leased blocks, in key order.
     pub fn slots(&self) -> impl Iterator<Item = SlotId> + '_ {
-        self.inner.blocks.iter().map(|b| b.slot.slot)
+        self.state().blocks.iter().map(|b| b.slot.slot)
     }
 
-    /// True once the lease has settled (consumed, released or dropped); its pins are gone.
+    /// True once the lease has settled (consumed, released, dropped or expired); its pins are gone.
     pub fn is_settled(&self) -> bool {
-        self.inner.settled.load(Ordering::Acquire)
+        self.state().is_settled()
+    }
+
+    /// True if the tier settled the lease because it outlived [`crate::TierConfig::lease_ttl`].
+    pub fn is_expired(&self) -> bool {
+        self.state().how() == Settled::Expired
     }
 
     /// Restores this lease still allows (0 once settled).
@@ -122,38 +196,66 @@ impl Lease {
         if self.is_settled() {
             0
         } else {
-            self.inner.uses_left.load(Ordering::Acquire)
+            self.state().uses_left.load(Ordering::Acquire)
         }
     }
 
-    /// Settles the lease now, dropping its pins. Restores already submitted keep their own guards
+    /// Settles the lease now, dropping its pins. Restores already submitted keep their own pins
     /// and complete normally. Returns true if this call settled it (false if it already was).
     pub fn release(self) -> bool {
-        self.inner.settle()
+        self.inner.state.settle(&self.inner.core, Settled::Released)
     }
 
-    /// Consumes one use; settles the lease when it was the last. Returns false if none was left.
-    ///
-    /// Model-test hook (a restore consumes after taking its guards); not a stable API.
-    #[doc(hidden)]
-    pub fn consume(&self) -> bool {
-        if !self.take_use() {
-            return false;
+    fn settled_error(&self) -> TierError {
+        if self.is_expired() {
+            TierError::LeaseExpired
+        } else {
+            TierError::LeaseSettled
         }
-        self.settle_if_used_up();
-        true
     }
 
-    /// Takes one use without settling: false if none is left or the lease is settled. A restore
-    /// takes its use before it submits, so two ranks racing for the last use cannot both copy;
-    /// it gives the use back ([`Lease::return_use`]) if the submission fails.
-    pub(crate) fn take_use(&self) -> bool {
-        let mut cur = self.inner.uses_left.load(Ordering::Acquire);
+    /// The lease side of a restore of the first `n` blocks: takes the restore's own pins on them,
+    /// then one use of the lease. The returned claim holds both; [`RestoreClaim::submitted`] keeps
+    /// the use (settling the lease if it was the last), dropping the claim unsubmitted gives the
+    /// use back. [`crate::Rank::restore`] calls exactly this.
+    ///
+    /// # Errors
+    /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::LeaseSettled`] /
+    /// [`TierError::LeaseExpired`] if no use is left; [`TierError::TooManyPins`] if a slot's pin
+    /// count is full (the lease stays usable).
+    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreClaim<'_>, TierError> {
+        if n > self.len() {
+            return Err(TierError::LeaseTooShort { asked: n, held: self.len() });
+        }
+        let blocks = &self.blocks()[..n];
+        // Seeded bug (model checking only): the old order, a use taken before the pins, lets a
+        // rank that holds a use fail to pin because another rank settled and the block was evicted.
+        #[cfg(kvtier_seeded_bug = "restore-use-before-pin")]
+        if !self.take_use() {
+            return Err(self.settled_error());
+        }
+        let pins = SlotPins::take(self.core(), blocks.iter().map(|b| b.slot)).map_err(|(i, e)| match e {
+            PinError::Overflow => TierError::TooManyPins { slot: blocks[i].slot.slot.0 },
+            // Only a settled lease lets its blocks go: the use check below would fail too.
+            PinError::Stale | PinError::NotReady => self.settled_error(),
+        })?;
+        #[cfg(not(kvtier_seeded_bug = "restore-use-before-pin"))]
+        if !self.take_use() {
+            drop(pins);
+            return Err(self.settled_error());
+        }
+        Ok(RestoreClaim { lease: self, pins: Some(pins), submitted: false })
+    }
+
+    /// Takes one use without settling: false if none is left or the lease is settled.
+    fn take_use(&self) -> bool {
+        let uses = &self.state().uses_left;
+        let mut cur = uses.load(Ordering::Acquire);
         loop {
             if cur == 0 || self.is_settled() {
                 return false;
             }
-            match self.inner.uses_left.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+            match uses.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(a) => {
                     cur = a;
@@ -163,19 +265,56 @@ impl Lease {
         }
     }
 
-    /// Gives back a use taken by [`Lease::take_use`] whose restore was never submitted.
-    pub(crate) fn return_use(&self) {
-        self.inner.uses_left.fetch_add(1, Ordering::AcqRel);
+    /// Settles the lease if its last use has been taken.
+    fn settle_if_used_up(&self) {
+        // Seeded bug (model checking only): the first rank's restore settles a shared lease.
+        let last = self.state().uses_left.load(Ordering::Acquire) == 0
+            || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
+        if last {
+            self.inner.state.settle(&self.inner.core, Settled::Consumed);
+        }
     }
 
-    /// Settles the lease if its last use has been taken (the restore that took it holds its own
-    /// guards by now).
-    pub(crate) fn settle_if_used_up(&self) {
-        // Seeded bug (model checking only): the first rank's restore settles a shared lease.
-        let last = self.inner.uses_left.load(Ordering::Acquire) == 0
-            || cfg!(feature = "seeded-bug-lease-first-consume-settles");
-        if last {
-            self.inner.settle();
+    /// Uses up one restore of the lease without copying anything (a zero-page restore).
+    pub(crate) fn consume_without_copy(&self) {
+        if self.take_use() {
+            self.settle_if_used_up();
+        }
+    }
+}
+
+/// A restore's hold on a lease: its own pins on the blocks it copies and one use of the lease
+/// (see [`Lease::begin_restore`]).
+pub(crate) struct RestoreClaim<'a> {
+    lease: &'a Lease,
+    pins: Option<SlotPins>,
+    submitted: bool,
+}
+
+impl RestoreClaim<'_> {
+    /// The pinned slots, in key order.
+    pub(crate) fn slots(&self) -> &[SlotId] {
+        self.pins.as_ref().map_or(&[], |p| p.slots())
+    }
+
+    /// Hands the pins to the copy (they must be held until it has finished).
+    pub(crate) fn take_pins(&mut self) -> SlotPins {
+        self.pins.take().expect("restore pins taken once")
+    }
+
+    /// The copy was submitted: the use stays taken, and the lease settles if it was the last.
+    pub(crate) fn submitted(mut self) {
+        self.submitted = true;
+        self.lease.settle_if_used_up();
+    }
+}
+
+impl Drop for RestoreClaim<'_> {
+    fn drop(&mut self) {
+        if !self.submitted {
+            // Not submitted: pins first, then the use goes back.
+            drop(self.pins.take());
+            self.lease.state().uses_left.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -185,7 +324,7 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("blocks", &self.len())
             .field("uses_left", &self.uses_left())
-            .field("settled", &self.is_settled())
+            .field("settled", &self.state().how())
             .finish()
     }
 }

@@ -1,6 +1,10 @@
 //! # kvtier
 //!
 //! A host-memory tier for LLM inference engines' KV caches. See `README.md` and `docs/design.md`.
+//!
+//! An engine builds one [`HostTier`] (the pinned host pool, the content index, eviction), attaches
+//! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
+//! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
 #![warn(missing_docs)]
 
 pub mod copy;
@@ -8,9 +12,9 @@ pub mod copy;
 pub mod cuda;
 pub mod error;
 pub mod evict;
-pub mod freelist;
+pub(crate) mod freelist;
 pub mod geometry;
-pub mod guard;
+pub(crate) mod guard;
 pub mod handle;
 pub mod index;
 pub mod key;
@@ -19,13 +23,13 @@ pub mod pattern;
 pub mod pool;
 pub mod replay;
 pub mod simulate;
-pub mod slot;
-pub mod sync;
+pub(crate) mod slot;
+pub(crate) mod sync;
 pub mod tier;
 pub mod trace;
 
 pub use copy::{Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
-pub use error::{CopyError, Error, GeometryError, PoolError, TierError, TraceError};
+pub use error::{CopyError, Error, GeometryError, IndexError, PoolError, TierError, TraceError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
 pub use handle::CopyHandle;
@@ -33,8 +37,54 @@ pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
 pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
-pub use slot::{SlotId, SlotState, SlotWord};
-pub use tier::{Fit, HostTier, Rank, SaveHint, SaveOptions, SaveTicket, TierConfig, TierStats};
+pub use slot::SlotId;
+pub use tier::{Fit, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
+
+/// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
+/// here may change in any release. Models and tests call these so that they exercise the very
+/// functions production calls.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::freelist::{FreeList, MAX_SHARDS};
+    pub use crate::guard::{SlotPins, WriteReservation};
+    pub use crate::slot::{PinError, SlotControl, SlotState, SlotWord};
+    /// The std/loom synchronisation switch (`--cfg loom` selects loom's).
+    pub mod sync {
+        pub use crate::sync::*;
+    }
+    pub use crate::tier::core::{Core, KeyState, Reserved};
+    pub use crate::tier::evictor::{Claims, Want};
+    pub use crate::tier::save::SavePlan;
+    pub use crate::tier::AuditReport;
+    use crate::{ContentKey, HostTier, Lease, TierError};
+
+    /// The shared core of `tier`.
+    pub fn core(tier: &HostTier) -> &crate::sync::Arc<Core> {
+        tier.core()
+    }
+
+    /// A lease on the longest ready prefix of `keys` with `uses` restores (what
+    /// [`HostTier::query_shared`] does).
+    pub fn query(core: &crate::sync::Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
+        Lease::acquire(core, keys, uses)
+    }
+
+    /// The lease side of a restore of `n` blocks, in the order [`crate::Rank::restore`] runs it:
+    /// take the restore's own pins, then a use of the lease; submit (settling the lease if that was
+    /// its last use); then the copy (`copy`, given the pinned slots) runs while the pins are held,
+    /// and they drop when it has finished.
+    ///
+    /// # Errors
+    /// As [`crate::Rank::restore`]'s lease errors.
+    pub fn restore_with<R>(lease: &Lease, n: usize, copy: impl FnOnce(&[crate::SlotId]) -> R) -> Result<R, TierError> {
+        let mut claim = lease.begin_restore(n)?;
+        let pins = claim.take_pins();
+        claim.submitted();
+        let r = copy(pins.slots());
+        drop(pins);
+        Ok(r)
+    }
+}
 
 /// The README's example, compiled and run as a doctest.
 #[cfg(doctest)]

@@ -104,8 +104,9 @@ pub enum BackingChoice {
     Plain,
 }
 
-/// Pool construction options.
+/// Pool construction options. Build with [`PoolConfig::new`] and the `with_*` methods.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Bytes of host memory for slots; the capacity is `floor(bytes / slot_bytes)` slots.
     pub bytes: u64,
@@ -120,6 +121,38 @@ pub struct PoolConfig {
     /// Touch every backing page at construction (one write per 2 MiB hugetlb page, per 4 KiB page
     /// otherwise), on up to 8 threads for pools of 64 MiB or more.
     pub prefault: bool,
+}
+
+impl PoolConfig {
+    /// `bytes` of host memory, backing chosen automatically, no `mlock`, no NUMA binding, no
+    /// prefault.
+    pub fn new(bytes: u64) -> Self {
+        PoolConfig { bytes, ..Default::default() }
+    }
+
+    /// Sets the backing to ask for.
+    pub fn with_backing(mut self, backing: BackingChoice) -> Self {
+        self.backing = backing;
+        self
+    }
+
+    /// `mlock`s the mapping (see [`PoolConfig::mlock`]).
+    pub fn with_mlock(mut self, mlock: bool) -> Self {
+        self.mlock = mlock;
+        self
+    }
+
+    /// Binds the mapping to NUMA node `node` (see [`PoolConfig::numa_node`]).
+    pub fn with_numa_node(mut self, node: u32) -> Self {
+        self.numa_node = Some(node);
+        self
+    }
+
+    /// Touches every backing page at construction (see [`PoolConfig::prefault`]).
+    pub fn with_prefault(mut self, prefault: bool) -> Self {
+        self.prefault = prefault;
+        self
+    }
 }
 
 /// The pool's address range as a plain value, for copy backends.

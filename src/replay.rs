@@ -24,7 +24,7 @@ use crate::copy::{EngineArenas, WaitFor};
 use crate::error::{Error, ReplayError, TierError};
 use crate::evict::PolicyKind;
 use crate::pool::{BackingChoice, PoolConfig};
-use crate::tier::{Fit, HostTier, Rank, SaveHint, SaveOptions, TierConfig, TierStats};
+use crate::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
 use crate::trace::{pages_per_block, TraceRequest};
 use serde::Serialize;
 use std::fmt;
@@ -366,12 +366,10 @@ pub fn run(
         }
     }
 
-    let tier = HostTier::new(TierConfig {
-        // Prefault so copies are timed against resident memory, as an engine would set the pool up.
-        pool: PoolConfig { bytes: config.pool_bytes, backing: config.backing, prefault: true, ..Default::default() },
-        policy: config.policy,
-        ..TierConfig::default_for(geometry.clone())
-    })?;
+    // Prefault so copies are timed against resident memory, as an engine would set the pool up.
+    let pool = PoolConfig::new(config.pool_bytes).with_backing(config.backing).with_prefault(true);
+    let tier =
+        HostTier::new(TierConfig::new(geometry.clone(), config.pool_bytes).with_pool(pool).with_policy(config.policy))?;
     let backend = arenas.backend()?;
     let backend_name = backend.name().to_string();
     let rank = tier.attach(backend)?;
@@ -492,10 +490,9 @@ fn one_request(
     if h < n {
         arenas.fill(&pages[h..], &keys[h..])?;
         let t0 = Instant::now();
-        let opts = SaveOptions { fit: Fit::Prefix };
         // keys[h] is page h of its prompt: prefix-aware policies use the depth.
-        let hint = SaveHint { prefix_depth: Some(h as u32) };
-        match rank.save_hinted(&keys[h..], &pages[h..], WaitFor::Nothing, opts, hint) {
+        let opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32);
+        match rank.save_with(&keys[h..], &pages[h..], WaitFor::Nothing, opts) {
             Ok(ticket) => {
                 ticket.handle.wait()?;
                 acc.save_time += t0.elapsed();

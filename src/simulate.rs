@@ -22,8 +22,8 @@ use crate::error::{CopyError, Error, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry};
 use crate::key::ContentKey;
-use crate::pool::{BackingChoice, HostPool, PoolConfig};
-use crate::tier::{Fit, HostTier, SaveHint, SaveOptions, TierConfig};
+use crate::pool::{BackingChoice, HostPool};
+use crate::tier::{Fit, HostTier, SaveOptions, TierConfig};
 use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
 use serde::Serialize;
@@ -207,12 +207,7 @@ pub fn run_policy(
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
     let proxy = proxy_geometry(geometry, max_pages)?;
     let bytes = slots as u64 * proxy.slot_bytes();
-    let cfg = TierConfig {
-        pool: PoolConfig { bytes, backing: BackingChoice::Plain, ..Default::default() },
-        policy,
-        index_capacity: None,
-        geometry: proxy.clone(),
-    };
+    let cfg = TierConfig::new(proxy.clone(), bytes).with_backing(BackingChoice::Plain).with_policy(policy);
     let tier = HostTier::new(cfg)?;
     if tier.capacity() != slots {
         return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
@@ -235,12 +230,11 @@ pub fn run_policy(
         hits += h as u64;
         if h < n {
             let s0 = Instant::now();
-            let r = rank.save_hinted(
+            let r = rank.save_with(
                 &k[h..],
                 &pages[h..n],
                 WaitFor::Nothing,
-                SaveOptions { fit: Fit::Prefix },
-                SaveHint { prefix_depth: Some(h as u32) },
+                SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32),
             );
             st += s0.elapsed();
             saves += 1;
@@ -373,7 +367,10 @@ pub fn run(args: &SimulateArgs) -> Result<SimReport, Error> {
         .collect::<Result<_, _>>()?;
     let policies: Vec<PolicyKind> = match &args.policies {
         None => PolicyKind::ALL.to_vec(),
-        Some(p) => p.split(',').map(|s| s.trim().parse().map_err(Error::Config)).collect::<Result<_, _>>()?,
+        Some(p) => p
+            .split(',')
+            .map(|s| s.trim().parse().map_err(|e: crate::evict::UnknownPolicy| Error::Config(e.to_string())))
+            .collect::<Result<_, _>>()?,
     };
     let mut runs = Vec::new();
     for &p in &policies {

@@ -218,7 +218,7 @@ impl SlotControl {
         let mut why = PinError::NotReady;
         let r = self.update(slot, Ordering::Acquire, |w| {
             let gen_ok = w.generation() == (generation & SlotWord::GEN_MASK);
-            #[cfg(feature = "seeded-bug-stale-generation")]
+            #[cfg(kvtier_seeded_bug = "stale-generation")]
             let gen_ok = {
                 let _ = gen_ok;
                 true
@@ -227,9 +227,9 @@ impl SlotControl {
                 why = PinError::Stale;
                 None
             } else if w.state() != SlotState::Ready
-                && !(cfg!(feature = "seeded-bug-pin-writing") && w.state() == SlotState::Writing)
+                && !(cfg!(kvtier_seeded_bug = "pin-writing") && w.state() == SlotState::Writing)
             {
-                // (Seeded bug, model checking only: `seeded-bug-pin-writing` lets a query pin a slot
+                // (Seeded bug, model checking only: `pin-writing` lets a query pin a slot
                 // whose save has not committed.)
                 why = PinError::NotReady;
                 None
@@ -258,7 +258,7 @@ impl SlotControl {
     pub fn begin_evict(&self, slot: SlotId) -> Option<u64> {
         self.update(slot, Ordering::Acquire, |w| {
             let unpinned = w.pins() == 0;
-            #[cfg(feature = "seeded-bug-evict-pinned")]
+            #[cfg(kvtier_seeded_bug = "evict-pinned")]
             let unpinned = {
                 let _ = unpinned;
                 true

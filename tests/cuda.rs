@@ -400,7 +400,7 @@ fn one_registration_serves_every_backend_of_a_pool() {
 fn bind_pool_through_a_real_host_pool() {
     use kvtier::{HostPool, PoolConfig, SlotId};
     let g = Geometry::preset("glm52", 200).unwrap();
-    let pool = HostPool::new(g.slot_bytes(), &PoolConfig { bytes: 24 * g.slot_bytes(), ..Default::default() }).unwrap();
+    let pool = HostPool::new(g.slot_bytes(), &PoolConfig::new(24 * g.slot_bytes())).unwrap();
     assert_eq!(pool.capacity(), 24);
     let o = CudaOptions::default();
     let arenas = CudaArenas::new(0, &g, o).unwrap();

@@ -3,14 +3,13 @@
 #![cfg(not(loom))]
 
 use kvtier::pool::{BackingChoice, HostPool, PoolConfig};
-use kvtier::{SlotId, SlotState};
+use kvtier::testing::SlotState;
+use kvtier::SlotId;
 
 #[test]
 fn slot_lifecycle_on_four_threads() {
     const SLOT: u64 = 4096;
-    let pool =
-        HostPool::new(SLOT, &PoolConfig { bytes: 32 * SLOT, backing: BackingChoice::Plain, ..Default::default() })
-            .unwrap();
+    let pool = HostPool::new(SLOT, &PoolConfig::new(32 * SLOT).with_backing(BackingChoice::Plain)).unwrap();
     let rounds = 2_000u64;
     std::thread::scope(|s| {
         for t in 0..4u8 {

@@ -28,7 +28,7 @@ fn churn(policy: PolicyKind, fault_rate: f64) {
                         let k = &all[start..start + 8];
                         let src: Vec<u64> = (0..8).collect();
                         a.fill(&src, k).unwrap();
-                        match rank.save_with(k, &src, WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }) {
+                        match rank.save_with(k, &src, WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix)) {
                             Ok(t) => {
                                 if t.handle.wait().is_err() {
                                     failures += 1;
@@ -71,7 +71,7 @@ fn churn(policy: PolicyKind, fault_rate: f64) {
     assert_eq!(s.pinned_slots, 0);
     assert_eq!(s.writing_slots, 0);
     assert!(s.evictions > 0);
-    let audit = tier.core().audit(&all).unwrap();
+    let audit = kvtier::testing::core(&tier).audit(&all).unwrap();
     assert_eq!(audit.ready + audit.free, 24);
     assert_eq!(audit.ready as u64, s.index_entries);
 }

@@ -9,8 +9,8 @@
 mod machine;
 
 use kvtier::geometry::{COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
-use kvtier::slot::SlotId;
-use kvtier::{ArenaBinding, ArenaSpec, BackingChoice, Geometry, HostPool, Placement, PoolConfig};
+use kvtier::SlotId;
+use kvtier::{ArenaBinding, ArenaSpec, BackingChoice, Geometry, HostPool, Placement, PolicyKind, PoolConfig};
 use machine::{Machine, Op, KEYS, MAX_CAPACITY, MAX_SPAN};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,8 +19,8 @@ fn op() -> impl Strategy<Value = Op> {
     let key = 0..KEYS;
     let span = 1..=MAX_SPAN;
     prop_oneof![
-        4 => (any::<bool>(), key.clone(), span.clone(), any::<bool>())
-            .prop_map(|(gated, start, len, prefix)| Op::Save { gated, start, len, prefix }),
+        4 => (any::<bool>(), key.clone(), span.clone(), any::<bool>(), prop::bool::weighted(0.15))
+            .prop_map(|(gated, start, len, prefix, dup)| Op::Save { gated, start, len, prefix, dup }),
         2 => (any::<bool>(), prop::bool::weighted(0.8)).prop_map(|(save, ok)| Op::Complete { save, ok }),
         4 => (key, span, 0u8..=2).prop_map(|(start, len, uses)| Op::Query { start, len, uses }),
         3 => (0u8..4, 0..=MAX_SPAN, any::<bool>()).prop_map(|(lease, n, gated)| Op::Restore { lease, n, gated }),
@@ -31,12 +31,36 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-proptest! {
-    /// Random operation sequences on a small tier match the reference model after every step.
-    #[test]
-    fn tier_matches_reference_model(capacity in 1..=MAX_CAPACITY, ops in prop::collection::vec(op(), 1..24)) {
-        Machine::run(capacity, &ops);
-    }
+/// One property per eviction policy: random operation sequences on a small tier match the
+/// reference model after every step (each policy gets the full case count).
+macro_rules! machine_properties {
+    ($($name:ident => $policy:expr,)*) => {
+        proptest! {
+            $(
+                #[test]
+                fn $name(capacity in 1..=MAX_CAPACITY, ops in prop::collection::vec(op(), 1..24)) {
+                    Machine::run($policy, capacity, &ops);
+                }
+            )*
+        }
+        /// Every built-in policy has its property above.
+        #[test]
+        fn every_policy_has_a_state_machine_property() {
+            let covered = [$($policy),*];
+            for p in PolicyKind::ALL {
+                assert!(covered.contains(p), "no state machine property for {p}");
+            }
+        }
+    };
+}
+
+machine_properties! {
+    tier_matches_reference_model_lru => PolicyKind::Lru,
+    tier_matches_reference_model_clock => PolicyKind::Clock,
+    tier_matches_reference_model_sieve => PolicyKind::Sieve,
+    tier_matches_reference_model_s3fifo => PolicyKind::S3Fifo,
+    tier_matches_reference_model_prefix_lfu => PolicyKind::PrefixLfu,
+    tier_matches_reference_model_prefix_tinylfu => PolicyKind::PrefixTinyLfu,
 }
 
 /// Sequences found by the property above (or written to pin a scenario); each must keep passing.
@@ -47,23 +71,28 @@ mod regressions {
     /// zero-page restore from a settled (zero-use) lease succeeds and changes nothing.
     #[test]
     fn zero_page_restore_of_a_settled_lease_is_a_no_op() {
-        Machine::run(1, &[Op::Query { start: 0, len: 1, uses: 0 }, Op::Restore { lease: 0, n: 0, gated: false }]);
+        Machine::run(
+            PolicyKind::Lru,
+            1,
+            &[Op::Query { start: 0, len: 1, uses: 0 }, Op::Restore { lease: 0, n: 0, gated: false }],
+        );
     }
 
     #[test]
     fn lease_dropped_while_its_restore_is_in_flight() {
         Machine::run(
+            PolicyKind::Lru,
             1,
             &[
-                Op::Save { gated: false, start: 0, len: 1, prefix: false },
+                Op::Save { gated: false, start: 0, len: 1, prefix: false, dup: false },
                 Op::Query { start: 0, len: 1, uses: 1 },
                 Op::Restore { lease: 0, n: 1, gated: true },
                 Op::Drop { lease: 0 },
                 // The restore's guard still pins the block: a save of another key cannot evict it.
-                Op::Save { gated: false, start: 1, len: 1, prefix: false },
+                Op::Save { gated: false, start: 1, len: 1, prefix: false, dup: false },
                 Op::Evict { n: 1 },
                 Op::Complete { save: false, ok: true },
-                Op::Save { gated: false, start: 1, len: 1, prefix: false },
+                Op::Save { gated: false, start: 1, len: 1, prefix: false, dup: false },
             ],
         );
     }
@@ -71,13 +100,14 @@ mod regressions {
     #[test]
     fn failed_save_frees_its_slots_and_stays_invisible() {
         Machine::run(
+            PolicyKind::Lru,
             2,
             &[
-                Op::Save { gated: true, start: 0, len: 2, prefix: false },
+                Op::Save { gated: true, start: 0, len: 2, prefix: false, dup: false },
                 Op::Query { start: 0, len: 2, uses: 1 },
-                Op::Save { gated: false, start: 0, len: 2, prefix: true },
+                Op::Save { gated: false, start: 0, len: 2, prefix: true, dup: false },
                 Op::Complete { save: true, ok: false },
-                Op::Save { gated: false, start: 2, len: 2, prefix: false },
+                Op::Save { gated: false, start: 2, len: 2, prefix: false, dup: false },
             ],
         );
     }
@@ -85,9 +115,10 @@ mod regressions {
     #[test]
     fn shared_lease_serves_two_restores_then_settles() {
         Machine::run(
+            PolicyKind::Lru,
             3,
             &[
-                Op::Save { gated: false, start: 3, len: 3, prefix: false },
+                Op::Save { gated: false, start: 3, len: 3, prefix: false, dup: false },
                 Op::Query { start: 3, len: 3, uses: 2 },
                 Op::Restore { lease: 0, n: 3, gated: true },
                 Op::Restore { lease: 0, n: 2, gated: false },
@@ -102,11 +133,12 @@ mod regressions {
     #[test]
     fn resize_down_keeps_the_most_recent_blocks() {
         Machine::run(
+            PolicyKind::Lru,
             5,
             &[
-                Op::Save { gated: false, start: 0, len: 4, prefix: false },
+                Op::Save { gated: false, start: 0, len: 4, prefix: false, dup: false },
                 Op::Query { start: 0, len: 1, uses: 1 },
-                Op::Save { gated: true, start: 4, len: 1, prefix: false },
+                Op::Save { gated: true, start: 4, len: 1, prefix: false, dup: false },
                 Op::Resize { capacity: 2 },
                 Op::Query { start: 0, len: 1, uses: 1 },
             ],
@@ -116,12 +148,13 @@ mod regressions {
     #[test]
     fn prefix_save_under_pins_drops_the_tail() {
         Machine::run(
+            PolicyKind::Lru,
             3,
             &[
-                Op::Save { gated: false, start: 0, len: 3, prefix: false },
+                Op::Save { gated: false, start: 0, len: 3, prefix: false, dup: false },
                 Op::Query { start: 0, len: 2, uses: 1 },
-                Op::Save { gated: false, start: 5, len: 3, prefix: false },
-                Op::Save { gated: true, start: 5, len: 3, prefix: true },
+                Op::Save { gated: false, start: 5, len: 3, prefix: false, dup: false },
+                Op::Save { gated: true, start: 5, len: 3, prefix: true, dup: false },
                 Op::Complete { save: true, ok: true },
                 Op::Release { lease: 0 },
                 Op::Restore { lease: 0, n: 1, gated: false },
@@ -177,7 +210,7 @@ proptest! {
     ) {
         let slot_bytes = slot_units * SLOT_CHUNK_ALIGN;
         let bytes = slots * slot_bytes + extra.min(slot_bytes - 1);
-        let cfg = PoolConfig { bytes, backing: BackingChoice::Plain, ..Default::default() };
+        let cfg = PoolConfig::new(bytes).with_backing(BackingChoice::Plain);
         let pool = HostPool::new(slot_bytes, &cfg).expect("pool");
         prop_assert_eq!(pool.capacity() as u64, slots);
         prop_assert_eq!(pool.slot_bytes(), slot_bytes);

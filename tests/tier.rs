@@ -128,7 +128,7 @@ fn eviction_never_frees_a_pinned_block_and_refuses_before_evicting() {
     assert!(tier.contains(&k[4]) && tier.contains(&k[5]), "a refused save evicts nothing");
     assert_eq!(tier.stats().evictions, 2);
     // With Fit::Prefix the leading two that fit are saved and one is dropped.
-    let t = rank.save_with(&k[6..9], &[6, 7, 8], WaitFor::Nothing, SaveOptions { fit: Fit::Prefix }).unwrap();
+    let t = rank.save_with(&k[6..9], &[6, 7, 8], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix)).unwrap();
     t.handle.wait().unwrap();
     assert_eq!((t.saving.clone(), t.dropped), (vec![0, 1], 1));
     // The leased blocks survived all of it and still hold their bytes.
@@ -145,14 +145,14 @@ fn a_stale_lookup_fails_by_generation_after_reuse() {
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
     save_filled(&rank, &a, &k[0..1], &[0]);
-    let stale = tier.core().index().get(&k[0]).unwrap();
+    let stale = kvtier::testing::core(&tier).index().get(&k[0]).unwrap();
     save_filled(&rank, &a, &k[1..2], &[1]); // evicts k0, reuses its slot
-    let fresh = tier.core().index().get(&k[1]).unwrap();
+    let fresh = kvtier::testing::core(&tier).index().get(&k[1]).unwrap();
     assert_eq!(fresh.slot, stale.slot);
     assert_eq!(fresh.generation, stale.generation + 1);
-    assert!(tier.core().index().get(&k[0]).is_none());
+    assert!(kvtier::testing::core(&tier).index().get(&k[0]).is_none());
     let control = tier.pool().control();
-    assert_eq!(control.pin(stale.slot, stale.generation), Err(kvtier::slot::PinError::Stale));
+    assert_eq!(control.pin(stale.slot, stale.generation), Err(kvtier::testing::PinError::Stale));
 }
 
 #[test]
@@ -329,7 +329,7 @@ fn audit_sees_a_consistent_tier_after_churn() {
         save_filled(&rank, &a, c, &[0, 1, 2]);
     }
     let lease = tier.query(&k[9..11]);
-    let rep = tier.core().audit(&k).unwrap();
+    let rep = kvtier::testing::core(&tier).audit(&k).unwrap();
     assert_eq!((rep.ready, rep.free, rep.writing, rep.pinned), (4, 0, 0, lease.len()));
 }
 
@@ -340,7 +340,7 @@ fn a_prefix_save_stops_at_the_first_key_the_policy_refuses() {
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..4);
     a.fill(&[0, 1, 2, 3], &k).unwrap();
-    let prefix = SaveOptions { fit: Fit::Prefix };
+    let prefix = SaveOptions::new().fit(Fit::Prefix);
     // First sighting of every key: nothing admitted, all four dropped (and counted by the policy).
     let t = rank.save_with(&k[1..4], &[1, 2, 3], WaitFor::Nothing, prefix).unwrap();
     assert_eq!((t.saving.clone(), t.dropped), (vec![], 3));
@@ -390,14 +390,14 @@ fn slot_acquisition_that_cannot_be_satisfied_evicts_nothing() {
     let k = keys(&tier, 0..4);
     save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
     let lease = tier.query(&k[0..2]);
-    match tier.core().acquire_slots(3) {
+    match kvtier::testing::core(&tier).acquire_slots(kvtier::testing::Want::Exactly(3)) {
         Err(TierError::PoolExhausted { needed: 3, got: 2 }) => {}
         other => panic!("expected PoolExhausted, got {other:?}"),
     }
     assert!(k.iter().all(|key| tier.contains(key)), "every block is still resident");
     let s = tier.stats();
     assert_eq!((s.evictions, s.ready_slots, s.free_slots), (0, 4, 0));
-    tier.core().audit(&k).unwrap();
+    kvtier::testing::core(&tier).audit(&k).unwrap();
     drop(lease);
 }
 

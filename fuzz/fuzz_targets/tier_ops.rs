@@ -7,11 +7,14 @@
 mod machine;
 
 use libfuzzer_sys::fuzz_target;
+use kvtier::PolicyKind;
 use machine::{Machine, Op, MAX_CAPACITY};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&cap, mut rest)) = data.split_first() else { return };
-    let mut m = Machine::new(1 + cap % MAX_CAPACITY);
+    // The first byte picks the policy and the capacity.
+    let policy = PolicyKind::ALL[(cap >> 4) as usize % PolicyKind::ALL.len()];
+    let mut m = Machine::new(policy, 1 + cap % MAX_CAPACITY);
     let mut steps = 0;
     while let Some(op) = Op::decode(&mut rest) {
         m.step(op);

@@ -15,7 +15,7 @@ use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotRef};
 /// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages).
 pub fn core(slots: u32) -> Arc<Core> {
     let g = Geometry::new("loom", 16, vec![ArenaSpec::packed("a", 16, 4)]).expect("valid geometry");
-    let cfg = PoolConfig { bytes: slots as u64 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+    let cfg = PoolConfig::new(slots as u64 * g.slot_bytes()).with_backing(BackingChoice::Plain);
     let pool = HostPool::new(g.slot_bytes(), &cfg).expect("pool");
     assert_eq!(pool.capacity(), slots);
     Arc::new(Core::new(g, pool, PolicyKind::Lru, Some(4)))

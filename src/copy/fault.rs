@@ -35,7 +35,7 @@ impl FaultyBackend {
     pub fn new(inner: Box<dyn CopyBackend>, rate: f64, seed: u64) -> Self {
         FaultyBackend {
             inner,
-            rate: rate.clamp(0.0, 1.0),
+            rate: if rate.is_nan() { 0.0 } else { rate.clamp(0.0, 1.0) },
             state: AtomicU64::new(seed | 1),
             injected: AtomicU64::new(0),
         }

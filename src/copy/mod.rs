@@ -170,15 +170,16 @@ pub fn check_pages_and_keys(
     Ok(())
 }
 
-/// A completion that is already finished (used by synchronous backends).
-pub struct Done(pub Result<(), String>);
+/// A completion that is already finished (used by synchronous backends), with its outcome.
+#[derive(Debug)]
+pub struct Done(pub Result<(), CopyError>);
 
 impl Completion for Done {
     fn poll(&mut self) -> Result<bool, CopyError> {
-        self.0.clone().map(|_| true).map_err(|m| CopyError::Device { call: "copy".into(), message: m })
+        self.0.clone().map(|_| true)
     }
     fn wait(&mut self) -> Result<(), CopyError> {
-        self.0.clone().map_err(|m| CopyError::Device { call: "copy".into(), message: m })
+        self.0.clone()
     }
 }
 

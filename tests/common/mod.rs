@@ -17,11 +17,13 @@ pub fn small_geometry() -> Geometry {
 
 /// A tier of `slots` slots over `small_geometry`, with `policy`.
 pub fn tier(slots: u64, policy: PolicyKind) -> HostTier {
+    HostTier::new(tier_config(slots, policy)).unwrap()
+}
+
+/// The configuration of [`tier`], to adjust before building.
+pub fn tier_config(slots: u64, policy: PolicyKind) -> TierConfig {
     let g = small_geometry();
-    let mut cfg = TierConfig::new(g.clone(), slots * g.slot_bytes());
-    cfg.policy = policy;
-    cfg.pool.backing = kvtier::BackingChoice::Plain;
-    HostTier::new(cfg).unwrap()
+    TierConfig::new(g.clone(), slots * g.slot_bytes()).with_policy(policy).with_backing(kvtier::BackingChoice::Plain)
 }
 
 /// Fresh host arenas for `small_geometry`.
@@ -56,14 +58,30 @@ pub struct TestBackend {
     pub inner: HostBackend,
     pub gate: Option<Gate>,
     pub fail: bool,
+    /// `Completion::wait` panics (a buggy backend) instead of returning.
+    pub panic: bool,
 }
 
 impl TestBackend {
     pub fn gated(arenas: &Arc<HostArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
-        Box::new(TestBackend { inner: HostBackend::new(arenas.clone()), gate: Some(gate.clone()), fail: false })
+        Box::new(TestBackend {
+            inner: HostBackend::new(arenas.clone()),
+            gate: Some(gate.clone()),
+            fail: false,
+            panic: false,
+        })
     }
     pub fn failing(arenas: &Arc<HostArenas>) -> Box<dyn CopyBackend> {
-        Box::new(TestBackend { inner: HostBackend::new(arenas.clone()), gate: None, fail: true })
+        Box::new(TestBackend { inner: HostBackend::new(arenas.clone()), gate: None, fail: true, panic: false })
+    }
+    /// Copies that complete after `gate` opens, by panicking in `Completion::wait`.
+    pub fn panicking(arenas: &Arc<HostArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
+        Box::new(TestBackend {
+            inner: HostBackend::new(arenas.clone()),
+            gate: Some(gate.clone()),
+            fail: false,
+            panic: true,
+        })
     }
 }
 
@@ -71,6 +89,7 @@ struct TestCompletion {
     inner: Box<dyn Completion>,
     gate: Option<Gate>,
     fail: bool,
+    panic: bool,
 }
 
 impl Completion for TestCompletion {
@@ -80,6 +99,9 @@ impl Completion for TestCompletion {
     fn wait(&mut self) -> Result<(), CopyError> {
         if let Some(g) = &self.gate {
             g.wait();
+        }
+        if self.panic {
+            panic!("test backend: Completion::wait panicked");
         }
         if self.fail {
             return Err(CopyError::Device { call: "test".into(), message: "injected copy failure".into() });
@@ -101,12 +123,12 @@ impl CopyBackend for TestBackend {
     unsafe fn save(&self, b: &[CopyPair], w: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
         // SAFETY: forwarded under the caller's contract.
         let inner = unsafe { self.inner.save(b, w) }?;
-        Ok(Box::new(TestCompletion { inner, gate: self.gate.clone(), fail: self.fail }))
+        Ok(Box::new(TestCompletion { inner, gate: self.gate.clone(), fail: self.fail, panic: self.panic }))
     }
     unsafe fn restore(&self, b: &[CopyPair], w: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
         // SAFETY: forwarded under the caller's contract.
         let inner = unsafe { self.inner.restore(b, w) }?;
-        Ok(Box::new(TestCompletion { inner, gate: self.gate.clone(), fail: self.fail }))
+        Ok(Box::new(TestCompletion { inner, gate: self.gate.clone(), fail: self.fail, panic: self.panic }))
     }
 }
 

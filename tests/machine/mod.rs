@@ -11,8 +11,14 @@
 //! Pages `0..KEYS` of both ranks' arenas hold the bytes of keys `0..KEYS` (a save of key `i` reads
 //! page `i`); restores write pages `KEYS..KEYS + MAX_SPAN`.
 //!
-//! The model predicts every observable: each save's ticket or error (including which blocks LRU
-//! eviction picks), each query's lease, restore errors, and the whole [`TierStats`]. After every step
+//! The machine runs with any eviction policy ([`PolicyKind::ALL`]). The model predicts every
+//! observable: each save's ticket or error, each query's lease, restore errors, the whole
+//! [`TierStats`], and how many blocks each save or eviction evicts. *Which* blocks are evicted is the
+//! policy's choice: for LRU the model predicts them exactly; for every other policy it checks that
+//! they were among the unpinned ready blocks (never a pinned or in-flight one) and follows the tier.
+//! Liveness is checked at every save: a save is refused only when the model says that the free plus
+//! unpinned ready blocks cannot hold it, whatever the policy. With an admission policy
+//! (prefix-tinylfu) a prefix save may stop early; the model checks it saved a prefix. After every step
 //! [`Machine::check`] verifies: no slot owned twice, every indexed block in the state the model says
 //! (ready with exactly the modelled pins, or writing), free slots = free list = capacity - owned,
 //! every ready slot's bytes are its key's pattern, leases settled as modelled, stats equal.
@@ -24,7 +30,8 @@
 #![allow(dead_code)]
 
 use kvtier::copy::host::{HostArenas, HostBackend};
-use kvtier::slot::{SlotId, SlotState};
+use kvtier::testing::SlotState;
+use kvtier::SlotId;
 use kvtier::{
     ArenaSpec, BackingChoice, Completion, ContentKey, CopyBackend, CopyError, CopyHandle, CopyPair, EngineArenas, Fit,
     Geometry, HostPool, HostTier, Lease, PolicyKind, Rank, SaveOptions, TierConfig, TierError, TierStats, WaitFor,
@@ -45,9 +52,10 @@ pub const PAGES: u64 = (KEYS + MAX_SPAN) as u64;
 /// One step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// Save keys `start..start + len` (clamped to `KEYS`); on rank A (completes later) if `gated`,
-    /// else on rank B (waited for). `prefix` selects [`Fit::Prefix`] instead of all-or-nothing.
-    Save { gated: bool, start: u8, len: u8, prefix: bool },
+    /// Save keys `start..start + len` (clamped to `KEYS`), plus key `start` once more at the end
+    /// if `dup`; on rank A (completes later) if `gated`, else on rank B (waited for). `prefix`
+    /// selects [`Fit::Prefix`] instead of all-or-nothing.
+    Save { gated: bool, start: u8, len: u8, prefix: bool, dup: bool },
     /// Completes rank A's oldest pending save (`save`) or restore, successfully or with an injected
     /// copy failure. No-op when none is pending.
     Complete { save: bool, ok: bool },
@@ -74,7 +82,13 @@ impl Op {
         *data = rest;
         let bit = |i: u8| arg >> i & 1 == 1;
         Some(match tag % 8 {
-            0 => Op::Save { gated: bit(0), start: (arg >> 2) % KEYS, len: 1 + (arg >> 6) % MAX_SPAN, prefix: bit(1) },
+            0 => Op::Save {
+                gated: bit(0),
+                start: (arg >> 2) % KEYS,
+                len: 1 + (arg >> 6) % MAX_SPAN,
+                prefix: bit(1),
+                dup: tag & 0x80 != 0,
+            },
             1 => Op::Complete { save: bit(0), ok: arg & 0b110 != 0 },
             2 => Op::Query { start: (arg >> 2) % KEYS, len: 1 + (arg >> 6) % MAX_SPAN, uses: arg % 3 },
             3 => Op::Restore { lease: arg >> 4, n: (arg >> 1) % (MAX_SPAN + 1), gated: bit(0) },
@@ -250,17 +264,12 @@ impl Model {
             }
         }
     }
-    /// Evicts up to `n` unpinned ready blocks, least recently used first; returns how many.
-    fn evict(&mut self, n: usize) -> usize {
+    /// The unpinned ready blocks (what eviction may take), least recently used first.
+    fn evictable(&self) -> Vec<u8> {
         let mut cands: Vec<(u64, u8)> =
             self.ready.iter().filter(|(_, b)| b.pins == 0).map(|(&k, b)| (b.tick, k)).collect();
         cands.sort_unstable();
-        cands.truncate(n);
-        for (_, k) in &cands {
-            self.ready.remove(k);
-        }
-        self.stats.evictions += cands.len() as u64;
-        cands.len()
+        cands.into_iter().map(|(_, k)| k).collect()
     }
     fn commit(&mut self, keys: &[u8], block_bytes: u64) {
         for &k in keys {
@@ -277,25 +286,30 @@ impl Model {
         }
         self.stats.save_failed_blocks += keys.len() as u64;
     }
-    /// The stats the tier must report now.
-    fn expected_stats(&self) -> TierStats {
-        TierStats {
-            pinned_slots: self.pinned() as u64,
-            ready_slots: self.ready.len() as u64,
-            writing_slots: self.writing.len() as u64,
-            free_slots: self.free() as u64,
-            capacity: self.capacity as u64,
-            index_entries: (self.ready.len() + self.writing.len()) as u64,
-            ..self.stats.clone()
-        }
+    /// The stats the tier must report now (`live_leases`: the unsettled leases the machine holds).
+    fn expected_stats(&self, live_leases: u64) -> TierStats {
+        let mut s = self.stats.clone();
+        s.pinned_slots = self.pinned() as u64;
+        s.ready_slots = self.ready.len() as u64;
+        s.writing_slots = self.writing.len() as u64;
+        s.free_slots = self.free() as u64;
+        s.capacity = self.capacity as u64;
+        s.index_entries = (self.ready.len() + self.writing.len()) as u64;
+        s.live_leases = live_leases;
+        s
     }
 }
 
-/// What the model says a save does.
-#[derive(Debug, PartialEq, Eq)]
-enum SaveOutcome {
-    Refused { needed: usize, available: usize },
-    Saved { saving: Vec<usize>, resident: usize, in_flight: usize, dropped: usize },
+/// What the model says of a save before the tier's answer is known.
+#[derive(Debug)]
+struct SavePlan {
+    /// Indices of the keys to save, in order.
+    missing: Vec<usize>,
+    resident: usize,
+    in_flight: usize,
+    duplicates: usize,
+    /// Free plus unpinned ready slots.
+    available: usize,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -305,6 +319,7 @@ enum SaveOutcome {
 pub struct Machine {
     geometry: Geometry,
     keys: Vec<ContentKey>,
+    policy: PolicyKind,
     model: Model,
     leases: Vec<(Lease, ModelLease)>,
     /// Handles of rank A's pending saves / restores, oldest first.
@@ -328,12 +343,12 @@ fn wait(h: &CopyHandle, what: &str) -> Result<(), TierError> {
 }
 
 impl Machine {
-    /// A machine with a `capacity`-slot tier.
-    pub fn new(capacity: u8) -> Self {
+    /// A machine with a `capacity`-slot tier evicting with `policy`.
+    pub fn new(policy: PolicyKind, capacity: u8) -> Self {
         let geometry = geometry();
         let arenas_a = Arc::new(HostArenas::new(&geometry).expect("arenas"));
         let arenas_b = Arc::new(HostArenas::new(&geometry).expect("arenas"));
-        let tier = Self::build_tier(&geometry, capacity);
+        let tier = Self::build_tier(&geometry, policy, capacity);
         let keys: Vec<ContentKey> = (0..KEYS as u64).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
         let pages: Vec<u64> = (0..KEYS as u64).collect();
         arenas_a.fill(&pages, &keys).expect("fill");
@@ -342,6 +357,7 @@ impl Machine {
         let mut m = Machine {
             geometry,
             keys,
+            policy,
             model: Model::new(capacity as usize),
             leases: Vec::new(),
             save_handles: VecDeque::new(),
@@ -359,10 +375,10 @@ impl Machine {
         m
     }
 
-    fn build_tier(g: &Geometry, capacity: u8) -> HostTier {
-        let mut cfg = TierConfig::new(g.clone(), capacity as u64 * g.slot_bytes());
-        cfg.policy = PolicyKind::Lru;
-        cfg.pool.backing = BackingChoice::Plain;
+    fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8) -> HostTier {
+        let cfg = TierConfig::new(g.clone(), capacity as u64 * g.slot_bytes())
+            .with_policy(policy)
+            .with_backing(BackingChoice::Plain);
         HostTier::new(cfg).expect("tier")
     }
 
@@ -381,7 +397,7 @@ impl Machine {
     pub fn step(&mut self, op: Op) {
         self.steps += 1;
         match op {
-            Op::Save { gated, start, len, prefix } => self.save(gated, start, len, prefix),
+            Op::Save { gated, start, len, prefix, dup } => self.save(gated, start, len, prefix, dup),
             Op::Complete { save: true, ok } => self.complete_save(ok),
             Op::Complete { save: false, ok } => self.complete_restore(ok),
             Op::Query { start, len, uses } => self.query(start, len, uses),
@@ -389,18 +405,19 @@ impl Machine {
             Op::Release { lease } => self.release(lease),
             Op::Drop { lease } => self.drop_lease(lease),
             Op::Evict { n } => {
+                let want = (n as usize).min(self.model.evictable().len());
                 let got = self.tier.evict(n as usize);
-                let want = self.model.evict(n as usize);
-                assert_eq!(got, want, "evict({n})");
+                assert_eq!(got, want, "evict({n}) with {} evictable ({})", self.model.evictable().len(), self.policy);
+                self.observe_evictions(want, "evict");
             }
             Op::Resize { capacity } => self.resize(capacity.clamp(1, MAX_CAPACITY)),
         }
         self.check();
     }
 
-    /// Runs every op, checking after each.
-    pub fn run(capacity: u8, ops: &[Op]) {
-        let mut m = Machine::new(capacity);
+    /// Runs every op with `policy`, checking after each.
+    pub fn run(policy: PolicyKind, capacity: u8, ops: &[Op]) {
+        let mut m = Machine::new(policy, capacity);
         for &op in ops {
             m.step(op);
         }
@@ -412,77 +429,121 @@ impl Machine {
         s..(s + len).min(KEYS)
     }
 
-    fn predict_save(&mut self, keys: &[u8], fit: Fit) -> SaveOutcome {
+    /// Classifies a save's keys as the tier's plan must (refreshing resident blocks' recency).
+    fn plan_save(&mut self, keys: &[u8]) -> SavePlan {
         let m = &mut self.model;
-        let (mut resident, mut in_flight) = (0, 0);
-        let mut missing = Vec::new();
+        let mut plan = SavePlan { missing: Vec::new(), resident: 0, in_flight: 0, duplicates: 0, available: 0 };
+        let mut seen = BTreeSet::new();
         for (i, &k) in keys.iter().enumerate() {
-            if m.ready.contains_key(&k) {
+            if !seen.insert(k) {
+                plan.duplicates += 1;
+            } else if m.ready.contains_key(&k) {
                 let t = m.tick();
                 m.ready.get_mut(&k).unwrap().tick = t;
-                resident += 1;
+                plan.resident += 1;
             } else if m.writing.contains(&k) {
-                in_flight += 1;
+                plan.in_flight += 1;
             } else {
-                missing.push(i);
+                plan.missing.push(i);
             }
         }
-        m.stats.save_skipped_resident += resident as u64;
-        m.stats.save_skipped_in_flight += in_flight as u64;
-        let need = missing.len();
-        let avail = m.free() + m.ready.len() - m.pinned();
-        if fit == Fit::AllOrNothing && need > avail {
-            m.stats.saves_refused += 1;
-            return SaveOutcome::Refused { needed: need, available: avail };
-        }
-        let take = need.min(avail);
-        missing.truncate(take);
-        let from_free = take.min(m.free());
-        let evicted = m.evict(take - from_free);
-        assert_eq!(evicted, take - from_free, "model: available slots were counted");
-        for &i in &missing {
-            assert!(m.writing.insert(keys[i]));
-        }
-        m.stats.save_dropped += (need - take) as u64;
-        SaveOutcome::Saved { saving: missing, resident, in_flight, dropped: need - take }
+        m.stats.save_skipped_resident += plan.resident as u64;
+        m.stats.save_skipped_in_flight += plan.in_flight as u64;
+        m.stats.save_skipped_duplicate += plan.duplicates as u64;
+        plan.available = m.free() + m.ready.len() - m.pinned();
+        plan
     }
 
-    fn save(&mut self, gated: bool, start: u8, len: u8, prefix: bool) {
-        let ks: Vec<u8> = Self::span(start, len).collect();
+    /// The tier evicted `n` blocks just now: checks that they were unpinned ready blocks (for LRU:
+    /// exactly the `n` least recently used) and removes them from the model.
+    fn observe_evictions(&mut self, n: usize, what: &str) {
+        let cands = self.model.evictable();
+        let gone: Vec<u8> =
+            self.model.ready.keys().copied().filter(|&k| !self.tier.contains(&self.keys[k as usize])).collect();
+        assert_eq!(gone.len(), n, "{what} ({}): evicted {gone:?}, expected {n} blocks", self.policy);
+        for k in &gone {
+            assert!(cands.contains(k), "{what} ({}): evicted key {k}, which was pinned", self.policy);
+        }
+        if self.policy == PolicyKind::Lru {
+            let want: BTreeSet<u8> = cands[..n].iter().copied().collect();
+            assert_eq!(gone.iter().copied().collect::<BTreeSet<u8>>(), want, "{what}: LRU victims");
+        }
+        for k in gone {
+            self.model.ready.remove(&k);
+        }
+        self.model.stats.evictions += n as u64;
+    }
+
+    fn save(&mut self, gated: bool, start: u8, len: u8, prefix: bool, dup: bool) {
+        let mut ks: Vec<u8> = Self::span(start, len).collect();
         if ks.is_empty() {
             return;
+        }
+        if dup {
+            ks.push(ks[0]);
         }
         let keys: Vec<ContentKey> = ks.iter().map(|&k| self.keys[k as usize]).collect();
         let pages: Vec<u64> = ks.iter().map(|&k| k as u64).collect();
         let fit = if prefix { Fit::Prefix } else { Fit::AllOrNothing };
         let rank = if gated { self.rank_a.as_ref() } else { self.rank_b.as_ref() }.expect("attached");
-        let got = rank.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions { fit });
-        let want = self.predict_save(&ks, fit);
-        match (got, want) {
-            (
-                Err(TierError::CannotFit { needed, available, capacity }),
-                SaveOutcome::Refused { needed: n, available: a },
-            ) => {
-                assert_eq!((needed, available, capacity), (n, a, self.model.capacity), "CannotFit fields");
-            }
-            (Ok(t), SaveOutcome::Saved { saving, resident, in_flight, dropped }) => {
-                assert_eq!(
-                    (&t.saving, t.resident, t.in_flight, t.dropped),
-                    (&saving, resident, in_flight, dropped),
-                    "save ticket for keys {ks:?}"
+        let got = rank.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions::new().fit(fit));
+        let plan = self.plan_save(&ks);
+        let need = plan.missing.len();
+        let t = match got {
+            Err(TierError::CannotFit { needed, available, capacity }) => {
+                assert_eq!(fit, Fit::AllOrNothing, "only all-or-nothing saves are refused for lack of room");
+                assert!(
+                    need > plan.available,
+                    "save of keys {ks:?} refused, yet {} slots were available",
+                    plan.available
                 );
-                let saved: Vec<u8> = saving.iter().map(|&i| ks[i]).collect();
-                if saved.is_empty() {
-                    assert!(t.handle.is_done(), "a save that copies nothing is complete at once");
-                } else if gated {
-                    self.save_handles.push_back(t.handle);
-                    self.model.pending_saves.push_back(saved);
-                } else {
-                    wait(&t.handle, "save on rank B").expect("host save succeeds");
-                    self.model.commit(&saved, self.geometry.block_bytes());
+                assert_eq!(
+                    (needed, available, capacity),
+                    (need, plan.available, self.model.capacity),
+                    "CannotFit fields"
+                );
+                self.model.stats.saves_refused += 1;
+                return;
+            }
+            Ok(t) => t,
+            Err(e) => panic!("save of keys {ks:?} ({fit:?}, {}): unexpected {e:?}; model: {plan:?}", self.policy),
+        };
+        assert_eq!(
+            (t.resident, t.in_flight, t.duplicates),
+            (plan.resident, plan.in_flight, plan.duplicates),
+            "save ticket for keys {ks:?}"
+        );
+        let take = need.min(plan.available);
+        match fit {
+            Fit::AllOrNothing => assert_eq!(t.saving, plan.missing, "save of keys {ks:?}: saved keys"),
+            _ => {
+                assert!(
+                    t.saving.len() <= take && t.saving[..] == plan.missing[..t.saving.len()],
+                    "prefix save of keys {ks:?}: saved {:?}, model {plan:?}",
+                    t.saving
+                );
+                // Only an admission policy may save less than fits.
+                if self.policy != PolicyKind::PrefixTinyLfu {
+                    assert_eq!(t.saving.len(), take, "prefix save of keys {ks:?}: liveness ({})", self.policy);
                 }
             }
-            (got, want) => panic!("save of keys {ks:?} ({fit:?}): tier gave {got:?}, model predicts {want:?}"),
+        }
+        assert_eq!(t.dropped, need - t.saving.len(), "dropped");
+        self.model.stats.save_dropped += t.dropped as u64;
+        let saved: Vec<u8> = t.saving.iter().map(|&i| ks[i]).collect();
+        let evicted = saved.len().saturating_sub(self.model.free());
+        self.observe_evictions(evicted, "save");
+        for &k in &saved {
+            assert!(self.model.writing.insert(k));
+        }
+        if saved.is_empty() {
+            assert!(t.handle.is_done(), "a save that copies nothing is complete at once");
+        } else if gated {
+            self.save_handles.push_back(t.handle);
+            self.model.pending_saves.push_back(saved);
+        } else {
+            wait(&t.handle, "save on rank B").expect("host save succeeds");
+            self.model.commit(&saved, self.geometry.block_bytes());
         }
     }
 
@@ -649,19 +710,19 @@ impl Machine {
         resident.sort_unstable();
         self.rank_a = None;
         self.rank_b = None;
-        self.tier = Self::build_tier(&self.geometry, capacity);
+        self.tier = Self::build_tier(&self.geometry, self.policy, capacity);
         self.model = Model::new(capacity as usize);
         self.attach();
         for (_, k) in resident {
             // One block per save, oldest first: when the new pool is smaller, LRU drops the oldest.
-            self.save(false, k, 1, false);
+            self.save(false, k, 1, false, false);
         }
     }
 
     /// Checks every invariant of the tier against the model (see the module docs).
     pub fn check(&self) {
         let m = &self.model;
-        let core = self.tier.core();
+        let core = kvtier::testing::core(&self.tier);
         let control = core.pool().control();
         let cap = self.tier.capacity();
         assert_eq!(cap as usize, m.capacity, "capacity");
@@ -715,7 +776,8 @@ impl Machine {
             assert_eq!(l.is_settled(), ml.settled, "lease on keys {:?}: settled", ml.keys);
             assert_eq!(l.uses_left(), if ml.settled { 0 } else { ml.uses }, "lease on keys {:?}: uses", ml.keys);
         }
-        assert_eq!(self.tier.stats(), m.expected_stats(), "stats after step {}", self.steps);
+        let live = self.leases.iter().filter(|(_, ml)| !ml.settled).count() as u64;
+        assert_eq!(self.tier.stats(), m.expected_stats(live), "stats after step {} ({})", self.steps, self.policy);
         // The tier's own audit agrees (it also checks each slot's recorded key).
         let audit = core.audit(&self.keys).unwrap_or_else(|e| panic!("audit after step {}: {e}", self.steps));
         assert_eq!(

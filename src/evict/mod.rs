@@ -1,0 +1,212 @@
+//! Eviction policies: which unpinned ready blocks to free when the pool is full.
+//!
+//! The tier owns the mechanism (`READY(pins 0) -> EVICTING` by CAS, index removal, generation bump;
+//! see `docs/design.md`); a policy only *proposes* victims and, for [`crate::Fit::Prefix`] saves,
+//! may refuse to admit a block.
+//!
+//! # The contract between the tier and a policy
+//!
+//! A policy sees each slot go through three states of its own (kept by [`Residency`], shared by every
+//! built-in policy, which checks each transition and panics on a broken one):
+//!
+//! ```text
+//!            on_insert                 select_victims
+//!   ABSENT ------------> RESIDENT --------------------> PROPOSED
+//!     ^                     ^                               |
+//!     |                     +---------- on_cancel ----------+
+//!     +------------------------------- on_remove -----------+
+//! ```
+//!
+//! - [`EvictionPolicy::on_insert`]: a block became ready in an `ABSENT` slot (its save committed). It
+//!   is called *before* the block becomes evictable, so a selection never sees the slot with the
+//!   previous occupant's state.
+//! - [`EvictionPolicy::on_hit`]: a query pinned the block, or a save found it resident. A *hint*:
+//!   it may arrive for any slot at any time (a save's refresh is not pinned and may race an
+//!   eviction), so it must never corrupt the policy's structures.
+//! - [`EvictionPolicy::select_victims`]: called with the tier's eviction lock held (one selector at
+//!   a time). Appends up to `n` *distinct* `RESIDENT` slots for which `evictable` is true, best victim
+//!   first; each becomes `PROPOSED`. A `PROPOSED` slot is never proposed again until it is cancelled.
+//! - For **every** proposed slot the tier later calls exactly one of
+//!   [`EvictionPolicy::on_cancel`] (the block stays resident: the claim CAS found it pinned, or the
+//!   save it was for could not get all its slots; the slot is `RESIDENT` again, in its place or
+//!   re-queued) or [`EvictionPolicy::on_remove`] (the block was evicted; the slot is `ABSENT`).
+//!   Several selections may run before the proposals of the first are settled (a save that needs
+//!   more victims after some claims failed).
+//! - [`EvictionPolicy::admit`]: lock-free admission check on the save path.
+//!
+//! **Liveness** (invariant I8 in `docs/invariants.md`): whatever interleaving of insert, hit,
+//! select, cancel and remove came before, and whatever the queues hold (pinned blocks at the head
+//! included), a call `select_victims(n, evictable)` proposes `min(n, k)` slots, where `k` is the
+//! number of `RESIDENT` slots that `evictable` accepts. No resident, ready, unpinned block is ever
+//! out of reach. Every built-in policy is checked for it (unit tests below, the loom model
+//! `loom_policy`, the tier state machine).
+//!
+//! Per-slot policy state lives in atomics so `on_hit` (the query path) is lock-free.
+
+mod clock;
+mod lru;
+mod prefix_lfu;
+mod queue;
+mod residency;
+mod s3fifo;
+mod sieve;
+
+pub use clock::Clock;
+pub use lru::Lru;
+pub use prefix_lfu::PrefixLfu;
+pub use residency::Residency;
+pub use s3fifo::S3Fifo;
+pub use sieve::Sieve;
+
+use crate::slot::SlotId;
+use std::fmt;
+use std::str::FromStr;
+
+/// A victim-selection policy. See the module docs for the contract every implementation keeps.
+pub trait EvictionPolicy: Send + Sync + fmt::Debug {
+    /// Short name for reports (`lru`, `clock`).
+    fn name(&self) -> &'static str;
+    /// A block became ready in `slot` (`ABSENT -> RESIDENT`); `info` carries its key hash and, when
+    /// the saver knew it, its depth in the prompt.
+    fn on_insert(&self, slot: SlotId, info: InsertInfo);
+    /// The block in `slot` was hit by a query or found resident by a save (a recency hint; may
+    /// arrive for any slot at any time).
+    fn on_hit(&self, slot: SlotId);
+    /// Appends up to `n` distinct victim candidates to `out`, best first, choosing only `RESIDENT`
+    /// slots for which `evictable` returns true; each becomes `PROPOSED`.
+    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>);
+    /// A proposed slot was not evicted (`PROPOSED -> RESIDENT`): it must be offered again by later
+    /// selections.
+    fn on_cancel(&self, slot: SlotId);
+    /// A proposed slot was evicted (`PROPOSED -> ABSENT`).
+    fn on_remove(&self, slot: SlotId);
+    /// Admission: may a missing block with `info` take a slot? Called on the save path
+    /// ([`crate::Fit::Prefix`] saves only) once per missing key, in prompt order, before any slot
+    /// is taken; from the first refusal on, no key of the batch is saved (a prefix hit cannot reach
+    /// past a gap), but later keys are still shown so the policy can count them. Must be lock-free.
+    /// The default admits everything.
+    fn admit(&self, info: InsertInfo) -> bool {
+        let _ = info;
+        true
+    }
+}
+
+/// What a policy learns about a block when it becomes ready.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InsertInfo {
+    /// [`crate::ContentKey::hash64`] of the block's key (lets a policy remember keys it evicted).
+    pub key_hash: u64,
+    /// The block's position in its prompt (0 = the first page), if the saver passed
+    /// [`crate::SaveHint::prefix_depth`]. A prefix hit on page `d` needs pages `0..d` resident.
+    pub depth: Option<u32>,
+}
+
+impl InsertInfo {
+    /// Insert information for a block whose key hashes to `key_hash`, at prompt depth `depth`.
+    pub fn new(key_hash: u64, depth: Option<u32>) -> Self {
+        InsertInfo { key_hash, depth }
+    }
+}
+
+/// The built-in policies. [`PolicyKind::default`] is the one default of the crate: the tier
+/// configuration and the command line use it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub enum PolicyKind {
+    /// Least recently used, exact: every insert and hit takes a tick from one global counter, and
+    /// victims are the unpinned ready blocks with the smallest ticks. The default: it is never the
+    /// worst on any trace and size measured, and it has no parameters to mistune.
+    #[default]
+    Lru,
+    /// CLOCK (second chance) over the slot array: a hit sets a reference bit; the hand clears set
+    /// bits and proposes the first unpinned ready slot whose bit is clear.
+    Clock,
+    /// SIEVE (Zhang et al., NSDI'24): one insertion-ordered queue and a visited bit; the hand walks
+    /// from the oldest block towards the newest, clearing visited bits, and evicts the first
+    /// unvisited block in place (survivors are not moved).
+    Sieve,
+    /// S3-FIFO (Yang et al., SOSP'23): new blocks enter a small FIFO (10% of the pool); a block hit
+    /// while there moves to the main FIFO, the others are evicted and their key hashes kept in a
+    /// ghost table; a block whose key is in the ghost enters the main FIFO directly. The main FIFO
+    /// reinserts blocks with a non-zero 2-bit frequency (decrementing it).
+    S3Fifo,
+    /// Prefix-aware frequency-weighted recency: the score of a block is its last-touch tick plus
+    /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
+    /// eviction and is halved every `64 x capacity` references), minus twice its prompt depth, so
+    /// blocks of keys seen again outlive blocks seen once and a chain loses its tail before its
+    /// head. Victims are the lowest scores.
+    PrefixLfu,
+    /// [`PolicyKind::PrefixLfu`] with a TinyLFU-style doorkeeper on admission: a missing block whose
+    /// key has no reference in the policy's history is not saved, only counted, so it is admitted
+    /// when it is seen again (the rest of that save is dropped with it: a chain with a gap is worth
+    /// nothing past the gap). Ageing rounds the halved counters up, so a key once seen is never
+    /// forgotten.
+    PrefixTinyLfu,
+}
+
+impl PolicyKind {
+    /// All built-in policies, for `--policy` help, comparisons and the proofs that must cover each.
+    pub const ALL: &'static [PolicyKind] = &[
+        PolicyKind::Lru,
+        PolicyKind::Clock,
+        PolicyKind::Sieve,
+        PolicyKind::S3Fifo,
+        PolicyKind::PrefixLfu,
+        PolicyKind::PrefixTinyLfu,
+    ];
+
+    /// A policy instance for a pool of `capacity` slots.
+    pub fn build(self, capacity: u32) -> Box<dyn EvictionPolicy> {
+        match self {
+            PolicyKind::Lru => Box::new(Lru::new(capacity)),
+            PolicyKind::Clock => Box::new(Clock::new(capacity)),
+            PolicyKind::Sieve => Box::new(Sieve::new(capacity)),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
+            PolicyKind::PrefixLfu => Box::new(PrefixLfu::new(capacity)),
+            PolicyKind::PrefixTinyLfu => Box::new(PrefixLfu::with_doorkeeper(capacity)),
+        }
+    }
+
+    /// The policy's name (what [`PolicyKind::from_str`] parses).
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Lru => "lru",
+            PolicyKind::Clock => "clock",
+            PolicyKind::Sieve => "sieve",
+            PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::PrefixLfu => "prefix-lfu",
+            PolicyKind::PrefixTinyLfu => "prefix-tinylfu",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown policy name.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy `{name}` (known: {known})")]
+pub struct UnknownPolicy {
+    /// The name given.
+    pub name: String,
+    /// The known names, comma-separated.
+    pub known: String,
+}
+
+impl FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
+        PolicyKind::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| UnknownPolicy {
+            name: s.to_string(),
+            known: PolicyKind::ALL.iter().map(|p| p.name()).collect::<Vec<_>>().join(", "),
+        })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod contract_tests;

@@ -1,0 +1,357 @@
+//! [`Core`]: the shared state behind a [`crate::HostTier`] (pool, slot words, index, eviction
+//! policy, per-slot keys, counters) and the slot-level steps every flow is made of.
+//!
+//! The core sits *below* leases and guards: it pins and unpins slots, reserves, commits, aborts and
+//! quarantines them, claims and evicts victims ([`super::evictor`]) and plans saves
+//! ([`super::save`]); [`crate::lease`] and [`crate::guard`] hold pins and reservations on top of
+//! it, and the facade ([`crate::HostTier`]) and ranks ([`crate::Rank`]) on top of those.
+
+use super::expiry::LeaseClock;
+use super::save::SavingKeys;
+use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
+use crate::error::TierError;
+use crate::evict::{EvictionPolicy, InsertInfo, PolicyKind};
+use crate::geometry::Geometry;
+use crate::index::{BlockIndex, SlotRef};
+use crate::key::ContentKey;
+use crate::pool::HostPool;
+use crate::slot::{PinError, SlotControl, SlotId, SlotState};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use std::time::Duration;
+
+/// A reserved, not yet visible block: key, slot and the generation recorded in the index.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Reserved {
+    /// The block's key.
+    pub key: ContentKey,
+    /// The `WRITING` slot.
+    pub slot: SlotId,
+    /// The generation of the slot (and of its index entry).
+    pub generation: u64,
+}
+
+/// What the index says about a key, read together with the slot word (see [`Core::classify`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum KeyState {
+    /// Ready in this slot.
+    Ready(SlotRef),
+    /// Reserved by a save whose copy is in flight.
+    Writing,
+    /// Claimed by an evictor right now (resolved once the eviction lock is free).
+    Evicting,
+    /// Not resident.
+    Missing,
+}
+
+/// The shared state of a tier. Not a stable API: reached through [`crate::testing`] by kvtier's
+/// own tests and loom models, which call the same functions production calls.
+pub struct Core {
+    pub(super) geometry: Geometry,
+    pub(super) pool: HostPool,
+    pub(super) index: BlockIndex,
+    pub(super) policy: Box<dyn EvictionPolicy>,
+    /// The key of the block in each slot (two words), written by the slot's owner while `WRITING`
+    /// and read by the evictor after it won `READY -> EVICTING`; the slot word's CASes order them.
+    slot_keys: Box<[[AtomicU64; 2]]>,
+    /// Prompt depth of the block in each slot (`u32::MAX` = unknown), written with the key.
+    slot_depth: Box<[AtomicU32]>,
+    pub(crate) counters: Counters,
+    /// Serialises victim selection and claims: every claim is made and settled while it is held.
+    evict_lock: Mutex<()>,
+    pub(super) saving: SavingKeys,
+    pub(crate) leases: LeaseClock,
+    shutting_down: AtomicBool,
+    next_rank: AtomicU32,
+}
+
+impl Core {
+    /// Builds the shared state over an existing pool.
+    ///
+    /// # Errors
+    /// [`TierError::Index`] if `index_capacity` (default: the pool's capacity) is larger than the
+    /// index supports.
+    pub fn new(
+        geometry: Geometry,
+        pool: HostPool,
+        policy: PolicyKind,
+        index_capacity: Option<usize>,
+        lease_ttl: Option<Duration>,
+    ) -> Result<Self, TierError> {
+        let cap = pool.capacity();
+        let index = BlockIndex::try_with_capacity(index_capacity.unwrap_or(cap as usize))?;
+        Ok(Core {
+            index,
+            policy: policy.build(cap),
+            slot_keys: (0..cap).map(|_| [AtomicU64::new(0), AtomicU64::new(0)]).collect(),
+            slot_depth: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
+            counters: Counters::default(),
+            evict_lock: Mutex::new(()),
+            saving: SavingKeys::new(),
+            leases: LeaseClock::new(lease_ttl),
+            shutting_down: AtomicBool::new(false),
+            next_rank: AtomicU32::new(0),
+            geometry,
+            pool,
+        })
+    }
+
+    /// The slot words.
+    pub fn control(&self) -> &SlotControl {
+        self.pool.control()
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &HostPool {
+        &self.pool
+    }
+
+    /// The index.
+    pub fn index(&self) -> &BlockIndex {
+        &self.index
+    }
+
+    /// The block layout.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> &dyn EvictionPolicy {
+        &*self.policy
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn next_rank_id(&self) -> u32 {
+        self.next_rank.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Takes the eviction lock: no claim is outstanding while it is held by the caller.
+    pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
+        self.evict_lock.lock().expect("evict lock")
+    }
+
+    /// Pins `slot` if it is `READY` with `generation`.
+    ///
+    /// # Errors
+    /// [`PinError`] (stale generation, not ready, pin count full).
+    pub fn pin(&self, slot: SlotId, generation: u64) -> Result<(), PinError> {
+        if self.control().pin(slot, generation)? == 1 {
+            add(&self.counters.pinned_slots, 1);
+        }
+        Ok(())
+    }
+
+    /// Drops one pin of `slot`.
+    pub fn unpin(&self, slot: SlotId) {
+        if self.control().unpin(slot) == 0 {
+            sub(&self.counters.pinned_slots, 1);
+        }
+    }
+
+    fn set_slot_key(&self, slot: SlotId, key: &ContentKey) {
+        let (lo, hi) = key.words();
+        let k = &self.slot_keys[slot.index()];
+        k[0].store(lo, Ordering::Relaxed);
+        k[1].store(hi, Ordering::Relaxed);
+    }
+
+    /// The key recorded for the block in `slot` (meaningful while the slot is owned or ready).
+    pub fn slot_key(&self, slot: SlotId) -> ContentKey {
+        let k = &self.slot_keys[slot.index()];
+        ContentKey::from_words(k[0].load(Ordering::Relaxed), k[1].load(Ordering::Relaxed))
+    }
+
+    /// What the index and the slot word say about `key` now (see [`KeyState`]).
+    pub fn classify(&self, reader: &crate::index::IndexReader<'_>, key: &ContentKey) -> KeyState {
+        let Some(r) = reader.get(key) else { return KeyState::Missing };
+        let w = self.control().load(r.slot);
+        if w.generation() != r.generation {
+            return KeyState::Missing;
+        }
+        match w.state() {
+            SlotState::Ready => KeyState::Ready(r),
+            SlotState::Writing => KeyState::Writing,
+            SlotState::Evicting => KeyState::Evicting,
+            SlotState::Free => KeyState::Missing,
+        }
+    }
+
+    /// Reserves `slot` (taken from the free list or freed by eviction, owned by the caller) for
+    /// `key`: `FREE -> WRITING`, records the key and its prompt `depth` (`u32::MAX`: unknown) and
+    /// inserts the index entry. Returns `None`, with the slot back on the free list, if the index
+    /// already holds `key` (another save of it won).
+    pub fn reserve_slot(&self, key: ContentKey, slot: SlotId, depth: u32) -> Option<Reserved> {
+        let generation = self.control().reserve(slot);
+        self.set_slot_key(slot, &key);
+        self.slot_depth[slot.index()].store(depth, Ordering::Relaxed);
+        match self.index.insert_if_absent(key, SlotRef { slot, generation }) {
+            Ok(()) => {
+                add(&self.counters.writing_slots, 1);
+                Some(Reserved { key, slot, generation })
+            }
+            Err(_) => {
+                self.control().release(slot);
+                self.pool.free(slot);
+                None
+            }
+        }
+    }
+
+    /// Publishes a reserved block after its copy completed: the policy learns of it first, then
+    /// `WRITING -> READY` makes it visible and evictable.
+    pub fn commit_reserved(&self, r: Reserved) {
+        let depth = self.slot_depth[r.slot.index()].load(Ordering::Relaxed);
+        self.policy.on_insert(r.slot, InsertInfo::new(r.key.hash64(), (depth != u32::MAX).then_some(depth)));
+        self.control().commit(r.slot, r.generation);
+        sub(&self.counters.writing_slots, 1);
+        add(&self.counters.ready_slots, 1);
+    }
+
+    /// Gives up a reserved block whose copy failed or never ran: index entry first, then the
+    /// generation bump, then the free list, so no entry ever names a free slot.
+    pub fn abort_reserved(&self, r: Reserved) {
+        let removed = self.index.remove_if(&r.key, SlotRef { slot: r.slot, generation: r.generation });
+        debug_assert!(removed, "reserved block {:?} lost its index entry", r.key);
+        self.control().release(r.slot);
+        self.pool.free(r.slot);
+        sub(&self.counters.writing_slots, 1);
+    }
+
+    /// Withholds a reserved block whose copy's outcome is unknown: its index entry goes (the key
+    /// can be saved again elsewhere), but the slot stays `WRITING` for good, since the copy may
+    /// still be writing it.
+    pub fn quarantine_reserved(&self, r: Reserved) {
+        let removed = self.index.remove_if(&r.key, SlotRef { slot: r.slot, generation: r.generation });
+        debug_assert!(removed, "reserved block {:?} lost its index entry", r.key);
+        sub(&self.counters.writing_slots, 1);
+        add(&self.counters.quarantined_slots, 1);
+    }
+
+    /// Records `n` slots whose pins are kept for good (a restore whose copy's outcome is unknown).
+    pub(crate) fn record_quarantined_pins(&self, n: usize) {
+        add(&self.counters.quarantined_slots, n as u64);
+    }
+
+    /// True if `slot` is `READY` and unpinned now.
+    pub fn evictable(&self, slot: SlotId) -> bool {
+        let w = self.control().load(slot);
+        w.state() == SlotState::Ready && w.pins() == 0
+    }
+
+    /// Slots a save could obtain now: free plus ready-and-unpinned (a snapshot).
+    pub fn available_slots(&self) -> usize {
+        let evictable = gauge(&self.counters.ready_slots).saturating_sub(gauge(&self.counters.pinned_slots));
+        self.pool.free_count() + evictable as usize
+    }
+
+    /// Checks the tier's structural invariants; meant for quiescent moments (tests, fuzzing,
+    /// debugging), it reads every slot word and walks the index keys it is given.
+    ///
+    /// Checked: every key in `resident_keys` that the index holds maps to a distinct slot whose
+    /// word has the entry's generation, is `READY` or `WRITING` and records that key; the number of
+    /// `READY` + non-quarantined `WRITING` slots equals the index's entry count; pinned slots are all
+    /// `READY`; the free-list count equals the number of `FREE` slots.
+    ///
+    /// # Errors
+    /// A description of the first violated invariant.
+    pub fn audit(&self, resident_keys: &[ContentKey]) -> Result<AuditReport, String> {
+        let cap = self.pool.capacity() as usize;
+        let mut owned = vec![false; cap];
+        let mut rep = AuditReport::default();
+        for k in resident_keys {
+            let Some(r) = self.index.get(k) else { continue };
+            if std::mem::replace(&mut owned[r.slot.index()], true) {
+                return Err(format!("slot {} is named by two index entries", r.slot.0));
+            }
+            let w = self.control().load(r.slot);
+            if w.generation() != r.generation || !matches!(w.state(), SlotState::Ready | SlotState::Writing) {
+                return Err(format!("key {k} maps to slot {} gen {} but the slot is {w:?}", r.slot.0, r.generation));
+            }
+            if self.slot_key(r.slot) != *k {
+                return Err(format!(
+                    "slot {} holds key {} but the index maps {k} to it",
+                    r.slot.0,
+                    self.slot_key(r.slot)
+                ));
+            }
+        }
+        for s in 0..cap as u32 {
+            let w = self.control().load(SlotId(s));
+            match w.state() {
+                SlotState::Free => rep.free += 1,
+                SlotState::Writing => rep.writing += 1,
+                SlotState::Ready => rep.ready += 1,
+                SlotState::Evicting => rep.evicting += 1,
+            }
+            if w.pins() > 0 {
+                rep.pinned += 1;
+                if w.state() != SlotState::Ready {
+                    return Err(format!("slot {s} is pinned but {w:?}"));
+                }
+            }
+        }
+        let quarantined_writing = rep.writing.saturating_sub(gauge(&self.counters.writing_slots) as usize);
+        if rep.ready + rep.writing - quarantined_writing != self.index.len() {
+            return Err(format!(
+                "{} ready + {} writing ({} quarantined) slots but {} index entries",
+                rep.ready,
+                rep.writing,
+                quarantined_writing,
+                self.index.len()
+            ));
+        }
+        if rep.free != self.pool.free_count() {
+            return Err(format!("{} free slots but the free list holds {}", rep.free, self.pool.free_count()));
+        }
+        Ok(rep)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> TierStats {
+        let c = &self.counters;
+        TierStats {
+            queries: load(&c.queries),
+            hit_blocks: load(&c.hit_blocks),
+            miss_blocks: load(&c.miss_blocks),
+            saved_blocks: load(&c.saved_blocks),
+            save_skipped_resident: load(&c.save_skipped_resident),
+            save_skipped_in_flight: load(&c.save_skipped_in_flight),
+            save_skipped_duplicate: load(&c.save_skipped_duplicate),
+            save_dropped: load(&c.save_dropped),
+            saves_refused: load(&c.saves_refused),
+            save_failed_blocks: load(&c.save_failed_blocks),
+            restored_blocks: load(&c.restored_blocks),
+            restore_failed_blocks: load(&c.restore_failed_blocks),
+            evictions: load(&c.evictions),
+            bytes_saved: load(&c.bytes_saved),
+            bytes_restored: load(&c.bytes_restored),
+            expired_leases: load(&c.expired_leases),
+            live_leases: gauge(&c.live_leases),
+            oldest_lease_age_ms: self.leases.oldest_age().map_or(0, |d| d.as_millis() as u64),
+            quarantined_slots: load(&c.quarantined_slots),
+            pinned_slots: gauge(&c.pinned_slots),
+            ready_slots: gauge(&c.ready_slots),
+            writing_slots: gauge(&c.writing_slots),
+            free_slots: self.pool.free_count() as u64,
+            capacity: self.pool.capacity() as u64,
+            index_entries: self.index.len() as u64,
+        }
+    }
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("model", &self.geometry.model())
+            .field("capacity", &self.pool.capacity())
+            .field("policy", &self.policy.name())
+            .finish()
+    }
+}

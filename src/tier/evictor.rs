@@ -1,0 +1,189 @@
+//! The eviction mechanism: two-phase eviction under the eviction lock.
+//!
+//! The policy proposes victims; the tier **claims** each with `begin_evict`
+//! (`READY(pins 0) -> EVICTING`, refused on any pin that arrived since), holding the claims in a
+//! [`Claims`] value. A claimed block is invisible to new pins but still indexed and intact, so a
+//! claim can still be given back. Only when the save is sure to get every slot it needs does it
+//! **finish** the claims (index entry removed, then `release` bumps the generation) and take the
+//! slots; dropping [`Claims`] unfinished **cancels** every claim (`EVICTING -> READY`): nothing is
+//! evicted (invariant I7). Every proposal is settled with the policy exactly once: `on_cancel` or
+//! `on_remove` (the contract in [`crate::evict`]).
+//!
+//! Free slots always come first: before claims are finished, any slot freed meanwhile replaces a
+//! claim, and the free list's pop is exact (`None` only when it was empty at some instant), so no
+//! block is evicted while a slot is free (invariant I9).
+
+use super::core::Core;
+use super::stats::add;
+use crate::error::TierError;
+use crate::index::SlotRef;
+use crate::slot::SlotId;
+
+/// Claimed victims (see the module docs). Dropping it cancels every claim still held.
+pub struct Claims<'a> {
+    core: &'a Core,
+    victims: Vec<(SlotId, u64)>,
+}
+
+impl<'a> Claims<'a> {
+    /// No claims yet. The caller holds the eviction lock for as long as this value lives.
+    pub fn new(core: &'a Core) -> Self {
+        Claims { core, victims: Vec::new() }
+    }
+
+    /// Claims held.
+    pub fn len(&self) -> usize {
+        self.victims.len()
+    }
+
+    /// True when no claim is held.
+    pub fn is_empty(&self) -> bool {
+        self.victims.is_empty()
+    }
+
+    /// Asks the policy for up to `n` victims and claims those still unpinned; a proposal whose
+    /// claim fails is cancelled with the policy at once. Returns how many were claimed.
+    pub fn claim(&mut self, n: usize) -> usize {
+        let core = self.core;
+        let mut cands = Vec::with_capacity(n);
+        core.policy.select_victims(n, &|s| core.evictable(s), &mut cands);
+        let before = self.victims.len();
+        for s in cands {
+            // The CAS refuses a slot that was pinned since the selection: never evict a pinned block.
+            match core.control().begin_evict(s) {
+                Some(generation) => {
+                    super::stats::sub(&core.counters.ready_slots, 1);
+                    self.victims.push((s, generation));
+                    // Seeded bug (model checking only): the claimed victim goes back to the policy.
+                    #[cfg(kvtier_seeded_bug = "requeue-claimed-victim")]
+                    core.policy.on_cancel(s);
+                }
+                None => core.policy.on_cancel(s),
+            }
+        }
+        self.victims.len() - before
+    }
+
+    /// Gives the most recent claim back (`EVICTING -> READY`, policy `on_cancel`).
+    pub fn cancel_one(&mut self) -> bool {
+        let Some((s, generation)) = self.victims.pop() else { return false };
+        self.core.control().cancel_evict(s, generation);
+        add(&self.core.counters.ready_slots, 1);
+        self.core.policy.on_cancel(s);
+        true
+    }
+
+    /// Evicts every claimed block: each index entry is removed before the slot's generation is
+    /// bumped (so even a reader holding the old entry fails to pin); the freed slots (not on the
+    /// free list) are appended to `out`.
+    pub fn finish(mut self, out: &mut Vec<SlotId>) {
+        let core = self.core;
+        for (s, generation) in std::mem::take(&mut self.victims) {
+            let key = core.slot_key(s);
+            let removed = core.index.remove_if(&key, SlotRef { slot: s, generation });
+            debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
+            core.policy.on_remove(s);
+            core.control().release(s);
+            add(&core.counters.evictions, 1);
+            out.push(s);
+        }
+    }
+}
+
+impl Drop for Claims<'_> {
+    fn drop(&mut self) {
+        while self.cancel_one() {}
+    }
+}
+
+impl std::fmt::Debug for Claims<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claims").field("victims", &self.victims).finish()
+    }
+}
+
+/// How many slots [`Core::acquire_slots`] must get.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// Exactly this many, or none ([`TierError::PoolExhausted`]).
+    Exactly(usize),
+    /// As many as it can, up to this many.
+    UpTo(usize),
+}
+
+impl Core {
+    /// Takes slots for a save: free ones first, then evicting (see the module docs).
+    ///
+    /// # Errors
+    /// [`TierError::PoolExhausted`] for [`Want::Exactly`] when not enough slots could be had (free
+    /// slots taken go back to the free list, claimed blocks stay resident: nothing is evicted).
+    pub fn acquire_slots(&self, want: Want) -> Result<Vec<SlotId>, TierError> {
+        let n = match want {
+            Want::Exactly(n) | Want::UpTo(n) => n,
+        };
+        let mut got = Vec::with_capacity(n);
+        let fill = |got: &mut Vec<SlotId>, target: usize| {
+            while got.len() < target {
+                match self.pool.alloc() {
+                    Some(s) => got.push(s),
+                    None => break,
+                }
+            }
+        };
+        fill(&mut got, n);
+        if got.len() == n {
+            return Ok(got);
+        }
+        let _serialise = self.lock_eviction();
+        let mut claims = Claims::new(self);
+        let mut stalls = 0;
+        while got.len() + claims.len() < n && stalls < 3 {
+            fill(&mut got, n - claims.len());
+            let short = n - got.len() - claims.len();
+            if short == 0 {
+                break;
+            }
+            if claims.claim(short) == 0 {
+                stalls += 1;
+            }
+        }
+        // Never evict while a slot is free: a slot freed since the last pop replaces a claim.
+        while !claims.is_empty() {
+            match self.pool.alloc() {
+                Some(s) => {
+                    got.push(s);
+                    claims.cancel_one();
+                }
+                None => break,
+            }
+        }
+        if got.len() + claims.len() < n {
+            if let Want::Exactly(_) = want {
+                let have = got.len() + claims.len();
+                drop(claims);
+                for s in got {
+                    self.pool.free(s);
+                }
+                return Err(TierError::PoolExhausted { needed: n, got: have });
+            }
+        }
+        claims.finish(&mut got);
+        Ok(got)
+    }
+
+    /// Evicts up to `n` unpinned ready blocks chosen by the policy and appends their (now free,
+    /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted.
+    pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
+        let _serialise = self.lock_eviction();
+        let mut claims = Claims::new(self);
+        let mut stalls = 0;
+        while claims.len() < n && stalls < 3 {
+            if claims.claim(n - claims.len()) == 0 {
+                stalls += 1;
+            }
+        }
+        let evicted = claims.len();
+        claims.finish(out);
+        evicted
+    }
+}

@@ -1,0 +1,172 @@
+//! [`HostTier`]: the facade an engine calls. One tier (pool, index, eviction) is shared by every
+//! rank; each rank attaches its own copy backend (device and GPU arenas) and gets a [`Rank`].
+//!
+//! ```text
+//!   engine rank 0 --save/restore--> Rank 0 (backend: GPU 0 arenas) --+
+//!   engine rank 1 --save/restore--> Rank 1 (backend: GPU 1 arenas) --+--> Core: HostPool + BlockIndex
+//!   any thread ----query-----------> HostTier --------------------------+     + EvictionPolicy + stats
+//! ```
+//!
+//! Files, bottom up: `core` (shared state and slot-level steps), `evictor` (two-phase eviction:
+//! claims), `save` (the save plan), `expiry` (lease time-to-live), `stats` (counters), `config`
+//! (options), `rank` (saves, restores, completion threads), this file (the facade). Leases
+//! ([`crate::lease`]) and guards ([`crate::guard`]) sit between the core and the facade.
+//!
+//! Flows (see `docs/design.md` for the invariants):
+//! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then
+//!   eviction), reserved `WRITING` in the index (invisible to queries), copied GPU -> host in one
+//!   batch; the rank's completion thread commits the blocks `READY` after the copy completed.
+//! - **query** ([`HostTier::query`]): pins the longest run of leading keys that are ready and
+//!   returns a [`Lease`] on them.
+//! - **restore** ([`Rank::restore`]): takes its own pins on the leased slots, then a use of the
+//!   lease, and submits the host -> GPU batch; its pins drop when the copy completes.
+
+mod config;
+pub(crate) mod core;
+pub(crate) mod evictor;
+mod expiry;
+mod rank;
+pub(crate) mod save;
+pub(crate) mod stats;
+
+pub use config::{Fit, SaveOptions, TierConfig};
+pub use rank::{Rank, RankLoad, SaveTicket};
+pub use stats::{AuditReport, TierStats};
+
+use self::core::Core;
+use crate::copy::CopyBackend;
+use crate::error::{CopyError, Error, TierError};
+use crate::geometry::Geometry;
+use crate::key::{ContentKey, Namespace};
+use crate::lease::Lease;
+use crate::pool::HostPool;
+use crate::slot::SlotState;
+use crate::sync::Arc;
+
+/// The host tier: a shared handle (cloning is cheap and shares the tier).
+#[derive(Clone)]
+pub struct HostTier {
+    core: Arc<Core>,
+}
+
+impl HostTier {
+    /// Maps the pool and builds the index and the eviction policy.
+    ///
+    /// # Errors
+    /// [`Error::Pool`] if the pool cannot be mapped (see [`HostPool::new`]); [`Error::Tier`] with
+    /// [`TierError::Index`] if the index cannot be sized as asked.
+    pub fn new(config: TierConfig) -> Result<Self, Error> {
+        let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
+        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
+        Ok(HostTier { core: Arc::new(core) })
+    }
+
+    /// Attaches one rank's copy backend (its device and GPU arenas) and returns its [`Rank`].
+    ///
+    /// # Errors
+    /// [`TierError::GeometryMismatch`] if the backend's geometry has another model, page size, slot
+    /// size or chunk layout than the tier's (a tensor-parallel shard may differ: its keys differ
+    /// anyway); errors from [`CopyBackend::bind_pool`]; [`TierError::ShuttingDown`].
+    pub fn attach(&self, mut backend: Box<dyn CopyBackend>) -> Result<Rank, TierError> {
+        if self.core.is_shutting_down() {
+            return Err(TierError::ShuttingDown);
+        }
+        let (bg, tg) = (backend.geometry(), self.core.geometry());
+        if bg.model() != tg.model()
+            || bg.page_tokens() != tg.page_tokens()
+            || bg.slot_bytes() != tg.slot_bytes()
+            || bg.chunk_offsets() != tg.chunk_offsets()
+        {
+            return Err(TierError::GeometryMismatch { backend: bg.model().to_string(), tier: tg.model().to_string() });
+        }
+        backend.bind_pool(self.core.pool()).map_err(|e: CopyError| TierError::Copy(e))?;
+        let id = self.core.next_rank_id();
+        Ok(Rank::start(self.core.clone(), std::sync::Arc::from(backend), id))
+    }
+
+    /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
+    /// them (see [`Lease`]). Hits refresh the blocks' recency.
+    pub fn query(&self, keys: &[ContentKey]) -> Lease {
+        Lease::acquire(&self.core, keys, 1)
+    }
+
+    /// [`HostTier::query`] with `uses` restores allowed (one per rank that will restore), so every
+    /// data-parallel rank can restore the same blocks from one lease. `uses == 0` returns a lease
+    /// that is already settled (it pins nothing).
+    pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
+        Lease::acquire(&self.core, keys, uses)
+    }
+
+    /// True if `key`'s block is ready (does not pin or refresh it).
+    pub fn contains(&self, key: &ContentKey) -> bool {
+        self.core.index().get(key).is_some_and(|r| {
+            let w = self.core.control().load(r.slot);
+            w.state() == SlotState::Ready && w.generation() == r.generation
+        })
+    }
+
+    /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed.
+    pub fn evict(&self, n: usize) -> usize {
+        let mut slots = Vec::new();
+        let freed = self.core.evict_into(n, &mut slots);
+        for s in slots {
+            self.core.pool().free(s);
+        }
+        freed
+    }
+
+    /// Settles every lease older than [`TierConfig::lease_ttl`] now (saves do it themselves when
+    /// the pool is short of slots); returns how many it settled. A no-op without a TTL.
+    pub fn expire_leases(&self) -> usize {
+        self.core.expire_leases()
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> TierStats {
+        self.core.stats()
+    }
+
+    /// The block layout.
+    pub fn geometry(&self) -> &Geometry {
+        self.core.geometry()
+    }
+
+    /// The namespace folded into this tier's content keys.
+    pub fn namespace(&self) -> Namespace {
+        self.core.geometry().namespace()
+    }
+
+    /// The host pool (capacity, backing).
+    pub fn pool(&self) -> &HostPool {
+        self.core.pool()
+    }
+
+    /// Slots in the pool.
+    pub fn capacity(&self) -> u32 {
+        self.core.pool().capacity()
+    }
+
+    /// The eviction policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.core.policy().name()
+    }
+
+    /// Stops accepting saves, restores and attaches (queries still answer). In-flight copies
+    /// complete normally; drain each rank with [`Rank::shutdown`].
+    pub fn shutdown(&self) {
+        self.core.begin_shutdown();
+    }
+
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+}
+
+impl std::fmt::Debug for HostTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostTier").field("core", &self.core).finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;

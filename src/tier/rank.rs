@@ -1,0 +1,491 @@
+//! [`Rank`]: one engine rank's saves and restores through its copy backend, its completion threads
+//! and its in-flight accounting.
+//!
+//! Each rank runs two completion threads (save, restore). They wait on the backend's completions in
+//! submission order and *settle* each copy: commit or abort a save's reservation, drop a restore's
+//! pins; then they record the counters and complete the handle. A backend that **panics** while
+//! waiting leaves the copy's outcome unknown: the thread survives, the handle fails with
+//! [`CopyError::BackendPanicked`], and the copy's host slots are quarantined (never reused, since
+//! the copy may still be running) instead of being freed.
+
+use super::config::{Fit, SaveOptions};
+use super::core::Core;
+use super::evictor::Want;
+use super::stats::add;
+use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
+use crate::error::{CopyError, TierError};
+use crate::guard::WriteReservation;
+use crate::handle::{CopyHandle, HandleShared};
+use crate::key::{ContentKey, Namespace};
+use crate::lease::Lease;
+use crate::sync::{Arc, AtomicU64, Ordering};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// What a save did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct SaveTicket {
+    /// Indices (into the keys given) of the blocks being copied, in order.
+    pub saving: Vec<usize>,
+    /// Keys already resident: nothing copied, recency refreshed.
+    pub resident: usize,
+    /// Keys another save holds (its copy is in flight): nothing copied.
+    pub in_flight: usize,
+    /// Keys repeated within this save: copied once.
+    pub duplicates: usize,
+    /// Missing keys not saved because they did not fit or the policy did not admit them (or one
+    /// before them) ([`Fit::Prefix`] only).
+    pub dropped: usize,
+    /// Completes when the copied blocks are committed and visible to queries.
+    pub handle: CopyHandle,
+}
+
+/// How a copy ended, as its completion thread saw it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CopyOutcome {
+    /// The copy completed.
+    Done,
+    /// The copy failed; it is over.
+    Failed,
+    /// The backend panicked while waiting: the copy may still be running.
+    Unknown,
+}
+
+type Settle = Box<dyn FnOnce(CopyOutcome) + Send>;
+
+struct Job {
+    completion: Box<dyn Completion>,
+    settle: Settle,
+    dir: Direction,
+    blocks: u64,
+    bytes: u64,
+    handle: std::sync::Arc<HandleShared>,
+}
+
+impl Job {
+    /// Waits for the copy and settles it (on a completion thread, or on the submitting thread
+    /// when the completion threads are gone).
+    fn finish(self, core: &Core, inflight: &InFlight) {
+        let Job { mut completion, settle, dir, blocks, bytes, handle } = self;
+        let waited = catch_unwind(AssertUnwindSafe(|| completion.wait()));
+        let result = match waited {
+            Ok(r) => {
+                settle(if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed });
+                if let Err(e) = &r {
+                    tracing::warn!("{dir:?} of {blocks} blocks failed: {e}");
+                }
+                // A backend whose completion panics on drop must not stop this thread either.
+                if catch_unwind(AssertUnwindSafe(move || drop(completion))).is_err() {
+                    tracing::error!("a {dir:?} completion panicked when dropped; the panic was contained");
+                }
+                r
+            }
+            Err(_) => {
+                tracing::error!(
+                    "the copy backend panicked while waiting for a {dir:?} of {blocks} blocks; \
+                     its host slots are quarantined"
+                );
+                settle(CopyOutcome::Unknown);
+                // It may own buffers the copy still uses: never drop it.
+                std::mem::forget(completion);
+                Err(CopyError::BackendPanicked)
+            }
+        };
+        core.counters.record_copy(dir, blocks, bytes, result.is_ok());
+        inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
+        handle.complete(&result);
+        inflight.end();
+    }
+}
+
+/// In-flight accounting of one rank.
+#[derive(Default)]
+struct InFlight {
+    save_gpu_pages: AtomicU64,
+    restore_slots: AtomicU64,
+    batches: std::sync::Mutex<u64>,
+    idle: std::sync::Condvar,
+}
+
+impl InFlight {
+    /// GPU pages read by saves (save) or host slots pinned by restores (restore) in flight.
+    fn load(&self, dir: Direction) -> &AtomicU64 {
+        match dir {
+            Direction::Save => &self.save_gpu_pages,
+            Direction::Restore => &self.restore_slots,
+        }
+    }
+    fn begin(&self) {
+        *self.batches.lock().expect("in-flight lock") += 1;
+    }
+    fn end(&self) {
+        let mut b = self.batches.lock().expect("in-flight lock");
+        *b -= 1;
+        if *b == 0 {
+            self.idle.notify_all();
+        }
+    }
+}
+
+/// Live load of one rank, for admission control.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct RankLoad {
+    /// GPU pages read by saves in flight: they must not be reused until their save completes.
+    pub save_gpu_pages: u64,
+    /// Host slots pinned by this rank's restores in flight.
+    pub restore_slots: u64,
+    /// Batches in flight (saves and restores).
+    pub batches: u64,
+}
+
+/// One rank's handle: saves and restores through its copy backend. Dropping it drains its in-flight
+/// copies first (blocking); use [`Rank::shutdown`] for a deadline.
+pub struct Rank {
+    core: Arc<Core>,
+    backend: std::sync::Arc<dyn CopyBackend>,
+    id: u32,
+    save_tx: std::sync::Mutex<Option<mpsc::Sender<Job>>>,
+    restore_tx: std::sync::Mutex<Option<mpsc::Sender<Job>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    inflight: std::sync::Arc<InFlight>,
+}
+
+impl Rank {
+    pub(super) fn start(core: Arc<Core>, backend: std::sync::Arc<dyn CopyBackend>, id: u32) -> Self {
+        let inflight = std::sync::Arc::new(InFlight::default());
+        let mut threads = Vec::new();
+        let mut spawn = |what: &str| {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let (inf, core) = (inflight.clone(), core.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("kvtier-r{id}-{what}"))
+                .spawn(move || {
+                    // Completions of one direction finish in submission order (one stream each).
+                    while let Ok(job) = rx.recv() {
+                        job.finish(&core, &inf);
+                    }
+                })
+                .expect("spawning a completion thread");
+            threads.push(t);
+            tx
+        };
+        let save_tx = spawn("save");
+        let restore_tx = spawn("restore");
+        Rank {
+            core,
+            backend,
+            id,
+            save_tx: std::sync::Mutex::new(Some(save_tx)),
+            restore_tx: std::sync::Mutex::new(Some(restore_tx)),
+            threads,
+            inflight,
+        }
+    }
+
+    /// This rank's id (attach order, from 0).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The namespace of this rank's keys (its geometry's, which includes its tensor-parallel shard).
+    pub fn namespace(&self) -> Namespace {
+        self.backend.geometry().namespace()
+    }
+
+    /// The copy backend's name.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// What this rank has in flight now.
+    pub fn load(&self) -> RankLoad {
+        RankLoad {
+            save_gpu_pages: self.inflight.save_gpu_pages.load(Ordering::Relaxed),
+            restore_slots: self.inflight.restore_slots.load(Ordering::Relaxed),
+            batches: *self.inflight.batches.lock().expect("in-flight lock"),
+        }
+    }
+
+    fn check_open(&self) -> Result<(), TierError> {
+        if self.core.is_shutting_down() {
+            Err(TierError::ShuttingDown)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Submits `batch` to the backend in direction `dir` and queues its completion: when the copy
+    /// has finished, the completion thread runs `settle` with the outcome (commit, abort or
+    /// quarantine a save's reservation; drop or quarantine a restore's pins), records the counters
+    /// and this rank's load, then completes the handle. If the submission fails, `settle` is
+    /// dropped uncalled (a reservation then aborts, pins unpin: nothing was copied).
+    ///
+    /// # Safety
+    /// The backend contract for `batch` ([`CopyBackend`]): `settle` must own the slots' reservation
+    /// (save) or pins (restore), and the caller must own the GPU pages until the handle completes.
+    unsafe fn launch(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        wait: WaitFor,
+        settle: Settle,
+    ) -> Result<CopyHandle, TierError> {
+        let blocks = batch.len() as u64;
+        let bytes = blocks * self.core.geometry().block_bytes();
+        // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
+        let submitted = unsafe {
+            match dir {
+                Direction::Save => self.backend.save(batch, wait),
+                Direction::Restore => self.backend.restore(batch, wait),
+            }
+        };
+        let completion = match submitted {
+            Ok(c) => c,
+            Err(e) => {
+                self.core.counters.record_copy(dir, blocks, 0, false);
+                return Err(e.into());
+            }
+        };
+        let handle = HandleShared::new(batch.len(), bytes);
+        self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
+        self.inflight.begin();
+        let job = Job { completion, settle, dir, blocks, bytes, handle: handle.clone() };
+        let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
+        let sent = match tx.lock().expect("rank sender lock").as_ref() {
+            Some(tx) => tx.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        if let Err(job) = sent {
+            // The completion threads are gone (shutdown raced us): finish on this thread; the copy
+            // was submitted, so it is waited for before anything is released.
+            job.finish(&self.core, &self.inflight);
+        }
+        Ok(CopyHandle::new(handle))
+    }
+
+    /// Saves with [`Fit::AllOrNothing`]; see [`Rank::save_with`].
+    ///
+    /// # Errors
+    /// As [`Rank::save_with`].
+    pub fn save(&self, keys: &[ContentKey], gpu_pages: &[u64], wait: WaitFor) -> Result<SaveTicket, TierError> {
+        self.save_with(keys, gpu_pages, wait, SaveOptions::default())
+    }
+
+    /// Saves the blocks in GPU pages `gpu_pages[i]` under `keys[i]` (GPU -> host, one batch, after
+    /// `wait`). Resident keys are refreshed and skipped, keys another save holds and repeated keys
+    /// are skipped; the ticket says which are copied. The GPU pages must not be rewritten until the
+    /// ticket's handle completes ([`Rank::load`] counts them).
+    ///
+    /// The save is planned first (resident / in flight / duplicate / missing / refused by the
+    /// policy), then fitted to the slots it can get: free slots first, then eviction of unpinned
+    /// ready blocks, never of a pinned or half-written one.
+    ///
+    /// # Errors
+    /// [`TierError::LengthMismatch`]; [`TierError::Copy`] with [`CopyError::PageOutOfRange`] for a
+    /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`Fit::AllOrNothing`]:
+    /// nothing evicted) or [`TierError::PoolExhausted`] (the slots were pinned meanwhile; nothing
+    /// evicted); [`TierError::ShuttingDown`]; backend errors (the reserved slots are released,
+    /// nothing becomes visible).
+    pub fn save_with(
+        &self,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        wait: WaitFor,
+        opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
+        self.check_open()?;
+        if keys.len() != gpu_pages.len() {
+            return Err(TierError::LengthMismatch { keys: keys.len(), pages: gpu_pages.len() });
+        }
+        let core = &*self.core;
+        let pages = core.geometry().pages();
+        if let Some(&p) = gpu_pages.iter().find(|&&p| p >= pages) {
+            return Err(CopyError::PageOutOfRange { page: p, pages }.into());
+        }
+        let c = &core.counters;
+        let mut plan = core.plan_save(keys, &opts);
+        plan.record();
+        let need = plan.missing().len();
+        let want = match opts.fit {
+            Fit::AllOrNothing => {
+                let mut avail = core.available_slots();
+                if need > avail && core.expire_leases() > 0 {
+                    avail = core.available_slots();
+                }
+                if need > avail {
+                    add(&c.saves_refused, 1);
+                    return Err(TierError::CannotFit {
+                        needed: need,
+                        available: avail,
+                        capacity: core.pool().capacity() as usize,
+                    });
+                }
+                Want::Exactly(need)
+            }
+            Fit::Prefix => {
+                if need > core.available_slots() {
+                    core.expire_leases();
+                }
+                Want::UpTo(need)
+            }
+        };
+        let slots = core.acquire_slots(want).inspect_err(|_| add(&c.saves_refused, 1))?;
+        plan.truncate(slots.len());
+        let dropped = need - slots.len() + plan.refused;
+        add(&c.save_dropped, dropped as u64);
+        let mut reservation = WriteReservation::new(&self.core);
+        let mut saving = Vec::with_capacity(slots.len());
+        let mut batch = Vec::with_capacity(slots.len());
+        let mut lost = 0;
+        for (&i, slot) in plan.missing().iter().zip(slots) {
+            if reservation.reserve(keys[i], slot, opts.depth_of(i).unwrap_or(u32::MAX)) {
+                saving.push(i);
+                batch.push(CopyPair::new(gpu_pages[i], slot.0));
+            } else {
+                // Unreachable while the plan's claim is held; counted as in flight if it happens.
+                lost += 1;
+            }
+        }
+        add(&c.save_skipped_in_flight, lost as u64);
+        let (resident, in_flight, duplicates) = (plan.resident, plan.in_flight + lost, plan.duplicates);
+        // The index entries are in place: the keys' save claims can go.
+        drop(plan);
+        if batch.is_empty() {
+            return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
+        }
+        // SAFETY: every slot in `batch` is WRITING and owned by `reservation`, which the settle
+        // closure owns until the copy has finished (the reservation holds the core, so the pool
+        // outlives the copy); GPU pages are the caller's, who may not rewrite them before the handle
+        // completes.
+        let handle = unsafe {
+            self.launch(
+                Direction::Save,
+                &batch,
+                wait,
+                Box::new(move |outcome| match outcome {
+                    CopyOutcome::Done => reservation.commit(),
+                    CopyOutcome::Failed => drop(reservation),
+                    CopyOutcome::Unknown => reservation.quarantine(),
+                }),
+            )
+        }?;
+        Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle })
+    }
+
+    /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
+    /// GPU, one batch, after `wait`) and uses up one restore of the lease. The copy holds its own
+    /// pins, taken before the lease's use (see [`crate::lease`]), so the lease may settle (or be
+    /// dropped) while it runs. The GPU pages hold the bytes once the returned handle completes.
+    ///
+    /// An empty `gpu_pages` copies nothing and returns a completed handle (it still uses up one
+    /// restore of an unsettled lease, and is not an error on a settled one).
+    ///
+    /// # Errors
+    /// [`TierError::ForeignLease`]; [`TierError::LeaseTooShort`]; [`TierError::LeaseSettled`] if the
+    /// lease has no use left; [`TierError::LeaseExpired`] if the tier expired it;
+    /// [`TierError::TooManyPins`] if a slot's pin count is full; [`TierError::Copy`] for out-of-range
+    /// or repeated GPU pages and backend errors (nothing copied, the lease keeps its use);
+    /// [`TierError::ShuttingDown`].
+    pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
+        self.check_open()?;
+        if !Arc::ptr_eq(lease.core(), &self.core) {
+            return Err(TierError::ForeignLease);
+        }
+        let n = gpu_pages.len();
+        if n > lease.len() {
+            return Err(TierError::LeaseTooShort { asked: n, held: lease.len() });
+        }
+        if n == 0 {
+            lease.consume_without_copy();
+            return Ok(CopyHandle::ready());
+        }
+        let mut claim = lease.begin_restore(n)?;
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(claim.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+        let pins = claim.take_pins();
+        // SAFETY: every slot in `batch` is READY and pinned by `pins`, which the settle closure owns
+        // until the copy has finished; the caller owns the GPU pages until the handle completes.
+        let handle = unsafe {
+            self.launch(
+                Direction::Restore,
+                &batch,
+                wait,
+                Box::new(move |outcome| match outcome {
+                    CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
+                    CopyOutcome::Unknown => pins.quarantine(),
+                }),
+            )
+        }?;
+        claim.submitted();
+        Ok(handle)
+    }
+
+    /// Blocks until this rank has nothing in flight, or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`TierError::DrainTimeout`] with the batches still in flight.
+    pub fn drain(&self, timeout: Duration) -> Result<(), TierError> {
+        let deadline = Instant::now() + timeout;
+        let mut b = self.inflight.batches.lock().expect("in-flight lock");
+        while *b > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TierError::DrainTimeout { in_flight: *b });
+            }
+            b = self.inflight.idle.wait_timeout(b, deadline - now).expect("in-flight lock").0;
+        }
+        Ok(())
+    }
+
+    /// Teardown in the safe order: stop accepting work on this rank, drain in-flight copies, then
+    /// release the backend. If copies are still in flight at `timeout`, the rank's backend, its
+    /// arenas and the tier's pool are deliberately leaked (never freed under a live copy) and
+    /// [`TierError::DrainTimeout`] is returned.
+    ///
+    /// # Errors
+    /// [`TierError::DrainTimeout`].
+    pub fn shutdown(mut self, timeout: Duration) -> Result<(), TierError> {
+        self.close();
+        match self.drain(timeout) {
+            Ok(()) => {
+                self.join();
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!("rank {} teardown: {e}; leaking its backend and the pool", self.id);
+                std::mem::forget(self.core.clone());
+                std::mem::forget(self.backend.clone());
+                self.threads.clear(); // detach
+                std::mem::forget(self);
+                Err(e)
+            }
+        }
+    }
+
+    fn close(&self) {
+        self.save_tx.lock().expect("rank sender lock").take();
+        self.restore_tx.lock().expect("rank sender lock").take();
+    }
+
+    fn join(&mut self) {
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        self.close();
+        self.join();
+    }
+}
+
+impl std::fmt::Debug for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rank").field("id", &self.id).field("backend", &self.backend.name()).finish()
+    }
+}

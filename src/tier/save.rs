@@ -1,0 +1,216 @@
+//! The save path's plan: what a save will do, computed as a value before any slot is taken.
+//!
+//! [`Core::plan_save`] classifies every key of a save once:
+//!
+//! - **duplicate**: the same key came earlier in this save (copied once);
+//! - **resident**: ready in the pool (recency refreshed, nothing copied);
+//! - **in flight**: another save holds it (its copy is in flight, or it is between planning and
+//!   reserving);
+//! - **missing**: to be saved; the save holds a *claim* on each such key ([`SavingKeys`]) until its
+//!   slot is reserved in the index, so two saves of one key never both take slots for it (neither
+//!   evicts a block for a copy the other makes);
+//! - **refused**: missing keys from the policy's first admission refusal on
+//!   ([`crate::Fit::Prefix`] only).
+//!
+//! A key whose slot is being evicted right now is classified after the eviction settles (the
+//! eviction lock is taken once): it is then missing, or resident again if the claim was cancelled.
+//! The rank then fits the plan to the slots it can get and records the counters once, from the plan
+//! and the outcome.
+
+use super::core::{Core, KeyState};
+use super::stats::add;
+use super::SaveOptions;
+use crate::evict::InsertInfo;
+use crate::key::ContentKey;
+use crate::sync::Mutex;
+use crate::Fit;
+use std::collections::HashSet;
+
+/// Keys that a save has planned to copy and not yet reserved (see the module docs). Sharded by key
+/// hash; an uncontended claim is one short mutex hold.
+pub(crate) struct SavingKeys {
+    shards: Box<[Mutex<HashSet<ContentKey>>]>,
+}
+
+impl SavingKeys {
+    const SHARDS: usize = 16;
+
+    pub(crate) fn new() -> Self {
+        SavingKeys { shards: (0..Self::SHARDS).map(|_| Mutex::new(HashSet::new())).collect() }
+    }
+
+    fn shard(&self, key: &ContentKey) -> &Mutex<HashSet<ContentKey>> {
+        &self.shards[key.hash64() as usize % Self::SHARDS]
+    }
+
+    /// True if this call claimed `key` (no other save holds it).
+    fn claim(&self, key: ContentKey) -> bool {
+        self.shard(&key).lock().expect("saving keys").insert(key)
+    }
+
+    fn release(&self, key: &ContentKey) {
+        let removed = self.shard(key).lock().expect("saving keys").remove(key);
+        debug_assert!(removed, "released a save claim that was not held");
+    }
+}
+
+/// What a save will do (see the module docs). Dropping it releases the claims it still holds.
+pub struct SavePlan<'a> {
+    core: &'a Core,
+    /// Indices (into the keys given) of the keys to save, in order; each is claimed.
+    missing: Vec<usize>,
+    claimed: Vec<ContentKey>,
+    /// Keys found resident.
+    pub resident: usize,
+    /// Keys another save holds.
+    pub in_flight: usize,
+    /// Keys repeated within the save.
+    pub duplicates: usize,
+    /// Missing keys not saved because the policy refused them or one before them.
+    pub refused: usize,
+}
+
+impl SavePlan<'_> {
+    /// The keys to save (indices into the save's keys, in order).
+    pub fn missing(&self) -> &[usize] {
+        &self.missing
+    }
+
+    /// Keeps only the first `n` keys to save (the rest are dropped: their claims are released).
+    pub fn truncate(&mut self, n: usize) {
+        for k in self.claimed.drain(n.min(self.missing.len())..) {
+            self.core.saving.release(&k);
+        }
+        self.missing.truncate(n);
+    }
+
+    /// Records the plan's skip counters (once per save, whatever its outcome).
+    pub(crate) fn record(&self) {
+        let c = &self.core.counters;
+        add(&c.save_skipped_resident, self.resident as u64);
+        add(&c.save_skipped_in_flight, self.in_flight as u64);
+        add(&c.save_skipped_duplicate, self.duplicates as u64);
+    }
+}
+
+impl Drop for SavePlan<'_> {
+    fn drop(&mut self) {
+        for k in self.claimed.drain(..) {
+            self.core.saving.release(&k);
+        }
+    }
+}
+
+impl std::fmt::Debug for SavePlan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavePlan")
+            .field("missing", &self.missing)
+            .field("resident", &self.resident)
+            .field("in_flight", &self.in_flight)
+            .field("duplicates", &self.duplicates)
+            .field("refused", &self.refused)
+            .finish()
+    }
+}
+
+impl Core {
+    /// Plans a save of `keys` (see the module docs). Resident keys have their recency refreshed.
+    pub fn plan_save(&self, keys: &[ContentKey], opts: &SaveOptions) -> SavePlan<'_> {
+        let mut plan = SavePlan {
+            core: self,
+            missing: Vec::new(),
+            claimed: Vec::new(),
+            resident: 0,
+            in_flight: 0,
+            duplicates: 0,
+            refused: 0,
+        };
+        let mut seen = HashSet::with_capacity(keys.len());
+        let mut evicting = Vec::new();
+        {
+            let reader = self.index.reader();
+            for (i, k) in keys.iter().enumerate() {
+                if !seen.insert(*k) {
+                    plan.duplicates += 1;
+                    continue;
+                }
+                let state = match self.classify(&reader, k) {
+                    // Not held by a save yet: claim it, then look again (a save that held it may
+                    // have reserved it between the first look and the claim).
+                    KeyState::Missing if self.saving.claim(*k) => match self.classify(&reader, k) {
+                        KeyState::Missing => {
+                            plan.missing.push(i);
+                            plan.claimed.push(*k);
+                            continue;
+                        }
+                        other => {
+                            self.saving.release(k);
+                            other
+                        }
+                    },
+                    KeyState::Missing => KeyState::Writing,
+                    other => other,
+                };
+                match state {
+                    KeyState::Ready(r) => {
+                        self.policy.on_hit(r.slot);
+                        plan.resident += 1;
+                    }
+                    KeyState::Writing => plan.in_flight += 1,
+                    KeyState::Evicting => evicting.push(i),
+                    KeyState::Missing => unreachable!("handled above"),
+                }
+            }
+        }
+        // Keys under eviction: once the eviction lock is ours, no claim is outstanding.
+        while !evicting.is_empty() {
+            drop(self.lock_eviction());
+            let reader = self.index.reader();
+            let mut again = Vec::new();
+            for i in evicting.drain(..) {
+                let k = keys[i];
+                match self.classify(&reader, &k) {
+                    KeyState::Ready(r) => {
+                        self.policy.on_hit(r.slot);
+                        plan.resident += 1;
+                    }
+                    KeyState::Writing => plan.in_flight += 1,
+                    KeyState::Evicting => again.push(i),
+                    KeyState::Missing if self.saving.claim(k) => match self.classify(&reader, &k) {
+                        KeyState::Missing => {
+                            let at = plan.missing.partition_point(|&m| m < i);
+                            plan.missing.insert(at, i);
+                            plan.claimed.insert(at, k);
+                        }
+                        other => {
+                            self.saving.release(&k);
+                            match other {
+                                KeyState::Ready(_) => plan.resident += 1,
+                                KeyState::Evicting => again.push(i),
+                                _ => plan.in_flight += 1,
+                            }
+                        }
+                    },
+                    KeyState::Missing => plan.in_flight += 1,
+                }
+            }
+            evicting = again;
+        }
+        // Admission (Fit::Prefix only): every missing key is shown to the policy in order; from its
+        // first refusal on nothing is saved (a prefix hit cannot reach past the gap).
+        if opts.fit == Fit::Prefix {
+            let mut cut = None;
+            for (j, &i) in plan.missing.iter().enumerate() {
+                let admitted = self.policy.admit(InsertInfo::new(keys[i].hash64(), opts.depth_of(i)));
+                if !admitted && cut.is_none() {
+                    cut = Some(j);
+                }
+            }
+            if let Some(j) = cut {
+                plan.refused = plan.missing.len() - j;
+                plan.truncate(j);
+            }
+        }
+        plan
+    }
+}

@@ -1,0 +1,156 @@
+//! The tier's counters ([`TierStats`]) and the slot audit ([`AuditReport`]).
+//!
+//! Counters are recorded once per operation, from its outcome (a save's [`super::save::SavePlan`]
+//! and the slots it got; a copy's completion), never piecemeal along the way.
+
+use crate::copy::Direction;
+use crate::sync::{AtomicU64, Ordering};
+
+/// A snapshot of the tier's counters. Block counts are blocks (pages across all arenas); bytes are
+/// payload bytes (blocks x [`crate::Geometry::block_bytes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct TierStats {
+    /// Queries answered.
+    pub queries: u64,
+    /// Blocks found by queries (leased).
+    pub hit_blocks: u64,
+    /// Keys queried but not leased (not resident, or after the first miss).
+    pub miss_blocks: u64,
+    /// Blocks whose save copy completed and which became ready.
+    pub saved_blocks: u64,
+    /// Save keys skipped because they were resident (recency refreshed).
+    pub save_skipped_resident: u64,
+    /// Save keys skipped because another save of them was in flight.
+    pub save_skipped_in_flight: u64,
+    /// Save keys skipped because the same key came earlier in the same save.
+    pub save_skipped_duplicate: u64,
+    /// Save keys dropped by [`crate::Fit::Prefix`] because they did not fit or were not admitted.
+    pub save_dropped: u64,
+    /// Saves refused whole ([`crate::TierError::CannotFit`] or [`crate::TierError::PoolExhausted`]).
+    pub saves_refused: u64,
+    /// Blocks whose save copy failed (never made visible).
+    pub save_failed_blocks: u64,
+    /// Blocks restored (copy completed).
+    pub restored_blocks: u64,
+    /// Blocks whose restore copy failed.
+    pub restore_failed_blocks: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Payload bytes copied GPU -> host by completed saves.
+    pub bytes_saved: u64,
+    /// Payload bytes copied host -> GPU by completed restores.
+    pub bytes_restored: u64,
+    /// Leases settled by the tier because they outlived [`crate::TierConfig::lease_ttl`].
+    pub expired_leases: u64,
+    /// Leases not yet settled.
+    pub live_leases: u64,
+    /// Age in milliseconds of the oldest unsettled lease (tracked only when
+    /// [`crate::TierConfig::lease_ttl`] is set; 0 otherwise or when there is none).
+    pub oldest_lease_age_ms: u64,
+    /// Slots withheld for good because a copy's outcome is unknown (its backend panicked while
+    /// waiting for it): never reused, since the copy may still be running.
+    pub quarantined_slots: u64,
+    /// Slots with at least one pin (lease or restore guard).
+    pub pinned_slots: u64,
+    /// Slots holding a ready block.
+    pub ready_slots: u64,
+    /// Slots reserved by saves in flight.
+    pub writing_slots: u64,
+    /// Slots on the free list.
+    pub free_slots: u64,
+    /// Slots in the pool.
+    pub capacity: u64,
+    /// Entries in the index.
+    pub index_entries: u64,
+}
+
+/// The live counters behind [`TierStats`].
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub queries: AtomicU64,
+    pub hit_blocks: AtomicU64,
+    pub miss_blocks: AtomicU64,
+    pub saved_blocks: AtomicU64,
+    pub save_skipped_resident: AtomicU64,
+    pub save_skipped_in_flight: AtomicU64,
+    pub save_skipped_duplicate: AtomicU64,
+    pub save_dropped: AtomicU64,
+    pub saves_refused: AtomicU64,
+    pub save_failed_blocks: AtomicU64,
+    pub restored_blocks: AtomicU64,
+    pub restore_failed_blocks: AtomicU64,
+    pub evictions: AtomicU64,
+    pub bytes_saved: AtomicU64,
+    pub bytes_restored: AtomicU64,
+    pub expired_leases: AtomicU64,
+    pub quarantined_slots: AtomicU64,
+    // Gauges: updated with wrapping add/sub, read as signed and clamped (a +1 and a -1 of one slot
+    // may publish in either order).
+    pub live_leases: AtomicU64,
+    pub pinned_slots: AtomicU64,
+    pub ready_slots: AtomicU64,
+    pub writing_slots: AtomicU64,
+}
+
+impl Counters {
+    /// Records a finished copy of `blocks` blocks (`bytes` payload bytes) in direction `dir`.
+    pub fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool) {
+        match (dir, ok) {
+            (Direction::Save, true) => {
+                add(&self.saved_blocks, blocks);
+                add(&self.bytes_saved, bytes);
+            }
+            (Direction::Restore, true) => {
+                add(&self.restored_blocks, blocks);
+                add(&self.bytes_restored, bytes);
+            }
+            (Direction::Save, false) => add(&self.save_failed_blocks, blocks),
+            (Direction::Restore, false) => add(&self.restore_failed_blocks, blocks),
+        }
+    }
+
+    /// Records a query that leased `hits` of `asked` keys.
+    pub fn record_query(&self, asked: usize, hits: usize) {
+        add(&self.queries, 1);
+        add(&self.hit_blocks, hits as u64);
+        add(&self.miss_blocks, (asked - hits) as u64);
+    }
+}
+
+#[inline]
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+#[inline]
+pub(crate) fn sub(c: &AtomicU64, n: u64) {
+    c.fetch_sub(n, Ordering::Relaxed);
+}
+
+#[inline]
+pub(crate) fn gauge(c: &AtomicU64) -> u64 {
+    (c.load(Ordering::Relaxed) as i64).max(0) as u64
+}
+
+#[inline]
+pub(crate) fn load(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+/// Slot counts by state, from [`crate::testing::Core::audit`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AuditReport {
+    /// `FREE` slots.
+    pub free: usize,
+    /// `WRITING` slots (quarantined ones included).
+    pub writing: usize,
+    /// `READY` slots.
+    pub ready: usize,
+    /// `EVICTING` slots (0 when quiescent).
+    pub evicting: usize,
+    /// Slots with at least one pin.
+    pub pinned: usize,
+}

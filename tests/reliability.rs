@@ -1,0 +1,300 @@
+//! Regression tests for the fault kinds of the reliability report: each test drives the public API
+//! (or, where a race needs a fixed interleaving, the crate's test-only hooks) into a situation that
+//! failed before the fix. Every assertion is an exact value.
+
+mod common;
+
+use common::*;
+use kvtier::copy::fault::FaultyBackend;
+use kvtier::{
+    CopyError, EngineArenas, Fit, HostTier, PolicyKind, SaveOptions, TierConfig, TierError, TierStats, WaitFor,
+};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+/// Every resident, ready, unpinned block can be evicted once asked for enough victims.
+fn assert_all_unpinned_evictable(tier: &HostTier, what: &str) {
+    let s = tier.stats();
+    assert_eq!(s.pinned_slots, 0, "{what}: pins left");
+    let ready = s.ready_slots as usize;
+    assert_eq!(tier.evict(ready + 1), ready, "{what}: every unpinned ready block is evictable");
+    assert_eq!(tier.stats().ready_slots, 0, "{what}");
+}
+
+/// Fault 1 (every policy): savers doing 3-key prefix saves into a 12-slot pool race queries that
+/// pin recent keys. SIEVE and S3-FIFO used to corrupt their queues (two selections before the
+/// claims settled): saves then failed and most unpinned blocks were never evictable again.
+#[test]
+fn no_policy_wedges_under_concurrent_prefix_saves_and_pins() {
+    for &policy in PolicyKind::ALL {
+        let tier = tier(12, policy);
+        let next = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let refused = Arc::new(AtomicU64::new(0));
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                let (tier, next, refused) = (&tier, next.clone(), refused.clone());
+                let a = arenas();
+                s.spawn(move || {
+                    let rank = tier.attach(a.backend().unwrap()).unwrap();
+                    for _ in 0..1500 {
+                        let base = next.fetch_add(1, Ordering::Relaxed) % 40;
+                        let k = keys(tier, base..base + 3);
+                        a.fill(&[0, 1, 2], &k).unwrap();
+                        match rank.save_with(&k, &[0, 1, 2], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix)) {
+                            Ok(t) => t.handle.wait().unwrap(),
+                            Err(e) => {
+                                refused.fetch_add(1, Ordering::Relaxed);
+                                panic!("{policy}: a prefix save failed: {e}");
+                            }
+                        }
+                    }
+                });
+            }
+            for _ in 0..2 {
+                let (tier, next, stop) = (&tier, next.clone(), stop.clone());
+                s.spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let base = next.load(Ordering::Relaxed) % 40;
+                        let lease = tier.query(&keys(tier, base.saturating_sub(3)..base));
+                        std::thread::yield_now();
+                        drop(lease);
+                    }
+                });
+            }
+            // The savers are the first two threads: stop the queriers once they are done.
+            s.spawn(|| {
+                while next.load(Ordering::Relaxed) < 3000 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                stop.store(true, Ordering::Relaxed);
+            });
+        });
+        assert_eq!(refused.load(Ordering::Relaxed), 0, "{policy}");
+        let all = keys(&tier, 0..43);
+        kvtier::testing::core(&tier).audit(&all).unwrap();
+        assert_all_unpinned_evictable(&tier, policy.name());
+    }
+}
+
+/// Fault 3: duplicate keys in one save count once: `[K, K]` with one free slot saves K once.
+#[test]
+fn duplicate_keys_in_one_save_count_once() {
+    let tier = tier(1, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..1);
+    a.fill(&[0], &k).unwrap();
+    let t = rank.save(&[k[0], k[0]], &[0, 0], WaitFor::Nothing).unwrap();
+    t.handle.wait().unwrap();
+    assert_eq!((t.saving.clone(), t.duplicates, t.resident, t.in_flight), (vec![0], 1, 0, 0));
+    let s = tier.stats();
+    assert_eq!((s.saved_blocks, s.save_skipped_duplicate, s.evictions), (1, 1, 0));
+
+    // Into a full pool, [K2, K2] evicts one block, not two.
+    let tier = tier_with_blocks(2);
+    let (t2, a2, r2) = (&tier.0, &tier.1, &tier.2);
+    let k2 = keys(t2, 10..11);
+    a2.fill(&[5], &k2).unwrap();
+    r2.save(&[k2[0], k2[0]], &[5, 5], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+    assert_eq!(t2.stats().evictions, 1);
+}
+
+fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::HostArenas>, kvtier::Rank) {
+    let t = tier(n, PolicyKind::Lru);
+    let a = arenas();
+    let rank = t.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&t, 0..n);
+    save_filled(&rank, &a, &k, &(0..n).collect::<Vec<_>>());
+    (t, a, rank)
+}
+
+/// Fault 3: two ranks saving the same prefix at once into a full pool evict for one copy only.
+#[test]
+fn two_ranks_saving_one_prefix_at_once_do_not_over_evict() {
+    let rounds = 300u64;
+    let tier = tier(6, PolicyKind::Lru);
+    let a = arenas();
+    let warm = tier.attach(a.backend().unwrap()).unwrap();
+    save_filled(&warm, &a, &keys(&tier, 1000..1006), &[0, 1, 2, 3, 4, 5]);
+    let barrier = Barrier::new(2);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (tier, barrier) = (&tier, &barrier);
+            let a = arenas();
+            s.spawn(move || {
+                let rank = tier.attach(a.backend().unwrap()).unwrap();
+                for r in 0..rounds {
+                    let k = keys(tier, 3 * r..3 * r + 3);
+                    a.fill(&[0, 1, 2], &k).unwrap();
+                    barrier.wait();
+                    let t = rank.save(&k, &[0, 1, 2], WaitFor::Nothing).unwrap();
+                    t.handle.wait().unwrap();
+                    assert_eq!(t.saving.len() + t.in_flight + t.resident, 3);
+                    barrier.wait();
+                }
+            });
+        }
+    });
+    let s = tier.stats();
+    assert_eq!(s.evictions, 3 * rounds, "each round evicts exactly the 3 blocks one copy needs");
+    assert_eq!(s.saved_blocks, 6 + 3 * rounds);
+}
+
+/// Fault 4: a backend whose `Completion::wait` panics fails that copy's handle with a typed error,
+/// keeps the completion thread alive and quarantines the copy's slots instead of freeing them.
+#[test]
+fn a_panicking_completion_quarantines_its_slots_and_the_rank_keeps_working() {
+    let tier = tier(8, PolicyKind::Lru);
+    let a = arenas();
+    let gate = Gate::default();
+    let bad = tier.attach(TestBackend::panicking(&a, &gate)).unwrap();
+    let k = keys(&tier, 0..4);
+    a.fill(&[0, 1, 2, 3], &k).unwrap();
+    let h1 = bad.save(&k[..2], &[0, 1], WaitFor::Nothing).unwrap().handle;
+    let h2 = bad.save(&k[2..], &[2, 3], WaitFor::Nothing).unwrap().handle;
+    gate.open();
+    for h in [&h1, &h2] {
+        assert!(matches!(h.wait(), Err(TierError::Copy(CopyError::BackendPanicked))), "{:?}", h.wait());
+    }
+    let s = tier.stats();
+    assert_eq!((s.quarantined_slots, s.writing_slots, s.free_slots, s.index_entries), (4, 0, 4, 0));
+    assert!(k.iter().all(|key| !tier.contains(key)), "a quarantined block is never visible");
+    bad.drain(Duration::from_secs(5)).expect("the completion thread survived: the rank drains");
+    // The keys can be saved again elsewhere; the quarantined slots are never reused.
+    let good = tier.attach(a.backend().unwrap()).unwrap();
+    save_filled(&good, &a, &k, &[0, 1, 2, 3]);
+    assert_eq!(tier.stats().free_slots, 0);
+    // A restore whose backend panics keeps its pins: the slots are quarantined, never evicted.
+    let lease = tier.query(&k[..1]);
+    let b = arenas();
+    let gate2 = Gate::default();
+    let bad2 = tier.attach(TestBackend::panicking(&b, &gate2)).unwrap();
+    let h = bad2.restore(&lease, &[9], WaitFor::Nothing).unwrap();
+    gate2.open();
+    assert!(matches!(h.wait(), Err(TierError::Copy(CopyError::BackendPanicked))));
+    drop(lease);
+    let s = tier.stats();
+    assert_eq!((s.quarantined_slots, s.pinned_slots), (5, 1));
+    assert_eq!(tier.evict(8), 3, "the quarantined block stays pinned");
+    assert!(tier.contains(&k[0]));
+}
+
+/// Fault 5: a NaN fault rate means 0 (no batch fails).
+#[test]
+fn a_nan_fault_rate_fails_nothing() {
+    let tier = tier(4, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(Box::new(FaultyBackend::new(a.backend().unwrap(), f64::NAN, 7))).unwrap();
+    let k = keys(&tier, 0..4);
+    for (i, key) in k.iter().enumerate() {
+        save_filled(&rank, &a, &[*key], &[i as u64]);
+    }
+    assert_eq!(tier.stats().save_failed_blocks, 0);
+}
+
+/// Fault 6: an index capacity the index cannot address is a typed error, not a panic.
+#[test]
+fn a_huge_index_capacity_is_a_typed_error() {
+    let cfg = tier_config(4, PolicyKind::Lru).with_index_capacity(usize::MAX / 2);
+    match HostTier::new(cfg) {
+        Err(kvtier::Error::Tier(TierError::Index(kvtier::IndexError::CapacityTooLarge { requested, .. }))) => {
+            assert_eq!(requested, usize::MAX / 2)
+        }
+        other => panic!("expected an index capacity error, got {other:?}"),
+    }
+}
+
+/// Fault 8: a prefix save whose fit snapshot went stale (blocks pinned meanwhile) saves the prefix
+/// it can get slots for; it never fails the whole save.
+#[test]
+fn a_prefix_save_under_concurrent_pins_saves_what_it_can() {
+    let tier = tier(8, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let base = keys(&tier, 100..108);
+    save_filled(&rank, &a, &base, &(0..8).collect::<Vec<_>>());
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let lease = tier.query(&base[..6]);
+                std::thread::yield_now();
+                drop(lease);
+            }
+        });
+        for r in 0..2000u64 {
+            let k = keys(&tier, 3 * r..3 * r + 3);
+            a.fill(&[10, 11, 12], &k).unwrap();
+            let t = rank
+                .save_with(&k, &[10, 11, 12], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix))
+                .unwrap_or_else(|e| panic!("round {r}: a prefix save failed: {e}"));
+            t.handle.wait().unwrap();
+            assert_eq!(t.saving.len() + t.dropped, 3);
+            assert_eq!(t.saving, (0..t.saving.len()).collect::<Vec<_>>(), "a prefix of the keys");
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(tier.stats().saves_refused, 0);
+}
+
+/// Lease time-to-live: a forgotten lease pins the whole pool; once it is older than the TTL, a
+/// save under pool pressure settles it and gets its slots. Restores already submitted from it keep
+/// their own pins; a restore from it afterwards fails with `LeaseExpired`.
+#[test]
+fn a_forgotten_lease_expires_under_pool_pressure() {
+    let ttl = Duration::from_millis(200);
+    let tier = HostTier::new(tier_config(4, PolicyKind::Lru).with_lease_ttl(ttl)).unwrap();
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..4);
+    save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    let forgotten = tier.query(&k);
+    assert_eq!(forgotten.len(), 4);
+    // A restore in flight from it when it expires.
+    let b = arenas();
+    let gate = Gate::default();
+    let slow = tier.attach(TestBackend::gated(&b, &gate)).unwrap();
+    let in_flight = slow.restore(&tier.query_shared(&k[..1], 1), &[20], WaitFor::Nothing).unwrap();
+    let more = keys(&tier, 10..12);
+    a.fill(&[4, 5], &more).unwrap();
+    assert!(matches!(rank.save(&more, &[4, 5], WaitFor::Nothing), Err(TierError::CannotFit { available: 0, .. })));
+    assert!(tier.stats().oldest_lease_age_ms < ttl.as_millis() as u64);
+    std::thread::sleep(ttl + Duration::from_millis(50));
+    assert!(tier.stats().oldest_lease_age_ms >= ttl.as_millis() as u64);
+    let t = rank.save(&more, &[4, 5], WaitFor::Nothing).expect("the expired lease let its blocks go");
+    t.handle.wait().unwrap();
+    assert!(forgotten.is_expired() && forgotten.is_settled());
+    assert!(matches!(rank.restore(&forgotten, &[30], WaitFor::Nothing), Err(TierError::LeaseExpired)));
+    let s = tier.stats();
+    assert_eq!((s.expired_leases, s.live_leases, s.evictions), (1, 0, 2));
+    assert!(tier.contains(&k[0]), "the block under the in-flight restore was not evicted");
+    gate.open();
+    in_flight.wait().unwrap();
+    b.verify(&[20], &k[..1]).unwrap();
+    assert_eq!(tier.stats().pinned_slots, 0);
+}
+
+/// Without a TTL nothing expires, and the oldest lease age is not tracked.
+#[test]
+fn without_a_ttl_leases_never_expire() {
+    let tier = tier(2, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..2);
+    save_filled(&rank, &a, &k, &[0, 1]);
+    let lease = tier.query(&k);
+    assert_eq!(tier.expire_leases(), 0);
+    let s: TierStats = tier.stats();
+    assert_eq!((s.live_leases, s.expired_leases, s.oldest_lease_age_ms), (1, 0, 0));
+    drop(lease);
+    assert_eq!(tier.stats().live_leases, 0);
+}
+
+/// The tier's defaults are one policy: the configuration's and the policy kind's.
+#[test]
+fn one_default_policy() {
+    let g = small_geometry();
+    assert_eq!(TierConfig::new(g, 1 << 20).policy, PolicyKind::default());
+}
