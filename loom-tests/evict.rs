@@ -2,16 +2,13 @@
 //! safely; a lookup made before the slot was evicted and reused fails to pin by generation.
 //!
 //! Run with `ci/loom.sh`. Seeded bugs each model must catch (see docs/invariants.md):
-//! `seeded-bug-evict-pinned` (evict_vs_pin_vs_lookup), `seeded-bug-stale-generation`
-//! (stale_lookup_after_reuse_fails).
+//! `evict-pinned` (evict_vs_pin_vs_lookup), `stale-generation` (stale_lookup_after_reuse_fails).
 #![cfg(loom)]
 
 mod common;
 
 use common::*;
-use kvtier::guard::SlotPins;
-use kvtier::slot::SlotState;
-use kvtier::tier::Core;
+use kvtier::testing::{query, SlotPins, SlotState};
 use loom::thread;
 
 /// One thread looks the key up and then queries it (lookup + pin) while the main thread evicts. A
@@ -28,7 +25,7 @@ fn evict_vs_pin_vs_lookup() {
             if let Some(r) = c.index().get(&k) {
                 assert_eq!(r, r0, "the index never names another slot or generation for the key");
             }
-            let lease = Core::query(&c, &[k], 1);
+            let lease = query(&c, &[k], 1);
             if let Some(b) = lease.blocks().first() {
                 assert_eq!(b.slot, r0);
                 assert_holds(&c, r0, "pinned slot");

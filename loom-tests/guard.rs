@@ -1,35 +1,35 @@
 //! loom models of guards over the real tier core: a restore's own pins keep a slot while its copy is
-//! in flight even if the lease is dropped meanwhile; a save's reserved slot is invisible to queries
+//! in flight even though its lease settled meanwhile; a save's reserved slot is invisible to queries
 //! until its copy committed.
 //!
 //! Run with `ci/loom.sh`. Seeded bugs each model must catch (see docs/invariants.md):
-//! `seeded-bug-guard-borrows-lease-pin` (lease_dropped_during_copy_keeps_slot),
-//! `seeded-bug-pin-writing` (reserved_slot_invisible_until_commit).
+//! `guard-borrows-lease-pin` (lease_settled_during_copy_keeps_slot), `pin-writing`
+//! (reserved_slot_invisible_until_commit).
 #![cfg(loom)]
 
 mod common;
 
 use common::*;
-use kvtier::guard::SlotPins;
-use kvtier::tier::Core;
+use kvtier::testing::{query, restore_with};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-/// The restore takes its guard pins, then its lease is dropped (settles) while the "copy" reads the
-/// slot; an evictor races both. The slot keeps its block until the guard drops.
+/// A restore (its lease side, as `Rank::restore` runs it) takes its own pins and the lease's only
+/// use, so the lease settles on submission while the "copy" still reads the slot; an evictor races
+/// all of it. The slot keeps its block until the copy's pins drop.
 ///
 /// The restore runs on the main thread and the evictor is spawned: loom's DPOR tracks only the last
 /// access to an atomic, so the racing writes (pin, lease unpin, guard unpin) must come first in the
 /// initial schedule for the evictor's later loads to be raced against each of them.
 #[test]
-fn lease_dropped_during_copy_keeps_slot() {
+fn lease_settled_during_copy_keeps_slot() {
     loom::model(|| {
         let core = core(1);
         let k = key(0);
         save_ready(&core, k);
-        let lease = Core::query(&core, &[k], 1);
+        let lease = query(&core, &[k], 1);
         let in_flight = Arc::new(AtomicBool::new(false));
         let (c, f) = (core.clone(), in_flight.clone());
         let evictor = thread::spawn(move || {
@@ -38,12 +38,14 @@ fn lease_dropped_during_copy_keeps_slot() {
             }
         });
         let r = lease.blocks()[0].slot;
-        let guards = SlotPins::take(&core, [r]).expect("the leased block is pinned");
-        in_flight.store(true, Ordering::SeqCst);
-        drop(lease); // the engine drops its lease while the copy runs
-        assert_holds(&core, r, "slot under an in-flight copy");
-        in_flight.store(false, Ordering::SeqCst);
-        drop(guards);
+        restore_with(&lease, 1, |_| {
+            assert!(lease.is_settled(), "the lease's last use settles it on submission");
+            in_flight.store(true, Ordering::SeqCst);
+            assert_holds(&core, r, "slot under an in-flight copy");
+            in_flight.store(false, Ordering::SeqCst);
+        })
+        .expect("the leased block is pinned");
+        drop(lease);
         evictor.join().unwrap();
         assert_quiescent(&core, &[k]);
     });
@@ -65,7 +67,7 @@ fn reserved_slot_invisible_until_commit() {
             b.with_mut(|p| unsafe { *p = 0x5eed });
             reservation.commit();
         });
-        let lease = Core::query(&core, &[k], 1);
+        let lease = query(&core, &[k], 1);
         if !lease.is_empty() {
             // SAFETY: the lease pins a READY slot; its bytes are no longer written.
             let v = bytes.with(|p| unsafe { *p });

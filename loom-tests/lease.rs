@@ -1,19 +1,19 @@
-//! loom models of leases over the real tier core (`kvtier::tier::Core`): a query's pins hold off a
-//! concurrent eviction; a lease settles exactly once however consumes, releases and the last drop race; a
-//! shared lease serves every rank that restores from it.
+//! loom models of leases over the real tier core: a query's pins hold off a concurrent eviction; a
+//! lease settles exactly once however restores, releases and the last drop race; a shared lease
+//! serves every rank that restores from it. Queries and restores go through the same functions as
+//! `HostTier::query_shared` and `Rank::restore` (`testing::query`, `testing::restore_with`).
 //!
 //! Run with `ci/loom.sh` (cfgs `loom`, `crossbeam_loom`, `crossbeam_sanitize`, feature `loom`,
 //! `LOOM_MAX_PREEMPTIONS=2`, release). Seeded bugs each model must catch (see docs/invariants.md):
-//! `seeded-bug-evict-pinned` (query_pin_holds_off_eviction), `seeded-bug-lease-double-settle`
-//! (settle_exactly_once), `seeded-bug-lease-first-consume-settles` (shared_lease_serves_every_rank).
+//! `evict-pinned` (query_pin_holds_off_eviction), `lease-double-settle` (settle_exactly_once),
+//! `lease-first-consume-settles` and `restore-use-before-pin` (shared_lease_serves_every_rank).
 #![cfg(loom)]
 
 mod common;
 
 use common::*;
-use kvtier::guard::SlotPins;
-use kvtier::sync::Arc;
-use kvtier::tier::Core;
+use kvtier::testing::sync::Arc;
+use kvtier::testing::{query, restore_with};
 use loom::thread;
 
 /// A query pins the ready block; an evictor racing it either evicts first (the query then finds
@@ -26,7 +26,7 @@ fn query_pin_holds_off_eviction() {
         save_ready(&core, k);
         let c = core.clone();
         let reader = thread::spawn(move || {
-            let lease = Core::query(&c, &[k], 1);
+            let lease = query(&c, &[k], 1);
             if let Some(b) = lease.blocks().first() {
                 assert_holds(&c, b.slot, "slot under a lease");
                 thread::yield_now();
@@ -45,51 +45,50 @@ fn query_pin_holds_off_eviction() {
     });
 }
 
-/// A consume (a restore), two releases (two holders of clones) and the drop of the last clone race:
-/// the lease settles exactly once (at most one release reports settling it; the pin is dropped
-/// exactly once) and the block is evictable afterwards.
+/// A restore (its lease side), two releases (two holders of clones) and the drop of the last clone
+/// race: the lease settles exactly once (at most one release reports settling it; the pin is
+/// dropped exactly once) and the block is evictable afterwards.
 #[test]
 fn settle_exactly_once() {
     loom::model(|| {
         let core = core(1);
         let k = key(0);
         let r = save_ready(&core, k);
-        let lease = Core::query(&core, &[k], 1);
+        let lease = query(&core, &[k], 1);
         assert_eq!(lease.len(), 1);
         let (l1, l2) = (lease.clone(), lease.clone());
-        let consumer = thread::spawn(move || l1.consume());
+        let consumer = thread::spawn(move || restore_with(&l1, 1, |_| ()).is_ok());
         let releaser = thread::spawn(move || l2.release());
         let released_main = lease.release();
         let consumed = consumer.join().unwrap();
         let released = releaser.join().unwrap();
         assert!(!(released && released_main), "two releases both settled the lease");
-        // A consume fails only when a release settled first.
-        assert!(consumed || released || released_main, "nobody settled, yet the consume failed");
+        // A restore fails only when a release settled first.
+        assert!(consumed || released || released_main, "nobody settled, yet the restore failed");
         assert_eq!(word(&core, r.slot).pins(), 0, "the lease's pin is dropped exactly once");
         assert_eq!(evict_one(&core), Some(r.slot), "a settled lease no longer pins the block");
         assert_quiescent(&core, &[k]);
     });
 }
 
-/// A lease with one use per rank: two ranks restore from it (guard pins, then consume) while an
-/// evictor runs. Both ranks get the block; neither restore fails because the other consumed first.
+/// A lease with one use per rank: two ranks restore from it (the restore's lease side, as
+/// `Rank::restore` runs it: own pins, then a use, then submit) while an evictor runs. Both ranks get
+/// the block; neither restore fails because the other settled the lease and the block was evicted.
 #[test]
 fn shared_lease_serves_every_rank() {
     loom::model(|| {
         let core = core(1);
         let k = key(0);
         save_ready(&core, k);
-        let lease = Core::query(&core, &[k], 2);
+        let lease = query(&core, &[k], 2);
         assert_eq!((lease.len(), lease.uses_left()), (1, 2));
         let ranks: Vec<_> = (0..2)
             .map(|_| {
                 let (c, l) = (core.clone(), lease.clone());
                 thread::spawn(move || {
-                    let guards = SlotPins::take(&c, l.blocks().iter().map(|b| b.slot))
-                        .expect("a rank's restore finds the leased block pinned and ready");
-                    assert!(l.consume(), "each rank has a use");
-                    assert_holds(&c, l.blocks()[0].slot, "slot under a restore guard");
-                    drop(guards);
+                    let r = l.blocks()[0].slot;
+                    restore_with(&l, 1, |_| assert_holds(&c, r, "slot under a restore's pins"))
+                        .unwrap_or_else(|e| panic!("each rank has a use, yet its restore failed: {e}"));
                 })
             })
             .collect();
@@ -98,6 +97,7 @@ fn shared_lease_serves_every_rank() {
         for r in ranks {
             r.join().unwrap();
         }
+        let _ = evict_one(&core);
         assert_quiescent(&core, &[k]);
     });
 }

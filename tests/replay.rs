@@ -60,10 +60,12 @@ fn model_hits<K: Copy + Eq + Hash>(requests: impl IntoIterator<Item = Vec<K>>, c
             lru.use_key(*k);
         }
         let (resident, missing): (Vec<K>, Vec<K>) = keys[h..].iter().partition(|k| lru.contains(k));
+        // The save pins its own resident blocks: it never evicts them to make room for the rest.
+        let room = cap - resident.len();
         for k in resident {
             lru.use_key(k);
         }
-        for k in missing.into_iter().take(cap) {
+        for k in missing.into_iter().take(room) {
             lru.use_key(k);
         }
     }

@@ -1,24 +1,28 @@
-//! Shared setup for the tier loom models (`lease`, `guard`, `evict`): a real [`Core`] (pool, index,
-//! LRU policy, slot words) over a one-arena geometry, with no ranks or threads of its own, plus the
-//! single-threaded steps the models use to put blocks in place before their threads start.
+//! Shared setup for the tier loom models (`lease`, `guard`, `evict`, `policy`): a real [`Core`]
+//! (pool, index, eviction policy, slot words) over a one-arena geometry, with no ranks or threads of
+//! its own, plus the steps the models use, each calling the functions production calls
+//! (`acquire_slots`, `WriteReservation::reserve`, `evict_into`, the lease's restore claim).
 //!
 //! Everything here must run inside `loom::model` (the core's atomics are loom's).
 #![allow(dead_code)]
 
-use kvtier::guard::WriteReservation;
 use kvtier::pool::{BackingChoice, HostPool, PoolConfig};
-use kvtier::slot::{SlotId, SlotState, SlotWord};
-use kvtier::sync::Arc;
-use kvtier::tier::Core;
-use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotRef};
+use kvtier::testing::sync::Arc;
+use kvtier::testing::{Core, SlotState, SlotWord, Want, WriteReservation};
+use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotId, SlotRef};
 
-/// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages).
+/// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages), evicting by LRU.
 pub fn core(slots: u32) -> Arc<Core> {
+    core_with(slots, PolicyKind::Lru)
+}
+
+/// A core with `slots` host slots evicting by `policy`.
+pub fn core_with(slots: u32, policy: PolicyKind) -> Arc<Core> {
     let g = Geometry::new("loom", 16, vec![ArenaSpec::packed("a", 16, 4)]).expect("valid geometry");
     let cfg = PoolConfig::new(slots as u64 * g.slot_bytes()).with_backing(BackingChoice::Plain);
     let pool = HostPool::new(g.slot_bytes(), &cfg).expect("pool");
     assert_eq!(pool.capacity(), slots);
-    Arc::new(Core::new(g, pool, PolicyKind::Lru, Some(4)))
+    Arc::new(Core::new(g, pool, policy, Some(4), None).expect("core"))
 }
 
 /// Key number `i` (distinct keys for distinct `i`).
@@ -28,9 +32,9 @@ pub fn key(i: u64) -> ContentKey {
 
 /// Reserves a slot for `key` (taking a free one or evicting) and returns the reservation.
 pub fn reserve(core: &Arc<Core>, key: ContentKey) -> WriteReservation {
-    let slots = core.acquire_slots(1).expect("a slot");
+    let slots = core.acquire_slots(Want::Exactly(1)).expect("a slot");
     let mut r = WriteReservation::new(core);
-    assert!(core.reserve_block(key, slots[0], u32::MAX, &mut r), "no other save of {key:?}");
+    assert!(r.reserve(key, slots[0], u32::MAX), "no other save of {key:?}");
     r
 }
 

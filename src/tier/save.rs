@@ -3,7 +3,9 @@
 //! [`Core::plan_save`] classifies every key of a save once:
 //!
 //! - **duplicate**: the same key came earlier in this save (copied once);
-//! - **resident**: ready in the pool (recency refreshed, nothing copied);
+//! - **resident**: ready in the pool (recency refreshed, nothing copied). The plan *pins* each
+//!   resident block until the save has its slots, so a save never evicts a block of its own chain
+//!   (a prefix with a hole at its head is worth nothing);
 //! - **in flight**: another save holds it (its copy is in flight, or it is between planning and
 //!   reserving);
 //! - **missing**: to be saved; the save holds a *claim* on each such key ([`SavingKeys`]) until its
@@ -21,7 +23,9 @@ use super::core::{Core, KeyState};
 use super::stats::add;
 use super::SaveOptions;
 use crate::evict::InsertInfo;
+use crate::index::IndexReader;
 use crate::key::ContentKey;
+use crate::slot::{PinError, SlotId};
 use crate::sync::Mutex;
 use crate::Fit;
 use std::collections::HashSet;
@@ -60,6 +64,8 @@ pub struct SavePlan<'a> {
     /// Indices (into the keys given) of the keys to save, in order; each is claimed.
     missing: Vec<usize>,
     claimed: Vec<ContentKey>,
+    /// Resident blocks of this save, pinned until the plan is dropped.
+    pinned: Vec<SlotId>,
     /// Keys found resident.
     pub resident: usize,
     /// Keys another save holds.
@@ -98,6 +104,9 @@ impl Drop for SavePlan<'_> {
         for k in self.claimed.drain(..) {
             self.core.saving.release(&k);
         }
+        for s in self.pinned.drain(..) {
+            self.core.unpin(s);
+        }
     }
 }
 
@@ -114,12 +123,14 @@ impl std::fmt::Debug for SavePlan<'_> {
 }
 
 impl Core {
-    /// Plans a save of `keys` (see the module docs). Resident keys have their recency refreshed.
+    /// Plans a save of `keys` (see the module docs). Resident keys have their recency refreshed
+    /// and stay pinned until the plan is dropped.
     pub fn plan_save(&self, keys: &[ContentKey], opts: &SaveOptions) -> SavePlan<'_> {
         let mut plan = SavePlan {
             core: self,
             missing: Vec::new(),
             claimed: Vec::new(),
+            pinned: Vec::new(),
             resident: 0,
             in_flight: 0,
             duplicates: 0,
@@ -130,35 +141,10 @@ impl Core {
         {
             let reader = self.index.reader();
             for (i, k) in keys.iter().enumerate() {
-                if !seen.insert(*k) {
+                if seen.insert(*k) {
+                    self.plan_key(&reader, &mut plan, i, k, &mut evicting);
+                } else {
                     plan.duplicates += 1;
-                    continue;
-                }
-                let state = match self.classify(&reader, k) {
-                    // Not held by a save yet: claim it, then look again (a save that held it may
-                    // have reserved it between the first look and the claim).
-                    KeyState::Missing if self.saving.claim(*k) => match self.classify(&reader, k) {
-                        KeyState::Missing => {
-                            plan.missing.push(i);
-                            plan.claimed.push(*k);
-                            continue;
-                        }
-                        other => {
-                            self.saving.release(k);
-                            other
-                        }
-                    },
-                    KeyState::Missing => KeyState::Writing,
-                    other => other,
-                };
-                match state {
-                    KeyState::Ready(r) => {
-                        self.policy.on_hit(r.slot);
-                        plan.resident += 1;
-                    }
-                    KeyState::Writing => plan.in_flight += 1,
-                    KeyState::Evicting => evicting.push(i),
-                    KeyState::Missing => unreachable!("handled above"),
                 }
             }
         }
@@ -166,35 +152,9 @@ impl Core {
         while !evicting.is_empty() {
             drop(self.lock_eviction());
             let reader = self.index.reader();
-            let mut again = Vec::new();
-            for i in evicting.drain(..) {
-                let k = keys[i];
-                match self.classify(&reader, &k) {
-                    KeyState::Ready(r) => {
-                        self.policy.on_hit(r.slot);
-                        plan.resident += 1;
-                    }
-                    KeyState::Writing => plan.in_flight += 1,
-                    KeyState::Evicting => again.push(i),
-                    KeyState::Missing if self.saving.claim(k) => match self.classify(&reader, &k) {
-                        KeyState::Missing => {
-                            let at = plan.missing.partition_point(|&m| m < i);
-                            plan.missing.insert(at, i);
-                            plan.claimed.insert(at, k);
-                        }
-                        other => {
-                            self.saving.release(&k);
-                            match other {
-                                KeyState::Ready(_) => plan.resident += 1,
-                                KeyState::Evicting => again.push(i),
-                                _ => plan.in_flight += 1,
-                            }
-                        }
-                    },
-                    KeyState::Missing => plan.in_flight += 1,
-                }
+            for i in std::mem::take(&mut evicting) {
+                self.plan_key(&reader, &mut plan, i, &keys[i], &mut evicting);
             }
-            evicting = again;
         }
         // Admission (Fit::Prefix only): every missing key is shown to the policy in order; from its
         // first refusal on nothing is saved (a prefix hit cannot reach past the gap).
@@ -212,5 +172,59 @@ impl Core {
             }
         }
         plan
+    }
+
+    /// Classifies key `i` of a save into `plan` (or into `evicting`, to look again once the
+    /// eviction lock is free).
+    fn plan_key(
+        &self,
+        reader: &IndexReader<'_>,
+        plan: &mut SavePlan<'_>,
+        i: usize,
+        k: &ContentKey,
+        evicting: &mut Vec<usize>,
+    ) {
+        loop {
+            match self.classify(reader, k) {
+                KeyState::Ready(r) => match self.pin(r.slot, r.generation) {
+                    Ok(()) => {
+                        plan.pinned.push(r.slot);
+                        self.policy.on_hit(r.slot);
+                        plan.resident += 1;
+                        return;
+                    }
+                    Err(PinError::Overflow) => {
+                        self.policy.on_hit(r.slot);
+                        plan.resident += 1;
+                        return;
+                    }
+                    // Evicted or reused since the lookup: look again.
+                    Err(PinError::Stale | PinError::NotReady) => {}
+                },
+                KeyState::Writing => {
+                    plan.in_flight += 1;
+                    return;
+                }
+                KeyState::Evicting => {
+                    evicting.push(i);
+                    return;
+                }
+                KeyState::Missing => {
+                    if !self.saving.claim(*k) {
+                        plan.in_flight += 1;
+                        return;
+                    }
+                    // A save that held the key may have reserved it between the look and the claim.
+                    if self.classify(reader, k) == KeyState::Missing {
+                        let at = plan.missing.partition_point(|&m| m < i);
+                        plan.missing.insert(at, i);
+                        plan.claimed.insert(at, *k);
+                        return;
+                    }
+                    self.saving.release(k);
+                }
+            }
+            crate::sync::spin_loop();
+        }
     }
 }

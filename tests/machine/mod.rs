@@ -308,8 +308,10 @@ struct SavePlan {
     resident: usize,
     in_flight: usize,
     duplicates: usize,
-    /// Free plus unpinned ready slots.
+    /// Free plus unpinned ready slots, less this save's resident blocks (the save pins them).
     available: usize,
+    /// This save's resident keys: never evicted by it.
+    resident_keys: Vec<u8>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -408,7 +410,7 @@ impl Machine {
                 let want = (n as usize).min(self.model.evictable().len());
                 let got = self.tier.evict(n as usize);
                 assert_eq!(got, want, "evict({n}) with {} evictable ({})", self.model.evictable().len(), self.policy);
-                self.observe_evictions(want, "evict");
+                self.observe_evictions(want, "evict", &[]);
             }
             Op::Resize { capacity } => self.resize(capacity.clamp(1, MAX_CAPACITY)),
         }
@@ -432,7 +434,14 @@ impl Machine {
     /// Classifies a save's keys as the tier's plan must (refreshing resident blocks' recency).
     fn plan_save(&mut self, keys: &[u8]) -> SavePlan {
         let m = &mut self.model;
-        let mut plan = SavePlan { missing: Vec::new(), resident: 0, in_flight: 0, duplicates: 0, available: 0 };
+        let mut plan = SavePlan {
+            missing: Vec::new(),
+            resident: 0,
+            in_flight: 0,
+            duplicates: 0,
+            available: 0,
+            resident_keys: vec![],
+        };
         let mut seen = BTreeSet::new();
         for (i, &k) in keys.iter().enumerate() {
             if !seen.insert(k) {
@@ -441,6 +450,7 @@ impl Machine {
                 let t = m.tick();
                 m.ready.get_mut(&k).unwrap().tick = t;
                 plan.resident += 1;
+                plan.resident_keys.push(k);
             } else if m.writing.contains(&k) {
                 plan.in_flight += 1;
             } else {
@@ -450,14 +460,15 @@ impl Machine {
         m.stats.save_skipped_resident += plan.resident as u64;
         m.stats.save_skipped_in_flight += plan.in_flight as u64;
         m.stats.save_skipped_duplicate += plan.duplicates as u64;
-        plan.available = m.free() + m.ready.len() - m.pinned();
+        let protected = plan.resident_keys.iter().filter(|k| m.ready[k].pins == 0).count();
+        plan.available = m.free() + m.ready.len() - m.pinned() - protected;
         plan
     }
 
     /// The tier evicted `n` blocks just now: checks that they were unpinned ready blocks (for LRU:
     /// exactly the `n` least recently used) and removes them from the model.
-    fn observe_evictions(&mut self, n: usize, what: &str) {
-        let cands = self.model.evictable();
+    fn observe_evictions(&mut self, n: usize, what: &str, protect: &[u8]) {
+        let cands: Vec<u8> = self.model.evictable().into_iter().filter(|k| !protect.contains(k)).collect();
         let gone: Vec<u8> =
             self.model.ready.keys().copied().filter(|&k| !self.tier.contains(&self.keys[k as usize])).collect();
         assert_eq!(gone.len(), n, "{what} ({}): evicted {gone:?}, expected {n} blocks", self.policy);
@@ -532,7 +543,7 @@ impl Machine {
         self.model.stats.save_dropped += t.dropped as u64;
         let saved: Vec<u8> = t.saving.iter().map(|&i| ks[i]).collect();
         let evicted = saved.len().saturating_sub(self.model.free());
-        self.observe_evictions(evicted, "save");
+        self.observe_evictions(evicted, "save", &plan.resident_keys);
         for &k in &saved {
             assert!(self.model.writing.insert(k));
         }
