@@ -858,7 +858,7 @@ impl Rank {
         };
         let completion = submitted.inspect_err(|_| add(core.counters.failed(dir), n))?;
         let bytes = n * core.geometry.block_bytes();
-        let handle = HandleShared::new(batch.len(), bytes);
+        let handle = HandleShared::with_event(batch.len(), bytes, completion.shared_event());
         self.inflight.load(dir).fetch_add(n, Ordering::Relaxed);
         let core2 = core.clone();
         let inf = self.inflight.clone();
