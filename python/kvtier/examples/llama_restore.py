@@ -277,9 +277,9 @@ class Bench:
         suffix_equal = state["suffix_first"] == state["warm_first"]
 
         # 5. Torch baselines from pinned memory, in the engine's layout ([arena, tokens, heads, dim]).
-        host = torch.empty((len(kv.arenas), prefix, kv.kv_heads, kv.head_dim), dtype=kv.dtype)
-        if dev.type == "cuda":
-            host = host.pin_memory()
+        host = torch.empty(
+            (len(kv.arenas), prefix, kv.kv_heads, kv.head_dim), dtype=kv.dtype, pin_memory=dev.type == "cuda"
+        )
         for a, r in enumerate(reference):
             host[a].copy_(r)
         del reference
@@ -324,6 +324,8 @@ class Bench:
         staged_only_s = series(staged_copy)
         contiguous_s = series(lambda: contiguous.copy_(host, non_blocking=True))
         del staging, contiguous, host
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
         gbps = lambda s: restore_bytes / statistics.median(s) / 1e9  # noqa: E731
         checks = {
