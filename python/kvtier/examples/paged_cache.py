@@ -79,8 +79,12 @@ class PagedKV:
         if need > len(page_table):
             raise ValueError(f"tokens up to {end} need {need} pages; the page table has {len(page_table)}")
         table = torch.as_tensor(list(page_table[:need]), dtype=torch.int64)
-        pos = torch.arange(start, end, dtype=torch.int64)
-        return (table[pos // self.page_tokens] * self.page_tokens + pos % self.page_tokens).to(self.device)
+        if self.device.type == "cuda":
+            # Pinned and asynchronous: a pageable copy would block the host until everything queued
+            # before it on the stream (e.g. a restore it waits for) has finished.
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        pos = torch.arange(start, end, dtype=torch.int64, device=self.device)
+        return table[pos // self.page_tokens] * self.page_tokens + pos % self.page_tokens
 
     def page_rows(self, pages: Sequence[int]) -> torch.Tensor:
         """Row indices of every token of ``pages`` in order (``len(pages) * page_tokens`` rows)."""
