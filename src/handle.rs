@@ -5,7 +5,13 @@
 //! dropped). So once a save's handle is done, a query finds the blocks; once a restore's handle is
 //! done, the GPU pages hold the bytes. Waiting with a timeout never frees anything: memory is
 //! released only by completion.
+//!
+//! A handle of a CUDA copy also carries the copy's completion event ([`CopyHandle::cuda_event`]):
+//! [`CopyHandle::stream_wait`] orders the engine's compute stream after the copy with no host
+//! sync, which is how an engine should consume a restore (the handle then completes on its own
+//! shortly after, when the tier has released the copy's pins).
 
+use crate::copy::CopyEvent;
 use crate::error::{CopyError, TierError};
 use std::future::Future;
 use std::pin::Pin;
@@ -29,16 +35,24 @@ pub(crate) struct HandleShared {
     submitted_at: Instant,
     blocks: usize,
     bytes: u64,
+    /// The copy's device event, shared with the backend's completion (kept alive by the handle).
+    event: Option<Arc<dyn CopyEvent>>,
 }
 
 impl HandleShared {
     pub(crate) fn new(blocks: usize, bytes: u64) -> Arc<Self> {
+        Self::with_event(blocks, bytes, None)
+    }
+
+    /// A handle state carrying the copy's device event (from [`crate::Completion::shared_event`]).
+    pub(crate) fn with_event(blocks: usize, bytes: u64, event: Option<Arc<dyn CopyEvent>>) -> Arc<Self> {
         Arc::new(HandleShared {
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             submitted_at: Instant::now(),
             blocks,
             bytes,
+            event,
         })
     }
 
@@ -149,6 +163,39 @@ impl CopyHandle {
         }
     }
 
+    /// The raw `CUevent` recorded on the backend's stream after this copy, for an engine that
+    /// orders its own work with its CUDA binding (`cudaStreamWaitEvent`, or
+    /// [`CopyHandle::stream_wait`]). Valid while any clone of this handle lives. `None` for copies
+    /// without a device event: the host backend, and handles of batches that copied nothing.
+    ///
+    /// Ordering on the event covers the copy's bytes only: a failed copy also completes its event,
+    /// so check [`CopyHandle::wait`] (or [`CopyHandle::try_result`]) before trusting the pages.
+    pub fn cuda_event(&self) -> Option<u64> {
+        self.shared.event.as_ref().map(|e| e.raw())
+    }
+
+    /// Makes all work queued on the raw `CUstream` `stream` after this call wait for the copy,
+    /// with no host synchronisation (`cuStreamWaitEvent` on [`CopyHandle::cuda_event`]); the
+    /// calling thread's current CUDA context is left as it was. For a copy without a device event
+    /// (the host backend; an empty batch) it blocks until the copy is complete instead, so the
+    /// caller may read the pages when it returns in either case; `stream` is then not used.
+    ///
+    /// # Errors
+    /// The copy's failure if it has already failed ([`TierError::Copy`]); a driver error from
+    /// `cuStreamWaitEvent` ([`CopyError::Device`]). A copy that fails after the wait was queued
+    /// is reported by [`CopyHandle::wait`], not here.
+    pub fn stream_wait(&self, stream: u64) -> Result<(), TierError> {
+        match &self.shared.event {
+            Some(ev) => {
+                if let Some(r) = self.try_result() {
+                    r?;
+                }
+                ev.stream_wait(stream).map_err(TierError::Copy)
+            }
+            None => self.wait(),
+        }
+    }
+
     /// Time from submission to completion, once complete.
     pub fn latency(&self) -> Option<Duration> {
         let st = self.shared.state.lock().expect("handle lock");
@@ -176,7 +223,11 @@ impl Future for CopyHandle {
 
 impl std::fmt::Debug for CopyHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyHandle").field("blocks", &self.blocks()).field("done", &self.is_done()).finish()
+        f.debug_struct("CopyHandle")
+            .field("blocks", &self.blocks())
+            .field("done", &self.is_done())
+            .field("cuda_event", &self.cuda_event())
+            .finish()
     }
 }
 
@@ -199,5 +250,68 @@ mod tests {
         shared.complete(&Ok(()));
         assert_eq!(ran.load(Ordering::Relaxed), 1, "the callback after the panicking one ran");
         assert!(h.wait().is_ok());
+    }
+
+    /// A stand-in device event that counts its waits and drops.
+    struct FakeEvent {
+        waits: Arc<AtomicUsize>,
+        drops: Arc<AtomicUsize>,
+    }
+    impl CopyEvent for FakeEvent {
+        fn raw(&self) -> u64 {
+            0xe7e7
+        }
+        fn stream_wait(&self, stream: u64) -> Result<(), CopyError> {
+            assert_eq!(stream, 0x5_7ea3);
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+    impl Drop for FakeEvent {
+        fn drop(&mut self) {
+            self.drops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn the_event_lives_as_long_as_a_handle_and_stream_wait_uses_it() {
+        let (waits, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let ev: Arc<dyn CopyEvent> = Arc::new(FakeEvent { waits: waits.clone(), drops: drops.clone() });
+        let shared = HandleShared::with_event(2, 64, Some(ev.clone()));
+        drop(ev); // the backend's completion is gone: the handle alone owns the event now
+        let h = CopyHandle::new(shared.clone());
+        let h2 = h.clone();
+        assert_eq!(h.cuda_event(), Some(0xe7e7));
+        // Pending copy: the stream waits on the event, the host does not.
+        h.stream_wait(0x5_7ea3).unwrap();
+        assert_eq!(waits.load(Ordering::Relaxed), 1);
+        assert!(!h.is_done());
+        shared.complete(&Ok(()));
+        drop(shared);
+        drop(h);
+        assert_eq!(drops.load(Ordering::Relaxed), 0, "a clone of the handle still holds the event");
+        assert_eq!(h2.cuda_event(), Some(0xe7e7));
+        drop(h2);
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn stream_wait_reports_a_failed_copy_and_waits_on_the_host_without_an_event() {
+        let (waits, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let shared = HandleShared::with_event(1, 16, Some(Arc::new(FakeEvent { waits: waits.clone(), drops })));
+        shared.complete(&Err(CopyError::Device { call: "kernel".into(), message: "boom".into() }));
+        let e = CopyHandle::new(shared).stream_wait(0x5_7ea3).unwrap_err();
+        assert!(matches!(e, TierError::Copy(CopyError::Device { .. })), "{e:?}");
+        assert_eq!(waits.load(Ordering::Relaxed), 0, "no wait is queued on a failed copy");
+
+        // No event (host backend): stream_wait blocks until the copy completes on another thread.
+        let shared = HandleShared::new(1, 16);
+        let h = CopyHandle::new(shared.clone());
+        assert_eq!(h.cuda_event(), None);
+        let t = std::thread::spawn(move || shared.complete(&Ok(())));
+        h.stream_wait(0).unwrap();
+        assert!(h.is_done());
+        t.join().unwrap();
+        assert_eq!(CopyHandle::ready().cuda_event(), None);
     }
 }

@@ -5,12 +5,14 @@
 //! whole prefix, not just 64 tokens). A [`Namespace`] is a 16-byte digest of the layout facts (model,
 //! tokens per page, each arena's name and copy unit); every key is folded with it
 //! ([`Namespace::key`]), so two engines whose layouts differ can never hit each other's blocks.
+//! An engine that already hashes its blocks (a 16-byte lineage hash, a 32-byte SHA-256, a 64-bit
+//! integer, ...) passes those bytes to [`Namespace::key_from_bytes`].
 //!
 //! Hashing is XXH3-128 (`xxhash-rust`), the hash public engines already use for block lineage.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed, Xxh3Default};
 
 /// The 16-byte content key of one block, already folded with its [`Namespace`].
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
@@ -92,6 +94,19 @@ impl Namespace {
         ContentKey(xxh3_128(&buf).to_le_bytes())
     }
 
+    /// Folds an engine's own block hash of any length into this namespace:
+    /// `XXH3-128(namespace || bytes)` (the 16 namespace bytes, then `bytes`, no length prefix or
+    /// separator), as little-endian bytes. For a 16-byte `bytes` this is exactly [`Namespace::key`],
+    /// so engines may switch between the two. The engine's hash should name the block's whole
+    /// prefix (a lineage hash): equal bytes mean interchangeable blocks. An empty `bytes` is a
+    /// valid (if useless) key.
+    pub fn key_from_bytes(&self, bytes: &[u8]) -> ContentKey {
+        let mut h = Xxh3Default::new();
+        h.update(&self.0);
+        h.update(bytes);
+        ContentKey(h.digest128().to_le_bytes())
+    }
+
     /// The key of page `page_in_block` of a trace block `block_hash` (the Mooncake trace's
     /// `hash_ids` entries): raw key = `block_hash` (LE u64) || `page_in_block` (LE u64).
     #[inline]
@@ -138,6 +153,28 @@ mod tests {
         let (lo, hi) = k.words();
         assert_eq!(ContentKey::from_words(lo, hi), k);
         assert_eq!(lo, 0x0807_0605_0403_0201);
+    }
+
+    #[test]
+    fn key_from_bytes_is_xxh3_of_namespace_then_bytes() {
+        let ns = Namespace::from_description(b"m");
+        let raw: [u8; 16] = core::array::from_fn(|i| i as u8 * 7);
+        // 16 bytes: the same key as Namespace::key.
+        assert_eq!(ns.key_from_bytes(&raw), ns.key(&raw));
+        // Any length: XXH3-128 over the concatenation (streamed, so long hashes are not copied).
+        for len in [0usize, 1, 8, 32, 240, 241, 1000] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let mut cat = ns.0.to_vec();
+            cat.extend_from_slice(&bytes);
+            assert_eq!(ns.key_from_bytes(&bytes), ContentKey(xxh3_128(&cat).to_le_bytes()), "len {len}");
+        }
+        let other = Namespace::from_description(b"n");
+        assert_ne!(ns.key_from_bytes(b"block-hash"), other.key_from_bytes(b"block-hash"));
+        assert_ne!(ns.key_from_bytes(b"block-hash"), ns.key_from_bytes(b"block-hasH"));
+        // A fixed value (16 zero namespace bytes, then b"kvtier"), so a change of hash, byte order
+        // or concatenation order is caught.
+        let fixed = Namespace([0u8; 16]).key_from_bytes(b"kvtier");
+        assert_eq!(fixed.to_string(), "d2f850f29ca241b996008cdd90cec5bb");
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub(crate) mod sync;
 pub mod tier;
 pub mod trace;
 
-pub use copy::{Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
+pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, WaitFor};
 pub use error::{CopyError, Error, GeometryError, IndexError, PoolError, TierError, TraceError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};

@@ -444,3 +444,45 @@ fn bind_pool_through_a_real_host_pool() {
     // The pool drains and unregisters on drop.
     drop(pool);
 }
+
+/// A tier restore's handle orders the engine's stream with no host sync: the restore waits for a
+/// slow reader of the pages' old contents, the engine stream waits on the handle
+/// (`CopyHandle::stream_wait`), and a reader queued there right away sees the restored bytes. The
+/// handle keeps the event valid after the copy's completion is gone.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn tier_handle_stream_wait_orders_the_engine_stream() {
+    use kvtier::{HostTier, TierConfig};
+    let g = Geometry::preset("llama3-8b", 64).unwrap();
+    let arenas = Arc::new(CudaArenas::new(0, &g, CudaOptions::default()).unwrap());
+    let tier = HostTier::new(TierConfig::new(g.clone(), 16 * g.slot_bytes())).unwrap();
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    kvtier::cuda::raw::bind_device(0).unwrap();
+    let (readers, compute) = (new_stream(), new_stream());
+    let ns = tier.namespace();
+    let (old, new): (Vec<ContentKey>, Vec<ContentKey>) = (
+        (0..8u32).map(|i| ns.key_from_bytes(format!("old-{i}").as_bytes())).collect(),
+        (0..8u32).map(|i| ns.key_from_bytes(format!("new-{i}").as_bytes())).collect(),
+    );
+    let (src, dst): (Vec<u64>, Vec<u64>) = ((0..8).collect(), vec![41, 17, 33, 9, 60, 22, 50, 12]);
+    arenas.fill(&src, &new).unwrap();
+    let saved = rank.save(&new, &src, WaitFor::Nothing).unwrap();
+    assert!(saved.handle.cuda_event().is_some());
+    saved.handle.wait().unwrap();
+    arenas.fill(&dst, &old).unwrap();
+    let old_reader = arenas.pattern_on(readers, &dst, &old, true, 30_000_000).unwrap();
+    let lease = tier.query(&new);
+    assert_eq!(lease.len(), 8);
+    let h = rank.restore(&lease, &dst, WaitFor::CudaEvent(record(readers))).unwrap();
+    h.stream_wait(compute).unwrap();
+    let new_reader = arenas.pattern_on(compute, &dst, &new, true, 0).unwrap();
+    new_reader.wait().unwrap();
+    old_reader.wait().unwrap();
+    h.wait().unwrap();
+    // The completion is gone (the rank's thread dropped it); the handle still owns the event.
+    let ev = h.cuda_event().expect("a CUDA copy has an event");
+    // SAFETY: the event is live while `h` is.
+    unsafe { kvtier::cuda::raw::ck("cuEventSynchronize", sys::cuEventSynchronize(ev as _)).unwrap() };
+    h.stream_wait(compute).unwrap();
+    h.stream_wait(0).unwrap(); // the legacy default stream
+}

@@ -16,8 +16,9 @@ use memmap2::MmapMut;
 use std::sync::Arc;
 
 /// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
-/// out as the geometry says. Pages are not touched until written, so a large page count costs
-/// address space, not memory.
+/// out as the geometry says ([`HostArenas::new`]), or memory the caller owns
+/// ([`HostArenas::from_binding`]). Mapped pages are not touched until written, so a large page
+/// count costs address space, not memory.
 pub struct HostArenas {
     geometry: Geometry,
     _buffers: Vec<MmapMut>,
@@ -61,6 +62,28 @@ impl HostArenas {
         }
         let binding = ArenaBinding::new(geometry, bases).map_err(|e: GeometryError| Error::Geometry(e))?;
         Ok(HostArenas { geometry: geometry.clone(), _buffers: buffers, binding })
+    }
+
+    /// Host arenas over memory the caller owns (an engine's CPU KV tensors, numpy arrays, its own
+    /// allocations): arena `i` of `geometry` at `binding.bases()[i]`, page `p` at byte
+    /// `p * page_stride` from there. Nothing is allocated or freed; the arenas' placement is
+    /// ignored (the binding says where they are). Wrap the result in an `Arc` and make a backend
+    /// with [`EngineArenas::backend`] or [`HostBackend::new`].
+    ///
+    /// # Safety
+    /// For every arena, the `extent()` bytes from its base must be valid for reads and writes from
+    /// any thread, and stay valid until the returned value, every backend made from it and every
+    /// copy submitted through those have been dropped or completed (a tier's `Rank` drains its
+    /// copies when it is dropped or shut down). While a copy runs, nothing else may write the GPU
+    /// pages it reads (save) or access the pages it writes (restore), as for any backend.
+    ///
+    /// # Errors
+    /// [`Error::Geometry`] if `binding` does not fit `geometry` (base count, null or misaligned
+    /// base, overflow, overlapping arenas): the checks of [`ArenaBinding::new`].
+    pub unsafe fn from_binding(geometry: &Geometry, binding: ArenaBinding) -> Result<Self, Error> {
+        // Re-check against this geometry: a binding validated for another geometry proves nothing.
+        let binding = ArenaBinding::new(geometry, binding.bases().to_vec())?;
+        Ok(HostArenas { geometry: geometry.clone(), _buffers: Vec::new(), binding })
     }
 
     /// The geometry.
@@ -250,5 +273,67 @@ impl Completion for HostCompletion {
             job.run();
         }
         Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::geometry::ArenaSpec;
+    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::tier::{HostTier, TierConfig};
+
+    /// Two arenas of 64 B pages over caller-owned vectors: save, restore into other pages, and the
+    /// caller sees the bytes in its own memory.
+    #[test]
+    fn arenas_over_caller_memory_save_and_restore() {
+        let g = Geometry::new("caller", 4, vec![ArenaSpec::packed("k", 64, 8), ArenaSpec::packed("v", 32, 8)]).unwrap();
+        // u128 elements: 16-byte aligned.
+        let mut k = vec![0u128; 8 * 64 / 16];
+        let mut v = vec![0u128; 8 * 32 / 16];
+        let bind = ArenaBinding::new(&g, vec![k.as_mut_ptr() as u64, v.as_mut_ptr() as u64]).unwrap();
+        // Engine writes pages 1 and 2.
+        for (i, x) in k.iter_mut().enumerate().skip(4).take(8) {
+            *x = 1000 + i as u128;
+        }
+        for (i, x) in v.iter_mut().enumerate().skip(2).take(4) {
+            *x = 2000 + i as u128;
+        }
+        {
+            // SAFETY: k and v outlive the arenas, the rank (dropped at the end of this block, which
+            // drains its copies) and every copy; nothing touches them while a copy runs.
+            let arenas = Arc::new(unsafe { HostArenas::from_binding(&g, bind) }.unwrap());
+            let mut cfg = TierConfig::new(g.clone(), 4 * g.slot_bytes());
+            cfg.pool = PoolConfig { bytes: 4 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+            let tier = HostTier::new(cfg).unwrap();
+            let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+            let ns = tier.namespace();
+            let keys = [ns.key_from_bytes(b"page-1"), ns.key_from_bytes(b"page-2")];
+            rank.save(&keys, &[1, 2], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+            let lease = tier.query(&keys);
+            assert_eq!(lease.len(), 2);
+            let h = rank.restore(&lease, &[7, 5], WaitFor::Nothing).unwrap();
+            assert_eq!(h.cuda_event(), None);
+            h.stream_wait(0).unwrap(); // host backend: waits on the host
+            assert!(h.is_done());
+        }
+        // Page 1 -> page 7, page 2 -> page 5, in both arenas.
+        assert_eq!(&k[28..32], &k[4..8]);
+        assert_eq!(&k[20..24], &k[8..12]);
+        assert_eq!(&v[14..16], &v[2..4]);
+        assert_eq!(&v[10..12], &v[4..6]);
+        assert_eq!(k[28], 1004);
+        assert_eq!(v[11], 2005);
+        assert_eq!(k[0], 0, "untouched pages stay untouched");
+    }
+
+    #[test]
+    fn from_binding_rechecks_the_binding_against_the_geometry() {
+        let g = Geometry::new("caller", 4, vec![ArenaSpec::packed("k", 64, 8), ArenaSpec::packed("v", 64, 8)]).unwrap();
+        let one = Geometry::new("one", 4, vec![ArenaSpec::packed("k", 64, 8)]).unwrap();
+        let b = ArenaBinding::new(&one, vec![0x1000]).unwrap();
+        // SAFETY: rejected before anything could use the address.
+        let e = unsafe { HostArenas::from_binding(&g, b) }.err().expect("base count differs");
+        assert!(matches!(e, Error::Geometry(GeometryError::BaseCount { got: 1, want: 2 })), "{e:?}");
     }
 }

@@ -13,7 +13,8 @@
 //! [`WaitFor`] names what a copy must wait for before it reads or writes GPU pages: for a save, the
 //! kernels that wrote the pages; for a restore into recycled pages, the readers of their old
 //! contents. A completion can expose a CUDA event ([`Completion::cuda_event`]) that the engine's
-//! compute stream waits on before it reads restored pages.
+//! compute stream waits on before it reads restored pages; [`Completion::shared_event`] hands out
+//! shared ownership of it, so a [`crate::CopyHandle`] keeps it valid after the completion is gone.
 
 pub mod fault;
 pub mod host;
@@ -21,6 +22,7 @@ pub mod host;
 use crate::error::CopyError;
 use crate::geometry::Geometry;
 use crate::pool::HostPool;
+use std::sync::Arc;
 
 /// One block to move: GPU page `gpu_page` (in every arena) <-> host slot `slot`.
 ///
@@ -82,10 +84,33 @@ pub trait Completion: Send {
     /// # Errors
     /// The copy's failure; the destination bytes are then unspecified.
     fn wait(&mut self) -> Result<(), CopyError>;
-    /// A `CUevent` recorded after the copy, for the engine's stream to wait on (CUDA only).
+    /// A `CUevent` recorded after the copy, for the engine's stream to wait on (CUDA only). Valid
+    /// while the completion lives; [`Completion::shared_event`] keeps it valid longer.
     fn cuda_event(&self) -> Option<u64> {
+        self.shared_event().map(|e| e.raw())
+    }
+    /// The event recorded after the copy, shared: it stays valid (not destroyed) while any clone
+    /// of the returned `Arc` lives, also after the completion is dropped. `None` for backends
+    /// without device events (the host backend).
+    fn shared_event(&self) -> Option<Arc<dyn CopyEvent>> {
         None
     }
+}
+
+/// A device event recorded on a backend's stream after one copy (see
+/// [`Completion::shared_event`]). Destroyed when the last owner drops it (a pending event may be
+/// destroyed: the driver releases it when it completes).
+pub trait CopyEvent: Send + Sync {
+    /// The raw `CUevent` handle.
+    fn raw(&self) -> u64;
+    /// Makes all work queued on `stream` (a raw `CUstream` of any context; 0 is the legacy default
+    /// stream of the event's device) after this call wait for the copy, with no host
+    /// synchronisation (`cuStreamWaitEvent`). The calling thread's current context is left as it
+    /// was.
+    ///
+    /// # Errors
+    /// [`CopyError::Device`] from the driver (e.g. an invalid stream handle).
+    fn stream_wait(&self, stream: u64) -> Result<(), CopyError>;
 }
 
 /// A batched block mover for one rank (one device and its arenas).

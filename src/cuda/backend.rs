@@ -9,11 +9,12 @@
 //! A batch is: validate on the host ([`validate_batch`]: no out-of-range id reaches a kernel) ->
 //! `cuStreamWaitEvent` for its [`WaitFor`] -> pair upload (large batches) -> one kernel launch (zero
 //! copy: the kernel reads and writes host slots through the pool's device alias) -> event record.
-//! The completion owns the event; `wait` is `cuEventSynchronize`.
+//! The completion shares the event with the tier's handles ([`Completion::shared_event`]), so an
+//! engine's stream can wait on it after the completion is gone; `wait` is `cuEventSynchronize`.
 
 use super::desc::{self, KvtCopyArgs, KvtPair, COPY_THREADS, FLAG_SLOT_IS_INDEX, INLINE_PAIRS};
 use super::device::{ck, launch, Device, DeviceBuffer, Event, Stream};
-use crate::copy::{validate_batch, Completion, CopyBackend, CopyPair, Direction, WaitFor};
+use crate::copy::{validate_batch, Completion, CopyBackend, CopyEvent, CopyPair, Direction, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::{ArenaBinding, Geometry};
 use crate::pool::{HostPool, PoolRegion};
@@ -530,7 +531,12 @@ impl CudaBackend {
             }
             return Err(e);
         }
-        Ok(Box::new(CudaCompletion { event, desc, inner: self.inner.clone(), done: false }))
+        Ok(Box::new(CudaCompletion {
+            event: Arc::new(BatchEvent(event)),
+            desc,
+            inner: self.inner.clone(),
+            done: false,
+        }))
     }
 
     /// Staged mode: the pieces of [`pieces`], alternating between the two halves of the staging
@@ -707,9 +713,22 @@ impl CopyBackend for CudaBackend {
     }
 }
 
+/// The completion event of one batch, owned by its [`CudaCompletion`] and by every handle that
+/// took it ([`Completion::shared_event`]); destroyed when the last owner drops it.
+struct BatchEvent(Event);
+
+impl CopyEvent for BatchEvent {
+    fn raw(&self) -> u64 {
+        self.0.raw as u64
+    }
+    fn stream_wait(&self, stream: u64) -> Result<(), CopyError> {
+        self.0.stream_wait(stream as sys::CUstream)
+    }
+}
+
 /// A submitted CUDA batch: its completion event, and the descriptor buffer it reads.
 struct CudaCompletion {
-    event: Event,
+    event: Arc<BatchEvent>,
     desc: Option<DescBuf>,
     inner: Arc<Inner>,
     done: bool,
@@ -729,7 +748,7 @@ impl Completion for CudaCompletion {
         if self.done {
             return Ok(true);
         }
-        match self.event.query() {
+        match self.event.0.query() {
             Ok(true) => {
                 self.finish();
                 Ok(true)
@@ -746,12 +765,12 @@ impl Completion for CudaCompletion {
         if self.done {
             return Ok(());
         }
-        let r = self.event.synchronize();
+        let r = self.event.0.synchronize();
         self.finish();
         r
     }
-    fn cuda_event(&self) -> Option<u64> {
-        Some(self.event.raw as u64)
+    fn shared_event(&self) -> Option<Arc<dyn CopyEvent>> {
+        Some(self.event.clone())
     }
 }
 
@@ -759,7 +778,7 @@ impl Drop for CudaCompletion {
     fn drop(&mut self) {
         if !self.done {
             // Never release the descriptor buffer under a running copy.
-            let _ = self.event.synchronize();
+            let _ = self.event.0.synchronize();
             self.finish();
         }
     }

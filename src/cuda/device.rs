@@ -407,6 +407,21 @@ impl Event {
         ck("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw) })
     }
 
+    /// Makes `stream` (any context's; 0 = the legacy default stream of this event's device) wait
+    /// for the event without a host sync. The device's primary context is pushed for the call and
+    /// popped after it, so the calling thread's current context (an engine's) is left as it was.
+    pub fn stream_wait(&self, stream: sys::CUstream) -> Result<(), CopyError> {
+        // SAFETY: ctx is a retained primary context (valid for the process); the push is undone
+        // by the pop below on every path; raw is a live event; the stream is the caller's.
+        unsafe {
+            ck("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(self.dev.ctx))?;
+            let r = ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, self.raw, 0));
+            let mut popped: sys::CUcontext = std::ptr::null_mut();
+            let p = ck("cuCtxPopCurrent", sys::cuCtxPopCurrent_v2(&mut popped));
+            r.and(p)
+        }
+    }
+
     /// True if the event has completed.
     pub fn query(&self) -> Result<bool, CopyError> {
         self.dev.bind()?;

@@ -250,7 +250,7 @@ impl Rank {
                 return Err(e.into());
             }
         };
-        let handle = HandleShared::new(batch.len(), bytes);
+        let handle = HandleShared::with_event(batch.len(), bytes, completion.shared_event());
         self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
         self.inflight.begin();
         let job = Job { completion, settle, dir, blocks, bytes, handle: handle.clone() };

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The Python package: builds the abi3 wheel with maturin, checks it (size, tags, no torch or CUDA
+# dependency), installs it into a fresh virtual environment with pinned test dependencies, and runs
+# the CPU pytest suite (python/tests: the host backend, every error kind, the GIL test, and the
+# tiny-Llama end-to-end test with torch + transformers). GPU tests skip without CUDA.
+#
+# Usage: ci/python.sh [--no-torch]    --no-torch: skip installing torch and transformers (about
+#                                     3.5 GB, 1.5 min); the end-to-end test then skips.
+# Environment: PYTHON (default python3), CARGO_TARGET_DIR (cargo's), WHEEL_DIR (default
+# target/wheels: the wheel is left there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+py=${PYTHON:-python3}
+wheels=${WHEEL_DIR:-$repo/target/wheels}
+torch_pins=(torch==2.11.0 transformers==5.17.0)
+test_pins=(pytest==9.2.0 numpy==2.4.6)
+maturin_pin=maturin==1.16.0
+with_torch=1
+[[ ${1:-} == --no-torch ]] && with_torch=0
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+step() { printf '\n--- %s (%s UTC)\n' "$1" "$(date -u +%T)"; }
+
+step "build the wheel (maturin, release, abi3)"
+"$py" -m venv "$work/build"
+"$work/build/bin/pip" install -q --disable-pip-version-check "$maturin_pin"
+rm -f "$wheels"/kvtier-*.whl
+"$work/build/bin/maturin" build --release -m python/Cargo.toml -o "$wheels"
+wheel=$(ls "$wheels"/kvtier-*.whl)
+
+step "check the wheel"
+bytes=$(stat -c %s "$wheel")
+echo "$(basename "$wheel"): $bytes B"
+if ((bytes >= 2000000)); then
+    echo "FAIL: the wheel is $bytes B; the target is under 2 MB"
+    exit 1
+fi
+case $(basename "$wheel") in
+*-cp310-abi3-manylinux_*_x86_64.whl) ;;
+*)
+    echo "FAIL: expected a cp310-abi3 manylinux wheel"
+    exit 1
+    ;;
+esac
+unzip -q -o "$wheel" -d "$work/unpacked"
+if grep '^Requires-Dist:' "$work"/unpacked/kvtier-*.dist-info/METADATA | grep -v 'extra =='; then
+    echo "FAIL: the wheel has runtime dependencies"
+    exit 1
+fi
+needed=$(readelf -d "$work"/unpacked/kvtier/_kvtier*.so | grep NEEDED || true)
+echo "$needed"
+if grep -Eiq 'libcuda|libnvrtc|libtorch|libpython' <<<"$needed"; then
+    echo "FAIL: the extension links CUDA, torch or libpython (it must load CUDA at run time)"
+    exit 1
+fi
+
+step "install into a fresh virtual environment"
+"$py" -m venv "$work/test"
+pip=("$work/test/bin/pip" install -q --disable-pip-version-check)
+start=$(date +%s)
+"${pip[@]}" "$wheel" "${test_pins[@]}"
+if ((with_torch)); then
+    "${pip[@]}" "${torch_pins[@]}"
+fi
+echo "installed in $(($(date +%s) - start)) s"
+# Outside the source tree, so `kvtier` is the installed package.
+cd "$work"
+"$work/test/bin/python" - <<'EOF'
+import time
+t0 = time.perf_counter()
+import kvtier
+g = kvtier.Geometry.preset("llama3-8b", 1024)
+tier = kvtier.Tier(g, 4 << 30)
+print(f"import + 4 GiB tier: {time.perf_counter() - t0:.3f} s ({tier})")
+EOF
+
+step "pytest (CPU)"
+"$work/test/bin/python" -m pytest -q -p no:cacheprovider "$repo/python/tests"

@@ -1,0 +1,48 @@
+"""kvtier: a host-memory tier for LLM inference engines' KV caches.
+
+A *block* is one page of the engine's paged KV cache taken across every per-layer arena (for
+Llama-3-8B: the K and V tensors of 32 layers, 64 arenas of 32,768 B per 16-token page). kvtier
+saves blocks from GPU pages into a pinned host pool (device -> host, one kernel launch per batch),
+finds them again by 16-byte content key, and restores them into any free pages (host -> device),
+so a request whose prefix was seen before restores it instead of prefilling it.
+
+    import kvtier
+    geometry = kvtier.Geometry.from_tensors(kv, model="llama3-8b", page_tokens=16)
+    tier = kvtier.Tier(geometry, pool_bytes=8 << 30)
+    rank = tier.attach_cuda(0, kv)                   # kv: [k0, v0, k1, v1, ...], [pages*16, heads, dim]
+    keys = tier.namespace.keys(block_hashes)         # 16-byte keys from the engine's block hashes
+    rank.save(keys, pages, after_stream=torch.cuda.current_stream())
+    with tier.query(keys) as lease:                  # pins the longest resident prefix
+        h = rank.restore(lease, free_pages[: len(lease)], after_stream=torch.cuda.current_stream())
+        h.stream_wait(torch.cuda.current_stream())   # compute waits for the copy, no host sync
+
+See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
+:mod:`kvtier.errors`, all subclasses of :class:`KvtierError`.
+"""
+
+from ._kvtier import (
+    CopyHandle,
+    Geometry,
+    Lease,
+    Namespace,
+    Rank,
+    SaveTicket,
+    Tier,
+    __version__,
+    cuda_available,
+)
+from .errors import *  # noqa: F401,F403  (the exception classes)
+from .errors import __all__ as _errors_all
+
+__all__ = [
+    "Geometry",
+    "Namespace",
+    "Tier",
+    "Rank",
+    "Lease",
+    "CopyHandle",
+    "SaveTicket",
+    "cuda_available",
+    "__version__",
+    *_errors_all,
+]

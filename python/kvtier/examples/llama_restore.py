@@ -1,0 +1,469 @@
+"""A real transformer whose prefix KV is restored through kvtier, with bitwise-equal logits.
+
+A randomly initialised Llama model (``--config llama3-8b``: Llama-3-8B's shape, 32 layers, 8 KV
+heads of 128 dims, bf16, sdpa; ``--config tiny`` for CPUs) runs with its KV cache in paged
+per-layer tensors ``[pages * 16, kv_heads, head_dim]`` (``paged_cache.PagedKV``), which are kvtier's
+arenas (the ``llama3-8b`` preset layout: 64 arenas of 32,768 B per 16-token page).
+
+For each prefix length:
+
+1. **cold**: prefill the prefix, then the suffix; keep the suffix logits and the greedy tokens;
+2. save the prefix pages through kvtier (keys: lineage hashes of the pages' token ids);
+3. fill every GPU page with NaN, restore the prefix into *different*, shuffled free pages, run only
+   the suffix: the logits must be bitwise equal to the cold run's, the greedy tokens identical,
+   and the restored pages byte-identical to the saved ones;
+4. timings, median of ``--repeats`` after one warm-up: TTFT cold (prefix + suffix prefill to the
+   first token), TTFT warm through kvtier (query + restore + the compute stream waiting on the
+   restore's event + suffix), TTFT warm through plain torch from pinned memory (one copy per page
+   and arena; one copy into a staging buffer + ``index_copy_`` per arena), the suffix alone with the
+   prefix resident, and the restore alone in GB/s against a contiguous copy of the same bytes.
+
+Run it with ``python -m kvtier.examples.llama_restore --json results.json`` (needs torch and
+transformers; a CUDA GPU for the ``llama3-8b`` configuration, about 40 GB of GPU memory with the
+32k-token prefix). GB = 10^9 B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import kvtier
+
+from .paged_cache import PagedCache, PagedKV
+
+__all__ = ["CONFIGS", "build_model", "Bench", "main"]
+
+CONFIGS: Dict[str, dict] = {
+    # Llama-3-8B's shape (its KV layout is kvtier's `llama3-8b` preset).
+    "llama3-8b": dict(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    # Small enough for a CPU test (16-token pages of 2 KV heads x 32 dims x bf16 = 2,048 B).
+    "tiny": dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
+}
+
+PAGE_TOKENS = 16
+
+
+def build_model(config: str, device: torch.device, seed: int = 0):
+    """A randomly initialised ``LlamaForCausalLM`` of shape ``CONFIGS[config]`` in bf16 with sdpa
+    attention, on ``device``, from a fixed seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**CONFIGS[config], attn_implementation="sdpa", dtype=torch.bfloat16)
+    torch.manual_seed(seed)
+    # Parameters are created in bf16 on the device directly (no fp32 copy of 8B weights).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval(), cfg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for bitwise comparisons (NaN == NaN, -0 != +0)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _median_ms(samples: List[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+class Bench:
+    """One model, its paged KV memory, a kvtier tier and rank over the KV tensors, and the
+    measurements. ``max_prefix`` bounds the prefixes ``run_case`` accepts."""
+
+    def __init__(
+        self,
+        config: str = "tiny",
+        device: Optional[str] = None,
+        *,
+        max_prefix: int = 128,
+        suffix: int = 32,
+        greedy: int = 8,
+        seed: int = 0,
+        pool_bytes: Optional[int] = None,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.config, self.suffix, self.greedy, self.seed = config, suffix, greedy, seed
+        t0 = time.perf_counter()
+        self.model, self.cfg = build_model(config, self.device, seed)
+        self.model_init_s = time.perf_counter() - t0
+        c = self.cfg
+        prefix_pages = -(-max_prefix // PAGE_TOKENS)
+        self.tail_pages = -(-(suffix + greedy) // PAGE_TOKENS)
+        # A cold prefix, a disjoint warm prefix, the suffix/decode pages, and spare pages.
+        pages = 2 * prefix_pages + self.tail_pages + 16
+        self.kv = PagedKV(
+            c.num_hidden_layers,
+            pages,
+            c.num_key_value_heads,
+            c.head_dim,
+            page_tokens=PAGE_TOKENS,
+            dtype=torch.bfloat16,
+            device=self.device,
+        )
+        model_name = "Llama-3-8B" if config == "llama3-8b" else f"Llama/{config}"
+        self.geometry = kvtier.Geometry.from_tensors(
+            self.kv.arenas, model=model_name, page_tokens=PAGE_TOKENS, names=self.kv.arena_names
+        )
+        if config == "llama3-8b":
+            # The tensors reproduce the preset's layout, so their keys are the preset's.
+            assert self.geometry.namespace == kvtier.Geometry.preset("llama3-8b", pages).namespace
+        pool = pool_bytes or (prefix_pages + 8) * self.geometry.slot_bytes
+        t0 = time.perf_counter()
+        self.tier = kvtier.Tier(self.geometry, pool, "lru")
+        if self.device.type == "cuda":
+            self.rank = self.tier.attach_cuda(self.device.index or 0, self.kv.arenas)
+        else:
+            self.rank = self.tier.attach_host(self.kv.arenas)
+        self.attach_s = time.perf_counter() - t0
+
+    # -- the pieces a request runs ------------------------------------------------------------
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    @torch.no_grad()
+    def _forward(self, cache: PagedCache, ids: torch.Tensor, keep: int = 0):
+        return self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+
+    @torch.no_grad()
+    def _greedy(self, cache: PagedCache, first: int) -> List[int]:
+        toks = [first]
+        for _ in range(self.greedy - 1):
+            out = self._forward(cache, torch.tensor([[toks[-1]]], device=self.device), keep=1)
+            toks.append(int(out.logits[0, -1].argmax()))
+        return toks
+
+    def _keys(self, ids: List[int], pages: int) -> List[bytes]:
+        """Lineage keys of the first ``pages`` pages of a prompt."""
+        ns, keys, parent = self.tier.namespace, [], None
+        for p in range(pages):
+            parent = ns.chain(parent, ids[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
+            keys.append(parent)
+        return keys
+
+    # -- one prefix length ----------------------------------------------------------------------
+
+    def run_case(self, prefix: int, repeats: int = 5, warmup: int = 1) -> dict:
+        """Runs the cold / save / NaN / restore / warm protocol and the timings for a prefix of
+        ``prefix`` tokens (a multiple of 16). Returns a JSON-ready dict (times in ms, rates in GB/s,
+        ``checks``: the bitwise comparisons)."""
+        if prefix % PAGE_TOKENS:
+            raise ValueError(f"prefix {prefix} is not a whole number of {PAGE_TOKENS}-token pages")
+        dev, kv, T = self.device, self.kv, PAGE_TOKENS
+        pp = prefix // T
+        rng = random.Random(self.seed + prefix)
+        gen = torch.Generator().manual_seed(self.seed + prefix)
+        ids = torch.randint(0, self.cfg.vocab_size, (1, prefix + self.suffix), generator=gen)
+        id_list = ids[0].tolist()
+        ids = ids.to(dev)
+        prefix_ids, suffix_ids = ids[:, :prefix], ids[:, prefix:]
+        perm = list(range(kv.pages))
+        rng.shuffle(perm)  # pages as a paged allocator hands them out: scattered
+        cold_pages, warm_pages = perm[:pp], perm[pp : 2 * pp]
+        tail = perm[2 * pp : 2 * pp + self.tail_pages]
+        block_bytes = self.geometry.block_bytes
+        restore_bytes = pp * block_bytes
+
+        def timed(fn: Callable[[], object]) -> float:
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            return time.perf_counter() - t0
+
+        def series(fn: Callable[[], object], before: Callable[[], object] = lambda: None) -> List[float]:
+            out = []
+            for i in range(warmup + repeats):
+                before()
+                t = timed(fn)
+                if i >= warmup:
+                    out.append(t)
+            return out
+
+        # 1. Cold: prefix, then suffix (fresh cache each run).
+        state: dict = {}
+
+        def cold():
+            cache = PagedCache(kv, cold_pages + tail)
+            self._forward(cache, prefix_ids, keep=1)
+            out = self._forward(cache, suffix_ids)
+            state["cold_first"] = int(out.logits[0, -1].argmax())
+            state["cold_logits"], state["cold_cache"] = out.logits, cache
+
+        cold_s = series(cold)
+        cold_logits = state["cold_logits"].clone()
+        cold_tokens = self._greedy(state["cold_cache"], state["cold_first"])
+        del state["cold_cache"]
+
+        # 2. Save the prefix pages (after the kernels that wrote them).
+        keys = self._keys(id_list, pp)
+        ticket = self.rank.save(keys, cold_pages, after_stream=self._stream())
+        ticket.wait()
+        rows_cold, rows_warm = kv.page_rows(cold_pages), kv.page_rows(warm_pages)
+        reference = [a.index_select(0, rows_cold) for a in kv.arenas]  # the saved bytes, for checks
+
+        # 3. Warm through kvtier: NaN everywhere, restore into other pages, suffix only.
+        def nan():
+            kv.fill_(float("nan"))
+
+        def warm_kvtier():
+            stream = self._stream()
+            with self.tier.query(keys) as lease:
+                assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
+                h = self.rank.restore(lease, warm_pages, after_stream=stream)
+            h.stream_wait(stream if stream is not None else 0)  # no host sync on a GPU
+            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+            out = self._forward(cache, suffix_ids)
+            state["warm_first"] = int(out.logits[0, -1].argmax())
+            state["warm_logits"], state["warm_cache"], state["handle"] = out.logits, cache, h
+
+        warm_s = series(warm_kvtier, before=nan)
+        state["handle"].wait()
+        warm_logits = state["warm_logits"].clone()
+        restored = [a.index_select(0, rows_warm) for a in kv.arenas]
+        pages_equal = all(torch.equal(_bits(r), _bits(x)) for r, x in zip(reference, restored))
+        del restored
+        warm_tokens = self._greedy(state["warm_cache"], state["warm_first"])
+        del state["warm_cache"]
+
+        # 4. Suffix alone with the prefix resident (the lower bound).
+        def suffix_only():
+            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+            out = self._forward(cache, suffix_ids)
+            state["suffix_first"] = int(out.logits[0, -1].argmax())
+
+        nan()
+        with self.tier.query(keys) as lease:
+            self.rank.restore(lease, warm_pages).wait()
+        suffix_s = series(suffix_only)
+        suffix_equal = state["suffix_first"] == state["warm_first"]
+
+        # 5. Torch baselines from pinned memory, in the engine's layout ([arena, tokens, heads, dim]).
+        host = torch.empty(
+            (len(kv.arenas), prefix, kv.kv_heads, kv.head_dim), dtype=kv.dtype, pin_memory=dev.type == "cuda"
+        )
+        for a, r in enumerate(reference):
+            host[a].copy_(r)
+        del reference
+
+        def per_page_copy():
+            for a, arena in enumerate(kv.arenas):
+                src = host[a]
+                for i, p in enumerate(warm_pages):
+                    arena[p * T : (p + 1) * T].copy_(src[i * T : (i + 1) * T], non_blocking=True)
+
+        staging = torch.empty(host.shape, dtype=kv.dtype, device=dev)
+
+        def staged_copy():
+            staging.copy_(host, non_blocking=True)
+            for a, arena in enumerate(kv.arenas):
+                arena.index_copy_(0, rows_warm, staging[a])
+
+        def warm_torch(copy):
+            def run():
+                copy()
+                cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+                out = self._forward(cache, suffix_ids)
+                state["torch_first"] = int(out.logits[0, -1].argmax())
+                state["torch_logits"] = out.logits
+
+            return run
+
+        per_page_s = series(warm_torch(per_page_copy), before=nan)
+        per_page_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
+        staged_s = series(warm_torch(staged_copy), before=nan)
+        staged_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
+
+        # 6. The restore alone, against a contiguous copy of the same bytes (same run).
+        def kvtier_restore():
+            with self.tier.query(keys) as lease:
+                h = self.rank.restore(lease, warm_pages, after_stream=self._stream())
+            h.wait()
+
+        contiguous = torch.empty(host.shape, dtype=kv.dtype, device=dev)
+        restore_s = series(kvtier_restore)
+        per_page_only_s = series(per_page_copy)
+        staged_only_s = series(staged_copy)
+        contiguous_s = series(lambda: contiguous.copy_(host, non_blocking=True))
+        del staging, contiguous, host
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+        gbps = lambda s: restore_bytes / statistics.median(s) / 1e9  # noqa: E731
+        checks = {
+            "logits_bitwise_equal": torch.equal(_bits(warm_logits), _bits(cold_logits)),
+            "greedy_tokens_equal": warm_tokens == cold_tokens,
+            "restored_pages_byte_identical": pages_equal,
+            "logits_finite": bool(torch.isfinite(cold_logits.float()).all()),
+            "torch_per_page_logits_equal": per_page_equal,
+            "torch_staged_logits_equal": staged_equal,
+            "suffix_alone_first_token_equal": suffix_equal,
+        }
+        suffix_ms, contiguous_gbps = _median_ms(suffix_s), gbps(contiguous_s)
+        return {
+            "prefix_tokens": prefix,
+            "suffix_tokens": self.suffix,
+            "prefix_pages": pp,
+            "restore_bytes": restore_bytes,
+            "greedy_tokens": cold_tokens,
+            "warm_greedy_tokens": warm_tokens,
+            "checks": checks,
+            "ttft_ms": {
+                "cold": _median_ms(cold_s),
+                "warm_kvtier": _median_ms(warm_s),
+                "warm_torch_per_page": _median_ms(per_page_s),
+                "warm_torch_staged": _median_ms(staged_s),
+                "suffix_alone": suffix_ms,
+                "model_suffix_plus_contiguous_restore": suffix_ms + restore_bytes / contiguous_gbps / 1e6,
+            },
+            "saved": {"saving": len(ticket.saving), "resident": ticket.resident},
+            "restore_gbps": {
+                "kvtier": gbps(restore_s),
+                # The restore's share of the warm TTFT: bytes / (warm TTFT - suffix alone).
+                "kvtier_inside_ttft": restore_bytes / max(_median_ms(warm_s) - suffix_ms, 1e-6) / 1e6,
+                "torch_per_page": gbps(per_page_only_s),
+                "torch_staged": gbps(staged_only_s),
+                "contiguous_copy": contiguous_gbps,
+            },
+            "samples_ms": {
+                k: [x * 1e3 for x in v]
+                for k, v in {
+                    "cold": cold_s,
+                    "warm_kvtier": warm_s,
+                    "warm_torch_per_page": per_page_s,
+                    "warm_torch_staged": staged_s,
+                    "suffix_alone": suffix_s,
+                    "restore_kvtier": restore_s,
+                    "restore_torch_per_page": per_page_only_s,
+                    "restore_torch_staged": staged_only_s,
+                    "contiguous_copy": contiguous_s,
+                }.items()
+            },
+            "repeats": repeats,
+            "warmup": warmup,
+        }
+
+    def environment(self) -> dict:
+        env = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "config": self.config,
+            "device": str(self.device),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "kvtier": kvtier.__version__,
+            "model_init_s": self.model_init_s,
+            "tier_and_attach_s": self.attach_s,
+            "pool_capacity_blocks": self.tier.capacity,
+            "pool_backing": self.tier.backing,
+            "block_bytes": self.geometry.block_bytes,
+            "arenas": len(self.geometry),
+        }
+        try:
+            import transformers
+
+            env["transformers"] = transformers.__version__
+        except ImportError:  # pragma: no cover
+            pass
+        if self.device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(self.device)
+        return env
+
+    def close(self) -> None:
+        self.rank.close()
+
+
+def markdown(results: List[dict]) -> str:
+    """The results as a markdown table (times in ms, rates in GB/s)."""
+    head = (
+        "| prefix tokens | TTFT cold | TTFT warm (kvtier) | TTFT warm (torch per-page) | TTFT warm (torch staging) "
+        "| suffix alone | suffix + bytes / contiguous rate | restore kvtier GB/s | torch per-page GB/s "
+        "| torch staging GB/s | contiguous copy GB/s | bitwise checks |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    rows = []
+    for r in results:
+        t, g = r["ttft_ms"], r["restore_gbps"]
+        ok = all(r["checks"].values())
+        rows.append(
+            f"| {r['prefix_tokens']:,} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms | {t['warm_torch_per_page']:.1f} ms "
+            f"| {t['warm_torch_staged']:.1f} ms | {t['suffix_alone']:.1f} ms "
+            f"| {t['model_suffix_plus_contiguous_restore']:.1f} ms | {g['kvtier']:.1f} | {g['torch_per_page']:.1f} "
+            f"| {g['torch_staged']:.1f} | {g['contiguous_copy']:.1f} | {'pass' if ok else 'FAIL'} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.examples.llama_restore", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default=None, help="model shape (default: llama3-8b on a GPU, else tiny)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--prefix", default=None, help="comma-separated prefix lengths in tokens (multiples of 16); default 7936,32512 on a GPU, 128 on a CPU")
+    p.add_argument("--suffix", type=int, default=None, help="suffix tokens (default 256 on a GPU, 32 on a CPU)")
+    p.add_argument("--greedy", type=int, default=32, help="greedy tokens compared after the suffix (default 32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    gpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    config = a.config or ("llama3-8b" if gpu else "tiny")
+    prefixes = [int(x) for x in (a.prefix or ("7936,32512" if gpu else "128")).split(",")]
+    suffix = a.suffix if a.suffix is not None else (256 if gpu else 32)
+    bench = Bench(config, a.device, max_prefix=max(prefixes), suffix=suffix, greedy=a.greedy, seed=a.seed)
+    results = []
+    for n in prefixes:
+        r = bench.run_case(n, repeats=a.repeats, warmup=a.warmup)
+        results.append(r)
+        print(f"prefix {n}: {json.dumps(r['checks'])}", file=sys.stderr, flush=True)
+    env = bench.environment()
+    env["command"] = "python -m kvtier.examples.llama_restore " + " ".join(argv if argv is not None else sys.argv[1:])
+    env["tier_stats"] = bench.tier.stats()
+    bench.close()
+    print(f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env.get('transformers')}, {env['date']}")
+    print(markdown(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"environment": env, "results": results}, f, indent=2)
+    return 0 if all(all(r["checks"].values()) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

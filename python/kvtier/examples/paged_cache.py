@@ -1,0 +1,181 @@
+"""A paged KV cache for Hugging Face transformers whose pages are kvtier arenas.
+
+The engine-side memory is what a paged-attention engine keeps: per layer, one K and one V tensor of
+shape ``[pages * page_tokens, kv_heads, head_dim]`` (``PagedKV``). A request owns a list of page
+ids in token order (its page table); token ``t`` of the request lives at row
+``page_table[t // page_tokens] * page_tokens + t % page_tokens`` of every tensor. These tensors,
+in the order ``[k0, v0, k1, v1, ...]``, are exactly kvtier's ``llama3-8b`` arena layout (one page id
+indexes all 64 arenas), so a kvtier rank can save and restore whole pages of them.
+
+``PagedCache`` plugs this into the stock transformers models: transformers 5.x attention calls
+``past_key_values.update(key_states, value_states, layer_idx)``, which ``PagedLayer`` (a
+``DynamicLayer``) answers by writing the new tokens' K/V into their pages and returning the
+request's whole K/V gathered from its pages in token order. Where the pages are physically makes
+no difference to the values returned, so a prefix restored into other pages gives the same logits.
+
+Requires torch and transformers (>= 5); kvtier itself does not.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+__all__ = ["PagedKV", "PagedLayer", "PagedCache"]
+
+
+class PagedKV:
+    """Per-layer paged K and V tensors, ``[pages * page_tokens, kv_heads, head_dim]`` each.
+
+    ``arenas`` lists them as kvtier arenas: ``[k0, v0, k1, v1, ...]`` with names ``k.L{l}`` and
+    ``v.L{l}`` (the ``llama3-8b`` preset's order and names). Bytes per page per arena:
+    ``page_tokens * kv_heads * head_dim * element_size``.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        pages: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        page_tokens: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layers, self.pages, self.page_tokens = layers, pages, page_tokens
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        shape = (pages * page_tokens, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+
+    @property
+    def arenas(self) -> List[torch.Tensor]:
+        """The tensors in kvtier arena order: K and V of layer 0, K and V of layer 1, ..."""
+        return [t for l in range(self.layers) for t in (self.k[l], self.v[l])]
+
+    @property
+    def arena_names(self) -> List[str]:
+        """``k.L0, v.L0, k.L1, ...`` (the ``llama3-8b`` preset's names)."""
+        return [n for l in range(self.layers) for n in (f"k.L{l}", f"v.L{l}")]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one arena."""
+        return self.page_tokens * self.kv_heads * self.head_dim * self.k[0].element_size()
+
+    def fill_(self, value: float) -> None:
+        """Overwrites every page of every arena with ``value`` (e.g. NaN, to prove a restore)."""
+        for t in self.arenas:
+            t.fill_(value)
+
+    def rows(self, page_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Row indices (int64, on the tensors' device) of tokens ``start .. end - 1`` of a request
+        whose pages are ``page_table``."""
+        need = -(-end // self.page_tokens)
+        if need > len(page_table):
+            raise ValueError(f"tokens up to {end} need {need} pages; the page table has {len(page_table)}")
+        table = torch.as_tensor(list(page_table[:need]), dtype=torch.int64)
+        if self.device.type == "cuda":
+            # Pinned and asynchronous: a pageable copy would block the host until everything queued
+            # before it on the stream (e.g. a restore it waits for) has finished.
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        pos = torch.arange(start, end, dtype=torch.int64, device=self.device)
+        return table[pos // self.page_tokens] * self.page_tokens + pos % self.page_tokens
+
+    def page_rows(self, pages: Sequence[int]) -> torch.Tensor:
+        """Row indices of every token of ``pages`` in order (``len(pages) * page_tokens`` rows)."""
+        return self.rows(pages, 0, len(pages) * self.page_tokens)
+
+
+class PagedLayer(DynamicLayer):
+    """One layer's view of a request in ``PagedKV``: ``update`` writes the new tokens' K/V into the
+    request's pages and returns its whole K/V (``[1, kv_heads, tokens, head_dim]``) gathered from
+    them in token order. Batch size 1."""
+
+    def __init__(self, cache: "PagedCache", layer_idx: int, cached_tokens: int) -> None:
+        super().__init__()
+        self.cache, self.layer_idx, self.length = cache, layer_idx, cached_tokens
+        kv = cache.kv
+        self.dtype, self.device = kv.dtype, kv.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise ValueError("PagedCache holds one request (batch size 1)")
+        kv, n = self.cache.kv, key_states.shape[-2]
+        new_rows = self.cache.rows_for(self.length, self.length + n)
+        all_rows = self.cache.rows_for(0, self.length + n)
+        k_arena, v_arena = kv.k[self.layer_idx], kv.v[self.layer_idx]
+        # [1, heads, n, dim] -> [n, heads, dim], scattered into the pages' rows.
+        k_arena.index_copy_(0, new_rows, key_states[0].transpose(0, 1))
+        v_arena.index_copy_(0, new_rows, value_states[0].transpose(0, 1))
+        self.length += n
+        # Always a fresh gather in token order, so the attention input has the same values and the
+        # same memory layout wherever the pages are.
+        keys = k_arena.index_select(0, all_rows).transpose(0, 1).unsqueeze(0)
+        values = v_arena.index_select(0, all_rows).transpose(0, 1).unsqueeze(0)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PagedCache does not crop")
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` over ``PagedKV`` for one request (batch size 1).
+
+    ``page_table``: the request's page ids in token order, enough for every token it will hold
+    (``PagedCache.pages_for(tokens)``); ``cached_tokens``: tokens whose K/V are already in those
+    pages (0 for a cold request; the restored prefix length for a warm one). Pass it as
+    ``past_key_values`` to a stock model: ``model(input_ids, past_key_values=cache)``.
+    """
+
+    def __init__(self, kv: PagedKV, page_table: Sequence[int], cached_tokens: int = 0) -> None:
+        self.kv = kv
+        self.page_table = list(page_table)
+        self._rows: Dict[Tuple[int, int], torch.Tensor] = {}
+        super().__init__(layers=[PagedLayer(self, l, cached_tokens) for l in range(kv.layers)])
+
+    @staticmethod
+    def pages_for(tokens: int, page_tokens: int = 16) -> int:
+        """Pages needed for ``tokens`` tokens."""
+        return -(-tokens // page_tokens)
+
+    def rows_for(self, start: int, end: int) -> torch.Tensor:
+        """Row indices of tokens ``start .. end - 1`` (computed once per forward, shared by all
+        layers)."""
+        key = (start, end)
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) > 8:
+                self._rows.clear()
+            rows = self._rows[key] = self.kv.rows(self.page_table, start, end)
+        return rows
+
+    def extend(self, pages: Sequence[int]) -> None:
+        """Appends pages to the page table (for decoding past its end)."""
+        self.page_table.extend(pages)
+        self._rows.clear()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (layer 0's count; all layers agree between forwards)."""
+        return self.layers[0].length if self.layers else 0
+
+    def full_pages(self) -> List[int]:
+        """The pages completely filled so far, in token order (what an engine saves)."""
+        return self.page_table[: self.tokens // self.kv.page_tokens]

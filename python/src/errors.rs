@@ -1,0 +1,278 @@
+//! kvtier's Rust errors as the Python exceptions of `kvtier/errors.py`: one class per variant,
+//! named after it, with the variant's fields as attributes (e.g. `CannotFitError.needed`).
+//!
+//! The classes are defined in Python (readable docstrings, ordinary subclassing) and looked up by
+//! name when an error is raised, on the thread that called into kvtier with the GIL held.
+
+use kvtier::{CopyError, Error, GeometryError, IndexError, PoolError, TierError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// An error value ready to become a Python exception: class name, message, attributes.
+pub struct Raised {
+    class: &'static str,
+    message: String,
+    fields: Vec<(&'static str, Field)>,
+}
+
+/// An exception attribute.
+pub enum Field {
+    Int(u64),
+    Str(String),
+}
+
+impl Raised {
+    fn new(class: &'static str, message: impl ToString) -> Self {
+        Raised { class, message: message.to_string(), fields: Vec::new() }
+    }
+    fn int(mut self, name: &'static str, v: impl Into<u64>) -> Self {
+        self.fields.push((name, Field::Int(v.into())));
+        self
+    }
+    fn str(mut self, name: &'static str, v: impl ToString) -> Self {
+        self.fields.push((name, Field::Str(v.to_string())));
+        self
+    }
+    /// A Python-side error of this package (class in `kvtier.errors`).
+    pub fn custom(class: &'static str, message: impl ToString) -> Self {
+        Raised::new(class, message)
+    }
+    /// Builds the exception instance.
+    pub fn to_exception<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let module = py.import("kvtier.errors")?;
+        let cls = module.getattr(self.class)?;
+        let kwargs = PyDict::new(py);
+        for (name, v) in &self.fields {
+            match v {
+                Field::Int(i) => kwargs.set_item(*name, *i)?,
+                Field::Str(s) => kwargs.set_item(*name, s)?,
+            }
+        }
+        cls.call((self.message.as_str(),), Some(&kwargs))
+    }
+}
+
+impl From<Raised> for PyErr {
+    fn from(r: Raised) -> PyErr {
+        Python::attach(|py| match r.to_exception(py) {
+            Ok(e) => PyErr::from_value(e),
+            Err(e) => e,
+        })
+    }
+}
+
+fn usize_(v: usize) -> u64 {
+    v as u64
+}
+
+impl From<&GeometryError> for Raised {
+    fn from(e: &GeometryError) -> Self {
+        use GeometryError as G;
+        let r = |c| Raised::new(c, e);
+        match e {
+            G::NoArenas => r("NoArenasError"),
+            G::TooManyArenas { count, max } => {
+                r("TooManyArenasError").int("count", usize_(*count)).int("max", usize_(*max))
+            }
+            G::BadName { index, name } => r("BadNameError").int("index", usize_(*index)).str("name", name),
+            G::MissingField { field } => r("MissingFieldError").str("field", field),
+            G::Zero { arena, field } => r("ZeroSizeError").str("arena", arena).str("field", field),
+            G::Misaligned { arena, field, value } => {
+                r("MisalignedError").str("arena", arena).str("field", field).int("value", *value)
+            }
+            G::StrideBelowUnit { arena, stride, unit } => {
+                r("StrideBelowUnitError").str("arena", arena).int("stride", *stride).int("unit", *unit)
+            }
+            G::Overflow { arena, pages, stride } => {
+                r("ExtentOverflowError").str("arena", arena).int("pages", *pages).int("stride", *stride)
+            }
+            G::Overlap { a, b } => r("OverlapError").str("a", a).str("b", b),
+            G::BaseCount { got, want } => r("BaseCountError").int("got", usize_(*got)).int("want", usize_(*want)),
+            G::NullBase { arena } => r("NullBaseError").str("arena", arena),
+            G::UnknownPreset { name, known } => r("UnknownPresetError").str("name", name).str("known", known),
+            _ => r("GeometryError"),
+        }
+    }
+}
+
+impl From<&PoolError> for Raised {
+    fn from(e: &PoolError) -> Self {
+        use PoolError as P;
+        let r = |c| Raised::new(c, e);
+        match e {
+            P::TooSmall { bytes, slot_bytes } => {
+                r("PoolTooSmallError").int("bytes", *bytes).int("slot_bytes", *slot_bytes)
+            }
+            P::BadSlotSize { slot_bytes } => r("BadSlotSizeError").int("slot_bytes", *slot_bytes),
+            P::NoSuchNumaNode { node } => r("NoSuchNumaNodeError").int("node", *node),
+            P::TooManySlots { slots, max } => r("TooManySlotsError").int("slots", *slots).int("max", *max),
+            P::HugePagesUnavailable { needed, free } => {
+                r("HugePagesUnavailableError").int("needed", *needed).int("free", *free)
+            }
+            P::Map { bytes, backing, source } => {
+                r("PoolMapError").int("bytes", *bytes).str("backing", backing).str("os_error", source)
+            }
+            P::Syscall { call, source } => r("PoolSyscallError").str("call", call).str("os_error", source),
+            P::SlotOutOfRange { slot, capacity } => {
+                r("PoolSlotOutOfRangeError").int("slot", *slot).int("capacity", *capacity)
+            }
+            _ => r("PoolError"),
+        }
+    }
+}
+
+impl From<&CopyError> for Raised {
+    fn from(e: &CopyError) -> Self {
+        use CopyError as C;
+        let r = |c| Raised::new(c, e);
+        match e {
+            C::PageOutOfRange { page, pages } => r("PageOutOfRangeError").int("page", *page).int("pages", *pages),
+            C::SlotOutOfRange { slot, capacity } => {
+                r("SlotOutOfRangeError").int("slot", *slot).int("capacity", *capacity)
+            }
+            C::DuplicateDestination { what, id } => r("DuplicateDestinationError").str("what", what).int("id", *id),
+            C::Mismatch(m) => r("BackendMismatchError").str("detail", m),
+            C::Device { call, message } => r("DeviceError").str("call", call).str("detail", message),
+            C::Unavailable { backend, reason } => {
+                r("BackendUnavailableError").str("backend", backend).str("reason", reason)
+            }
+            C::ShutDown => r("BackendShutDownError"),
+            C::BackendPanicked => r("BackendPanickedError"),
+            // A variant added to kvtier after this binding: its base class.
+            _ => r("CopyError"),
+        }
+    }
+}
+
+impl From<&TierError> for Raised {
+    fn from(e: &TierError) -> Self {
+        use TierError as T;
+        let r = |c| Raised::new(c, e);
+        match e {
+            T::LengthMismatch { keys, pages } => {
+                r("LengthMismatchError").int("keys", usize_(*keys)).int("pages", usize_(*pages))
+            }
+            T::CannotFit { needed, available, capacity } => r("CannotFitError")
+                .int("needed", usize_(*needed))
+                .int("available", usize_(*available))
+                .int("capacity", usize_(*capacity)),
+            T::PoolExhausted { needed, got } => {
+                r("PoolExhaustedError").int("needed", usize_(*needed)).int("got", usize_(*got))
+            }
+            T::LeaseSettled => r("LeaseSettledError"),
+            T::LeaseTooShort { asked, held } => {
+                r("LeaseTooShortError").int("asked", usize_(*asked)).int("held", usize_(*held))
+            }
+            T::ForeignLease => r("ForeignLeaseError"),
+            T::ShuttingDown => r("ShuttingDownError"),
+            T::DrainTimeout { in_flight } => r("DrainTimeoutError").int("in_flight", *in_flight),
+            T::TooManyPins { slot } => r("TooManyPinsError").int("slot", *slot),
+            T::LeaseExpired => r("LeaseExpiredError"),
+            T::GeometryMismatch { backend, tier } => {
+                r("GeometryMismatchError").str("backend", backend).str("tier", tier)
+            }
+            T::Index(IndexError::CapacityTooLarge { requested, max }) => {
+                r("IndexCapacityError").int("requested", usize_(*requested)).int("max", usize_(*max))
+            }
+            T::Copy(c) => c.into(),
+            _ => r("TierError"),
+        }
+    }
+}
+
+impl From<&Error> for Raised {
+    fn from(e: &Error) -> Self {
+        match e {
+            Error::Geometry(g) => g.into(),
+            Error::Pool(p) => p.into(),
+            Error::Copy(c) => c.into(),
+            Error::Tier(t) => t.into(),
+            Error::Verification(m) => Raised::new("VerificationError", e).str("detail", m),
+            Error::Config(m) => Raised::new("ConfigError", e).str("detail", m),
+            // Trace and replay errors come from the CLI's paths, which the binding does not call.
+            _ => Raised::new("KvtierError", e),
+        }
+    }
+}
+
+/// `?`-friendly conversion of any kvtier error into a Python exception.
+pub trait IntoPyResult<T> {
+    /// The value, or the error as its Python exception.
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T, E> IntoPyResult<T> for Result<T, E>
+where
+    for<'a> &'a E: Into<Raised>,
+{
+    fn py(self) -> PyResult<T> {
+        self.map_err(|e| PyErr::from((&e).into()))
+    }
+}
+
+/// One example of every error variant the binding maps, by class name: the test suite checks that
+/// each becomes its exception class with its fields.
+pub fn examples() -> Vec<(&'static str, Raised)> {
+    let io = || std::io::Error::from_raw_os_error(12);
+    let s = |x: &str| x.to_string();
+    let geometry = [
+        GeometryError::NoArenas,
+        GeometryError::TooManyArenas { count: 300, max: 256 },
+        GeometryError::BadName { index: 2, name: s("k.L0") },
+        GeometryError::MissingField { field: "model" },
+        GeometryError::Zero { arena: s("a"), field: "pages" },
+        GeometryError::Misaligned { arena: s("a"), field: "base", value: 8 },
+        GeometryError::StrideBelowUnit { arena: s("a"), stride: 16, unit: 32 },
+        GeometryError::Overflow { arena: s("a"), pages: 1 << 40, stride: 1 << 40 },
+        GeometryError::Overlap { a: s("a"), b: s("b") },
+        GeometryError::BaseCount { got: 1, want: 2 },
+        GeometryError::NullBase { arena: s("a") },
+        GeometryError::UnknownPreset { name: s("x"), known: s("glm52") },
+    ];
+    let pool = [
+        PoolError::TooSmall { bytes: 10, slot_bytes: 256 },
+        PoolError::BadSlotSize { slot_bytes: 8 },
+        PoolError::NoSuchNumaNode { node: 7 },
+        PoolError::TooManySlots { slots: 1 << 33, max: 1 << 31 },
+        PoolError::HugePagesUnavailable { needed: 4, free: 0 },
+        PoolError::Map { bytes: 1 << 20, backing: "thp", source: io() },
+        PoolError::Syscall { call: "mlock", source: io() },
+        PoolError::SlotOutOfRange { slot: 9, capacity: 4 },
+    ];
+    let copy = || {
+        vec![
+            CopyError::PageOutOfRange { page: 99, pages: 64 },
+            CopyError::SlotOutOfRange { slot: 9, capacity: 4 },
+            CopyError::DuplicateDestination { what: "GPU page", id: 3 },
+            CopyError::Mismatch(s("pool slots differ")),
+            CopyError::Device { call: s("cuLaunchKernel"), message: s("CUDA_ERROR_ILLEGAL_ADDRESS (700)") },
+            CopyError::Unavailable { backend: "cuda", reason: s("no GPU") },
+            CopyError::ShutDown,
+            CopyError::BackendPanicked,
+        ]
+    };
+    let tier = [
+        TierError::LengthMismatch { keys: 2, pages: 3 },
+        TierError::CannotFit { needed: 5, available: 2, capacity: 4 },
+        TierError::PoolExhausted { needed: 5, got: 1 },
+        TierError::LeaseSettled,
+        TierError::LeaseTooShort { asked: 3, held: 1 },
+        TierError::ForeignLease,
+        TierError::ShuttingDown,
+        TierError::DrainTimeout { in_flight: 2 },
+        TierError::TooManyPins { slot: 1 },
+        TierError::LeaseExpired,
+        TierError::GeometryMismatch { backend: s("a"), tier: s("b") },
+        TierError::Index(IndexError::CapacityTooLarge { requested: 1 << 60, max: 1 << 56 }),
+    ];
+    let mut out: Vec<Raised> = Vec::new();
+    out.extend(geometry.iter().map(Raised::from));
+    out.extend(pool.iter().map(Raised::from));
+    out.extend(copy().iter().map(Raised::from));
+    out.extend(tier.iter().map(Raised::from));
+    // Wrapped variants map to the inner error's class.
+    out.extend(copy().into_iter().map(|c| Raised::from(&TierError::Copy(c))));
+    out.push(Raised::from(&Error::Verification(s("page 3 differs"))));
+    out.push(Raised::from(&Error::Config(s("bad"))));
+    out.into_iter().map(|r| (r.class, r)).collect()
+}

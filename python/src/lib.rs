@@ -1,0 +1,43 @@
+//! `kvtier._kvtier`: the native half of the `kvtier` Python package (PyO3, abi3 for CPython >= 3.10).
+//!
+//! The classes here wrap kvtier's public API: `Geometry`, `Namespace`, `Tier`, `Rank`, `Lease`,
+//! `CopyHandle`, `SaveTicket`. The pure Python half (`kvtier/`) defines the exception classes
+//! (`kvtier/errors.py`) and reads tensors and arrays (`kvtier/_tensors.py`); this crate calls into
+//! it only on the caller's thread. kvtier's own threads never call into Python.
+
+mod convert;
+mod errors;
+mod geometry;
+mod tier;
+
+use pyo3::prelude::*;
+
+/// One exception instance of every error variant the binding maps, as `(class_name, exception)`
+/// pairs (for the test suite: each must be an instance of `kvtier.errors.<class_name>` carrying the
+/// variant's fields). Not a stable API.
+#[pyfunction]
+fn _error_examples(py: Python<'_>) -> PyResult<Vec<(&'static str, Bound<'_, PyAny>)>> {
+    errors::examples().into_iter().map(|(name, r)| Ok((name, r.to_exception(py)?))).collect()
+}
+
+/// True if this machine can run CUDA ranks: the driver and NVRTC libraries load and a device is
+/// present. Never raises.
+#[pyfunction]
+fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(kvtier::cuda::cuda_available)
+}
+
+#[pymodule]
+fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<geometry::PyGeometry>()?;
+    m.add_class::<geometry::PyNamespace>()?;
+    m.add_class::<tier::PyTier>()?;
+    m.add_class::<tier::PyRank>()?;
+    m.add_class::<tier::PyLease>()?;
+    m.add_class::<tier::PyCopyHandle>()?;
+    m.add_class::<tier::PySaveTicket>()?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(_error_examples, m)?)?;
+    Ok(())
+}

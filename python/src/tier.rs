@@ -1,0 +1,708 @@
+//! `kvtier.Tier`, `kvtier.Rank`, `kvtier.Lease`, `kvtier.CopyHandle`, `kvtier.SaveTicket`.
+//!
+//! Threads: every call runs on the caller's thread; waits release the GIL. kvtier's completion
+//! threads never call into Python (no callbacks are registered), so nothing here can deadlock on
+//! the GIL.
+
+use crate::convert::{handle_of, ints_of, key_of, keys_of, to_py, wait_for};
+use crate::errors::{IntoPyResult, Raised};
+use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
+use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
+use kvtier::pool::BackingChoice;
+use kvtier::{
+    ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, PolicyKind, Rank, SaveOptions,
+    TierConfig, TierError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// How long a GIL-released wait blocks before it checks for Ctrl-C.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+/// `True` / `False`, for reprs.
+fn py_bool(b: bool) -> &'static str {
+    if b {
+        "True"
+    } else {
+        "False"
+    }
+}
+
+fn config_error(message: String) -> PyErr {
+    Raised::custom("ConfigError", message).into()
+}
+
+/// The host tier: one pinned host pool of block slots, a content index and an eviction policy,
+/// shared by every rank (GPU) attached to it. Thread-safe; share one per process.
+///
+/// `Tier(geometry, pool_bytes, policy=None, *, backing="auto", prefault=False, mlock=False,
+/// numa_node=None)`:
+///
+/// - `geometry`: the block layout (`Geometry`); every attached rank's tensors must match it.
+/// - `pool_bytes`: host memory for block slots, in bytes; capacity = `pool_bytes // geometry.slot_bytes`.
+/// - `policy`: eviction policy name: `lru`, `clock`, `sieve`, `s3fifo`, `prefix-lfu`,
+///   `prefix-tinylfu` (None: kvtier's default for a tier).
+/// - `backing`: `auto` (hugetlb if reserved, else transparent hugepages), `hugetlb`, `thp`, `plain`.
+/// - `prefault`: touch every page now (slower start, no page faults on first saves).
+/// - `mlock`: lock the pool in memory. `numa_node`: bind the pool to this NUMA node.
+///
+/// Raises: `PoolTooSmallError` (not one slot), `HugePagesUnavailableError`, `PoolMapError`,
+/// `PoolSyscallError`, `NoSuchNumaNodeError`, `TooManySlotsError`, `ConfigError` (unknown policy or
+/// backing name).
+#[pyclass(module = "kvtier", name = "Tier", frozen)]
+pub struct PyTier {
+    inner: HostTier,
+}
+
+fn rank_geometry(tier: &Geometry, views: &[ArenaView]) -> PyResult<Geometry> {
+    if views.len() != tier.arenas().len() {
+        return Err(Raised::from(&CopyError::Mismatch(format!(
+            "{} tensors for a geometry of {} arenas",
+            views.len(),
+            tier.arenas().len()
+        )))
+        .into());
+    }
+    let mut specs = Vec::with_capacity(views.len());
+    for (v, a) in views.iter().zip(tier.arenas()) {
+        if v.bytes_per_page != a.bytes_per_page {
+            return Err(Raised::from(&CopyError::Mismatch(format!(
+                "arena `{}`: the tensor holds {} B per page, the geometry {} B",
+                a.name, v.bytes_per_page, a.bytes_per_page
+            )))
+            .into());
+        }
+        specs.push(ArenaSpec { page_stride: v.page_stride, pages: v.pages, ..a.clone() });
+    }
+    let g = Geometry::new(tier.model(), tier.page_tokens(), specs).py()?;
+    match tier.shard() {
+        Some((i, n)) => g.with_shard(i, n).py(),
+        None => Ok(g),
+    }
+}
+
+fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptions> {
+    let mut o = CudaOptions::default();
+    let Some(d) = options else { return Ok(o) };
+    for (k, v) in d.iter() {
+        let k: String = k.extract()?;
+        match k.as_str() {
+            "mode" => {
+                o.mode = match v.extract::<String>()?.as_str() {
+                    "auto" => CopyMode::Auto,
+                    "zero-copy" => CopyMode::ZeroCopy,
+                    "staged" => CopyMode::Staged,
+                    m => return Err(config_error(format!("unknown copy mode `{m}` (auto, zero-copy, staged)"))),
+                }
+            }
+            "save_ctas" => o.save_ctas = v.extract()?,
+            "restore_ctas" => o.restore_ctas = v.extract()?,
+            "staged_ctas" => o.staged_ctas = v.extract()?,
+            "staged_piece_blocks" => o.staged_piece_blocks = v.extract()?,
+            "high_priority" => o.high_priority = v.extract()?,
+            _ => {
+                return Err(config_error(format!(
+                    "unknown CUDA option `{k}` (mode, save_ctas, restore_ctas, staged_ctas, \
+                     staged_piece_blocks, high_priority)"
+                )))
+            }
+        }
+    }
+    Ok(o)
+}
+
+impl PyTier {
+    fn rank(&self, py: Python<'_>, rank: Rank, tensors: &Bound<'_, PyAny>, device: Option<u32>) -> PyResult<PyRank> {
+        // Hold every tensor (not the caller's list, which it may change) until the rank is closed.
+        let held = PyTuple::new(py, tensors.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+        Ok(PyRank { rank: RwLock::new(Some(rank)), tensors: Mutex::new(Some(held.into_any().unbind())), device })
+    }
+}
+
+#[pymethods]
+impl PyTier {
+    #[new]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
+    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None))]
+    fn new(
+        py: Python<'_>,
+        geometry: &PyGeometry,
+        pool_bytes: u64,
+        policy: Option<&str>,
+        backing: &str,
+        prefault: bool,
+        mlock: bool,
+        numa_node: Option<u32>,
+        lease_ttl_s: Option<f64>,
+    ) -> PyResult<Self> {
+        let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes);
+        if let Some(p) = policy {
+            cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
+        }
+        if let Some(ttl) = lease_ttl_s {
+            let ttl = std::time::Duration::try_from_secs_f64(ttl).map_err(|_| {
+                config_error(format!("lease_ttl_s must be a non-negative number of seconds, not {ttl}"))
+            })?;
+            cfg = cfg.with_lease_ttl(ttl);
+        }
+        let mut pool = kvtier::PoolConfig::new(pool_bytes);
+        pool.backing = match backing {
+            "auto" => BackingChoice::Auto,
+            "hugetlb" => BackingChoice::HugeTlb,
+            "thp" => BackingChoice::TransparentHuge,
+            "plain" => BackingChoice::Plain,
+            b => return Err(config_error(format!("unknown backing `{b}` (auto, hugetlb, thp, plain)"))),
+        };
+        pool = pool.with_prefault(prefault).with_mlock(mlock);
+        if let Some(node) = numa_node {
+            pool = pool.with_numa_node(node);
+        }
+        let cfg = cfg.with_pool(pool);
+        let inner = py.detach(|| HostTier::new(cfg)).py()?;
+        Ok(PyTier { inner })
+    }
+
+    /// Attaches one GPU's paged KV tensors as a rank (a copy backend on CUDA device `device`).
+    ///
+    /// `tensors`: one per arena of the tier's geometry, in its order (for `llama3-8b`: K and V of
+    /// layer 0, K and V of layer 1, ...), CUDA tensors on `device` (torch tensors or
+    /// `__cuda_array_interface__` objects); `layout` as in `Geometry.from_tensors`. Each tensor must
+    /// hold the geometry's bytes per page; page strides and page counts are the tensors' own.
+    /// The rank holds references to the tensors until it is closed (`Rank.close`, or garbage
+    /// collection), after draining its copies, so their memory outlives every copy.
+    /// `cuda_options`: optional dict of copy tuning (`mode`: `auto` | `zero-copy` | `staged`,
+    /// `save_ctas`, `restore_ctas`, `staged_ctas`, `staged_piece_blocks`, `high_priority`).
+    ///
+    /// The kernels are compiled for the device at first use (about 0.2 s) and the host pool is
+    /// registered with the driver. The binding loads libcuda at run time and links no CUDA library.
+    ///
+    /// Raises: `BackendUnavailableError` (no CUDA driver, NVRTC or device), `DeviceMismatchError`,
+    /// `NotContiguousError`, `TensorError`, `MisalignedError`, `OverlapError`,
+    /// `BackendMismatchError` (tensors that do not match the geometry), `DeviceError`,
+    /// `ShuttingDownError`.
+    #[pyo3(signature = (device, tensors, *, layout = "tokens", cuda_options = None))]
+    fn attach_cuda(
+        &self,
+        py: Python<'_>,
+        device: u32,
+        tensors: &Bound<'_, PyAny>,
+        layout: &str,
+        cuda_options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyRank> {
+        let g = self.inner.geometry();
+        let views = arena_views(py, tensors, g.page_tokens(), layout, Some(("cuda", Some(device))), true)?;
+        let rg = rank_geometry(g, &views)?;
+        let binding = ArenaBinding::new(&rg, views.iter().map(|v| v.ptr).collect()).py()?;
+        let options = parse_cuda_options(cuda_options)?;
+        let tier = &self.inner;
+        let rank = py
+            .detach(|| -> Result<Rank, TierError> {
+                let backend = CudaBackend::new(device, &rg, binding, options)?;
+                tier.attach(Box::new(backend))
+            })
+            .py()?;
+        self.rank(py, rank, tensors, Some(device))
+    }
+
+    /// Attaches paged KV arrays in host memory as a rank (the host backend: copies are `memcpy`
+    /// on the rank's completion thread). For CPU inference and for testing without a GPU.
+    ///
+    /// `tensors`: one per arena, in the geometry's order: numpy arrays or CPU torch tensors,
+    /// writable; `layout` as in `Geometry.from_tensors`. The rank holds references to them until it
+    /// is closed, after draining its copies.
+    ///
+    /// Raises: `DeviceMismatchError` (not CPU memory), `NotContiguousError`, `TensorError`
+    /// (read-only array, shape), `MisalignedError`, `OverlapError`, `BackendMismatchError`,
+    /// `ShuttingDownError`.
+    #[pyo3(signature = (tensors, *, layout = "tokens"))]
+    fn attach_host(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>, layout: &str) -> PyResult<PyRank> {
+        let g = self.inner.geometry();
+        let views = arena_views(py, tensors, g.page_tokens(), layout, Some(("cpu", None)), true)?;
+        let rg = rank_geometry(g, &views)?;
+        let binding = ArenaBinding::new(&rg, views.iter().map(|v| v.ptr).collect()).py()?;
+        // SAFETY: the arenas are the tensors' memory (checked writable, CPU, inside each tensor by
+        // the view helper). The returned PyRank holds references to the tensors and releases them
+        // only after the Rank (which owns the backend and these arenas) has been dropped, which
+        // joins its completion threads, so every copy has finished; a drain that times out leaks
+        // the references instead (PyRank::close).
+        let arenas = unsafe { HostArenas::from_binding(&rg, binding) }.py()?;
+        let rank = self.inner.attach(Box::new(HostBackend::new(Arc::new(arenas)))).py()?;
+        self.rank(py, rank, tensors, None)
+    }
+
+    /// Pins the longest run of leading `keys` whose blocks are resident and returns a `Lease` on
+    /// them (possibly empty: `len(lease) == 0`). Use it as a context manager so it is released on
+    /// exit; an unreleased lease is released when garbage-collected.
+    ///
+    /// `keys`: a sequence of 16-byte content keys (`Namespace.key`). `uses`: restores allowed
+    /// from this lease (one per rank that will restore the same blocks).
+    ///
+    /// Raises: `KeyLengthError`.
+    #[pyo3(signature = (keys, uses = 1))]
+    fn query(&self, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
+        let keys = keys_of(keys)?;
+        Ok(PyLease { inner: self.inner.query_shared(&keys, uses) })
+    }
+
+    /// True if the block of `key` is resident (does not pin or refresh it).
+    fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.contains(&key_of(key)?))
+    }
+
+    /// Evicts up to `n` unpinned blocks by the policy; returns how many were evicted.
+    fn evict(&self, py: Python<'_>, n: usize) -> usize {
+        py.detach(|| self.inner.evict(n))
+    }
+
+    /// The tier's counters as a dict of ints: `queries`, `hit_blocks`, `miss_blocks`,
+    /// `saved_blocks`, `restored_blocks`, `evictions`, `bytes_saved`, `bytes_restored`,
+    /// `pinned_slots`, `ready_slots`, `free_slots`, `capacity`, ... (blocks, slots and bytes).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_py(py, &self.inner.stats())
+    }
+
+    /// The block layout.
+    #[getter]
+    fn geometry(&self) -> PyGeometry {
+        PyGeometry { inner: self.inner.geometry().clone() }
+    }
+    /// The namespace of this tier's keys (the geometry's).
+    #[getter]
+    fn namespace(&self) -> PyNamespace {
+        PyNamespace { inner: self.inner.namespace() }
+    }
+    /// Slots (blocks) the pool holds.
+    #[getter]
+    fn capacity(&self) -> u32 {
+        self.inner.capacity()
+    }
+    /// The eviction policy's name.
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy_name()
+    }
+    /// The pool's backing: `hugetlb`, `thp` or `plain`.
+    #[getter]
+    fn backing(&self) -> &'static str {
+        self.inner.pool().backing().name()
+    }
+    /// Stops accepting saves, restores and attaches (queries still answer; in-flight copies
+    /// complete). Close the ranks afterwards.
+    fn shutdown(&self) {
+        self.inner.shutdown()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Tier(model={:?}, capacity={} blocks, policy={}, backing={})",
+            self.inner.geometry().model(),
+            self.inner.capacity(),
+            self.inner.policy_name(),
+            self.inner.pool().backing().name()
+        )
+    }
+}
+
+/// One GPU (or host) rank of a `Tier`: saves its pages to the pool and restores blocks into them.
+/// Returned by `Tier.attach_cuda` / `Tier.attach_host`; holds the tensors until closed.
+///
+/// Use it as a context manager, or call `close()`: closing drains the rank's in-flight copies
+/// (with the GIL released), then releases the tensors. A rank that is garbage-collected drains
+/// too (blocking, holding the GIL; kvtier's threads never need it).
+#[pyclass(module = "kvtier", name = "Rank", frozen)]
+pub struct PyRank {
+    // Declared (and so dropped) before `tensors`: dropping the Rank drains its copies first.
+    rank: RwLock<Option<Rank>>,
+    tensors: Mutex<Option<Py<PyAny>>>,
+    device: Option<u32>,
+}
+
+fn closed() -> PyErr {
+    Raised::custom("ShuttingDownError", "the rank is closed").into()
+}
+
+fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| {
+            Duration::try_from_secs_f64(t).map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err("timeout must be a non-negative number of seconds")
+            })
+        })
+        .transpose()
+}
+
+/// The instant `timeout` from now (None: no deadline, also for a timeout too large to represent).
+fn deadline_after(timeout: Option<Duration>) -> Option<Instant> {
+    timeout.and_then(|t| Instant::now().checked_add(t))
+}
+
+/// How long the next GIL-released wait may block.
+fn slice_until(deadline: Option<Instant>) -> Duration {
+    deadline.map_or(WAIT_SLICE, |d| d.saturating_duration_since(Instant::now()).min(WAIT_SLICE))
+}
+
+fn passed(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+#[pymethods]
+impl PyRank {
+    /// Saves the blocks in pages `pages[i]` under `keys[i]` (device -> host, one batch).
+    ///
+    /// `keys`: 16-byte content keys; `pages`: page ids (ints, `< geometry.pages`), one per key.
+    /// `after_stream`: a `CUstream` (int, or a `torch.cuda.Stream`) whose queued work (the kernels
+    /// that wrote the pages) the copy waits for; or `after_event`: a recorded `CUevent` (int or
+    /// `torch.cuda.Event`). Both are ignored by host ranks (finish writing first).
+    /// `fit`: `"all"` (save every missing key or raise `CannotFitError`, evicting nothing) or
+    /// `"prefix"` (save the longest leading run that fits and the policy admits).
+    /// `prefix_depth`: position of `keys[0]` in its prompt, in pages (for prefix-aware policies).
+    ///
+    /// Keys already resident are refreshed and skipped; keys being saved by another call are
+    /// skipped. The pages must not be rewritten until the returned ticket's `done()` (or `wait()`).
+    ///
+    /// Returns: `SaveTicket` (`saving`, `resident`, `in_flight`, `dropped`, `handle`, `wait()`).
+    /// Raises: `LengthMismatchError`, `PageOutOfRangeError`, `CannotFitError`, `PoolExhaustedError`,
+    /// `KeyLengthError`, `ShuttingDownError`, `DeviceError`.
+    #[pyo3(signature = (keys, pages, after_stream = None, *, after_event = None, fit = "all", prefix_depth = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
+    fn save(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        after_stream: Option<&Bound<'_, PyAny>>,
+        after_event: Option<&Bound<'_, PyAny>>,
+        fit: &str,
+        prefix_depth: Option<u32>,
+    ) -> PyResult<PySaveTicket> {
+        let keys = keys_of(keys)?;
+        let pages = ints_of(pages)?;
+        let wait = wait_for(after_stream, after_event)?;
+        let fit = match fit {
+            "all" => Fit::AllOrNothing,
+            "prefix" => Fit::Prefix,
+            f => return Err(config_error(format!("unknown fit `{f}` (all, prefix)"))),
+        };
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        let rank = guard.as_ref().ok_or_else(closed)?;
+        let ticket = py
+            .detach(|| {
+                rank.save_with(&keys, &pages, wait, {
+                    let opts = SaveOptions::new().fit(fit);
+                    match prefix_depth {
+                        Some(d) => opts.prefix_depth(d),
+                        None => opts,
+                    }
+                })
+            })
+            .py()?;
+        Ok(PySaveTicket {
+            saving: ticket.saving,
+            resident: ticket.resident,
+            in_flight: ticket.in_flight,
+            duplicates: ticket.duplicates,
+            dropped: ticket.dropped,
+            handle: Py::new(py, PyCopyHandle { inner: ticket.handle })?,
+        })
+    }
+
+    /// Restores the first `len(pages)` blocks of `lease` into pages `pages[i]` (host -> device, one
+    /// batch) and uses up one restore of the lease. The copy holds its own pins: the lease may be
+    /// released while it runs.
+    ///
+    /// `after_stream` / `after_event`: what the copy waits for before it overwrites the pages (the
+    /// last readers of their old contents), as in `save`. Before reading the restored pages, make
+    /// the engine's stream wait: `handle.stream_wait(torch.cuda.current_stream())` (no host sync),
+    /// or `handle.wait()`.
+    ///
+    /// Returns: `CopyHandle`.
+    /// Raises: `LeaseTooShortError`, `LeaseSettledError`, `ForeignLeaseError`,
+    /// `PageOutOfRangeError`, `DuplicateDestinationError`, `TooManyPinsError`,
+    /// `ShuttingDownError`, `DeviceError`.
+    #[pyo3(signature = (lease, pages, after_stream = None, *, after_event = None))]
+    fn restore(
+        &self,
+        py: Python<'_>,
+        lease: &PyLease,
+        pages: &Bound<'_, PyAny>,
+        after_stream: Option<&Bound<'_, PyAny>>,
+        after_event: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCopyHandle> {
+        let pages = ints_of(pages)?;
+        let wait = wait_for(after_stream, after_event)?;
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        let rank = guard.as_ref().ok_or_else(closed)?;
+        let lease = &lease.inner;
+        let handle = py.detach(|| rank.restore(lease, &pages, wait)).py()?;
+        Ok(PyCopyHandle { inner: handle })
+    }
+
+    /// What this rank has in flight, as a dict: `save_gpu_pages` (pages that saves still read:
+    /// do not reuse them yet), `restore_slots`, `batches`.
+    fn load<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        to_py(py, &guard.as_ref().ok_or_else(closed)?.load())
+    }
+
+    /// Blocks (GIL released) until nothing is in flight, or `timeout` seconds pass.
+    ///
+    /// Raises: `DrainTimeoutError`, `ShuttingDownError` (closed).
+    #[pyo3(signature = (timeout = None))]
+    fn drain(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline_after(seconds(timeout)?);
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        let rank = guard.as_ref().ok_or_else(closed)?;
+        loop {
+            match py.detach(|| rank.drain(slice_until(deadline))) {
+                Ok(()) => return Ok(()),
+                Err(e) if passed(deadline) => return Err(e).py(),
+                Err(_) => py.check_signals()?,
+            }
+        }
+    }
+
+    /// Drains in-flight copies (GIL released), detaches the rank and releases its tensors.
+    /// Idempotent. With `timeout` (seconds) and copies still running then, the tensors are kept
+    /// referenced forever (never freed under a copy) and `DrainTimeoutError` is raised.
+    #[pyo3(signature = (timeout = None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = seconds(timeout)?;
+        let taken = self.rank.write().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(rank) = taken else { return Ok(()) };
+        let result = py.detach(|| match timeout {
+            Some(t) => rank.shutdown(t),
+            None => {
+                drop(rank); // drains: joins the completion threads after their queues are empty
+                Ok(())
+            }
+        });
+        let tensors = self.tensors.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match result {
+            Ok(()) => {
+                drop(tensors);
+                Ok(())
+            }
+            Err(e) => {
+                // Copies may still use the tensors' memory: keep them alive for good.
+                std::mem::forget(tensors);
+                Err(e).py()
+            }
+        }
+    }
+
+    /// True once `close()` has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.rank.read().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+    /// The rank's id within its tier (attach order, from 0).
+    #[getter]
+    fn id(&self) -> PyResult<u32> {
+        Ok(self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref().ok_or_else(closed)?.id())
+    }
+    /// The copy backend: `cuda` or `host`.
+    #[getter]
+    fn backend(&self) -> PyResult<&'static str> {
+        Ok(self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref().ok_or_else(closed)?.backend_name())
+    }
+    /// The CUDA device ordinal, or None for a host rank.
+    #[getter]
+    fn device(&self) -> Option<u32> {
+        self.device
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py, None)?;
+        Ok(false)
+    }
+    fn __repr__(&self) -> String {
+        match self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(r) => format!("Rank(id={}, backend={}, device={:?})", r.id(), r.backend_name(), self.device),
+            None => "Rank(closed)".into(),
+        }
+    }
+}
+
+/// Pins on the blocks a query found, in key order, settled exactly once: by the restores it
+/// allows (`uses`), by `release()`, by leaving its `with` block, or by garbage collection.
+/// `len(lease)` is the number of leading keys found (0: nothing to restore; the lease is falsy).
+#[pyclass(module = "kvtier", name = "Lease", frozen)]
+pub struct PyLease {
+    inner: Lease,
+}
+
+#[pymethods]
+impl PyLease {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+    /// The keys of the leased blocks (16-byte `bytes`), in order.
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.inner.blocks().iter().map(|b| PyBytes::new(py, &b.key.0)).collect()
+    }
+    /// True once the lease has settled (its pins are gone).
+    #[getter]
+    fn settled(&self) -> bool {
+        self.inner.is_settled()
+    }
+    /// Restores this lease still allows (0 once settled).
+    #[getter]
+    fn uses_left(&self) -> u32 {
+        self.inner.uses_left()
+    }
+    /// Settles now, dropping the pins (restores already submitted complete normally). Returns True
+    /// if this call settled it.
+    fn release(&self) -> bool {
+        self.inner.clone().release()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.inner.clone().release();
+        false
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Lease(blocks={}, uses_left={}, settled={})",
+            self.inner.len(),
+            self.uses_left(),
+            py_bool(self.settled())
+        )
+    }
+}
+
+/// A submitted save or restore batch. Complete once the bytes have landed and the tier has
+/// finalised the batch (saved blocks visible to queries; a restore's pins dropped).
+#[pyclass(module = "kvtier", name = "CopyHandle", frozen)]
+pub struct PyCopyHandle {
+    inner: CopyHandle,
+}
+
+#[pymethods]
+impl PyCopyHandle {
+    /// Blocks until the copy is complete, with the GIL released (other Python threads run;
+    /// Ctrl-C is checked every 50 ms). `timeout`: seconds, or None to wait for good.
+    ///
+    /// Returns: True once complete, False if `timeout` passed first (nothing is cancelled).
+    /// Raises: the copy's failure (`DeviceError`, ...); a failed save's blocks never become visible.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let deadline = deadline_after(seconds(timeout)?);
+        loop {
+            match py.detach(|| self.inner.wait_timeout(slice_until(deadline))) {
+                Some(r) => return r.py().map(|_| true),
+                None if passed(deadline) => return Ok(false),
+                None => py.check_signals()?,
+            }
+        }
+    }
+    /// True once complete (successfully or not); never blocks.
+    fn done(&self) -> bool {
+        self.inner.is_done()
+    }
+    /// The raw `CUevent` (int) recorded after the copy on kvtier's stream, valid while this handle
+    /// lives; None for host ranks and empty batches.
+    #[getter]
+    fn cuda_event(&self) -> Option<u64> {
+        self.inner.cuda_event()
+    }
+    /// Makes `stream` (a raw `CUstream` int, a `torch.cuda.Stream`, or an object with `.ptr`) wait
+    /// for the copy without a host sync: kernels queued there afterwards see the restored pages.
+    /// For host ranks it waits for completion instead (GIL released).
+    ///
+    /// Raises: the copy's failure if it has already failed; `DeviceError`.
+    fn stream_wait(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = handle_of(stream, &["cuda_stream", "ptr"])?;
+        py.detach(|| self.inner.stream_wait(s)).py()
+    }
+    /// Blocks in the batch.
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.inner.blocks()
+    }
+    /// Payload bytes the batch moves (blocks x geometry.block_bytes).
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+    /// Seconds from submission to completion, once complete (else None).
+    #[getter]
+    fn latency(&self) -> Option<f64> {
+        self.inner.latency().map(|d| d.as_secs_f64())
+    }
+    fn __repr__(&self) -> String {
+        format!("CopyHandle(blocks={}, done={})", self.inner.blocks(), py_bool(self.inner.is_done()))
+    }
+}
+
+/// What `Rank.save` did: which keys it is copying and which it skipped, and the copy's handle.
+#[pyclass(module = "kvtier", name = "SaveTicket", frozen)]
+pub struct PySaveTicket {
+    saving: Vec<usize>,
+    resident: usize,
+    in_flight: usize,
+    duplicates: usize,
+    dropped: usize,
+    handle: Py<PyCopyHandle>,
+}
+
+#[pymethods]
+impl PySaveTicket {
+    /// Indices (into the keys given) of the blocks being copied, in order.
+    #[getter]
+    fn saving(&self) -> Vec<usize> {
+        self.saving.clone()
+    }
+    /// Keys already resident (refreshed, not copied).
+    #[getter]
+    fn resident(&self) -> usize {
+        self.resident
+    }
+    /// Keys another save is copying right now (skipped).
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+    /// Keys repeated within the save (copied once).
+    #[getter]
+    fn duplicates(&self) -> usize {
+        self.duplicates
+    }
+    /// Keys not saved by `fit="prefix"` (no room, or not admitted by the policy).
+    #[getter]
+    fn dropped(&self) -> usize {
+        self.dropped
+    }
+    /// The copy's `CopyHandle` (already complete when nothing needed copying).
+    #[getter]
+    fn handle(&self, py: Python<'_>) -> Py<PyCopyHandle> {
+        self.handle.clone_ref(py)
+    }
+    /// `handle.wait(timeout)`: once True, the saved blocks are visible to queries.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        self.handle.get().wait(py, timeout)
+    }
+    /// `handle.done()`.
+    fn done(&self) -> bool {
+        self.handle.get().done()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "SaveTicket(saving={}, resident={}, in_flight={}, dropped={}, done={})",
+            self.saving.len(),
+            self.resident,
+            self.in_flight,
+            self.dropped,
+            py_bool(self.done())
+        )
+    }
+}
