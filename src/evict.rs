@@ -51,7 +51,8 @@ pub struct InsertInfo {
 }
 
 /// The built-in policies.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum PolicyKind {
     /// Least recently used, exact: every insert and hit takes a tick from one global counter, and
     /// victims are the unpinned ready blocks with the smallest ticks.

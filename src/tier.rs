@@ -30,7 +30,6 @@ use crate::lease::{Lease, LeasedBlock};
 use crate::pool::{HostPool, PoolConfig};
 use crate::slot::{PinError, SlotControl, SlotId, SlotState};
 use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, Ordering};
-use serde::Serialize;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -111,7 +110,8 @@ pub struct SaveTicket {
 
 /// A snapshot of the tier's counters. Block counts are blocks (pages across all arenas); bytes are
 /// payload bytes (blocks x [`Geometry::block_bytes`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct TierStats {
     /// Queries answered.
     pub queries: u64,
@@ -210,7 +210,8 @@ fn gauge(c: &AtomicU64) -> u64 {
 }
 
 /// Slot counts by state, from [`Core::audit`].
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct AuditReport {
     /// `FREE` slots.
     pub free: usize,
@@ -742,7 +743,8 @@ impl InFlight {
 }
 
 /// Live load of one rank, for admission control.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct RankLoad {
     /// GPU pages read by saves in flight: they must not be reused until their save completes.
     pub save_gpu_pages: u64,

@@ -46,8 +46,8 @@ struct Args {
     #[arg(long, default_value = "glm52")]
     geometry: String,
     /// Host pool size in bytes (e.g. 2GiB).
-    #[arg(long, default_value = "2GiB")]
-    pool: String,
+    #[arg(long, default_value = "2GiB", value_parser = kvtier_cli::size::parse_bytes)]
+    pool: u64,
     /// GPU pages per rank.
     #[arg(long, default_value_t = 512)]
     gpu_pages: u64,
@@ -58,7 +58,7 @@ struct Args {
     #[arg(long, default_value_t = 0.05)]
     fault_rate: f64,
     /// Copy backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    #[arg(long, default_value = "host", value_parser = str::parse::<BackendKind>)]
     backend: BackendKind,
 }
 
@@ -136,12 +136,12 @@ struct RankReport {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let requests = match &args.trace {
-        Some(p) => kvtier::trace::load(p)?,
-        None => kvtier::trace::sample()?,
+        Some(p) => kvtier_cli::trace::load(p)?,
+        None => kvtier_cli::trace::sample()?,
     };
     let requests: Vec<_> = requests.into_iter().take(args.requests).collect();
     let geometry = Geometry::preset(&args.geometry, args.gpu_pages)?;
-    let pool_bytes = parse_size::parse_size(&args.pool).map_err(|e| format!("--pool: {e}"))?;
+    let pool_bytes = args.pool;
     let mut cfg = TierConfig::new(geometry.clone(), pool_bytes);
     cfg.policy = PolicyKind::Lru;
     let tier = HostTier::new(cfg)?;
@@ -198,7 +198,7 @@ fn rank_loop(
     tier: &HostTier,
     geometry: &Geometry,
     args: &Args,
-    requests: &[kvtier::trace::TraceRequest],
+    requests: &[kvtier_cli::trace::TraceRequest],
 ) -> Result<RankReport, String> {
     let arenas = args.backend.arenas(rank as u32 % args.backend.devices(), geometry).map_err(|e| e.to_string())?;
     let backend = arenas.backend().map_err(|e| e.to_string())?;

@@ -33,7 +33,7 @@ struct Args {
     #[arg(long)]
     ranks: Option<usize>,
     /// Copy backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    #[arg(long, default_value = "host", value_parser = str::parse::<BackendKind>)]
     backend: BackendKind,
     /// Trace (Mooncake JSONL); default: the bundled sample.
     #[arg(long)]
@@ -45,8 +45,8 @@ struct Args {
     #[arg(long, default_value = "glm52")]
     geometry: String,
     /// Host pool size (e.g. 32GiB).
-    #[arg(long, default_value = "4GiB")]
-    pool: String,
+    #[arg(long, default_value = "4GiB", value_parser = kvtier_cli::size::parse_bytes)]
+    pool: u64,
     /// GPU pages per rank.
     #[arg(long, default_value_t = 2048)]
     gpu_pages: u64,
@@ -228,10 +228,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranks = args.ranks.unwrap_or(if backend == BackendKind::Cuda { ndev } else { 2 });
     let geometry = Geometry::preset(&args.geometry, args.gpu_pages)?;
     let block_bytes = geometry.block_bytes();
-    let pool_bytes = parse_size::parse_size(&args.pool).map_err(|e| format!("--pool: {e}"))?;
+    let pool_bytes = args.pool;
     let requests = match &args.trace {
-        Some(p) => kvtier::trace::load(p)?,
-        None => kvtier::trace::sample()?,
+        Some(p) => kvtier_cli::trace::load(p)?,
+        None => kvtier_cli::trace::sample()?,
     };
     let requests: Vec<_> = requests.into_iter().take(args.requests).collect();
 
