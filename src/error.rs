@@ -1,7 +1,7 @@
 //! Typed errors. Every fallible public function returns one of these; none of them loses a ready block.
 //!
 //! Each module has its own enum ([`GeometryError`], [`PoolError`], [`CopyError`], [`TierError`]);
-//! [`Error`] wraps them all for callers that do not care which layer failed.
+//! [`Error`](enum@Error) wraps them all for callers that do not care which layer failed.
 
 use thiserror::Error;
 

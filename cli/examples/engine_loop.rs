@@ -55,7 +55,7 @@ struct Args {
     #[arg(long, default_value_t = 400)]
     requests: usize,
     /// Trace (Mooncake JSON Lines, plain or zstd); default: the whole conversation trace in data/.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/mooncake_conversation_trace.jsonl.zst"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/data/mooncake_conversation_trace.jsonl.zst"))]
     trace: std::path::PathBuf,
     /// Geometry preset.
     #[arg(long, default_value = "glm52")]
