@@ -26,10 +26,10 @@ echo "loom targets: ${targets[*]} (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
 
 fail=0
 if [[ $what == all || $what == models ]]; then
-    cargo test --release --features loom "${test_args[@]}" --no-run 2>&1 | grep -v "^\s*Compiling" || true
+    cargo test -p kvtier --release --features loom "${test_args[@]}" --no-run 2>&1 | grep -v "^\s*Compiling" || true
     for t in "${targets[@]}"; do
         start=$(date +%s.%N)
-        if ! cargo test -q --release --features loom --test "$t" -- --test-threads=1; then
+        if ! cargo test -p kvtier -q --release --features loom --test "$t" -- --test-threads=1; then
             echo "FAIL: loom model $t"
             fail=1
         fi
@@ -56,14 +56,14 @@ if [[ $what == all || $what == bites ]]; then
             echo "skip: $target not present (seeded bug $feature)"
             continue
         fi
-        if ! cargo test -q --release --features "loom,$feature" --test "$target" --no-run 2>/dev/null; then
+        if ! cargo test -p kvtier -q --release --features "loom,$feature" --test "$target" --no-run 2>/dev/null; then
             echo "FAIL: $target does not build with $feature"
             fail=1
             continue
         fi
         start=$(date +%s.%N)
         log=$(mktemp)
-        if cargo test -q --release --features "loom,$feature" --test "$target" -- --test-threads=1 $name >"$log" 2>&1; then
+        if cargo test -p kvtier -q --release --features "loom,$feature" --test "$target" -- --test-threads=1 $name >"$log" 2>&1; then
             echo "FAIL: seeded bug $feature did NOT make $target${name:+::$name} fail"
             fail=1
         elif grep -q "panicked at" "$log"; then

@@ -12,9 +12,9 @@ if [[ ${1:-} == bites ]]; then
     export PROPTEST_CASES=${2:-2000} RUST_BACKTRACE=0 PROPTEST_DISABLE_FAILURE_PERSISTENCE=1
     fail=0
     for feature in seeded-bug-pin-writing seeded-bug-guard-borrows-lease-pin seeded-bug-lease-first-consume-settles; do
-        cargo test -q --test state_machine --features "$feature" --no-run 2>/dev/null
+        cargo test -p kvtier -q --test state_machine --features "$feature" --no-run 2>/dev/null
         log=$(mktemp)
-        if cargo test -q --test state_machine --features "$feature" tier_matches_reference_model >"$log" 2>&1; then
+        if cargo test -p kvtier -q --test state_machine --features "$feature" tier_matches_reference_model >"$log" 2>&1; then
             echo "FAIL: seeded bug $feature did NOT make the state machine fail"
             fail=1
         else
@@ -29,5 +29,5 @@ if [[ ${1:-} == bites ]]; then
 fi
 export PROPTEST_CASES=${1:-${PROPTEST_CASES:-10000}}
 start=$(date +%s)
-cargo test --test state_machine -- --test-threads=2
+cargo test -p kvtier --test state_machine -- --test-threads=2
 echo "proptest: $PROPTEST_CASES cases per property, $(($(date +%s) - start)) s (incl. build)"

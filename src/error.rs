@@ -1,10 +1,8 @@
 //! Typed errors. Every fallible public function returns one of these; none of them loses a ready block.
 //!
-//! Each module has its own enum ([`GeometryError`], [`PoolError`], [`CopyError`], [`TierError`],
-//! [`TraceError`]); [`Error`] wraps them all for callers (like the `kvtier` binary) that do not care
-//! which layer failed.
+//! Each module has its own enum ([`GeometryError`], [`PoolError`], [`CopyError`], [`TierError`]);
+//! [`Error`](enum@Error) wraps them all for callers that do not care which layer failed.
 
-use std::path::PathBuf;
 use thiserror::Error;
 
 /// A geometry (arena layout) or an arena binding (device base addresses) that cannot be used.
@@ -334,55 +332,6 @@ pub enum TierError {
     Index(#[from] IndexError),
 }
 
-/// A trace that cannot be read or a line that is malformed.
-#[derive(Debug, Error)]
-pub enum TraceError {
-    /// The file could not be opened or read.
-    #[error("reading trace {path}: {source}")]
-    Io {
-        /// Trace path.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A line is not valid JSON or lacks a field.
-    #[error("trace line {line}: {message}")]
-    Malformed {
-        /// 1-based line number.
-        line: usize,
-        /// What is wrong.
-        message: String,
-    },
-    /// The trace has no request.
-    #[error("trace {path} holds no request")]
-    Empty {
-        /// Trace path (or `<embedded sample>`).
-        path: PathBuf,
-    },
-}
-
-/// A replay that cannot run as configured.
-#[derive(Debug, Error)]
-pub enum ReplayError {
-    /// A request has more full pages than the replay's GPU pages.
-    #[error(
-        "request {request} of the trace has {pages} pages but the replay has only {gpu_pages} GPU pages; \
-         raise --gpu-pages to at least {pages}"
-    )]
-    RequestTooLarge {
-        /// 1-based request number (after blank lines are skipped).
-        request: usize,
-        /// Full pages of the request.
-        pages: usize,
-        /// GPU pages available to the replay.
-        gpu_pages: u64,
-    },
-    /// Nothing to replay (an empty trace or `--requests 0`).
-    #[error("no request to replay")]
-    NoRequests,
-}
-
 /// Any kvtier error.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -399,16 +348,11 @@ pub enum Error {
     /// See [`TierError`].
     #[error(transparent)]
     Tier(#[from] TierError),
-    /// See [`TraceError`].
-    #[error(transparent)]
-    Trace(#[from] TraceError),
-    /// See [`ReplayError`].
-    #[error(transparent)]
-    Replay(#[from] ReplayError),
-    /// A replay whose restored bytes did not match their keys, or another failed check.
+    /// Restored bytes that did not match their keys ([`crate::EngineArenas::verify`]), or another
+    /// failed check.
     #[error("verification failed: {0}")]
     Verification(String),
-    /// Invalid command-line or configuration input.
+    /// Invalid configuration or arguments (e.g. page and key counts that differ).
     #[error("invalid configuration: {0}")]
     Config(String),
 }

@@ -15,7 +15,6 @@
 
 use crate::error::GeometryError;
 use crate::key::Namespace;
-use serde::Serialize;
 
 /// Every copy unit, page stride and base address must be a multiple of this many bytes (the copy
 /// kernels move 16 B per access).
@@ -27,7 +26,8 @@ pub const MAX_ARENAS: usize = 256;
 
 /// How an arena's memory is allocated; used by code that allocates arenas itself (the host backend,
 /// tests, benchmarks). Engines bind their own pointers with [`ArenaBinding`] and may ignore it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum Placement {
     /// The arena is its own allocation of `pages * page_stride` bytes.
     Own,
@@ -42,7 +42,8 @@ pub enum Placement {
 }
 
 /// One arena: a per-layer (or per-component) region of GPU memory holding one chunk of every page.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct ArenaSpec {
     /// Name, unique within the geometry (e.g. `mla.L12`).
     pub name: String,
@@ -69,7 +70,8 @@ impl ArenaSpec {
 }
 
 /// A validated block layout: arenas, their chunk offsets in a host slot, and the namespace.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Geometry {
     model: String,
     page_tokens: u32,
@@ -79,7 +81,7 @@ pub struct Geometry {
     pages: u64,
     /// Tensor-parallel shard `(index, count)` this layout holds, if the block is sharded.
     shard: Option<(u32, u32)>,
-    #[serde(skip)]
+    #[cfg_attr(feature = "serde", serde(skip))]
     namespace: Namespace,
 }
 

@@ -10,12 +10,12 @@
 //!
 //! Hashing is XXH3-128 (`xxhash-rust`), the hash public engines already use for block lineage.
 
-use serde::{Deserialize, Serialize};
 use std::fmt;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed, Xxh3Default};
 
 /// The 16-byte content key of one block, already folded with its [`Namespace`].
-#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ContentKey(pub [u8; 16]);
 
 impl ContentKey {
@@ -70,7 +70,8 @@ impl fmt::Display for ContentKey {
 
 /// A 16-byte digest of the layout facts that make blocks interchangeable (see
 /// [`crate::Geometry::namespace`]).
-#[derive(Copy, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Namespace(pub [u8; 16]);
 
 impl fmt::Debug for Namespace {

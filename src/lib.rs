@@ -21,15 +21,12 @@ pub mod key;
 pub mod lease;
 pub mod pattern;
 pub mod pool;
-pub mod replay;
-pub mod simulate;
 pub(crate) mod slot;
 pub(crate) mod sync;
 pub mod tier;
-pub mod trace;
 
 pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, WaitFor};
-pub use error::{CopyError, Error, GeometryError, IndexError, PoolError, TierError, TraceError};
+pub use error::{CopyError, Error, GeometryError, IndexError, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
 pub use handle::CopyHandle;

@@ -69,7 +69,8 @@ const PARALLEL_PREFAULT_BYTES: usize = 64 << 20;
 const MAX_PREFAULT_THREADS: usize = 8;
 
 /// Which pages back the pool (reported after construction).
-#[derive(Copy, Clone, PartialEq, Eq, Debug, serde::Serialize)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum Backing {
     /// Reserved 2 MiB hugetlb pages (`MAP_HUGETLB`).
     HugeTlb,

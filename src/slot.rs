@@ -27,7 +27,8 @@ use crate::sync::{AtomicU64, Ordering};
 use std::fmt;
 
 /// Index of a host slot in the pool (`0..capacity`).
-#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, serde::Serialize)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct SlotId(pub u32);
 
 impl SlotId {

@@ -1,12 +1,12 @@
-//! `kvtier::trace::parse` on arbitrary bytes: never panics; a malformed line is reported with its
+//! `kvtier_cli::trace::parse` on arbitrary bytes: never panics; a malformed line is reported with its
 //! 1-based number (within the input), a line that is not UTF-8 included (reading from a slice never
 //! fails otherwise, so no I/O error may appear); every
 //! accepted request satisfies the format's rules and maps to page keys without panicking.
 #![no_main]
 
 use kvtier::key::Namespace;
-use kvtier::trace::{self, TraceRequest};
-use kvtier::TraceError;
+use kvtier_cli::trace::{self, TraceRequest};
+use kvtier_cli::TraceError;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -47,7 +47,8 @@ impl CopyPair {
 }
 
 /// Direction of a copy.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum Direction {
     /// GPU arenas -> host slots (D2H, gather).
     Save,
@@ -234,8 +235,11 @@ pub trait EngineArenas: Send + Sync {
     fn backend(&self) -> Result<Box<dyn CopyBackend>, crate::Error>;
 }
 
-/// Which copy backend to run on (`--backend` of the CLI and examples).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+/// Which copy backend to run on (`--backend` of the `kvtier` command line and the examples).
+///
+/// Parses from and displays as `auto`, `host`, `cuda` ([`BackendKind::NAMES`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize), serde(rename_all = "lowercase"))]
 pub enum BackendKind {
     /// CUDA if this build has the `cuda` feature and a GPU is present, else host.
     #[default]
@@ -247,6 +251,21 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// Every kind, in the order of [`BackendKind::NAMES`].
+    pub const ALL: [BackendKind; 3] = [BackendKind::Auto, BackendKind::Host, BackendKind::Cuda];
+
+    /// The names [`BackendKind`] parses from and displays as.
+    pub const NAMES: [&'static str; 3] = ["auto", "host", "cuda"];
+
+    /// Short lower-case name: `auto`, `host` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Auto => Self::NAMES[0],
+            BackendKind::Host => Self::NAMES[1],
+            BackendKind::Cuda => Self::NAMES[2],
+        }
+    }
+
     /// `Auto` resolved for this machine: `Cuda` or `Host`.
     pub fn resolve(self) -> BackendKind {
         match self {
@@ -281,11 +300,23 @@ impl BackendKind {
 
 impl std::fmt::Display for BackendKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            BackendKind::Auto => "auto",
-            BackendKind::Host => "host",
-            BackendKind::Cuda => "cuda",
-        })
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    /// Parses `auto`, `host` or `cuda` (exactly, lower case).
+    ///
+    /// # Errors
+    /// A message naming the input and the known kinds, e.g.
+    /// ``unknown backend `gpu` (known: auto, host, cuda)``.
+    fn from_str(s: &str) -> Result<Self, String> {
+        BackendKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown backend `{s}` (known: {})", BackendKind::NAMES.join(", ")))
     }
 }
 
@@ -314,4 +345,19 @@ fn cuda_arenas(_device: u32, _geometry: &Geometry) -> Result<std::sync::Arc<dyn 
             .into(),
     }
     .into())
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::BackendKind;
+
+    #[test]
+    fn backend_kind_parses_its_own_names() {
+        for k in BackendKind::ALL {
+            assert_eq!(k.to_string().parse::<BackendKind>(), Ok(k));
+        }
+        assert_eq!("cuda".parse::<BackendKind>(), Ok(BackendKind::Cuda));
+        assert_eq!("gpu".parse::<BackendKind>(), Err("unknown backend `gpu` (known: auto, host, cuda)".to_string()));
+        assert_eq!("Host".parse::<BackendKind>(), Err("unknown backend `Host` (known: auto, host, cuda)".to_string()));
+    }
 }

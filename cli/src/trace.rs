@@ -12,6 +12,9 @@
 //! - `hash_ids`: the prompt's prefix-block ids, one per [`TRACE_BLOCK_TOKENS`] tokens of prompt (the
 //!   last one covers the remainder). Equal ids at equal positions are the same reusable KV.
 //!
+//! A trace file may be zstd-compressed (recognised by its magic bytes, whatever its name): the full
+//! conversation trace ships as `data/mooncake_conversation_trace.jsonl.zst` ([`FULL_TRACE`]).
+//!
 //! Every field must be a non-negative integer (`hash_ids` a non-empty array of them), `input_length`
 //! must be positive; other fields are ignored and blank lines are skipped. A malformed line is a
 //! [`TraceError::Malformed`] naming its 1-based line number.
@@ -23,10 +26,10 @@
 //! `namespace.trace_page_key(hash_ids[j / ppb], j % ppb)` ([`TraceRequest::page_keys`]).
 
 use crate::error::TraceError;
-use crate::key::{ContentKey, Namespace};
+use kvtier::key::{ContentKey, Namespace};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::io::BufRead;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 /// Tokens per trace block (one `hash_ids` entry).
@@ -35,6 +38,16 @@ pub const TRACE_BLOCK_TOKENS: u32 = 512;
 /// The bundled sample: the first 80 requests of the Mooncake conversation trace, unmodified (see
 /// `data/README.md` for attribution). The default input of `kvtier replay`.
 pub const SAMPLE: &str = include_str!("../data/mooncake_conversation_sample.jsonl");
+
+/// Where the whole conversation trace (12,031 requests, zstd-compressed) lies, relative to the
+/// repository root. [`load`] reads it directly.
+pub const FULL_TRACE: &str = "data/mooncake_conversation_trace.jsonl.zst";
+
+/// The first bytes of a zstd frame.
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+
+/// Magic bytes of compressed formats the reader recognises but does not decode.
+const OTHER_MAGIC: [(&[u8], &str); 3] = [(&[0x1f, 0x8b], "gzip"), (b"\xfd7zXZ\0", "xz"), (b"BZh", "bzip2")];
 
 /// Display name used for [`SAMPLE`] in errors and reports.
 pub const SAMPLE_NAME: &str = "<embedded sample>";
@@ -180,16 +193,28 @@ pub fn sample() -> Result<Vec<TraceRequest>, TraceError> {
     parse_str(SAMPLE)
 }
 
-/// Reads and parses the trace file at `path`.
+/// Reads and parses the trace file at `path`: JSON Lines, or JSON Lines compressed with zstd
+/// (recognised by the zstd magic bytes, whatever the file is called).
 ///
 /// # Errors
-/// [`TraceError::Io`] if the file cannot be opened or read; [`TraceError::Malformed`] as [`parse`];
-/// [`TraceError::Empty`] if it holds no request.
+/// [`TraceError::Io`] if the file cannot be opened, read or decompressed;
+/// [`TraceError::UnsupportedCompression`] for a gzip, xz or bzip2 file; [`TraceError::Malformed`]
+/// as [`parse`] (line numbers of the decompressed text); [`TraceError::Empty`] if it holds no
+/// request.
 pub fn load(path: impl AsRef<Path>) -> Result<Vec<TraceRequest>, TraceError> {
     let path = path.as_ref();
     let io = |source| TraceError::Io { path: path.to_path_buf(), source };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let reqs = parse(std::io::BufReader::new(file)).map_err(|e| match e {
+    let mut file = BufReader::new(std::fs::File::open(path).map_err(io)?);
+    let head = file.fill_buf().map_err(io)?;
+    if let Some((_, format)) = OTHER_MAGIC.iter().find(|(m, _)| head.starts_with(m)) {
+        return Err(TraceError::UnsupportedCompression { path: path.to_path_buf(), format });
+    }
+    let reader: Box<dyn BufRead> = if head.starts_with(&ZSTD_MAGIC) {
+        Box::new(BufReader::new(zstd::Decoder::with_buffer(file).map_err(io)?))
+    } else {
+        Box::new(file)
+    };
+    let reqs = parse(reader).map_err(|e| match e {
         TraceError::Io { source, .. } => io(source),
         other => other,
     })?;
@@ -199,7 +224,7 @@ pub fn load(path: impl AsRef<Path>) -> Result<Vec<TraceRequest>, TraceError> {
     Ok(reqs)
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -305,6 +330,36 @@ mod tests {
         assert_eq!(s.len(), SAMPLE.lines().count());
         assert_eq!(s[0].hash_ids[..3], [0, 1, 2]);
         assert_eq!(s[0].input_length, 6758);
+    }
+
+    #[test]
+    fn load_reads_zstd_and_names_other_compressions() {
+        let dir = tempfile::tempdir().unwrap();
+        // Any name: the magic bytes decide.
+        let z = dir.path().join("sample.jsonl");
+        std::fs::write(&z, zstd::encode_all(SAMPLE.as_bytes(), 3).unwrap()).unwrap();
+        assert_eq!(load(&z).unwrap(), sample().unwrap());
+        // A malformed line inside a compressed trace is named by its decompressed line number.
+        let bad = format!("{SAMPLE}{{\"timestamp\": 1}}\n");
+        std::fs::write(&z, zstd::encode_all(bad.as_bytes(), 3).unwrap()).unwrap();
+        match load(&z) {
+            Err(TraceError::Malformed { line: 81, message }) => assert_eq!(message, "missing field `input_length`"),
+            other => panic!("expected a malformed line 81, got {other:?}"),
+        }
+        // A truncated frame is an I/O error naming the file.
+        let full = zstd::encode_all(SAMPLE.as_bytes(), 3).unwrap();
+        std::fs::write(&z, &full[..full.len() / 2]).unwrap();
+        let e = load(&z).unwrap_err();
+        assert!(matches!(e, TraceError::Io { .. }) && e.to_string().contains("sample.jsonl"), "{e}");
+        let gz = dir.path().join("t.jsonl.gz");
+        std::fs::write(&gz, [0x1f, 0x8b, 8, 0, 0, 0]).unwrap();
+        assert_eq!(
+            load(&gz).unwrap_err().to_string(),
+            format!(
+                "trace {} is gzip-compressed; decompress it or recompress it with zstd (`zstd FILE`)",
+                gz.display()
+            )
+        );
     }
 
     #[test]

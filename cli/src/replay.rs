@@ -8,7 +8,7 @@
 //! 2. `tier.query(keys)`: a lease over the longest run of leading resident pages (`h` hits);
 //! 3. restore the lease into the first `h` GPU pages and wait (the restore latency is measured from
 //!    submission to completion);
-//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`crate::pattern`]);
+//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`kvtier::pattern`]);
 //!    any mismatch fails the run;
 //! 5. "prefill" pages `h..n`: write the pattern of each key into its GPU page;
 //! 6. save pages `h..n` with [`Fit::Prefix`]: resident pages copy nothing (their recency is
@@ -20,12 +20,14 @@
 //! the reference model in `tests/replay.rs` for LRU). With `concurrency = N`, N worker threads take
 //! requests in file order and run them concurrently against one rank.
 
-use crate::copy::{EngineArenas, WaitFor};
-use crate::error::{Error, ReplayError, TierError};
-use crate::evict::PolicyKind;
-use crate::pool::{BackingChoice, PoolConfig};
-use crate::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use crate::error::{Error, ReplayError};
 use crate::trace::{pages_per_block, TraceRequest};
+use hdrhistogram::Histogram;
+use kvtier::copy::{EngineArenas, WaitFor};
+use kvtier::evict::PolicyKind;
+use kvtier::pool::BackingChoice;
+use kvtier::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use kvtier::TierError;
 use serde::Serialize;
 use std::fmt;
 use std::sync::{Condvar, Mutex};
@@ -141,8 +143,10 @@ pub struct ReplayReport {
     /// Restores (requests with at least one hit).
     pub restores: u64,
     /// Median restore latency, submission to completion, in microseconds (0 without restores).
+    /// Percentiles come from an HdrHistogram of nanoseconds with 3 significant digits: the value
+    /// reported is the upper end of the percentile's bucket, within 0.1 % of the exact sample.
     pub restore_latency_p50_us: f64,
-    /// 99th percentile restore latency in microseconds (nearest rank; 0 without restores).
+    /// 99th percentile restore latency in microseconds (as the median; 0 without restores).
     pub restore_latency_p99_us: f64,
     /// Blocks evicted from the pool.
     pub evictions: u64,
@@ -166,13 +170,19 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     }
 }
 
-/// Nearest-rank percentile `p` (0..=100) of sorted `v`, or 0 for an empty slice.
-fn percentile(v: &[Duration], p: f64) -> Duration {
-    if v.is_empty() {
-        return Duration::ZERO;
+/// A latency histogram: nanoseconds, 3 significant digits, growing as needed.
+fn latency_histogram() -> Histogram<u64> {
+    Histogram::new(3).expect("3 significant digits is a valid precision")
+}
+
+/// Quantile `q` (0..=1) of `h` in microseconds (the upper end of its bucket), 0 for an empty
+/// histogram.
+fn quantile_us(h: &Histogram<u64>, q: f64) -> f64 {
+    if h.is_empty() {
+        0.0
+    } else {
+        h.value_at_quantile(q) as f64 / 1e3
     }
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
 }
 
 impl fmt::Display for ReplayReport {
@@ -247,7 +257,6 @@ impl fmt::Display for ReplayReport {
 }
 
 /// Per-worker counters, merged at the end.
-#[derive(Default)]
 struct Acc {
     requests: u64,
     pages: u64,
@@ -258,8 +267,29 @@ struct Acc {
     dropped: u64,
     refused: u64,
     verified: u64,
-    restore_lat: Vec<Duration>,
+    /// Restore latencies in ns.
+    restore_lat: Histogram<u64>,
+    restore_time: Duration,
     save_time: Duration,
+}
+
+impl Default for Acc {
+    fn default() -> Self {
+        Acc {
+            requests: 0,
+            pages: 0,
+            hits: 0,
+            saved: 0,
+            resident: 0,
+            in_flight: 0,
+            dropped: 0,
+            refused: 0,
+            verified: 0,
+            restore_lat: latency_histogram(),
+            restore_time: Duration::ZERO,
+            save_time: Duration::ZERO,
+        }
+    }
 }
 
 impl Acc {
@@ -273,7 +303,8 @@ impl Acc {
         self.dropped += o.dropped;
         self.refused += o.refused;
         self.verified += o.verified;
-        self.restore_lat.extend(o.restore_lat);
+        self.restore_lat.add(&o.restore_lat).expect("auto-resizing histograms always add");
+        self.restore_time += o.restore_time;
         self.save_time += o.save_time;
     }
 }
@@ -334,8 +365,8 @@ struct Queue {
 /// [`Error::Config`] for a concurrency of 0, a page size that does not divide 512, or more GPU
 /// pages than the arenas have; [`ReplayError::NoRequests`]; [`ReplayError::RequestTooLarge`] (before
 /// anything runs) if a request has more pages than the GPU pages; pool and tier construction
-/// errors; [`Error::Verification`] if a restored page differs from its key's bytes; copy and tier
-/// errors of any request (the first one stops the replay).
+/// errors; [`kvtier::Error::Verification`] (inside [`Error::Kvtier`]) if a restored page differs
+/// from its key's bytes; copy and tier errors of any request (the first one stops the replay).
 pub fn run(
     requests: &[TraceRequest],
     config: &ReplayConfig,
@@ -367,7 +398,7 @@ pub fn run(
     }
 
     // Prefault so copies are timed against resident memory, as an engine would set the pool up.
-    let pool = PoolConfig::new(config.pool_bytes).with_backing(config.backing).with_prefault(true);
+    let pool = kvtier::PoolConfig::new(config.pool_bytes).with_backing(config.backing).with_prefault(true);
     let tier =
         HostTier::new(TierConfig::new(geometry.clone(), config.pool_bytes).with_pool(pool).with_policy(config.policy))?;
     let backend = arenas.backend()?;
@@ -410,13 +441,10 @@ pub fn run(
     for r in results {
         acc.merge(r?);
     }
-    acc.restore_lat.sort_unstable();
     let stats = tier.stats();
     let block_bytes = geometry.block_bytes();
     let bytes_saved = acc.saved * block_bytes;
     let bytes_restored = acc.hits * block_bytes;
-    let restore_time: Duration = acc.restore_lat.iter().sum();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
     let capacity = tier.capacity() as u64;
     Ok(ReplayReport {
         backend: backend_name,
@@ -425,7 +453,7 @@ pub fn run(
         policy: config.policy.name().to_string(),
         concurrency: config.concurrency,
         gpu_pages,
-        pool_backing: backing_name(tier.pool().backing()).to_string(),
+        pool_backing: tier.pool().backing().name().to_string(),
         pool_capacity_slots: capacity,
         pool_capacity_bytes: capacity * geometry.slot_bytes(),
         requests: acc.requests,
@@ -443,10 +471,10 @@ pub fn run(
         save_gbps_wall: gbps(bytes_saved, wall),
         restore_gbps_wall: gbps(bytes_restored, wall),
         save_gbps_copy: gbps(bytes_saved, acc.save_time),
-        restore_gbps_copy: gbps(bytes_restored, restore_time),
-        restores: acc.restore_lat.len() as u64,
-        restore_latency_p50_us: us(percentile(&acc.restore_lat, 50.0)),
-        restore_latency_p99_us: us(percentile(&acc.restore_lat, 99.0)),
+        restore_gbps_copy: gbps(bytes_restored, acc.restore_time),
+        restores: acc.restore_lat.len(),
+        restore_latency_p50_us: quantile_us(&acc.restore_lat, 0.5),
+        restore_latency_p99_us: quantile_us(&acc.restore_lat, 0.99),
         evictions: stats.evictions,
         verified_pages: acc.verified,
         verification: "passed".into(),
@@ -455,22 +483,13 @@ pub fn run(
     })
 }
 
-/// Report name of a pool backing.
-pub fn backing_name(b: crate::pool::Backing) -> &'static str {
-    match b {
-        crate::pool::Backing::HugeTlb => "hugetlb",
-        crate::pool::Backing::TransparentHuge => "thp",
-        crate::pool::Backing::Plain => "plain",
-    }
-}
-
 /// One request: query, restore + verify the hits, prefill and save the rest (see the module docs).
 fn one_request(
     tier: &HostTier,
     rank: &Rank,
     arenas: &dyn EngineArenas,
     gpu: &GpuPages,
-    keys: &[crate::ContentKey],
+    keys: &[kvtier::ContentKey],
     acc: &mut Acc,
 ) -> Result<(), Error> {
     let n = keys.len();
@@ -482,7 +501,9 @@ fn one_request(
         let t0 = Instant::now();
         let handle = rank.restore(&lease, &pages[..h], WaitFor::Nothing)?;
         handle.wait()?;
-        acc.restore_lat.push(t0.elapsed());
+        let took = t0.elapsed();
+        acc.restore_lat.record(took.as_nanos().try_into().unwrap_or(u64::MAX)).expect("auto-resizing histogram");
+        acc.restore_time += took;
         arenas.verify(&pages[..h], &keys[..h])?;
         acc.verified += h as u64;
     }
@@ -511,17 +532,24 @@ fn one_request(
     Ok(())
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn percentile_is_nearest_rank() {
-        let v: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
-        assert_eq!(percentile(&v, 50.0), Duration::from_micros(50));
-        assert_eq!(percentile(&v, 99.0), Duration::from_micros(99));
-        assert_eq!(percentile(&v[..1], 99.0), Duration::from_micros(1));
-        assert_eq!(percentile(&[], 50.0), Duration::ZERO);
+    fn latency_quantiles_are_bucket_upper_ends() {
+        let mut h = latency_histogram();
+        assert_eq!(quantile_us(&h, 0.5), 0.0);
+        for us in 1..=100u64 {
+            h.record(us * 1_000).unwrap();
+        }
+        // 3 significant digits: 50,000 ns lies in a bucket of 32 ns, [49,984, 50,015]; 99,000 ns in
+        // one of 64 ns, [98,944, 99,007].
+        assert_eq!(quantile_us(&h, 0.5), 50.015);
+        assert_eq!(quantile_us(&h, 0.99), 99.007);
+        let mut one = latency_histogram();
+        one.record(1_000).unwrap();
+        assert_eq!(quantile_us(&one, 0.99), 1.0);
     }
 
     #[test]

@@ -1,16 +1,17 @@
 //! Trace replay end to end: LRU hits equal an independent reference model, every restored page is
 //! verified, bad input gives typed errors, and the `kvtier replay` command line works.
 
+mod support;
+
 use kvtier::copy::host::HostArenas;
 use kvtier::copy::{CopyBackend, EngineArenas};
-use kvtier::error::ReplayError;
 use kvtier::evict::PolicyKind;
-use kvtier::replay::{self, ReplayConfig, ReplayReport};
-use kvtier::trace::{self, TraceRequest};
-use kvtier::{ArenaSpec, BackingChoice, ContentKey, Error, Geometry, TraceError};
-use std::collections::{BTreeMap, HashMap};
+use kvtier::{ArenaSpec, BackingChoice, ContentKey, Geometry};
+use kvtier_cli::replay::{self, ReplayConfig, ReplayReport};
+use kvtier_cli::trace::{self, TraceRequest};
+use kvtier_cli::{Error, ReplayError, TraceError};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::Hash;
-use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
@@ -206,15 +207,15 @@ impl EngineArenas for Corrupting {
     fn geometry(&self) -> &Geometry {
         self.inner.geometry()
     }
-    fn fill(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+    fn fill(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), kvtier::Error> {
         let keys: Vec<ContentKey> =
             keys.iter().map(|k| if *k == self.victim { ContentKey([0xEE; 16]) } else { *k }).collect();
         self.inner.fill(pages, &keys)
     }
-    fn verify(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
+    fn verify(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), kvtier::Error> {
         self.inner.verify(pages, keys)
     }
-    fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
+    fn backend(&self) -> Result<Box<dyn CopyBackend>, kvtier::Error> {
         self.inner.backend()
     }
 }
@@ -230,7 +231,7 @@ fn corrupted_restore_fails_the_run() {
     let config =
         ReplayConfig { pool_bytes: 1_000 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
     match replay::run(reqs, &config, &arenas, &|_| {}) {
-        Err(Error::Verification(m)) => assert!(m.contains("GPU page 3"), "{m}"),
+        Err(Error::Kvtier(kvtier::Error::Verification(m))) => assert!(m.contains("GPU page 3"), "{m}"),
         other => panic!("expected a verification failure, got {other:?}"),
     }
 }
@@ -284,19 +285,21 @@ fn malformed_lines_are_rejected_with_their_line_number() {
     }
 }
 
-/// Block-level sanity check against the reference figures in `shared/traces/README.md` (the model
-/// only; no bytes move). Skipped where the full trace is not beside the repository.
+/// The whole conversation trace shipped in `data/` (zstd) against its published facts and the
+/// block-level reference figures in `data/README.md` (the model only; no bytes move). The trace is
+/// part of the repository: if it cannot be found the test fails.
 #[test]
 fn block_level_model_matches_the_published_reference_figures() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake_conversation_trace.jsonl");
-    if !path.exists() {
-        eprintln!("skipped: {} not found", path.display());
-        return;
-    }
+    let path = support::data_file("mooncake_conversation_trace.jsonl.zst");
     let reqs = trace::load(&path).unwrap();
     assert_eq!(reqs.len(), 12_031);
     let refs: u64 = reqs.iter().map(|r| r.hash_ids.len() as u64).sum();
     assert_eq!(refs, 288_500);
+    let distinct: HashSet<u64> = reqs.iter().flat_map(|r| r.hash_ids.iter().copied()).collect();
+    assert_eq!(distinct.len(), 182_790);
+    // The bundled sample is its first 80 requests.
+    assert_eq!(reqs[..80], trace::sample().unwrap()[..]);
+    assert_eq!(reqs.last().unwrap().timestamp_ms, 3_536_999, "an hour of requests");
     let blocks = || reqs.iter().map(|r| r.hash_ids.clone());
     for (cap, want) in [(usize::MAX, 0.366), (1_243, 0.046), (4_000, 0.086), (9_950, 0.209)] {
         let ratio = model_hits(blocks(), cap) as f64 / refs as f64;
@@ -309,7 +312,7 @@ fn block_level_model_matches_the_published_reference_figures() {
 // ---------------------------------------------------------------------------------------------
 
 fn kvtier(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).env_remove("RUST_LOG").output().unwrap()
+    Command::new(support::kvtier_bin()).args(args).env_remove("RUST_LOG").output().unwrap()
 }
 
 /// Three requests on deepseek-v3 (64-token pages, 8 per block): 8 pages, the same 8 again (8 hits),
@@ -373,6 +376,7 @@ fn cli_errors_are_clear_and_exit_non_zero() {
         (vec!["replay", trace, "--geometry", "deepseek-v3", "--pool", "1MiB"], 1, "holds no slot"),
         (vec!["replay", trace, "--pool", "lots"], 2, "`lots` is not a byte size"),
         (vec!["replay", trace, "--policy", "fifo"], 2, "unknown policy `fifo` (known: lru, clock"),
+        (vec!["replay", trace, "--backend", "gpu"], 2, "unknown backend `gpu` (known: auto, host, cuda)"),
     ];
     if cfg!(not(feature = "cuda")) {
         cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "built without CUDA support"));

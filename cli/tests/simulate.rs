@@ -1,10 +1,13 @@
 //! `kvtier simulate`: the tier-driven LRU equals an independent reference model, the offline optimum
-//! bounds every policy, and the byte-size parser.
+//! bounds every policy, and the command runs on the whole shipped trace.
 
-use kvtier::simulate::{belady, page_keys, parse_size, run_policy};
-use kvtier::trace::{parse_str, TraceRequest};
+mod support;
+
 use kvtier::{ContentKey, Geometry, PolicyKind};
+use kvtier_cli::simulate::{belady, page_keys, run_policy};
+use kvtier_cli::trace::{parse_str, TraceRequest};
 use std::collections::HashMap;
+use std::process::Command;
 
 /// A small synthetic conversation trace: every prompt starts with shared block 0, then the growing
 /// history of one of `convs` conversations (skewed choice), with partial last pages.
@@ -84,7 +87,7 @@ fn lru_through_the_tier_equals_the_reference_model() {
     for (seed, cap) in [(1u64, 40u32), (2, 90), (3, 200)] {
         let keys = page_keys(&synthetic(seed, 300, 12), &g).unwrap();
         let want = reference_lru(&keys, cap as usize);
-        let got = run_policy(&keys, PolicyKind::Lru, cap, &g).unwrap();
+        let got = run_policy(&keys, PolicyKind::Lru, cap, &g, &|_| {}).unwrap();
         assert_eq!(got.hit_pages, want, "seed {seed}, {cap} slots");
         assert!(want > 0, "the trace must exercise hits");
     }
@@ -98,7 +101,7 @@ fn optimum_bounds_every_policy() {
         for cap in [24u32, 64, 150] {
             let opt = belady(&keys, cap);
             for &p in PolicyKind::ALL {
-                let r = run_policy(&keys, p, cap, &g).unwrap();
+                let r = run_policy(&keys, p, cap, &g, &|_| {}).unwrap();
                 assert!(r.hit_pages <= opt, "{p} got {} > optimum {opt} (seed {seed}, {cap} slots)", r.hit_pages);
             }
         }
@@ -117,19 +120,40 @@ fn optimum_is_exact_on_a_tiny_trace() {
     // 2 slots: keep block 1 throughout (3 bypasses, 2 bypasses): hits on requests 3 and 5.
     assert_eq!(belady(&keys, 2), 4);
     // LRU on 2 slots: 1, 2 (evicts 1), 1 (evicts 2), 3 (evicts 1), 1, 2: no hits.
-    assert_eq!(run_policy(&keys, PolicyKind::Lru, 2, &g).unwrap().hit_pages, 0);
+    assert_eq!(run_policy(&keys, PolicyKind::Lru, 2, &g, &|_| {}).unwrap().hit_pages, 0);
 }
 
+/// `kvtier simulate` on the shipped, zstd-compressed conversation trace: the JSON report and the
+/// SVG plot.
 #[test]
-fn sizes_parse_as_bytes_or_slots() {
-    let slot = glm52().slot_bytes();
-    assert_eq!(slot, 3_452_160);
-    assert_eq!(parse_size("32GiB", slot).unwrap(), 9953);
-    assert_eq!(parse_size("8GiB", slot).unwrap(), 2488);
-    assert_eq!(parse_size("64GiB", slot).unwrap(), 19_906);
-    assert_eq!(parse_size("34.52216MB", slot).unwrap(), 10);
-    assert_eq!(parse_size("9952slots", slot).unwrap(), 9952);
-    assert!(parse_size("1MiB", slot).is_err());
-    assert!(parse_size("12 parsecs", slot).is_err());
-    assert!(parse_size("0slots", slot).is_err());
+fn cli_simulates_the_shipped_trace() {
+    let trace = support::data_file("mooncake_conversation_trace.jsonl.zst");
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("hit-ratio.svg");
+    let out = Command::new(support::kvtier_bin())
+        .args(["simulate", trace.to_str().unwrap(), "--requests", "300", "--pool", "300slots,1200slots"])
+        .args(["--policies", "lru,sieve", "--json", "--plot", plot.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["requests"], 300);
+    assert_eq!(v["sizes"], serde_json::json!([["300slots", 300], ["1200slots", 1200]]));
+    let runs = v["runs"].as_array().unwrap();
+    let names: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["lru", "lru", "sieve", "sieve", "optimum", "optimum"]);
+    for r in runs {
+        assert!(
+            r["hit_pages"].as_u64().unwrap() <= runs[4 + (r["slots"] == 1200) as usize]["hit_pages"].as_u64().unwrap()
+        );
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    // The words of the <text> elements: legend, axis titles, the pool sizes as ticks.
+    let texts: Vec<&str> =
+        svg.split("<text").skip(1).filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim())).collect();
+    for label in ["lru", "sieve", "optimum", "page hit ratio", "300slots", "1200slots"] {
+        assert!(texts.contains(&label), "the plot lacks `{label}`: {texts:?}");
+    }
 }

@@ -16,10 +16,11 @@
 //!
 //! ```text
 //! cargo run --release --example dp_deployment -- --ranks 4 --requests 80     # host backend
-//! kvtier's GPU run: --features cuda, --backend cuda --gpu-pages 9000 --pool 32GiB --reserve-hugepages
+//! cargo run --release --features cuda --example dp_deployment -- --backend cuda --gpu-pages 9000 --pool 32GiB --reserve-hugepages
 //! ```
 
 use clap::Parser;
+use hdrhistogram::Histogram;
 use kvtier::copy::BackendKind;
 use kvtier::{ContentKey, EngineArenas, Fit, Geometry, HostTier, PolicyKind, Rank, SaveOptions, TierConfig, WaitFor};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -33,9 +34,9 @@ struct Args {
     #[arg(long)]
     ranks: Option<usize>,
     /// Copy backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Host)]
+    #[arg(long, default_value = "host", value_parser = str::parse::<BackendKind>)]
     backend: BackendKind,
-    /// Trace (Mooncake JSONL); default: the bundled sample.
+    /// Trace (Mooncake JSON Lines, plain or zstd); default: the bundled sample.
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
     /// Requests of the churn phase (from the start of the trace).
@@ -45,8 +46,8 @@ struct Args {
     #[arg(long, default_value = "glm52")]
     geometry: String,
     /// Host pool size (e.g. 32GiB).
-    #[arg(long, default_value = "4GiB")]
-    pool: String,
+    #[arg(long, default_value = "4GiB", value_parser = kvtier_cli::size::parse_bytes)]
+    pool: u64,
     /// GPU pages per rank.
     #[arg(long, default_value_t = 2048)]
     gpu_pages: u64,
@@ -94,7 +95,6 @@ impl Node {
     }
 }
 
-#[derive(Default)]
 struct Meter {
     restored: AtomicU64,
     saved: AtomicU64,
@@ -102,7 +102,22 @@ struct Meter {
     hits: AtomicU64,
     errors: AtomicU64,
     verified: AtomicU64,
-    latencies_us: Mutex<Vec<f64>>,
+    /// Restore latencies in ns (HdrHistogram, 3 significant digits).
+    latencies_ns: Mutex<Histogram<u64>>,
+}
+
+impl Default for Meter {
+    fn default() -> Self {
+        Meter {
+            restored: AtomicU64::new(0),
+            saved: AtomicU64::new(0),
+            pages: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            verified: AtomicU64::new(0),
+            latencies_ns: Mutex::new(Histogram::new(3).expect("3 significant digits")),
+        }
+    }
 }
 
 #[derive(serde::Serialize, Clone, Debug)]
@@ -118,9 +133,8 @@ struct PhaseRank {
 }
 
 fn summarise(id: usize, m: &Meter, wall: f64) -> PhaseRank {
-    let mut l = m.latencies_us.lock().unwrap().clone();
-    l.sort_by(f64::total_cmp);
-    let pct = |p: f64| if l.is_empty() { 0.0 } else { l[((l.len() - 1) as f64 * p).round() as usize] };
+    let l = m.latencies_ns.lock().unwrap();
+    let pct = |q: f64| if l.is_empty() { 0.0 } else { l.value_at_quantile(q) as f64 / 1e3 };
     let pages = m.pages.load(Ordering::Relaxed);
     PhaseRank {
         rank: id,
@@ -147,7 +161,8 @@ fn serve(tier: &HostTier, node: &Node, keys: &[ContentKey], m: &Meter, block_byt
         let t = Instant::now();
         match node.rank.restore(&lease, &pages[..h], WaitFor::Nothing).and_then(|c| c.wait()) {
             Ok(()) => {
-                m.latencies_us.lock().unwrap().push(t.elapsed().as_secs_f64() * 1e6);
+                let ns = t.elapsed().as_nanos().try_into().unwrap_or(u64::MAX);
+                m.latencies_ns.lock().unwrap().record(ns).expect("an auto-resizing histogram records any value");
                 m.restored.fetch_add(h as u64 * block_bytes, Ordering::Relaxed);
                 m.hits.fetch_add(h as u64, Ordering::Relaxed);
                 match node.arenas.verify(&pages[..h], &keys[..h]) {
@@ -228,10 +243,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranks = args.ranks.unwrap_or(if backend == BackendKind::Cuda { ndev } else { 2 });
     let geometry = Geometry::preset(&args.geometry, args.gpu_pages)?;
     let block_bytes = geometry.block_bytes();
-    let pool_bytes = parse_size::parse_size(&args.pool).map_err(|e| format!("--pool: {e}"))?;
+    let pool_bytes = args.pool;
     let requests = match &args.trace {
-        Some(p) => kvtier::trace::load(p)?,
-        None => kvtier::trace::sample()?,
+        Some(p) => kvtier_cli::trace::load(p)?,
+        None => kvtier_cli::trace::sample()?,
     };
     let requests: Vec<_> = requests.into_iter().take(args.requests).collect();
 

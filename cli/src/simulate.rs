@@ -17,47 +17,51 @@
 //! a missing page is admitted only if some resident page's next use is later than its own, and
 //! then the page whose next use is furthest (deepest first on ties) is evicted.
 
-use crate::copy::{CopyBackend, CopyPair, Done, WaitFor};
-use crate::error::{CopyError, Error, TierError};
-use crate::evict::PolicyKind;
-use crate::geometry::{ArenaSpec, Geometry};
-use crate::key::ContentKey;
-use crate::pool::{BackingChoice, HostPool};
-use crate::tier::{Fit, HostTier, SaveOptions, TierConfig};
+use crate::error::Error;
+use crate::size::parse_slots;
 use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
+use kvtier::copy::{Completion, CopyBackend, CopyPair, WaitFor};
+use kvtier::pool::BackingChoice;
+use kvtier::tier::{Fit, HostTier, SaveOptions, TierConfig};
+use kvtier::{ArenaSpec, ContentKey, CopyError, Geometry, HostPool, PolicyKind, TierError};
 use serde::Serialize;
 use std::collections::BinaryHeap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// `kvtier simulate` options.
-#[derive(clap::Args, Clone, Debug)]
-pub struct SimulateArgs {
-    /// Mooncake-format trace (JSON Lines with `input_length` and `hash_ids`).
-    pub trace: PathBuf,
+/// What to simulate (`kvtier simulate`'s options, parsed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimConfig {
     /// Geometry preset whose slot size turns byte sizes into slots and whose namespace keys pages.
-    #[arg(long, default_value = "glm52")]
     pub geometry: String,
-    /// Pool sizes, comma-separated: bytes with a unit (`8GiB`, `500MB`) or slots (`9952slots`).
-    #[arg(long, default_value = "8GiB,16GiB,32GiB,64GiB")]
-    pub pool: String,
-    /// Policies to run, comma-separated (default: all built-in ones).
-    #[arg(long)]
-    pub policies: Option<String>,
-    /// Use only the first N requests.
-    #[arg(long)]
-    pub requests: Option<usize>,
-    /// Skip the offline optimum.
-    #[arg(long)]
-    pub no_optimum: bool,
-    /// Print the report as JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Write an SVG plot of hit ratio against pool size here.
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
+    /// Pool sizes as given: bytes with a unit (`8GiB`, `500MB`) or slots (`9952slots`); see
+    /// [`parse_slots`].
+    pub pools: Vec<String>,
+    /// Policies to run, in this order.
+    pub policies: Vec<PolicyKind>,
+    /// Also compute the offline optimum ([`belady`]) at each size.
+    pub optimum: bool,
+}
+
+impl Default for SimConfig {
+    /// GLM-5.2, pools of 8, 16, 32 and 64 GiB, every built-in policy, with the optimum.
+    fn default() -> Self {
+        SimConfig {
+            geometry: "glm52".into(),
+            pools: ["8GiB", "16GiB", "32GiB", "64GiB"].map(String::from).to_vec(),
+            policies: PolicyKind::ALL.to_vec(),
+            optimum: true,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Requests the policy runs of [`run`] replay in all (`policies x pools x requests`): the
+    /// length of a progress bar fed by `run`'s `progress`.
+    pub fn steps(&self, requests: usize) -> u64 {
+        (self.policies.len() * self.pools.len()) as u64 * requests as u64
+    }
 }
 
 /// The page keys of every request for `geometry` (`min(floor(input_length / page_tokens),
@@ -75,6 +79,7 @@ pub fn page_keys(reqs: &[TraceRequest], geometry: &Geometry) -> Result<Vec<Vec<C
 }
 
 /// A copy backend that moves nothing: every batch completes at once.
+#[derive(Debug)]
 pub struct NullBackend {
     geometry: Geometry,
 }
@@ -83,6 +88,18 @@ impl NullBackend {
     /// A backend for `geometry` (attach it to a tier of the same geometry).
     pub fn new(geometry: Geometry) -> Self {
         NullBackend { geometry }
+    }
+}
+
+/// The completion of a [`NullBackend`] batch: already complete.
+struct Finished;
+
+impl Completion for Finished {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        Ok(true)
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        Ok(())
     }
 }
 
@@ -96,11 +113,11 @@ impl CopyBackend for NullBackend {
     fn bind_pool(&mut self, _pool: &HostPool) -> Result<(), CopyError> {
         Ok(())
     }
-    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn crate::Completion>, CopyError> {
-        Ok(Box::new(Done(Ok(()))))
+    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        Ok(Box::new(Finished))
     }
-    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn crate::Completion>, CopyError> {
-        Ok(Box::new(Done(Ok(()))))
+    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        Ok(Box::new(Finished))
     }
 }
 
@@ -149,40 +166,6 @@ pub struct SimReport {
     pub peak_rss_kib: u64,
 }
 
-/// Parses a pool size: bytes with a unit (`B`, `KB`/`MB`/`GB`/`TB` = 10^3k, `KiB`/`MiB`/`GiB`/`TiB`
-/// = 2^10k) or a slot count with the suffix `slots`; returns slots for `slot_bytes`-byte slots.
-///
-/// # Errors
-/// [`Error::Config`] for an unknown unit, a bad number, or a size below one slot.
-pub fn parse_size(s: &str, slot_bytes: u64) -> Result<u32, Error> {
-    let t = s.trim();
-    let bad = || Error::Config(format!("bad pool size `{s}` (e.g. 32GiB, 500MB, 9952slots)"));
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| bad())?;
-    let slots = if unit.eq_ignore_ascii_case("slots") {
-        v
-    } else {
-        let mult = match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 1.0,
-            "kb" => 1e3,
-            "mb" => 1e6,
-            "gb" => 1e9,
-            "tb" => 1e12,
-            "kib" => 1024.0,
-            "mib" => 1024f64.powi(2),
-            "gib" => 1024f64.powi(3),
-            "tib" => 1024f64.powi(4),
-            _ => return Err(bad()),
-        };
-        ((v * mult).floor() as u64 / slot_bytes) as f64
-    };
-    if slots < 1.0 || slots.fract() != 0.0 || slots > u32::MAX as f64 / 2.0 {
-        return Err(Error::Config(format!("pool size `{s}` is not a whole number of slots >= 1")));
-    }
-    Ok(slots as u32)
-}
-
 /// The tier geometry of a simulation: `geometry`'s page size, one 16-byte arena of `pages` pages.
 fn proxy_geometry(geometry: &Geometry, pages: u64) -> Result<Geometry, Error> {
     let g = Geometry::new(
@@ -194,15 +177,16 @@ fn proxy_geometry(geometry: &Geometry, pages: u64) -> Result<Geometry, Error> {
 }
 
 /// Runs `policy` on a pool of `slots` slots over `keys` (one key list per request) through a real
-/// [`HostTier`] with a [`NullBackend`].
+/// [`HostTier`] with a [`NullBackend`], calling `progress(1)` after each request.
 ///
 /// # Errors
-/// Pool mapping errors ([`Error::Pool`]); tier errors other than a refused save.
+/// Pool mapping errors ([`kvtier::Error::Pool`]); tier errors other than a refused save.
 pub fn run_policy(
     keys: &[Vec<ContentKey>],
     policy: PolicyKind,
     slots: u32,
     geometry: &Geometry,
+    progress: &dyn Fn(u64),
 ) -> Result<PolicyRun, Error> {
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
     let proxy = proxy_geometry(geometry, max_pages)?;
@@ -247,6 +231,7 @@ pub fn run_policy(
                 Err(e) => return Err(e.into()),
             }
         }
+        progress(1);
     }
     let wall = t0.elapsed();
     let stats = tier.stats();
@@ -349,37 +334,28 @@ fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// Runs the whole simulation described by `args`.
+/// Runs the simulation `config` over `reqs` (a trace called `trace` in the report), calling
+/// `progress(1)` after each request of each policy run ([`SimConfig::steps`] in all).
 ///
 /// # Errors
-/// [`Error::Config`] for bad sizes, policies or geometry; trace errors; tier errors.
-pub fn run(args: &SimulateArgs) -> Result<SimReport, Error> {
-    let geometry = Geometry::preset(&args.geometry, 1)?;
-    let mut reqs = crate::trace::load(&args.trace)?;
-    if let Some(n) = args.requests {
-        reqs.truncate(n);
-    }
-    let keys = page_keys(&reqs, &geometry)?;
-    let sizes: Vec<(String, u32)> = args
-        .pool
-        .split(',')
-        .map(|s| parse_size(s, geometry.slot_bytes()).map(|n| (s.trim().to_string(), n)))
+/// [`Error::Config`] for bad sizes or a geometry whose page size does not divide 512 tokens;
+/// geometry, pool and tier errors.
+pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dyn Fn(u64)) -> Result<SimReport, Error> {
+    let geometry = Geometry::preset(&config.geometry, 1)?;
+    let keys = page_keys(reqs, &geometry)?;
+    let sizes: Vec<(String, u32)> = config
+        .pools
+        .iter()
+        .map(|s| parse_slots(s, geometry.slot_bytes()).map(|n| (s.trim().to_string(), n)))
         .collect::<Result<_, _>>()?;
-    let policies: Vec<PolicyKind> = match &args.policies {
-        None => PolicyKind::ALL.to_vec(),
-        Some(p) => p
-            .split(',')
-            .map(|s| s.trim().parse().map_err(|e: crate::evict::UnknownPolicy| Error::Config(e.to_string())))
-            .collect::<Result<_, _>>()?,
-    };
     let mut runs = Vec::new();
-    for &p in &policies {
+    for &p in &config.policies {
         for (_, slots) in &sizes {
-            runs.push(run_policy(&keys, p, *slots, &geometry)?);
+            runs.push(run_policy(&keys, p, *slots, &geometry, progress)?);
         }
     }
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
-    if !args.no_optimum {
+    if config.optimum {
         for (_, slots) in &sizes {
             let t0 = Instant::now();
             let hits = belady(&keys, *slots);
@@ -397,10 +373,10 @@ pub fn run(args: &SimulateArgs) -> Result<SimReport, Error> {
         }
     }
     Ok(SimReport {
-        trace: args.trace.display().to_string(),
+        trace: trace.to_string(),
         requests: reqs.len() as u64,
         pages: total,
-        geometry: args.geometry.clone(),
+        geometry: config.geometry.clone(),
         slot_bytes: geometry.slot_bytes(),
         sizes,
         runs,
@@ -486,104 +462,67 @@ impl SimReport {
         s
     }
 
-    /// An SVG line plot of page hit ratio (y) against pool size in slots (x, log scale), one line
-    /// per policy, the optimum dashed.
-    pub fn svg(&self) -> String {
-        let (w, h, ml, mr, mt, mb) = (760.0, 460.0, 70.0, 150.0, 40.0, 60.0);
-        let pw = w - ml - mr;
-        let ph = h - mt - mb;
-        let xs: Vec<f64> = self.sizes.iter().map(|(_, n)| *n as f64).collect();
-        let (xmin, xmax) = xs.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-        let (lx0, lx1) = (xmin.log2(), if xmax > xmin { xmax.log2() } else { xmin.log2() + 1.0 });
-        let ymax = (self.runs.iter().map(|r| r.hit_ratio).fold(0.0, f64::max) * 1.1).clamp(0.05, 1.0);
-        let px = |x: f64| ml + (x.log2() - lx0) / (lx1 - lx0) * pw;
-        let py = |y: f64| mt + ph - y / ymax * ph;
-        let colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"];
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="22" text-anchor="middle" font-size="14">Page hit ratio vs host pool size ({}, {} requests)</text>"#,
-            ml + pw / 2.0,
-            self.geometry,
-            self.requests
-        );
-        for i in 0..=5 {
-            let y = ymax * i as f64 / 5.0;
-            let (x1, yy, tx, ty) = (ml + pw, py(y), ml - 6.0, py(y) + 4.0);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{ml}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{y:.3}</text>"##
-            );
-        }
-        for (label, n) in &self.sizes {
-            let x = px(*n as f64);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.1}" x2="{x:.1}" y1="{mt}" y2="{}" stroke="#eee"/><text x="{x:.1}" y="{}" text-anchor="middle">{label}</text>"##,
-                mt + ph,
-                mt + ph + 16.0
-            );
-        }
-        let _ = writeln!(
-            s,
-            r#"<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/><text x="{}" y="{}" text-anchor="middle">pool size (slots, log scale)</text><text transform="translate(18,{}) rotate(-90)" text-anchor="middle">page hit ratio</text>"#,
-            ml + pw / 2.0,
-            h - 16.0,
-            mt + ph / 2.0
-        );
-        for (i, p) in self.policies().into_iter().enumerate() {
-            let c = if p == "optimum" { "black" } else { colors[i % colors.len()] };
-            let dash = if p == "optimum" { r#" stroke-dasharray="6,4""# } else { "" };
-            let pts: Vec<String> = self
-                .sizes
-                .iter()
-                .filter_map(|(_, n)| self.get(p, *n).map(|r| format!("{:.1},{:.1}", px(*n as f64), py(r.hit_ratio))))
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"{dash}/>"#,
-                pts.join(" ")
-            );
-            for pt in &pts {
-                let (x, y) = pt.split_once(',').expect("x,y");
-                let _ = writeln!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{c}"/>"#);
-            }
-            let ly = mt + 10.0 + 20.0 * i as f64;
-            let lx = ml + pw + 12.0;
-            let _ = writeln!(
-                s,
-                r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/><text x="{}" y="{}">{p}</text>"#,
-                lx + 24.0,
-                lx + 30.0,
-                ly + 4.0
-            );
-        }
-        s.push_str("</svg>\n");
-        s
+    /// An SVG line plot (drawn with plotters) of page hit ratio (y) against pool size in slots
+    /// (x, log scale), one line per policy, the optimum dashed black.
+    ///
+    /// # Errors
+    /// [`Error::Plot`] if plotters fails to lay the chart out.
+    pub fn svg(&self) -> Result<String, Error> {
+        let mut out = String::new();
+        self.draw(&mut out).map_err(|e| Error::Plot(e.to_string()))?;
+        Ok(out)
     }
-}
 
-/// The `simulate` subcommand: runs, prints the table (or JSON) and writes the plot if asked.
-///
-/// # Errors
-/// As [`run`]; [`Error::Config`] if the plot cannot be written.
-pub fn cli(args: &SimulateArgs) -> Result<(), Error> {
-    let report = run(args)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| Error::Config(e.to_string()))?);
-    } else {
-        print!("{}", report.table());
-    }
-    if let Some(p) = &args.plot {
-        std::fs::write(p, report.svg()).map_err(|e| Error::Config(format!("writing plot {}: {e}", p.display())))?;
-        if !args.json {
-            println!("plot written to {}", p.display());
+    fn draw(&self, out: &mut String) -> Result<(), Box<dyn std::error::Error + '_>> {
+        use plotters::prelude::*;
+        let root = SVGBackend::with_string(out, (760, 460)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let slots: Vec<f64> = self.sizes.iter().map(|(_, n)| *n as f64).collect();
+        let (lo, hi) = slots.iter().fold((f64::MAX, 1f64), |(a, b), &n| (a.min(n), b.max(n)));
+        // A margin of a fifth of a doubling on each side; one size still gets a range.
+        let (lo, hi) = (lo.min(hi) / 1.15, hi * 1.15);
+        let ymax = (self.runs.iter().map(|r| r.hit_ratio).fold(0.0, f64::max) * 1.1).clamp(0.05, 1.0);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("Page hit ratio vs host pool size ({}, {} requests)", self.geometry, self.requests),
+                ("sans-serif", 16),
+            )
+            .margin(14)
+            .x_label_area_size(42)
+            .y_label_area_size(56)
+            .build_cartesian_2d((lo..hi).log_scale().with_key_points(slots), 0f64..ymax)?;
+        // Each pool size is a tick, labelled as given.
+        let label = |x: &f64| match self.sizes.iter().find(|(_, n)| *n as f64 == *x) {
+            Some((label, _)) => label.clone(),
+            None => format!("{x:.0}"),
+        };
+        chart
+            .configure_mesh()
+            .x_desc("pool size (log scale)")
+            .y_desc("page hit ratio")
+            .x_label_formatter(&label)
+            .y_label_formatter(&|y| format!("{y:.3}"))
+            .draw()?;
+        for (i, p) in self.policies().into_iter().enumerate() {
+            let points: Vec<(f64, f64)> =
+                self.sizes.iter().filter_map(|(_, n)| self.get(p, *n).map(|r| (*n as f64, r.hit_ratio))).collect();
+            let color = if p == "optimum" { BLACK.to_rgba() } else { Palette99::pick(i).to_rgba() };
+            let line = color.stroke_width(2);
+            let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 24, y)], line);
+            if p == "optimum" {
+                chart.draw_series(DashedLineSeries::new(points.clone(), 6, 4, line))?.label(p).legend(legend);
+            } else {
+                chart.draw_series(LineSeries::new(points.clone(), line))?.label(p).legend(legend);
+            }
+            chart.draw_series(points.iter().map(|&xy| Circle::new(xy, 3, color.filled())))?;
         }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
     }
-    Ok(())
 }
