@@ -36,7 +36,7 @@
 //! are visible through `next` too.
 
 use super::shim::MIGRATION_CHUNK;
-use super::table::{Table, FRAG_MASK, MOVED, TOMBSTONE};
+use super::table::{Table, FRAG_MASK, MAX_BUCKETS, MOVED, TOMBSTONE};
 use super::BlockIndex;
 use crate::sync::{spin_loop, AtomicUsize, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
@@ -139,9 +139,10 @@ impl Table {
 }
 
 impl BlockIndex {
-    /// Bucket count for a table receiving `live` entries: a quarter full, never below the initial size.
+    /// Bucket count for a table receiving `live` entries: a quarter full, never below the initial
+    /// size nor above `MAX_BUCKETS`.
     fn table_size(&self, live: usize) -> usize {
-        live.saturating_mul(4).checked_next_power_of_two().unwrap_or(usize::MAX / 2 + 1).max(self.min_buckets)
+        live.saturating_mul(4).checked_next_power_of_two().unwrap_or(MAX_BUCKETS).min(MAX_BUCKETS).max(self.min_buckets)
     }
 
     /// Helps migrate table `t_sh` (starting the migration if needed) and returns once `root` no

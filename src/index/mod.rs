@@ -101,6 +101,7 @@ mod table;
 #[cfg(all(test, not(loom)))]
 mod tests;
 
+use crate::error::IndexError;
 use crate::key::ContentKey;
 use crate::slot::SlotId;
 use crate::sync::{spin_loop, Ordering};
@@ -108,7 +109,7 @@ use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use crossbeam_utils::CachePadded;
 use reservation::LiveCount;
 use std::fmt;
-use table::{fragment, Entry, Table, FRAG_MASK, MIN_BUCKETS, MOVED, TOMBSTONE};
+use table::{fragment, Entry, Table, FRAG_MASK, MAX_BUCKETS, MIN_BUCKETS, MOVED, TOMBSTONE};
 
 /// Where a block lives: its slot and the slot generation it was saved under.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Hash)]
@@ -139,20 +140,36 @@ pub struct BlockIndex {
 
 impl BlockIndex {
     /// An index sized for about `expected` live entries without growing: `next_pow2(4 * expected)`
-    /// buckets (at least 4), so it holds `expected` entries plus as many tombstones before the first
-    /// migration. Migrations never shrink the table below this size.
+    /// buckets (at least 4, 8 bytes each), so it holds `expected` entries plus as many tombstones
+    /// before the first migration. Migrations never shrink the table below this size.
     ///
-    /// # Panics
-    /// If `4 * expected` buckets overflow `usize` (like `Vec::with_capacity`).
-    pub fn with_capacity(expected: usize) -> Self {
-        let n = expected
-            .checked_mul(4)
-            .and_then(usize::checked_next_power_of_two)
-            .expect("BlockIndex capacity overflows usize")
-            .max(MIN_BUCKETS);
+    /// # Errors
+    /// - [`IndexError::CapacityTooLarge`] if `expected` exceeds the largest capacity whose bucket
+    ///   array fits in one allocation (`isize::MAX` bytes): 2^57 entries on a 64-bit target.
+    /// - [`IndexError::OutOfMemory`] if the bucket array cannot be allocated.
+    pub fn try_with_capacity(expected: usize) -> Result<Self, IndexError> {
+        let max = MAX_BUCKETS / 4;
+        if expected > max {
+            return Err(IndexError::CapacityTooLarge { requested: expected, max });
+        }
+        // No overflow: 4 * expected <= MAX_BUCKETS, a power of two.
+        let n = (4 * expected).next_power_of_two().max(MIN_BUCKETS);
+        let table = Table::try_new(n, 0).map_err(|_| IndexError::OutOfMemory {
+            requested: expected,
+            bytes: (n * std::mem::size_of::<Atomic<Entry>>()) as u64,
+        })?;
         // Numbers this thread before the index is shared (under loom, see `sync::thread_number`).
         shim::stripe();
-        BlockIndex { root: CachePadded::new(Atomic::new(Table::new(n, 0))), len: LiveCount::new(), min_buckets: n }
+        Ok(BlockIndex { root: CachePadded::new(Atomic::new(table)), len: LiveCount::new(), min_buckets: n })
+    }
+
+    /// [`BlockIndex::try_with_capacity`] for sizes known to be valid (the tier's slot count, tests).
+    ///
+    /// # Panics
+    /// If `try_with_capacity` fails: `expected` above 2^57 (64-bit) or the bucket array cannot be
+    /// allocated. Callers pass validated sizes, so a panic here is a broken invariant.
+    pub fn with_capacity(expected: usize) -> Self {
+        Self::try_with_capacity(expected).unwrap_or_else(|e| panic!("BlockIndex::with_capacity: {e}"))
     }
 
     #[inline]

@@ -33,6 +33,7 @@ use crate::key::ContentKey;
 use crate::sync::Ordering;
 use crossbeam_epoch::{Atomic, Guard, Shared};
 use crossbeam_utils::CachePadded;
+use std::collections::TryReserveError;
 
 /// Tag bit: the bucket was frozen by a migration (with a null or an entry pointer).
 pub(super) const MOVED: usize = 0b0001;
@@ -51,6 +52,11 @@ pub(super) fn fragment(h: u64) -> usize {
 
 /// Smallest bucket array (a table always keeps half its buckets empty, so this holds 2 entries).
 pub(super) const MIN_BUCKETS: usize = 4;
+
+/// Largest bucket array: the largest power of two whose bytes fit in `isize::MAX` (Rust's limit on
+/// one allocation), 2^59 buckets on a 64-bit target.
+pub(super) const MAX_BUCKETS: usize =
+    1 << (usize::BITS - 1 - (isize::MAX as usize / std::mem::size_of::<Atomic<Entry>>()).leading_zeros());
 
 /// One key -> value pair. Heap-allocated once, immutable once published, shared by an old and a new
 /// table during a migration, freed exactly once (by the remover's deferred destructor or by
@@ -106,15 +112,24 @@ pub(super) struct Table {
 }
 
 impl Table {
-    /// A table of `n` (a power of two, at least `MIN_BUCKETS`) empty buckets, with `used` load
-    /// reservations already granted (the entries a migration will copy in).
+    /// A table of `n` (a power of two, `MIN_BUCKETS..=MAX_BUCKETS`) empty buckets, with `used` load
+    /// reservations already granted (the entries a migration will copy in). Aborts if the allocation
+    /// fails, like `Vec`.
     pub(super) fn new(n: usize, used: usize) -> Self {
         Self::with_buckets((0..n).map(|_| Atomic::null()).collect(), used)
     }
 
+    /// [`Table::new`], reporting a failed allocation instead of aborting.
+    pub(super) fn try_new(n: usize, used: usize) -> Result<Self, TryReserveError> {
+        let mut buckets = Vec::new();
+        buckets.try_reserve_exact(n)?;
+        buckets.extend((0..n).map(|_| Atomic::null()));
+        Ok(Self::with_buckets(buckets.into_boxed_slice(), used))
+    }
+
     fn with_buckets(buckets: Box<[Atomic<Entry>]>, used: usize) -> Self {
         let n = buckets.len();
-        debug_assert!(n.is_power_of_two() && n >= MIN_BUCKETS);
+        debug_assert!(n.is_power_of_two() && (MIN_BUCKETS..=MAX_BUCKETS).contains(&n));
         debug_assert!(used <= n / 2);
         Table { buckets, mask: n - 1, load: Reservations::new(n / 2, used), mig: CachePadded::new(Migration::new()) }
     }

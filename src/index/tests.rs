@@ -54,6 +54,41 @@ fn insert_get_remove_semantics() {
 }
 
 #[test]
+#[cfg(target_pointer_width = "64")]
+fn huge_capacity_is_an_error_not_a_panic() {
+    let max = 1usize << 57; // 2^59 buckets of 8 B = 2^62 B, the largest power of two within isize::MAX
+    assert_eq!(MAX_BUCKETS, 1 << 59);
+    for requested in [max + 1, usize::MAX / 4 + 1, usize::MAX] {
+        assert_eq!(
+            BlockIndex::try_with_capacity(requested).unwrap_err(),
+            IndexError::CapacityTooLarge { requested, max }
+        );
+    }
+    assert_eq!(
+        IndexError::CapacityTooLarge { requested: usize::MAX, max }.to_string(),
+        "index capacity of 18446744073709551615 entries is too large: at most 144115188075855872 entries \
+         (4 buckets of 8 B per entry, in one allocation of at most isize::MAX bytes)"
+    );
+    // The largest valid request asks for 4 EiB of buckets: no machine has it, and it is reported.
+    let e = BlockIndex::try_with_capacity(max).unwrap_err();
+    assert_eq!(e, IndexError::OutOfMemory { requested: max, bytes: 1 << 62 });
+    assert_eq!(
+        e.to_string(),
+        "index capacity of 144115188075855872 entries needs 4611686018427387904 B of buckets, which could not be \
+         allocated"
+    );
+    let ix = BlockIndex::try_with_capacity(1000).unwrap();
+    assert_eq!(ix.capacity(), 4096);
+    assert_eq!(ix.insert_if_absent(k(1), v(1, 1)), Ok(()));
+}
+
+#[test]
+#[should_panic(expected = "BlockIndex::with_capacity: index capacity of 18446744073709551615 entries is too large")]
+fn with_capacity_panics_on_an_invalid_size() {
+    let _ = BlockIndex::with_capacity(usize::MAX);
+}
+
+#[test]
 fn insert_present_returns_existing() {
     let ix = BlockIndex::with_capacity(4);
     assert_eq!(ix.insert_if_absent(k(5), v(1, 10)), Ok(()));
