@@ -1,12 +1,12 @@
 //! loom model of `kvtier::freelist::FreeList`: concurrent pops and pushes never hand one slot id to
 //! two owners (the ABA failure of an untagged Treiber stack), and every id is back at the end.
 //!
-//! Run (see docs and facts.md section 5):
+//! Run with `ci/loom.sh models loom_freelist`, or by hand (facts in docs/invariants.md):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2 \
-//!  CARGO_TARGET_DIR=/work/target-loom cargo test --release --features loom --test loom_freelist`
-//! With `--features loom,seeded-bug-freelist-aba` (no tag increment) both models fail: two owners
-//! touch one slot's bytes (a loom causality violation) or an id is handed out twice. A push CAS
-//! weakened from Release to Relaxed fails the same way (checked by hand).
+//!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_freelist`
+//! With `--cfg kvtier_seeded_bug="freelist-aba"` added to RUSTFLAGS (no tag increment) both models
+//! fail: two owners touch one slot's bytes (a loom causality violation) or an id is handed out
+//! twice. A push CAS weakened from Release to Relaxed fails the same way (checked by hand).
 #![cfg(loom)]
 
 use kvtier::freelist::FreeList;

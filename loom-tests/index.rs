@@ -5,8 +5,8 @@
 //! Run with `ci/loom.sh models loom_index`, or by hand (facts in docs/invariants.md):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2
 //!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_index`
-//! Adding `seeded-bug-index-early-unpin` to the features must make `remove_races_get_with_reclamation`
-//! fail with "use after free".
+//! Adding `--cfg kvtier_seeded_bug="index-early-unpin"` to RUSTFLAGS must make
+//! `remove_races_get_with_reclamation` fail with "use after free".
 
 use kvtier::{BlockIndex, ContentKey, SlotId, SlotRef};
 use loom::sync::Arc;

@@ -38,8 +38,8 @@
 //! atomics, so such a read is not a data race.) Push needs no tag change: it dereferences nothing,
 //! it only installs `i` on top of the head it saw.
 //!
-//! The seeded bug `seeded-bug-freelist-aba` removes the tag increment; `loom-tests/freelist.rs`
-//! finds the double hand-out above.
+//! The seeded bug `--cfg kvtier_seeded_bug="freelist-aba"` removes the tag increment;
+//! `loom-tests/freelist.rs` finds the double hand-out above.
 //!
 //! # Memory orderings
 //!
@@ -241,10 +241,10 @@ impl FreeList {
             }
             let id = top - 1;
             let below = self.next[id as usize].load(Ordering::Relaxed);
-            #[cfg(not(feature = "seeded-bug-freelist-aba"))]
+            #[cfg(not(kvtier_seeded_bug = "freelist-aba"))]
             let new_tag = tag.wrapping_add(1);
             // Seeded bug: the tag stays, so a head that went i -> ... -> i again looks unchanged.
-            #[cfg(feature = "seeded-bug-freelist-aba")]
+            #[cfg(kvtier_seeded_bug = "freelist-aba")]
             let new_tag = tag;
             match shard.head.compare_exchange_weak(head, pack(new_tag, below), Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {

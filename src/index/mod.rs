@@ -90,9 +90,9 @@
 //! models reach every path, and turns a reclaimed entry into a detectable "use after free" instead of
 //! freed memory. The models in `loom-tests/index.rs` check racing inserts of one key, removal against
 //! a lookup with reclamation, growth under a reader, removal racing a migration, two writers helping
-//! one two-chunk migration, and batched load reservations racing. The feature
-//! `seeded-bug-index-early-unpin` makes [`BlockIndex::get`] unpin before reading the entry's value;
-//! `remove_races_get_with_reclamation` must catch it.
+//! one two-chunk migration, and batched load reservations racing. The seeded bug
+//! `--cfg kvtier_seeded_bug="index-early-unpin"` makes [`BlockIndex::get`] unpin before reading the
+//! entry's value; `remove_races_get_with_reclamation` must catch it.
 
 mod migrate;
 mod reservation;
@@ -261,11 +261,11 @@ impl BlockIndex {
     pub fn get(&self, key: &ContentKey) -> Option<SlotRef> {
         let guard = epoch::pin();
         let (_, t) = self.root(&guard);
-        #[cfg(not(feature = "seeded-bug-index-early-unpin"))]
+        #[cfg(not(kvtier_seeded_bug = "index-early-unpin"))]
         {
             t.find(key, &guard).map(Entry::value)
         }
-        #[cfg(feature = "seeded-bug-index-early-unpin")]
+        #[cfg(kvtier_seeded_bug = "index-early-unpin")]
         {
             // SEEDED BUG (loom must catch it): unpin before reading the value, so a concurrent
             // removal's deferred destructor may already have run.
@@ -425,3 +425,4 @@ impl fmt::Debug for IndexReader<'_> {
         f.debug_struct("IndexReader").field("index", self.index).finish()
     }
 }
+
