@@ -425,4 +425,3 @@ impl fmt::Debug for IndexReader<'_> {
         f.debug_struct("IndexReader").field("index", self.index).finish()
     }
 }
-
