@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Runs every loom model (loom-tests/*.rs registered as `loom_*` tests in Cargo.toml), then proves each
-# model bites: with its seeded bug enabled the model must build and then FAIL.
+# model bites: with its seeded bug enabled the model must build and then FAIL with the panic message
+# that bug is expected to cause (any other failure, or a pass, fails the script).
 #
-# Usage: ci/loom.sh [models|bites|all]   (default all)
-# Env: LOOM_MAX_PREEMPTIONS (default 2), LOOM_TARGET_DIR (default target/loom).
+# Usage: ci/loom.sh [models|bites|all] [TARGET...]   (default all; TARGETs such as `loom_index`
+#        restrict both the models and the bites to those test targets)
+# Env: LOOM_MAX_PREEMPTIONS (default 2), LOOM_TARGET_DIR (default target/loom). A seeded bug is the
+# private cfg `kvtier_seeded_bug="NAME"`, set by kvtier's build script from KVTIER_SEEDED_BUG, so each
+# bite rebuilds kvtier and the model only (the dependencies are built once).
 # Recipe (facts.md section 5): --cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize, our `loom`
 # feature (which enables crossbeam-epoch/loom), --release, a target dir of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-export RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize"
+shift || true
+only=" $* "
+loom_flags="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize"
+export RUSTFLAGS="$loom_flags"
 export LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2}
 export CARGO_TARGET_DIR=${LOOM_TARGET_DIR:-target/loom}
 export RUST_BACKTRACE=0
@@ -18,6 +25,7 @@ export RUST_BACKTRACE=0
 targets=()
 for f in loom-tests/*.rs; do
     name="loom_$(basename "$f" .rs)"
+    if [[ $only != "  " && $only != *" $name "* ]]; then continue; fi
     if grep -q "^name = \"$name\"" Cargo.toml; then targets+=("$name"); fi
 done
 test_args=()
@@ -37,43 +45,61 @@ if [[ $what == all || $what == models ]]; then
     done
 fi
 
-# seeded bug feature | test target | test name (empty: the whole target)
+# The panic messages of a test log: each "panicked at" line's message, up to the next note/blank line.
+panic_messages() {
+    awk '/panicked at/ { grab = 1; next } /^note:|^$|^thread / { grab = 0 } grab' "$1"
+}
+
+# seeded bug (a value of the cfg `kvtier_seeded_bug`, see Cargo.toml [lints.rust]) | test target |
+# test name (empty: the whole target) | expected panic message (substring)
 bites=(
-    "seeded-bug-evict-pinned|loom_lease|query_pin_holds_off_eviction"
-    "seeded-bug-lease-double-settle|loom_lease|settle_exactly_once"
-    "seeded-bug-lease-first-consume-settles|loom_lease|shared_lease_serves_every_rank"
-    "seeded-bug-guard-borrows-lease-pin|loom_guard|lease_dropped_during_copy_keeps_slot"
-    "seeded-bug-pin-writing|loom_guard|reserved_slot_invisible_until_commit"
-    "seeded-bug-evict-pinned|loom_evict|evict_vs_pin_vs_lookup"
-    "seeded-bug-stale-generation|loom_evict|stale_lookup_after_reuse_fails"
-    "seeded-bug-freelist-aba|loom_freelist|aba_two_threads_one_shard"
-    "seeded-bug-index-early-unpin|loom_index|remove_races_get_with_reclamation"
+    "evict-pinned|loom_lease|query_pin_holds_off_eviction|unpin of unpinned slot"
+    "lease-double-settle|loom_lease|settle_exactly_once|unpin of unpinned slot"
+    "lease-first-consume-settles|loom_lease|shared_lease_serves_every_rank|each rank has a use, yet its restore failed"
+    "restore-use-before-pin|loom_lease|shared_lease_serves_every_rank|each rank has a use, yet its restore failed"
+    "guard-borrows-lease-pin|loom_guard|lease_settled_during_copy_keeps_slot|evicted a slot under an in-flight copy"
+    "pin-writing|loom_guard|reserved_slot_invisible_until_commit|Causality violation"
+    "evict-pinned|loom_evict|evict_vs_pin_vs_lookup|unpin of unpinned slot"
+    "stale-generation|loom_evict|stale_lookup_after_reuse_fails|no longer holds key A"
+    "requeue-claimed-victim|loom_policy|acquire_races_a_query_pin_sieve|eviction policy contract broken: on_remove"
+    "freelist-aba|loom_freelist|aba_two_threads_one_shard|Causality violation: Concurrent read and write accesses"
+    "freelist-missed-pop|loom_freelist|pop_racing_push_and_pop_finds_an_id|pop returned None although an id was on the list throughout"
+    "index-early-unpin|loom_index|remove_races_get_with_reclamation|use after free: read of a reclaimed index entry"
 )
 if [[ $what == all || $what == bites ]]; then
     for b in "${bites[@]}"; do
-        IFS='|' read -r feature target name <<<"$b"
+        IFS='|' read -r bug target name expect <<<"$b"
         if [[ ! " ${targets[*]} " == *" $target "* ]]; then
-            echo "skip: $target not present (seeded bug $feature)"
-            continue
-        fi
-        if ! cargo test -p kvtier -q --release --features "loom,$feature" --test "$target" --no-run 2>/dev/null; then
-            echo "FAIL: $target does not build with $feature"
-            fail=1
+            echo "skip: $target not selected or not present (seeded bug $bug)"
             continue
         fi
         start=$(date +%s.%N)
+        if ! KVTIER_SEEDED_BUG="$bug" cargo test -p kvtier -q --release --features loom --test "$target" --no-run \
+            2>/dev/null; then
+            echo "FAIL: $target does not build with seeded bug $bug"
+            fail=1
+            continue
+        fi
+        build=$(echo "$(date +%s.%N) - $start" | bc)
+        start=$(date +%s.%N)
         log=$(mktemp)
-        if cargo test -p kvtier -q --release --features "loom,$feature" --test "$target" -- --test-threads=1 $name >"$log" 2>&1; then
-            echo "FAIL: seeded bug $feature did NOT make $target${name:+::$name} fail"
+        if KVTIER_SEEDED_BUG="$bug" cargo test -p kvtier -q --release --features loom --test "$target" \
+            -- --test-threads=1 $name >"$log" 2>&1; then
+            echo "FAIL: seeded bug $bug did NOT make $target${name:+::$name} fail"
             fail=1
-        elif grep -q "panicked at" "$log"; then
-            msg=$(grep -A1 "panicked at" "$log" | grep -v "panicked at\|^--" | head -1)
-            printf 'bites: %-40s %s%s (%.1f s): %s\n' "$feature" "$target" "${name:+::$name}" \
-                "$(echo "$(date +%s.%N) - $start" | bc)" "$msg"
         else
-            echo "FAIL: $target with $feature exited non-zero without a model failure:"
-            tail -20 "$log"
-            fail=1
+            # Not `panic_messages | grep -q`: grep would exit at the first match and, with pipefail,
+            # the writer's SIGPIPE would fail the test.
+            msgs=$(panic_messages "$log")
+            if msg=$(grep -F -m1 -- "$expect" <<<"$msgs"); then
+                printf 'bites: %-40s %s%s (build %.0f s, run %.1f s): %s\n' "$bug" "$target" "${name:+::$name}" \
+                    "$build" "$(echo "$(date +%s.%N) - $start" | bc)" "$msg"
+            else
+                echo "FAIL: $target${name:+::$name} with seeded bug $bug failed, but not with \"$expect\":"
+                sed -n 1,5p <<<"$msgs"
+                tail -n 20 "$log"
+                fail=1
+            fi
         fi
         rm -f "$log"
     done

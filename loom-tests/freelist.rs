@@ -1,12 +1,16 @@
-//! loom model of `kvtier::freelist::FreeList`: concurrent pops and pushes never hand one slot id to
-//! two owners (the ABA failure of an untagged Treiber stack), and every id is back at the end.
+//! loom models of `kvtier::freelist::FreeList`: concurrent pops and pushes never hand one slot id to
+//! two owners (the ABA failure of an untagged Treiber stack), every id is back at the end, and a pop
+//! never reports the list empty while it was not (a sweep over the shards alone can miss an id).
 //!
-//! Run (see docs and facts.md section 5):
+//! Run with `ci/loom.sh` (it builds with the loom cfgs, facts in docs/invariants.md), or by hand:
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2 \
-//!  CARGO_TARGET_DIR=/work/target-loom cargo test --release --features loom --test loom_freelist`
-//! With `--features loom,seeded-bug-freelist-aba` (no tag increment) both models fail: two owners
-//! touch one slot's bytes (a loom causality violation) or an id is handed out twice. A push CAS
-//! weakened from Release to Relaxed fails the same way (checked by hand).
+//!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_freelist`
+//! Seeded bugs (add `--cfg kvtier_seeded_bug="NAME"` to RUSTFLAGS):
+//! - `freelist-aba` (no tag increment): both ownership models fail: two owners touch one slot's
+//!   bytes (a loom causality violation) or an id is handed out twice. A push CAS weakened from
+//!   Release to Relaxed fails the same way (checked by hand).
+//! - `freelist-missed-pop` (a pop gives up after one sweep): `pop_racing_push_and_pop_finds_an_id`
+//!   fails with "pop returned None although an id was on the list throughout".
 #![cfg(loom)]
 
 use kvtier::freelist::FreeList;
@@ -60,11 +64,12 @@ impl Model {
 }
 
 /// The classic ABA schedule: A pops (reads top 0, below 1) while B pops 0, pops 1, pushes 0 back.
-/// Without the tag A's CAS installs 1 (owned by B) as the top and A's next pop takes it.
+/// Without the tag A's CAS installs 1 (owned by B) as the top and A's next pop takes it. Three ids,
+/// not two: A's pop holds a reservation while it reads, so B can pop two ids only if a third is free.
 #[test]
 fn aba_two_threads_one_shard() {
     loom::model(|| {
-        let m = Model::new(2, 1);
+        let m = Model::new(3, 1);
         let a = {
             let m = m.clone();
             thread::spawn(move || {
@@ -121,6 +126,36 @@ fn steal_three_threads_two_shards() {
         }
         for h in handles {
             h.join().unwrap();
+        }
+        m.check_all_back();
+    });
+}
+
+/// Two shards, two ids: id 1 sits on shard 1 throughout; the main thread holds id 0. Thread B pushes
+/// id 0 onto shard 0 and then pops near shard 1, while the main thread pops near shard 0. The list
+/// holds at least one id at every instant, so both pops must find one. A pop that sweeps once can
+/// miss: it sees shard 0 empty, B pushes id 0 there and takes id 1 from shard 1, and the sweep then
+/// sees shard 1 empty. The reservation on the `avail` count makes the pop sweep again instead.
+#[test]
+fn pop_racing_push_and_pop_finds_an_id() {
+    loom::model(|| {
+        let m = Model::new(2, 2);
+        let held = m.pop(0).expect("id 0 from shard 0");
+        assert_eq!(held, 0);
+        let b = {
+            let m = m.clone();
+            thread::spawn(move || {
+                m.push(0, held);
+                let got = m.pop(1);
+                assert!(got.is_some(), "pop after a push on the same thread found nothing");
+                got
+            })
+        };
+        let mine = m.pop(0);
+        assert!(mine.is_some(), "pop returned None although an id was on the list throughout");
+        let theirs = b.join().unwrap();
+        for id in [mine, theirs].into_iter().flatten() {
+            m.push(0, id);
         }
         m.check_all_back();
     });

@@ -1,12 +1,12 @@
 #![cfg(loom)]
-//! loom models of `BlockIndex` (src/index.rs): racing inserts, removal against lookups with epoch
+//! loom models of `BlockIndex` (src/index/): racing inserts, removal against lookups with epoch
 //! reclamation, growth (migration) racing readers and writers, and batched load reservations.
 //!
-//! Run (see `docs/` and facts.md section 5):
+//! Run with `ci/loom.sh models loom_index`, or by hand (facts in docs/invariants.md):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2
-//!  CARGO_TARGET_DIR=/work/target-loom cargo test --release --features loom --test loom_index`
-//! Adding `seeded-bug-index-early-unpin` to the features must make `remove_races_get_with_reclamation`
-//! fail with "use after free".
+//!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_index`
+//! Adding `--cfg kvtier_seeded_bug="index-early-unpin"` to RUSTFLAGS must make
+//! `remove_races_get_with_reclamation` fail with "use after free".
 
 use kvtier::{BlockIndex, ContentKey, SlotId, SlotRef};
 use loom::sync::Arc;
@@ -20,13 +20,22 @@ fn v(slot: u32, generation: u64) -> SlotRef {
     SlotRef { slot: SlotId(slot), generation }
 }
 
-/// Runs `f` under loom with a preemption bound of 2 unless `LOOM_MAX_PREEMPTIONS` says otherwise.
+/// Runs `f` under loom with a preemption bound of 2 unless `LOOM_MAX_PREEMPTIONS` says otherwise,
+/// and prints how many interleavings were explored (shown with `--nocapture`).
 fn model<F: Fn() + Sync + Send + 'static>(f: F) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let mut b = loom::model::Builder::new();
     if b.preemption_bound.is_none() {
         b.preemption_bound = Some(2);
     }
-    b.check(f);
+    // A std counter outside the model: it counts executions, it is not part of them.
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    b.check(move || {
+        counter.fetch_add(1, Ordering::Relaxed);
+        f()
+    });
+    eprintln!("{} interleavings", runs.load(Ordering::Relaxed));
 }
 
 /// Advances the epoch far enough that everything retired so far by this thread is reclaimed unless

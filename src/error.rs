@@ -235,17 +235,28 @@ pub enum CopyError {
     BackendPanicked,
 }
 
-/// The index cannot be built as asked.
+/// A [`crate::BlockIndex`] that cannot be built as asked.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum IndexError {
-    /// The requested capacity needs more buckets than the index can address.
-    #[error("index capacity of {requested} entries is too large (at most {max})")]
+    /// The requested capacity needs a bucket array larger than one allocation may be.
+    #[error(
+        "index capacity of {requested} entries is too large: at most {max} entries \
+         (4 buckets of 8 B per entry, in one allocation of at most isize::MAX bytes)"
+    )]
     CapacityTooLarge {
         /// Entries asked for.
         requested: usize,
-        /// Largest supported capacity.
+        /// Largest capacity in entries (2^57 on a 64-bit target).
         max: usize,
+    },
+    /// The bucket array could not be allocated.
+    #[error("index capacity of {requested} entries needs {bytes} B of buckets, which could not be allocated")]
+    OutOfMemory {
+        /// Entries asked for.
+        requested: usize,
+        /// Bytes of the bucket array.
+        bytes: u64,
     },
 }
 

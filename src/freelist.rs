@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //!
-//! The list is a set of *shards*, each a Treiber stack. A stack's head is one 64-bit word:
+//! The list is a set of *shards*, each a Treiber stack, plus one count of the ids a pop may take,
+//! `avail`. A stack's head is one 64-bit word:
 //!
 //! ```text
 //!  63                        32 31                         0
@@ -14,13 +15,54 @@
 //!
 //! The links live in one shared array `next: [AtomicU32; capacity]`: `next[i]` is the index + 1 of
 //! the element below `i` in whichever stack `i` is on (0 = bottom). An id is on at most one stack at
-//! a time, so one array serves every shard. Shards sit on their own cache lines.
+//! a time, so one array serves every shard. Shards and `avail` sit on their own cache lines.
 //!
-//! A thread pushes to and pops from its *home* shard (a per-thread number, assigned once from a
-//! counter, modulo the shard count) and, when that is empty, steals from the others in order. With
-//! one shard per core (the default: next power of two at or above the available parallelism,
-//! capped at 16) threads rarely touch the same head word. Callers that know a better spread (a rank
-//! number) use [`FreeList::pop_near`] / [`FreeList::push_near`].
+//! A thread pushes to and pops from its *home* shard (its [`crate::sync::thread_number`] modulo the
+//! shard count) and, when that is empty, steals from the others in order. With one shard per core
+//! (the default: next power of two at or above the available parallelism, capped at 16) threads
+//! rarely touch the same head word. Callers that know a better spread (a rank number) use
+//! [`FreeList::pop_near`] / [`FreeList::push_near`].
+//!
+//! # Exact pops: a `None` means the list was empty
+//!
+//! A sweep over the shards alone cannot tell "empty" from "missed": while it visits the shards one by
+//! one, an id can be pushed to a shard it has already visited and another one taken from a shard it
+//! has not reached, so it sees every shard empty although the list never was. For the pool that is a
+//! save which evicts a ready block while a slot is free. So a pop first *reserves* an id from
+//! `avail`, the count of ids on the stacks that no pop has claimed yet:
+//!
+//! - `push(i)`: put `i` on a stack (the head CAS), *then* increment `avail`.
+//! - `pop`: decrement `avail` if it is positive (a CAS loop); if it is 0, return `None`. Otherwise the
+//!   pop holds a reservation and sweeps the shards, again and again if need be, until it takes an id.
+//!
+//! Write `P` for the ids on the stacks, `U` for the pushes whose head CAS has landed but whose
+//! increment has not, and `R` for the pops that reserved but have not taken an id yet. Every step
+//! keeps `avail = P - U - R` (a landing adds to `P` and `U`, its increment moves one from `U` to
+//! `avail`; a reservation moves one from `avail` to `R`, a take removes one from `P` and from `R`),
+//! and `avail` never goes below 0, so `P >= R + U >= R` at every instant:
+//!
+//! - **A reserved pop finds an id.** While it holds its reservation `R >= 1`, so some stack holds an
+//!   id at every instant. A sweep that sees every shard empty therefore raced with other threads'
+//!   successful head CASes (the id it was heading for was taken, or moved to a shard already visited),
+//!   so the pop sweeps again; pops and pushes stay lock-free (a sweep fails only when another operation
+//!   succeeded), though a reserved pop is not wait-free.
+//! - **`None` is linearizable emptiness.** Linearize a push at its increment and a pop at its
+//!   successful reservation, or, for `None`, at the CAS `0 -> 0` that confirms `avail == 0` (a
+//!   read-modify-write reads the latest value in `avail`'s modification order, so a stale plain load
+//!   cannot make a pop give up). Each point lies inside its call, and in that order the list is a
+//!   count of available ids equal to `avail`; a `None` pop sees it at 0. So a pop returns `None` only
+//!   if, at an instant during the call, every id whose push had completed was claimed by a pop in
+//!   progress: in particular never while an id that no one else is taking sits on the list throughout
+//!   the call. Ids are interchangeable (any free slot serves a save), so a reserved pop may take an
+//!   id whose push has landed but not been counted yet, leaving the counted one on its stack for the
+//!   next pop: a relabelling of equal ids, not a miss.
+//!
+//! `avail` is one more counter write per push and per pop, as the per-shard lengths it replaces were,
+//! but on a line that every thread writes (see `cargo bench --bench slab` for what that costs).
+//!
+//! The seeded bug `--cfg kvtier_seeded_bug="freelist-missed-pop"` brings the miss back (a pop that
+//! finds nothing in one sweep gives its reservation back and returns `None`); the loom model
+//! `pop_racing_push_and_pop_finds_an_id` fails with it.
 //!
 //! # The ABA argument
 //!
@@ -36,10 +78,11 @@
 //! element below `i` and A's CAS is correct. (A `next[i]` value read while `i` was being popped and
 //! re-pushed elsewhere may be stale, but then the tag differs and the CAS fails; the links are
 //! atomics, so such a read is not a data race.) Push needs no tag change: it dereferences nothing,
-//! it only installs `i` on top of the head it saw.
+//! it only installs `i` on top of the head it saw. The reservation does not touch the heads, so it
+//! changes nothing here.
 //!
-//! The seeded bug `seeded-bug-freelist-aba` removes the tag increment; `loom-tests/freelist.rs`
-//! finds the double hand-out above.
+//! The seeded bug `--cfg kvtier_seeded_bug="freelist-aba"` removes the tag increment;
+//! `loom-tests/freelist.rs` finds the double hand-out above.
 //!
 //! # Memory orderings
 //!
@@ -50,19 +93,19 @@
 //!   for the next attempt), so the `next[i]` written by the push that published `i` is visible; CAS
 //!   success is `AcqRel` (it continues the release sequence of the pushes below it, which later pops
 //!   acquire).
-//! - The per-shard length counter is Relaxed: it is incremented *before* the push CAS and
-//!   decremented *after* the pop CAS, so (the push happening-before the pop of the same element)
-//!   a shard's counter never goes below zero. [`FreeList::len`] sums the shards: approximate while
-//!   other threads push and pop, exact when they are quiescent.
+//! - `avail`: a push's increment is a `Release` RMW after its landing CAS, and a pop's reservation an
+//!   `Acquire` RMW before its sweep. All RMWs on `avail` continue the release sequence of every
+//!   earlier increment, so a reserved pop's sweep sees (at least) every landing that was counted
+//!   before its reservation. The counting argument itself needs only atomicity: each unit is taken
+//!   by exactly one decrement-if-positive CAS.
 //!
-//! Every CAS retry calls [`crate::sync::spin_loop`] (under loom it yields to other threads).
+//! Every CAS retry, and every repeated sweep, calls [`crate::sync::spin_loop`] (under loom it yields
+//! to other threads).
 //!
 //! # Guarantees
 //!
 //! - An id popped is owned by the caller until it pushes it back; no other pop returns it meanwhile.
-//! - On one thread (or with no concurrent operation), `pop` returns `None` only if the list is
-//!   empty. Under concurrency a `None` means every shard was seen empty at some moment of the sweep;
-//!   an id pushed to an already-visited shard during the sweep can be missed.
+//! - `pop` returns `None` only if the list was empty at an instant during the call (above).
 //! - Debug builds keep a per-id "on the list" flag and panic on a double push (double free).
 
 use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -87,16 +130,16 @@ fn unpack(word: u64) -> (u32, u32) {
 struct Shard {
     /// `tag << 32 | (top index + 1)`; 0 in the low half means empty.
     head: AtomicU64,
-    /// Ids on this stack (see the module docs for why it never underflows).
-    len: AtomicUsize,
 }
 
-/// A lock-free list of free slot ids `0..capacity`. See the module docs for the design, the ABA
-/// argument and the memory orderings.
+/// A lock-free list of free slot ids `0..capacity`. See the module docs for the design, why a pop
+/// that returns `None` is exact, the ABA argument and the memory orderings.
 pub struct FreeList {
     shards: Box<[CachePadded<Shard>]>,
     /// `shards.len() - 1` (the shard count is a power of two).
     shard_mask: usize,
+    /// Ids on the stacks that no pop has reserved, minus pushes not yet counted (module docs).
+    avail: CachePadded<AtomicUsize>,
     /// `next[i]`: index + 1 of the id below `i` on its stack (0 = bottom).
     next: Box<[AtomicU32]>,
     /// Debug builds: `true` while the id is on the list (double-free detection).
@@ -137,14 +180,12 @@ impl FreeList {
                 next[i as usize].store(below, Ordering::Relaxed);
             }
             let top = if lo < hi { lo + 1 } else { 0 };
-            heads.push(CachePadded::new(Shard {
-                head: AtomicU64::new(pack(0, top)),
-                len: AtomicUsize::new((hi - lo) as usize),
-            }));
+            heads.push(CachePadded::new(Shard { head: AtomicU64::new(pack(0, top)) }));
         }
         FreeList {
             shards: heads.into_boxed_slice(),
             shard_mask: shards - 1,
+            avail: CachePadded::new(AtomicUsize::new(n as usize)),
             next,
             #[cfg(debug_assertions)]
             listed: (0..n).map(|_| crate::sync::AtomicBool::new(true)).collect(),
@@ -164,10 +205,11 @@ impl FreeList {
         self.shards.len()
     }
 
-    /// Ids on the list: exact when no other thread is pushing or popping, approximate otherwise
-    /// (it may briefly count an id whose push has not landed yet or whose pop has already landed).
+    /// Ids a pop could reserve now: exact when no other thread is pushing or popping. Under
+    /// concurrency it leaves out ids whose push has not been counted yet and ids already reserved
+    /// by a pop in progress.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.len.load(Ordering::Relaxed)).sum()
+        self.avail.load(Ordering::Relaxed)
     }
 
     /// True when [`FreeList::len`] is 0 (same caveat under concurrency).
@@ -176,7 +218,8 @@ impl FreeList {
     }
 
     /// Pops a free id, starting at the calling thread's home shard and stealing from the others
-    /// when it is empty. `None` when every shard was seen empty (see the module docs).
+    /// when it is empty. `None` only if the list was empty at an instant during the call (module
+    /// docs).
     #[inline]
     pub fn pop(&self) -> Option<u32> {
         self.pop_near(home_hint())
@@ -194,14 +237,50 @@ impl FreeList {
     /// [`FreeList::pop`] starting at shard `hint % shards()` (for callers with their own spread,
     /// e.g. a rank number, and for loom models, where every thread's default home is shard 0).
     pub fn pop_near(&self, hint: usize) -> Option<u32> {
+        if !self.reserve() {
+            return None;
+        }
+        // Reserved: some stack holds an id for this pop at every instant (module docs), so a sweep
+        // that finds none raced with other threads' CASes and is repeated.
         let home = hint & self.shard_mask;
-        for k in 0..self.shards.len() {
-            let s = (home + k) & self.shard_mask;
-            if let Some(id) = self.pop_shard(s) {
-                return Some(id);
+        loop {
+            for k in 0..self.shards.len() {
+                let s = (home + k) & self.shard_mask;
+                if let Some(id) = self.pop_shard(s) {
+                    return Some(id);
+                }
+            }
+            if cfg!(kvtier_seeded_bug = "freelist-missed-pop") {
+                // Seeded bug: the old single sweep; give the reservation back and report empty.
+                self.avail.fetch_add(1, Ordering::Release);
+                return None;
+            }
+            crate::sync::spin_loop();
+        }
+    }
+
+    /// Takes one unit of `avail` if it is positive; false if an RMW read it as 0.
+    #[inline]
+    fn reserve(&self) -> bool {
+        let mut n = self.avail.load(Ordering::Relaxed);
+        loop {
+            if n == 0 {
+                // Confirm with an RMW: it reads the latest value in `avail`'s modification order,
+                // which makes the `None` linearizable (module docs).
+                match self.avail.compare_exchange(0, 0, Ordering::Acquire, Ordering::Relaxed) {
+                    Ok(_) => return false,
+                    Err(now) => n = now,
+                }
+                continue;
+            }
+            match self.avail.compare_exchange_weak(n, n - 1, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return true,
+                Err(now) => {
+                    n = now;
+                    crate::sync::spin_loop();
+                }
             }
         }
-        None
     }
 
     /// [`FreeList::push`] onto shard `hint % shards()`. Same contract and panics.
@@ -213,21 +292,21 @@ impl FreeList {
             assert!(!was, "free-list push of id {id} which is already free (double free)");
         }
         let shard = &self.shards[hint & self.shard_mask];
-        // Counted before it lands, so the shard's counter never underflows (module docs).
-        shard.len.fetch_add(1, Ordering::Relaxed);
         let link = &self.next[id as usize];
         let mut head = shard.head.load(Ordering::Relaxed);
         loop {
             let (tag, top) = unpack(head);
             link.store(top, Ordering::Relaxed);
             match shard.head.compare_exchange_weak(head, pack(tag, id + 1), Ordering::Release, Ordering::Relaxed) {
-                Ok(_) => return,
+                Ok(_) => break,
                 Err(actual) => {
                     head = actual;
                     crate::sync::spin_loop();
                 }
             }
         }
+        // Counted only once it is on a stack, so a pop that reserves it will find an id.
+        self.avail.fetch_add(1, Ordering::Release);
     }
 
     /// One pop attempt loop on shard `s`: `None` only when the shard is seen empty.
@@ -241,14 +320,13 @@ impl FreeList {
             }
             let id = top - 1;
             let below = self.next[id as usize].load(Ordering::Relaxed);
-            #[cfg(not(feature = "seeded-bug-freelist-aba"))]
+            #[cfg(not(kvtier_seeded_bug = "freelist-aba"))]
             let new_tag = tag.wrapping_add(1);
             // Seeded bug: the tag stays, so a head that went i -> ... -> i again looks unchanged.
-            #[cfg(feature = "seeded-bug-freelist-aba")]
+            #[cfg(kvtier_seeded_bug = "freelist-aba")]
             let new_tag = tag;
             match shard.head.compare_exchange_weak(head, pack(new_tag, below), Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
-                    shard.len.fetch_sub(1, Ordering::Relaxed);
                     #[cfg(debug_assertions)]
                     {
                         let was = self.listed[id as usize].swap(false, Ordering::Relaxed);
@@ -275,20 +353,15 @@ impl std::fmt::Debug for FreeList {
     }
 }
 
-/// The calling thread's home-shard hint: a number assigned once per thread from a global counter.
+/// The calling thread's home-shard hint: its [`crate::sync::thread_number`].
 #[cfg(not(loom))]
 #[inline]
 fn home_hint() -> usize {
-    use crate::sync::AtomicUsize as Counter;
-    static NEXT_THREAD: Counter = Counter::new(0);
-    std::thread_local! {
-        static HOME: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
-    }
-    HOME.with(|h| *h)
+    crate::sync::thread_number()
 }
 
-/// Under loom every thread's home is shard 0 (a global counter would make the model's executions
-/// differ); models spread threads with [`FreeList::pop_near`] / [`FreeList::push_near`].
+/// Under loom every thread's home is shard 0, so the tier models' state spaces do not grow with the
+/// shard count; models spread threads with [`FreeList::pop_near`] / [`FreeList::push_near`].
 #[cfg(loom)]
 #[inline]
 fn home_hint() -> usize {
@@ -375,6 +448,47 @@ mod tests {
     #[should_panic(expected = "double free")]
     fn double_push_panics_in_debug() {
         FreeList::with_shards(4, 1).push(2);
+    }
+
+    /// 4 threads each hold at most one of 5 ids and move ids between shards (pop near their home,
+    /// push to another shard), so at every instant at least one id is on the list: no pop may
+    /// return `None`. (A single-sweep pop can miss here: an id pushed to a shard the sweep has passed
+    /// while the last other one is taken from a shard ahead of it; loom_freelist proves the case.)
+    #[test]
+    fn pop_never_misses_while_an_id_is_listed() {
+        const T: usize = 4;
+        let f = FreeList::with_shards(T as u32 + 1, 4);
+        let misses = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for t in 0..T {
+                let (f, misses) = (&f, &misses);
+                s.spawn(move || {
+                    for round in 0..200_000usize {
+                        match f.pop_near(t) {
+                            Some(id) => f.push_near(t + 1 + round % 3, id),
+                            None => {
+                                misses.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(misses.load(Ordering::Relaxed), 0, "pops that found nothing while an id was listed");
+        assert_eq!(f.len(), T + 1);
+    }
+
+    #[test]
+    fn len_counts_pushes_and_pops() {
+        let f = FreeList::with_shards(3, 2);
+        assert_eq!(f.len(), 3);
+        let a = f.pop_near(1).unwrap();
+        let b = f.pop_near(1).unwrap();
+        assert_eq!(f.len(), 1);
+        f.push_near(0, a);
+        assert_eq!(f.len(), 2);
+        f.push_near(1, b);
+        assert_eq!(f.len(), 3);
     }
 
     /// 4 threads pop and push; a per-id owner flag proves no id has two owners at once, and every

@@ -4,6 +4,9 @@
 //! comes from here. A normal build re-exports `std`; a model-checking build (`--cfg loom`, see
 //! `loom-tests/`) re-exports [loom](https://docs.rs/loom)'s instrumented versions, so the same code is
 //! explored under every interleaving loom can reach. No other module names `std::sync::atomic`.
+//!
+//! It also gives each thread a small number, [`thread_number`], for code that spreads threads over
+//! per-thread counters or shards.
 
 #[cfg(not(loom))]
 mod imp {
@@ -15,6 +18,17 @@ mod imp {
     #[inline]
     pub fn spin_loop() {
         std::hint::spin_loop();
+    }
+
+    /// The calling thread's number: 0, 1, 2, ... in the order threads first call this function
+    /// (a thread-local assigned once from a global counter). Never reused while the process runs.
+    #[inline]
+    pub fn thread_number() -> usize {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        std::thread_local! {
+            static NUMBER: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+        }
+        NUMBER.with(|n| *n)
     }
 }
 
@@ -28,6 +42,26 @@ mod imp {
     #[inline]
     pub fn spin_loop() {
         loom::hint::spin_loop();
+    }
+
+    /// The calling loom thread's number: 0, 1, 2, ... in the order the threads of the current
+    /// execution first call this function. The counter lives in a loom lazy static, so it restarts
+    /// in every explored execution and a model's numbers depend only on its schedule; it is a std
+    /// atomic, invisible to loom, so numbering adds no interleavings to the model.
+    ///
+    /// A loom lazy static synchronises like std's `Once` (its first use releases, every later use
+    /// acquires), which would add a happens-before edge a real build lacks. Call this once on the
+    /// thread that builds a shared structure before sharing it (as [`crate::BlockIndex`]'s
+    /// constructor does): the edge then runs from a point that already happens-before every other
+    /// thread's use, and adds nothing.
+    pub fn thread_number() -> usize {
+        loom::lazy_static! {
+            static ref NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        }
+        loom::thread_local! {
+            static NUMBER: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        NUMBER.with(|n| *n)
     }
 }
 
