@@ -17,7 +17,7 @@
 //! Whichever of these happens first settles; the others find it settled (one CAS decides).
 //!
 //! A restore ([`crate::Rank::restore`]) first takes its **own pins** on the blocks it copies, then
-//! one use of the lease (see [`Lease::begin_restore`]): while a use is left the lease is unsettled,
+//! one use of the lease (`Lease::begin_restore`): while a use is left the lease is unsettled,
 //! so its pins still hold the blocks and the restore's pins cannot fail; a restore that finds no use
 //! left drops its pins and fails with [`TierError::LeaseSettled`]. Its pins then keep the slots for
 //! the whole copy, whatever happens to the lease.

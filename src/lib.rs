@@ -55,6 +55,11 @@ pub mod testing {
     pub use crate::tier::AuditReport;
     use crate::{ContentKey, HostTier, Lease, TierError};
 
+    /// The slot control words of `pool`.
+    pub fn control(pool: &crate::HostPool) -> &SlotControl {
+        pool.control()
+    }
+
     /// The shared core of `tier`.
     pub fn core(tier: &HostTier) -> &crate::sync::Arc<Core> {
         tier.core()

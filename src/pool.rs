@@ -543,9 +543,9 @@ impl HostPool {
         Ok(unsafe { self.map.ptr.as_ptr().add(off) })
     }
 
-    /// The control words, one per slot (state, pins, generation; see [`crate::slot`]).
+    /// The control words, one per slot (state, pins, generation; see `src/slot.rs`).
     #[inline]
-    pub fn control(&self) -> &SlotControl {
+    pub(crate) fn control(&self) -> &SlotControl {
         &self.control
     }
 

@@ -17,7 +17,7 @@ fn slot_lifecycle_on_four_threads() {
             s.spawn(move || {
                 for r in 0..rounds {
                     let Some(slot) = pool.alloc() else { continue };
-                    let ctl = pool.control();
+                    let ctl = kvtier::testing::control(pool);
                     let g = ctl.reserve(slot);
                     let tag = t.wrapping_mul(61) ^ r as u8;
                     // SAFETY: reserve succeeded, so this thread owns the slot's bytes.
@@ -37,7 +37,7 @@ fn slot_lifecycle_on_four_threads() {
     assert_eq!(pool.free_count(), 32);
     let mut gens = 0;
     for s in 0..32 {
-        let w = pool.control().load(SlotId(s));
+        let w = kvtier::testing::control(&pool).load(SlotId(s));
         assert_eq!(w.state(), SlotState::Free);
         gens += w.generation();
     }

@@ -151,7 +151,7 @@ fn a_stale_lookup_fails_by_generation_after_reuse() {
     assert_eq!(fresh.slot, stale.slot);
     assert_eq!(fresh.generation, stale.generation + 1);
     assert!(kvtier::testing::core(&tier).index().get(&k[0]).is_none());
-    let control = tier.pool().control();
+    let control = kvtier::testing::control(tier.pool());
     assert_eq!(control.pin(stale.slot, stale.generation), Err(kvtier::testing::PinError::Stale));
 }
 

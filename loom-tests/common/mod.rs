@@ -56,7 +56,7 @@ pub fn evict_one(core: &Arc<Core>) -> Option<SlotId> {
 
 /// The control word of `slot`.
 pub fn word(core: &Core, slot: SlotId) -> SlotWord {
-    core.pool().control().load(slot)
+    core.control().load(slot)
 }
 
 /// Asserts `slot` holds the ready block `r` (state READY, same generation).

@@ -16,7 +16,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_llama3_8b_shape_restored_prefix_gives_bitwise_equal_logits():
+    import os
+
     from kvtier.examples.llama_restore import Bench
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
     bench = Bench("llama3-8b", "cuda", max_prefix=7936, suffix=256, greedy=32, seed=0)
     try:
@@ -30,3 +36,4 @@ def test_llama3_8b_shape_restored_prefix_gives_bitwise_equal_logits():
         assert r["prefix_pages"] == 496 and r["restore_bytes"] == 496 * 64 * 32768
     finally:
         bench.close()
+        torch.use_deterministic_algorithms(deterministic)

@@ -82,7 +82,7 @@ impl CudaArenas {
     /// backends over them use `options`.
     ///
     /// # Errors
-    /// [`CopyError::Unavailable`] / device errors (out of memory) as [`Error::Copy`].
+    /// [`crate::CopyError::Unavailable`] / device errors (out of memory) as [`Error::Copy`].
     pub fn new(device: u32, geometry: &Geometry, options: CudaOptions) -> Result<Arc<Self>, Error> {
         let dev = Device::get(device)?;
         let mut buffers: Vec<DeviceBuffer> = Vec::new();
@@ -147,7 +147,7 @@ impl CudaArenas {
     /// (ordering tests use it to make the kernel slow). Returns at once.
     ///
     /// # Errors
-    /// [`Error::Config`] / [`CopyError::PageOutOfRange`] for bad input (nothing queued); device errors.
+    /// [`Error::Config`] / [`crate::CopyError::PageOutOfRange`] for bad input (nothing queued); device errors.
     pub fn pattern_on(
         self: &Arc<Self>,
         stream: u64,

@@ -98,7 +98,7 @@ pub struct InsertInfo {
     /// [`crate::ContentKey::hash64`] of the block's key (lets a policy remember keys it evicted).
     pub key_hash: u64,
     /// The block's position in its prompt (0 = the first page), if the saver passed
-    /// [`crate::SaveHint::prefix_depth`]. A prefix hit on page `d` needs pages `0..d` resident.
+    /// [`crate::SaveOptions::prefix_depth`]. A prefix hit on page `d` needs pages `0..d` resident.
     pub depth: Option<u32>,
 }
 

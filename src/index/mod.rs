@@ -85,7 +85,7 @@
 //!
 //! # Model checking
 //!
-//! Under `cfg(loom)` the atomics come from loom (through [`crate::sync`] and crossbeam-epoch's `loom`
+//! Under `cfg(loom)` the atomics come from loom (through the crate's `sync` module and crossbeam-epoch's `loom`
 //! feature), and `shim.rs` shrinks the stripes, batches and migration chunks so that two-thread
 //! models reach every path, and turns a reclaimed entry into a detectable "use after free" instead of
 //! freed memory. The models in `loom-tests/index.rs` check racing inserts of one key, removal against

@@ -10,7 +10,7 @@
 //! Files, bottom up: `core` (shared state and slot-level steps), `evictor` (two-phase eviction:
 //! claims), `save` (the save plan), `expiry` (lease time-to-live), `stats` (counters), `config`
 //! (options), `rank` (saves, restores, completion threads), this file (the facade). Leases
-//! ([`crate::lease`]) and guards ([`crate::guard`]) sit between the core and the facade.
+//! ([`crate::lease`]) and guards (`src/guard.rs`) sit between the core and the facade.
 //!
 //! Flows (see `docs/design.md` for the invariants):
 //! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then

@@ -734,7 +734,7 @@ impl Machine {
     pub fn check(&self) {
         let m = &self.model;
         let core = kvtier::testing::core(&self.tier);
-        let control = core.pool().control();
+        let control = core.control();
         let cap = self.tier.capacity();
         assert_eq!(cap as usize, m.capacity, "capacity");
         // Every key: indexed iff ready or writing, in the modelled state; no slot owned twice.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import statistics
@@ -232,6 +233,11 @@ class Bench:
         cold_logits = state["cold_logits"].clone()
         cold_tokens = self._greedy(state["cold_cache"], state["cold_first"])
         del state["cold_cache"]
+        # Control: a second cold request decodes the same tokens (the platform is deterministic,
+        # so a difference after a restore could only come from the restore).
+        cold()
+        cold_again = self._greedy(state["cold_cache"], state["cold_first"])
+        del state["cold_cache"]
 
         # 2. Save the prefix pages (after the kernels that wrote them).
         keys = self._keys(id_list, pp)
@@ -272,7 +278,8 @@ class Bench:
 
         nan()
         with self.tier.query(keys) as lease:
-            self.rank.restore(lease, warm_pages).wait()
+            # After the NaN fill queued on the compute stream, like every restore into used pages.
+            self.rank.restore(lease, warm_pages, after_stream=self._stream()).wait()
         suffix_s = series(suffix_only)
         suffix_equal = state["suffix_first"] == state["warm_first"]
 
@@ -331,6 +338,7 @@ class Bench:
         checks = {
             "logits_bitwise_equal": torch.equal(_bits(warm_logits), _bits(cold_logits)),
             "greedy_tokens_equal": warm_tokens == cold_tokens,
+            "cold_greedy_tokens_repeatable": cold_again == cold_tokens,
             "restored_pages_byte_identical": pages_equal,
             "logits_finite": bool(torch.isfinite(cold_logits.float()).all()),
             "torch_per_page_logits_equal": per_page_equal,
@@ -443,6 +451,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
+    # Bitwise comparisons need deterministic kernels: cuBLAS with a fixed workspace (set before
+    # CUDA initialises) and torch's deterministic algorithms.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     gpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     config = a.config or ("llama3-8b" if gpu else "tiny")
     prefixes = [int(x) for x in (a.prefix or ("7936,32512" if gpu else "128")).split(",")]
