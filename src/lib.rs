@@ -5,7 +5,7 @@
 //! An engine builds one [`HostTier`] (the pinned host pool, the content index, eviction), attaches
 //! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
-#![warn(missing_docs)]
+#![warn(missing_docs, missing_debug_implementations)]
 
 pub mod copy;
 #[cfg(feature = "cuda")]

@@ -196,15 +196,39 @@ fn base_page_bytes() -> usize {
     }
 }
 
-/// One anonymous mapping, unmapped on drop.
-struct Mapping {
+/// One anonymous mapping, unmapped on drop. The crate's one way to map memory (the pool, and the
+/// host backend's stand-in GPU arenas).
+pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
 
+// SAFETY: a Mapping is a plain owned address range; access to the bytes is synchronised by its users
+// (slot ownership in the pool, the copy contract in the host backend).
+unsafe impl Send for Mapping {}
+// SAFETY: as above: `&Mapping` only hands out the address.
+unsafe impl Sync for Mapping {}
+
 impl Mapping {
     fn as_void(&self) -> NonNull<c_void> {
         self.ptr.cast()
+    }
+
+    /// A private anonymous read-write mapping of `len` bytes (rounded up by the kernel to whole
+    /// pages), zero-filled on first touch: pages cost memory only once written.
+    ///
+    /// # Errors
+    /// The OS error of `mmap` (`len == 0` is `EINVAL`).
+    pub(crate) fn anonymous(len: usize) -> Result<Self, std::io::Error> {
+        if len == 0 {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        Ok(Mapping { ptr: anon_map(len, MapFlags::empty())?, len })
+    }
+
+    /// The first byte.
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 }
 

@@ -301,6 +301,12 @@ impl SlotControl {
     }
 }
 
+impl fmt::Debug for SlotControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotControl").field("slots", &self.len()).finish()
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;

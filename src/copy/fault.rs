@@ -110,3 +110,9 @@ impl CopyBackend for FaultyBackend {
         }
     }
 }
+
+impl std::fmt::Debug for FaultyBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyBackend").field("inner", &self.inner.name()).field("rate", &self.rate).finish()
+    }
+}

@@ -12,7 +12,6 @@ use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
 use crate::pattern;
 use crate::pool::{HostPool, PoolRegion};
-use memmap2::MmapMut;
 use std::sync::Arc;
 
 /// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
@@ -21,7 +20,7 @@ use std::sync::Arc;
 /// count costs address space, not memory.
 pub struct HostArenas {
     geometry: Geometry,
-    _buffers: Vec<MmapMut>,
+    _buffers: Vec<crate::pool::Mapping>,
     binding: ArenaBinding,
 }
 
@@ -33,17 +32,17 @@ impl HostArenas {
     /// (it cannot be for a valid geometry).
     pub fn new(geometry: &Geometry) -> Result<Self, Error> {
         let arenas = geometry.arenas();
-        let mut buffers: Vec<MmapMut> = Vec::new();
+        let mut buffers: Vec<crate::pool::Mapping> = Vec::new();
         let mut fused: Vec<(u32, usize)> = Vec::new();
         let mut bases = Vec::with_capacity(arenas.len());
         let map = |len: u64| {
-            MmapMut::map_anon(len as usize)
+            crate::pool::Mapping::anonymous(len as usize)
                 .map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
         };
         for a in arenas {
             match a.placement {
                 Placement::Own => {
-                    let mut m = map(a.pages * a.page_stride)?;
+                    let m = map(a.pages * a.page_stride)?;
                     bases.push(m.as_mut_ptr() as u64);
                     buffers.push(m);
                 }
@@ -273,6 +272,21 @@ impl Completion for HostCompletion {
             job.run();
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Debug for HostArenas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostArenas")
+            .field("model", &self.geometry.model())
+            .field("pages", &self.geometry.pages())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for HostBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBackend").field("arenas", &self.arenas).field("pool", &self.pool).finish()
     }
 }
 
