@@ -32,7 +32,7 @@ mod imp {
     const BLOCKS: [usize; 5] = [1, 8, 43, 128, 256];
     const MAX_BLOCKS: usize = 256;
 
-    fn ok(call: &str, r: sys::CUresult) {
+    fn ok(call: &'static str, r: sys::CUresult) {
         ck(call, r).unwrap_or_else(|e| panic!("{e}"));
     }
 
@@ -440,7 +440,7 @@ mod imp {
         // an engine's kernels; 20 launches of a few ms.
         let probe = || {
             for _ in 0..20 {
-                kvtier::cuda::raw::launch_probe(0, ps, sms * 4, out, 200_000).unwrap();
+                kvtier::cuda::raw::launch_probe(0, ps, sms * 4, out, 200_000, sms * 4).unwrap();
             }
         };
         let alone: Vec<f64> = (0..3).map(|_| t.time(ps, ps, probe).as_secs_f64()).collect();
