@@ -4,6 +4,9 @@
 //!   (restore, H2D) kernels of `cuda/kvtier_copy.cu`: one launch moves every arena of every block of
 //!   a batch, reading and writing host slots through the device alias of the registered pool, or
 //!   through an HBM staging buffer and the copy engine ([`CopyMode`]).
+//! - SM isolation: with [`CudaOptions::reserved_sms`] the copy kernels run in a green context of a
+//!   few SMs and [`CudaBackend::sm_partition`] hands the engine streams on the other SMs
+//!   ([`SmPartition`], [`Isolation`]).
 //! - [`CudaArenas`]: real HBM arenas for a geometry with pattern fill/verify kernels
 //!   ([`crate::copy::EngineArenas`]), for replays, tests and benchmarks.
 //! - [`cuda_available`]: whether this machine can run it (for `--backend auto`).
@@ -19,10 +22,12 @@ mod arenas;
 mod backend;
 pub mod desc;
 mod device;
+mod green;
 
 pub use arenas::{CudaArenas, PatternJob};
 pub use backend::{CopyMode, CudaBackend, CudaOptions};
 pub use device::{cuda_available, describe_driver_error, device_count};
+pub use green::{EngineStream, Isolation, SmPartition};
 
 /// The cudarc crate this build uses: its types appear in [`crate::CopyError::Cuda`]
 /// (`cudarc::driver::DriverError`, whose `.0` is the `CUresult`) and
