@@ -1,12 +1,27 @@
-//! Save (D2H) and restore (H2D) bandwidth of GLM-5.2 blocks on one GPU, side by side in one run:
-//! the kvtier kernel at 1, 2, 4, 8, 16 CTAs, the staged mode, one `cuMemcpyAsync` per chunk,
-//! `cuMemcpyBatchAsync` over all chunks, and one contiguous copy of the same byte count (the
-//! link's ceiling in this run); then save and restore at once, and the slowdown of a compute kernel
-//! while restores run. Times come from CUDA events recorded around the work on the stream that does
-//! it (throughput over completion, not submission). GB = 10^9 B.
+//! Save (D2H) and restore (H2D) of GLM-5.2 blocks on one GPU, every path side by side in one run,
+//! with ratios against the same run's contiguous copy:
 //!
-//! `cargo bench --features cuda --bench copy_bandwidth` on a machine with an NVIDIA GPU; without
-//! the feature this is an empty program.
+//! - `glm52_save`, `glm52_restore` (1 to 256 blocks): the zero-copy kernel at 1-16 CTAs, the
+//!   staged mode, the default (`auto_default`), one `cuMemcpyAsync` per chunk, `cuMemcpyBatchAsync`
+//!   over all chunks, and one contiguous copy of the same byte count (the link's ceiling);
+//! - `small_save`, `small_restore` (the one-block group, with 8 blocks): zero copy, staged, staged
+//!   with a zero-copy head of several sizes, the default, contiguous;
+//! - `glm52_save_and_restore`: save and restore at once, against two contiguous copies at once,
+//!   also with the copy kernels in an SM partition;
+//! - `interference_compute`, `interference_decode`: an engine stand-in (a compute-bound probe, and
+//!   a memory-bound decode-shaped probe that streams HBM on every SM) alone and while restores run
+//!   back to back, for each restore path: staged, zero copy, copy engine only, each with and without
+//!   SM isolation (green contexts, the probe in the engine's partition) and stream priorities;
+//!   criterion's time is the probe's time per launch, the summary table adds the restores' GB/s;
+//! - a diagnostic table: the staged path's HBM scatter kernel alone and beside the compute probe.
+//!
+//! Times come from CUDA events recorded around the work on the stream that does it (throughput over
+//! completion, not submission). GB = 10^9 B. The summary tables at the end (medians of the same
+//! samples criterion saw) hold the ratios.
+//!
+//! `cargo bench --features cuda --bench copy_bandwidth` on a machine with an NVIDIA GPU (a
+//! criterion filter selects groups, e.g. `-- 'small_|interference'`); without the feature this is
+//! an empty program.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {}
@@ -18,22 +33,71 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use criterion::{BenchmarkId, Criterion, Throughput};
+    use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
     use cudarc::driver::sys;
     use kvtier::cuda::raw::ck;
-    use kvtier::cuda::{CopyMode, CudaArenas, CudaBackend, CudaOptions};
+    use kvtier::cuda::{CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation};
     use kvtier::{Completion, ContentKey, CopyBackend, CopyPair, Direction, Geometry, PoolRegion, WaitFor};
     use memmap2::MmapMut;
     use std::any::Any;
-    use std::ffi::c_void;
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
     use std::sync::Arc;
     use std::time::Duration;
 
     const BLOCKS: [usize; 5] = [1, 8, 43, 128, 256];
     const MAX_BLOCKS: usize = 256;
+    /// SMs reserved for the copy kernels in the isolated rows.
+    const RESERVED_SMS: u32 = 8;
+    /// Restores queued back to back in an interference run, 43 blocks each (1.19 GB).
+    const RESTORES: usize = 8;
+    /// The decode-shaped probe streams this many bytes per launch.
+    const DECODE_BYTES: u64 = 1 << 30;
 
-    fn ok(call: &str, r: sys::CUresult) {
+    fn ok(call: &'static str, r: sys::CUresult) {
         ck(call, r).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    fn timing_event() -> sys::CUevent {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: plain event creation with timing, on the current (bound) context.
+        unsafe { ok("cuEventCreate", sys::cuEventCreate(&mut e, 0)) };
+        e
+    }
+
+    fn record(e: sys::CUevent, stream: u64) {
+        // SAFETY: live event and stream.
+        unsafe { ok("cuEventRecord", sys::cuEventRecord(e, stream as _)) };
+    }
+
+    fn sync(e: sys::CUevent) {
+        // SAFETY: live event.
+        unsafe { ok("cuEventSynchronize", sys::cuEventSynchronize(e)) };
+    }
+
+    /// Seconds from `a` to `b` (both recorded and complete).
+    fn secs(a: sys::CUevent, b: sys::CUevent) -> f64 {
+        let mut ms = 0f32;
+        // SAFETY: live, completed timing events.
+        unsafe { ok("cuEventElapsedTime", sys::cuEventElapsedTime_v2(&mut ms, a, b)) };
+        ms as f64 / 1e3
+    }
+
+    /// Per-iteration seconds of every benchmark, by label, for the ratio tables.
+    #[derive(Default)]
+    struct Record(RefCell<BTreeMap<String, Vec<f64>>>);
+
+    impl Record {
+        fn add(&self, label: &str, v: f64) {
+            self.0.borrow_mut().entry(label.to_string()).or_default().push(v);
+        }
+        fn median(&self, label: &str) -> Option<f64> {
+            let m = self.0.borrow();
+            let v = m.get(label)?;
+            let mut v = v.clone();
+            v.sort_by(|a, b| a.total_cmp(b));
+            (!v.is_empty()).then(|| v[v.len() / 2])
+        }
     }
 
     struct Timer {
@@ -43,29 +107,18 @@ mod imp {
 
     impl Timer {
         fn new() -> Self {
-            let (mut start, mut end) = (std::ptr::null_mut(), std::ptr::null_mut());
-            // SAFETY: plain event creation with timing.
-            unsafe {
-                ok("cuEventCreate", sys::cuEventCreate(&mut start, 0));
-                ok("cuEventCreate", sys::cuEventCreate(&mut end, 0));
-            }
-            Timer { start, end }
+            Timer { start: timing_event(), end: timing_event() }
         }
         /// Records start on `s`, runs `f` (which queues work), records end on `e_stream`, waits for
         /// it, then drops what `f` returned (completions: waited on after the end event); returns
         /// the elapsed device time.
         fn time<T>(&self, s: u64, e_stream: u64, f: impl FnOnce() -> T) -> Duration {
-            // SAFETY: live events and streams.
-            unsafe {
-                ok("cuEventRecord", sys::cuEventRecord(self.start, s as _));
-                let keep = f();
-                ok("cuEventRecord", sys::cuEventRecord(self.end, e_stream as _));
-                ok("cuEventSynchronize", sys::cuEventSynchronize(self.end));
-                drop(keep);
-                let mut ms = 0f32;
-                ok("cuEventElapsedTime", sys::cuEventElapsedTime_v2(&mut ms, self.start, self.end));
-                Duration::from_secs_f64(ms as f64 / 1e3)
-            }
+            record(self.start, s);
+            let keep = f();
+            record(self.end, e_stream);
+            sync(self.end);
+            drop(keep);
+            Duration::from_secs_f64(secs(self.start, self.end))
         }
     }
 
@@ -78,6 +131,7 @@ mod imp {
         alias: u64,
         stream: u64,
         contiguous: u64,
+        sms: u32,
     }
 
     impl Setup {
@@ -124,16 +178,25 @@ mod imp {
         let pages: Vec<u64> = (0..g.pages()).collect();
         let keys: Vec<ContentKey> = pages.iter().map(|&p| ContentKey([p as u8 ^ 0x5a; 16])).collect();
         kvtier::copy::EngineArenas::fill(&arenas, &pages, &keys).unwrap();
+        let sms = kvtier::cuda::raw::bind_device(0).unwrap();
         let mut stream: sys::CUstream = std::ptr::null_mut();
         let mut contiguous = 0u64;
         // SAFETY: driver setup calls on the bound device.
         unsafe {
-            kvtier::cuda::raw::bind_device(0).unwrap();
             ok("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1));
             ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut contiguous, bytes as usize));
         }
-        let mut s =
-            Setup { g, arenas, registry: Vec::new(), _map: map, region, alias: 0, stream: stream as u64, contiguous };
+        let mut s = Setup {
+            g,
+            arenas,
+            registry: Vec::new(),
+            _map: map,
+            region,
+            alias: 0,
+            stream: stream as u64,
+            contiguous,
+            sms,
+        };
         let b = s.backend(CudaOptions::default());
         s.alias = b.pool_alias().unwrap();
         s
@@ -198,176 +261,223 @@ mod imp {
         Some(c.unwrap())
     }
 
-    /// A staged backend's label: CTAs, first piece, unroll and priority when not the defaults.
-    fn staged_label(o: &CudaOptions) -> String {
-        let d = CudaOptions::default();
-        let mut l = format!("staged_{}cta_f{}k", o.staged_ctas, o.staged_first_piece_bytes >> 10);
-        if o.staged_unroll != d.staged_unroll {
-            l += &format!("_u{}", o.staged_unroll);
-        }
-        if !o.high_priority {
-            l += "_lowprio";
-        }
-        l
-    }
-
-    fn staged_opts(ctas: u32, first_kib: u64, unroll: u32, high: bool) -> CudaOptions {
+    fn staged(first_kib: u64, head_kib: u64) -> CudaOptions {
         CudaOptions {
             mode: CopyMode::Staged,
-            staged_ctas: ctas,
             staged_first_piece_bytes: first_kib << 10,
-            staged_unroll: unroll,
-            high_priority: high,
+            save_head_bytes: head_kib << 10,
+            restore_head_bytes: head_kib << 10,
             ..Default::default()
         }
     }
 
+    fn zero_copy(ctas: u32) -> CudaOptions {
+        CudaOptions { save_ctas: ctas, restore_ctas: ctas, mode: CopyMode::ZeroCopy, ..Default::default() }
+    }
+
+    fn dir_name(dir: Direction) -> &'static str {
+        if dir == Direction::Save {
+            "save"
+        } else {
+            "restore"
+        }
+    }
+
     pub fn main() {
-        // KVT_EXPLORE=1: a short sweep of staged-mode variants (CTAs, first piece, unroll, stream
-        // priority) at 1, 8 and 43 blocks instead of the full table.
-        let explore = std::env::var_os("KVT_EXPLORE").is_some();
         let mut c = Criterion::default().configure_from_args();
         let mut s = setup();
+        let rec = Record::default();
         let timer = Timer::new();
-        let block = s.g.block_bytes();
-        let zc_ctas: &[u32] = if explore { &[4] } else { &[1, 2, 4, 8, 16] };
-        let kvt: Vec<(u32, CudaBackend)> = zc_ctas
-            .iter()
-            .map(|&ctas| {
-                let o =
-                    CudaOptions { save_ctas: ctas, restore_ctas: ctas, mode: CopyMode::ZeroCopy, ..Default::default() };
-                (ctas, s.backend(o))
-            })
-            .collect();
         let d = CudaOptions::default();
-        let staged_set: Vec<CudaOptions> = if explore {
-            let mut v = Vec::new();
-            for ctas in [4, 8, 16] {
-                for first in [128, 512, 4096] {
-                    v.push(staged_opts(ctas, first, 8, true));
-                }
-            }
-            v.push(staged_opts(8, 256, 4, true));
-            v.push(staged_opts(8, 256, 8, true));
-            v
-        } else {
-            vec![CudaOptions { mode: CopyMode::Staged, ..d }]
-        };
-        let staged: Vec<(String, CudaBackend)> = staged_set.iter().map(|o| (staged_label(o), s.backend(*o))).collect();
         let auto = s.backend(d);
-        println!("device: {}", kvt[0].1.device_description());
+        println!("device: {}", auto.device_description());
         println!("defaults: {d:?}");
-        let blocks: &[usize] = if explore { &[1, 8, 43] } else { &BLOCKS };
+        hbm_kernel_beside_probe(&mut s);
+        interference(&mut c, &mut s, &rec);
+        small_groups(&mut c, &mut s, &rec, &timer, &auto);
+        both_ways(&mut c, &mut s, &rec, &timer);
+        table_groups(&mut c, &mut s, &rec, &timer, &auto);
+        drop(auto);
+        s.registry.clear();
+    }
+
+    /// The full tables: every path at 1-256 blocks, both directions.
+    fn table_groups(c: &mut Criterion, s: &mut Setup, rec: &Record, timer: &Timer, auto: &CudaBackend) {
+        let block = s.g.block_bytes();
+        let kvt: Vec<(u32, CudaBackend)> = [1, 2, 4, 8, 16].iter().map(|&n| (n, s.backend(zero_copy(n)))).collect();
+        let staged_b = s.backend(CudaOptions { mode: CopyMode::Staged, ..Default::default() });
         for dir in [Direction::Save, Direction::Restore] {
-            let name = if dir == Direction::Save { "save" } else { "restore" };
-            let mut group = c.benchmark_group(format!("glm52_{name}"));
-            for &n in blocks {
+            let group_name = format!("glm52_{}", dir_name(dir));
+            let mut group = c.benchmark_group(&group_name);
+            for &n in &BLOCKS {
                 let batch = s.batch(n);
                 group.throughput(Throughput::Bytes(n as u64 * block));
-                let mut timed = |id: BenchmarkId, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
-                    group.bench_function(id, |bch| {
-                        bch.iter_custom(|iters| (0..iters).map(|_| timer.time(stream, stream, f)).sum())
+                let mut timed = |id: &str, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
+                    let label = format!("{group_name}/{id}/{n}");
+                    group.bench_function(BenchmarkId::new(id, n), |bch| {
+                        bch.iter_custom(|iters| {
+                            (0..iters)
+                                .map(|_| {
+                                    let t = timer.time(stream, stream, f);
+                                    rec.add(&label, t.as_secs_f64());
+                                    t
+                                })
+                                .sum()
+                        })
                     });
                 };
                 for (ctas, b) in &kvt {
-                    let st = b.stream(dir);
-                    timed(BenchmarkId::new(format!("kvtier_{ctas}cta"), n), st, &|| run_backend(b, &batch, dir));
+                    timed(&format!("kvtier_{ctas}cta"), b.stream(dir), &|| run_backend(b, &batch, dir));
                 }
-                for (label, b) in &staged {
-                    timed(BenchmarkId::new(label, n), b.stream(dir), &|| run_backend(b, &batch, dir));
-                }
-                if !explore {
-                    timed(BenchmarkId::new("auto_default", n), auto.stream(dir), &|| run_backend(&auto, &batch, dir));
-                    timed(BenchmarkId::new("memcpy_per_chunk", n), s.stream, &|| {
-                        memcpy_each(&s, n, dir);
-                        None
-                    });
-                    timed(BenchmarkId::new("memcpy_batch", n), s.stream, &|| {
-                        memcpy_batch(&s, n, dir);
-                        None
-                    });
-                }
-                timed(BenchmarkId::new("contiguous", n), s.stream, &|| {
-                    contiguous(&s, n, dir);
+                timed("staged", staged_b.stream(dir), &|| run_backend(&staged_b, &batch, dir));
+                timed("auto_default", auto.stream(dir), &|| run_backend(auto, &batch, dir));
+                timed("memcpy_per_chunk", s.stream, &|| {
+                    memcpy_each(s, n, dir);
+                    None
+                });
+                timed("memcpy_batch", s.stream, &|| {
+                    memcpy_batch(s, n, dir);
+                    None
+                });
+                timed("contiguous", s.stream, &|| {
+                    contiguous(s, n, dir);
                     None
                 });
             }
             group.finish();
         }
-        let staged_both: Vec<(String, &CudaBackend)> = if explore {
-            staged
-                .iter()
-                .filter(|(l, _)| l.contains("f512k") || l.contains("f128k") || l.ends_with("_u4"))
-                .map(|(l, b)| (l.clone(), b))
-                .collect()
-        } else {
-            staged.iter().map(|(l, b)| (l.clone(), b)).collect()
-        };
-        both_ways(&mut c, &s, &kvt, &staged_both, &timer, if explore { &[43] } else { &[43, 128] });
-        let mut probe_runs: Vec<(String, CudaBackend)> = Vec::new();
-        let prios: &[bool] = &[true, false];
-        for &high in prios {
-            let sets: Vec<CudaOptions> = if explore {
-                vec![
-                    staged_opts(4, 256, 8, high),
-                    staged_opts(8, 256, 8, high),
-                    staged_opts(16, 256, 8, high),
-                    staged_opts(8, 256, 4, high),
-                ]
-            } else {
-                let mut v = vec![CudaOptions { mode: CopyMode::Staged, high_priority: high, ..d }];
-                if high {
-                    v.push(CudaOptions { mode: CopyMode::Staged, staged_ctas: 16, ..d });
-                }
-                v
-            };
-            for o in sets {
-                probe_runs.push((staged_label(&o), s.backend(o)));
-            }
-            for &ctas in if explore { &[4u32][..] } else { &[2u32, 4, 8][..] } {
-                let o = CudaOptions { restore_ctas: ctas, mode: CopyMode::ZeroCopy, high_priority: high, ..d };
-                let l = format!("zero-copy {ctas} CTAs{}", if high { "" } else { ", low priority" });
-                probe_runs.push((l, s.backend(o)));
-            }
-        }
-        interference(&s, &probe_runs);
-        drop(probe_runs);
-        drop(kvt);
-        drop(staged);
-        drop(auto);
-        s.registry.clear();
+        ratio_table(rec, "glm52", &BLOCKS);
     }
 
-    /// Save n blocks and restore n other blocks at once (separate slots and pages).
-    fn both_ways(
-        c: &mut Criterion,
-        s: &Setup,
-        kvt: &[(u32, CudaBackend)],
-        staged: &[(String, &CudaBackend)],
-        timer: &Timer,
-        sizes: &[usize],
-    ) {
+    /// The one-block group (1 and 8 blocks): zero copy, staged, staged with a zero-copy head.
+    fn small_groups(c: &mut Criterion, s: &mut Setup, rec: &Record, timer: &Timer, auto: &CudaBackend) {
+        let block = s.g.block_bytes();
+        let variants: Vec<(String, CudaBackend)> = vec![
+            ("zero_copy_2cta".into(), s.backend(zero_copy(2))),
+            ("zero_copy_4cta".into(), s.backend(zero_copy(4))),
+            ("staged_f512k".into(), s.backend(staged(512, 0))),
+            ("staged_h512k_f512k".into(), s.backend(staged(512, 512))),
+            ("staged_h512k_f1m".into(), s.backend(staged(1024, 512))),
+            ("staged_h256k_f4m".into(), s.backend(staged(4096, 256))),
+            ("staged_h1m_f1m".into(), s.backend(staged(1024, 1024))),
+            ("staged_h512k_f4m".into(), s.backend(staged(4096, 512))),
+            ("staged_h1m_f4m".into(), s.backend(staged(4096, 1024))),
+        ];
+        for dir in [Direction::Save, Direction::Restore] {
+            let group_name = format!("small_{}", dir_name(dir));
+            let mut group = c.benchmark_group(&group_name);
+            for n in [1usize, 8] {
+                let batch = s.batch(n);
+                group.throughput(Throughput::Bytes(n as u64 * block));
+                let mut timed = |id: &str, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
+                    let label = format!("{group_name}/{id}/{n}");
+                    group.bench_function(BenchmarkId::new(id, n), |bch| {
+                        bch.iter_custom(|iters| {
+                            (0..iters)
+                                .map(|_| {
+                                    let t = timer.time(stream, stream, f);
+                                    rec.add(&label, t.as_secs_f64());
+                                    t
+                                })
+                                .sum()
+                        })
+                    });
+                };
+                timed("contiguous", s.stream, &|| {
+                    contiguous(s, n, dir);
+                    None
+                });
+                timed("auto_default", auto.stream(dir), &|| run_backend(auto, &batch, dir));
+                for (id, b) in &variants {
+                    timed(id, b.stream(dir), &|| run_backend(b, &batch, dir));
+                }
+            }
+            group.finish();
+        }
+        ratio_table(rec, "small", &[1, 8]);
+    }
+
+    /// Median time and % of the contiguous copy of every `{prefix}_{dir}/{id}/{n}` recorded.
+    fn ratio_table(rec: &Record, prefix: &str, sizes: &[usize]) {
+        for dir in ["save", "restore"] {
+            let group = format!("{prefix}_{dir}/");
+            let ids: Vec<String> = {
+                let m = rec.0.borrow();
+                let mut ids: Vec<String> = m
+                    .keys()
+                    .filter_map(|k| k.strip_prefix(&group))
+                    .filter_map(|k| k.rsplit_once('/').map(|(id, _)| id.to_string()))
+                    .collect();
+                ids.dedup();
+                ids
+            };
+            if ids.is_empty() {
+                continue;
+            }
+            println!("\n{prefix} {dir}: median time, time / contiguous (lower is better), % of contiguous throughput");
+            println!("| path | {} |", sizes.iter().map(|n| format!("{n} blocks")).collect::<Vec<_>>().join(" | "));
+            println!("|---|{}", "---|".repeat(sizes.len()));
+            for id in &ids {
+                let cells: Vec<String> = sizes
+                    .iter()
+                    .map(|n| {
+                        let t = rec.median(&format!("{group}{id}/{n}"));
+                        let base = rec.median(&format!("{group}contiguous/{n}"));
+                        match (t, base) {
+                            (Some(t), Some(b)) => {
+                                format!("{:.1} us, {:.3}x, {:.1}%", t * 1e6, t / b, b / t * 100.0)
+                            }
+                            (Some(t), None) => format!("{:.1} us", t * 1e6),
+                            _ => "-".into(),
+                        }
+                    })
+                    .collect();
+                println!("| {id} | {} |", cells.join(" | "));
+            }
+        }
+    }
+
+    /// Save n blocks and restore n other blocks at once (separate slots and pages), against two
+    /// contiguous copies at once (D2H and H2D on two streams: the two-way ceiling).
+    fn both_ways(c: &mut Criterion, s: &mut Setup, rec: &Record, timer: &Timer) {
+        let d = CudaOptions::default();
+        let iso = CudaOptions { reserved_sms: RESERVED_SMS, ..d };
+        let runs: Vec<(String, CudaBackend)> = vec![
+            ("kvtier_4cta".into(), s.backend(zero_copy(4))),
+            ("kvtier_8cta".into(), s.backend(zero_copy(8))),
+            ("staged".into(), s.backend(CudaOptions { mode: CopyMode::Staged, ..d })),
+            ("auto_default".into(), s.backend(d)),
+            ("isolated_auto_default".into(), s.backend(iso)),
+            (
+                "isolated_staged_h512k".into(),
+                s.backend(CudaOptions { reserved_sms: RESERVED_SMS, ..staged(1024, 512) }),
+            ),
+            ("staged_pieces16".into(), s.backend(CudaOptions { mode: CopyMode::Staged, staged_piece_blocks: 16, ..d })),
+            ("staged_h512k_f1m".into(), s.backend(staged(1024, 512))),
+            ("staged_h512k_f4m".into(), s.backend(staged(4096, 512))),
+        ];
+        println!("\nisolated backend: {:?}", runs[4].1.isolation());
         let mut group = c.benchmark_group("glm52_save_and_restore");
         let block = s.g.block_bytes();
-        // A second stream for the contiguous H2D copy beside the contiguous D2H one.
         let mut s2: sys::CUstream = std::ptr::null_mut();
         // SAFETY: plain stream creation on the bound device.
         unsafe { ok("cuStreamCreate", sys::cuStreamCreate(&mut s2, 1)) };
-        for &n in sizes {
+        let sizes = [43usize, 128];
+        for &n in &sizes {
             let save: Vec<CopyPair> = s.batch(n);
             let rest: Vec<CopyPair> = (0..n)
                 .map(|i| CopyPair::new((512 + i * 3) as u64 % s.g.pages(), (MAX_BLOCKS - 1 - i) as u32))
                 .collect();
             group.throughput(Throughput::Bytes(2 * n as u64 * block));
-            let runs = kvt.iter().filter(|(c, _)| *c <= 8).map(|(c, b)| (format!("kvtier_{c}cta"), b));
             let bytes = n * s.g.slot_bytes() as usize;
+            let label = format!("both/contiguous/{n}");
             group.bench_function(BenchmarkId::new("contiguous", n), |bch| {
                 bch.iter_custom(|iters| {
                     (0..iters)
                         .map(|_| {
-                            timer.time(s.stream, s.stream, || {
-                                // SAFETY: disjoint halves of the pool and of the device buffer;
-                                // the H2D copy starts with the timer and the end waits for it.
+                            let t = timer.time(s.stream, s.stream, || {
+                                // SAFETY: disjoint halves of the pool and of the device buffer; the
+                                // H2D copy starts with the timer and the end waits for it.
                                 unsafe {
                                     let half = (MAX_BLOCKS / 2) as u64 * s.g.slot_bytes();
                                     ok("cuStreamWaitEvent", sys::cuStreamWaitEvent(s2, timer.start, 0));
@@ -382,18 +492,21 @@ mod imp {
                                     ok("cuEventRecord", sys::cuEventRecord(timer.end, s2));
                                     ok("cuStreamWaitEvent", sys::cuStreamWaitEvent(s.stream as _, timer.end, 0));
                                 }
-                            })
+                            });
+                            rec.add(&label, t.as_secs_f64());
+                            t
                         })
                         .sum()
                 })
             });
-            for (id, b) in runs.chain(staged.iter().map(|(l, b)| (l.clone(), *b))) {
+            for (id, b) in &runs {
+                let label = format!("both/{id}/{n}");
                 group.bench_function(BenchmarkId::new(id, n), |bch| {
                     bch.iter_custom(|iters| {
                         (0..iters)
                             .map(|_| {
-                                let (ss, rs) = (b.stream(Direction::Save), b.stream(Direction::Restore));
-                                timer.time(ss, ss, || {
+                                let ss = b.stream(Direction::Save);
+                                let t = timer.time(ss, ss, || {
                                     // The restore starts with the save (waits on the timer's start).
                                     // SAFETY: disjoint slots and pages, owned by the benchmark.
                                     let (a, r) = unsafe {
@@ -410,9 +523,10 @@ mod imp {
                                             sys::cuStreamWaitEvent(ss as _, r.cuda_event().unwrap() as _, 0),
                                         )
                                     };
-                                    let _ = rs;
                                     (a, r)
-                                })
+                                });
+                                rec.add(&label, t.as_secs_f64());
+                                t
                             })
                             .sum()
                     })
@@ -420,77 +534,357 @@ mod imp {
             }
         }
         group.finish();
+        println!("\nsave and restore at once: aggregate GB/s (2 x n blocks), % of the two contiguous copies at once");
+        println!("| path | {} |", sizes.iter().map(|n| format!("{n} blocks each way")).collect::<Vec<_>>().join(" | "));
+        println!("|---|{}", "---|".repeat(sizes.len()));
+        for id in std::iter::once("contiguous").chain(runs.iter().map(|(id, _)| id.as_str())) {
+            let cells: Vec<String> = sizes
+                .iter()
+                .map(|&n| {
+                    let bytes = 2.0 * n as f64 * block as f64;
+                    match (rec.median(&format!("both/{id}/{n}")), rec.median(&format!("both/contiguous/{n}"))) {
+                        (Some(t), Some(b)) => format!("{:.1} GB/s, {:.1}%", bytes / t / 1e9, b / t * 100.0),
+                        _ => "-".into(),
+                    }
+                })
+                .collect();
+            println!("| {id} | {} |", cells.join(" | "));
+        }
     }
 
-    /// A compute-bound probe kernel alone, then while restores of 43 blocks run back to back on the
-    /// backend; prints the probe's slowdown and the restores' GB/s during it.
-    fn interference(s: &Setup, runs: &[(String, CudaBackend)]) {
-        let sms = kvtier::cuda::raw::bind_device(0).unwrap();
-        let mut probe_stream: sys::CUstream = std::ptr::null_mut();
-        let mut out = 0u64;
-        let t = Timer::new();
-        let t2 = Timer::new();
-        // SAFETY: setup calls.
-        unsafe {
-            ok("cuStreamCreate", sys::cuStreamCreate(&mut probe_stream, 1));
-            ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut out, 4));
+    /// An engine stand-in: the compute or decode-shaped probe on a stream of the whole device or of
+    /// an engine partition, sized to that side's SMs, with its launch-boundary timing events.
+    struct Probe {
+        decode: bool,
+        stream: u64,
+        sms: u32,
+        full_sms: u32,
+        out: u64,
+        buf: u64,
+        events: Vec<sys::CUevent>,
+        launches: usize,
+    }
+
+    impl Probe {
+        /// Queues `self.launches` launches with an event before each and after the last.
+        fn queue(&self) {
+            for i in 0..self.launches {
+                record(self.events[i], self.stream);
+                if self.decode {
+                    kvtier::cuda::raw::launch_decode_probe(
+                        0,
+                        self.stream,
+                        self.sms * 8,
+                        self.buf,
+                        DECODE_BYTES,
+                        self.out,
+                    )
+                    .unwrap();
+                } else {
+                    // The same total work on any number of SMs: 64 items per CTA of the whole GPU.
+                    let items = self.full_sms * 4 * 16;
+                    kvtier::cuda::raw::launch_probe(0, self.stream, self.sms * 4, self.out, 12_500, items).unwrap();
+                }
+            }
+            record(self.events[self.launches], self.stream);
         }
-        let ps = probe_stream as u64;
-        // Half occupancy (4 x 256 threads per SM), so copy CTAs can co-reside like they would next to
-        // an engine's kernels; 20 launches of a few ms.
-        let probe = || {
-            for _ in 0..20 {
-                kvtier::cuda::raw::launch_probe(0, ps, sms * 4, out, 200_000).unwrap();
+        /// Seconds of launch `i`.
+        fn launch_secs(&self, i: usize) -> f64 {
+            secs(self.events[i], self.events[i + 1])
+        }
+        /// Mean seconds per launch alone (launches 2.. of one run).
+        fn alone(&self) -> f64 {
+            self.queue();
+            sync(self.events[self.launches]);
+            let v: Vec<f64> = (2..self.launches).map(|i| self.launch_secs(i)).collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    }
+
+    /// A restore path of the interference runs.
+    enum Path<'a> {
+        Backend(&'a CudaBackend),
+        CopyEngineBatch,
+        Contiguous,
+    }
+
+    struct Outcome {
+        /// Mean seconds per probe launch over the launches inside the restore window.
+        per_launch: f64,
+        /// Restore GB/s over the window.
+        gbs: f64,
+        /// Probe launches inside the window.
+        inside: usize,
+    }
+
+    /// The probe, and once it runs, `RESTORES` restores of 43 blocks back to back; the probe's
+    /// launches that lie inside the restores' window against the restores' rate.
+    fn run_interference(s: &Setup, probe: &Probe, path: &Path<'_>, window: (sys::CUevent, sys::CUevent)) -> Outcome {
+        let batch = s.batch(43);
+        let stream = match path {
+            Path::Backend(b) => b.stream(Direction::Restore),
+            _ => s.stream,
+        };
+        probe.queue();
+        sync(probe.events[2]);
+        record(window.0, stream);
+        let mut pending = Vec::new();
+        for _ in 0..RESTORES {
+            match path {
+                Path::Backend(b) => pending.push(run_backend(b, &batch, Direction::Restore)),
+                Path::CopyEngineBatch => memcpy_batch(s, 43, Direction::Restore),
+                Path::Contiguous => contiguous(s, 43, Direction::Restore),
+            }
+        }
+        record(window.1, stream);
+        sync(window.1);
+        sync(probe.events[probe.launches]);
+        drop(pending);
+        let t0 = probe.events[0];
+        let (w0, w1) = (secs(t0, window.0), secs(t0, window.1));
+        let inside: Vec<f64> = (0..probe.launches)
+            .filter(|&i| secs(t0, probe.events[i]) >= w0 && secs(t0, probe.events[i + 1]) <= w1)
+            .map(|i| probe.launch_secs(i))
+            .collect();
+        if secs(t0, probe.events[probe.launches]) < w1 {
+            eprintln!("warning: the probe ended before the restores");
+        }
+        let bytes = (RESTORES * 43) as f64 * s.g.block_bytes() as f64;
+        Outcome {
+            per_launch: inside.iter().sum::<f64>() / inside.len().max(1) as f64,
+            gbs: bytes / (w1 - w0) / 1e9,
+            inside: inside.len(),
+        }
+    }
+
+    /// The interference groups: each probe alone (whole device, engine partition) and beside
+    /// restores of every path.
+    fn interference(c: &mut Criterion, s: &mut Setup, rec: &Record) {
+        let d = CudaOptions::default();
+        let iso = |o: CudaOptions| CudaOptions { reserved_sms: RESERVED_SMS, ..o };
+        let paths: Vec<(String, CudaBackend)> = vec![
+            ("staged".into(), s.backend(CudaOptions { mode: CopyMode::Staged, ..d })),
+            (
+                "staged_low_priority".into(),
+                s.backend(CudaOptions { mode: CopyMode::Staged, high_priority: false, ..d }),
+            ),
+            ("zero_copy_4cta".into(), s.backend(zero_copy(4))),
+            ("auto_default".into(), s.backend(d)),
+            ("isolated_staged".into(), s.backend(iso(CudaOptions { mode: CopyMode::Staged, ..d }))),
+            ("isolated_zero_copy_4cta".into(), s.backend(iso(zero_copy(4)))),
+            ("isolated_auto_default".into(), s.backend(iso(d))),
+            ("isolated_staged_h512k_f1m".into(), s.backend(iso(staged(1024, 512)))),
+        ];
+        let part = match paths[4].1.isolation() {
+            Isolation::GreenContext { .. } => paths[4].1.sm_partition(),
+            other => {
+                println!("\ninterference: no SM isolation on this machine ({other:?}); isolated rows run unisolated");
+                None
             }
         };
-        let alone: Vec<f64> = (0..3).map(|_| t.time(ps, ps, probe).as_secs_f64()).collect();
-        let alone = alone.iter().cloned().fold(f64::MAX, f64::min);
-        println!(
-            "\ninterference: compute probe alone {:.3} ms ({} SMs, {} CTAs x 256 threads x 20 launches)",
-            alone * 1e3,
-            sms,
-            sms * 4
-        );
-        println!("| restores | probe with restores (ms) | probe slowdown | restore GB/s meanwhile |");
-        println!("|---|---|---|---|");
-        let batch = s.batch(43);
-        let bytes = 43.0 * s.g.block_bytes() as f64;
-        for (ctas, b) in runs {
-            let rs = b.stream(Direction::Restore);
-            let restored = 12usize;
-            let mut pending = Vec::new();
-            // SAFETY: live events and streams; the benchmark owns the slots and pages.
-            let (with, copy_time) = unsafe {
-                ok("cuEventRecord", sys::cuEventRecord(t2.start, rs as _));
-                for _ in 0..restored {
-                    pending.push(b.restore(&batch, WaitFor::Nothing).unwrap());
-                }
-                ok("cuEventRecord", sys::cuEventRecord(t2.end, rs as _));
-                ok("cuEventRecord", sys::cuEventRecord(t.start, ps as _));
-                probe();
-                ok("cuEventRecord", sys::cuEventRecord(t.end, ps as _));
-                ok("cuEventSynchronize", sys::cuEventSynchronize(t.end));
-                ok("cuEventSynchronize", sys::cuEventSynchronize(t2.end));
-                let (mut m1, mut m2) = (0f32, 0f32);
-                ok("cuEventElapsedTime", sys::cuEventElapsedTime_v2(&mut m1, t.start, t.end));
-                ok("cuEventElapsedTime", sys::cuEventElapsedTime_v2(&mut m2, t2.start, t2.end));
-                (Duration::from_secs_f64(m1 as f64 / 1e3), Duration::from_secs_f64(m2 as f64 / 1e3))
-            };
-            drop(pending);
-            let gbs = restored as f64 * bytes / copy_time.as_secs_f64() / 1e9;
-            println!(
-                "| {ctas} | {:.3} | {:+.2}% | {:.1} |",
-                with.as_secs_f64() * 1e3,
-                (with.as_secs_f64() / alone - 1.0) * 100.0,
-                gbs
-            );
+        let engine: Option<EngineStream> = part.as_ref().map(|p| p.engine_stream(false).unwrap());
+        kvtier::cuda::raw::bind_device(0).unwrap();
+        let mut probe_stream: sys::CUstream = std::ptr::null_mut();
+        let (mut out, mut buf) = (0u64, 0u64);
+        // SAFETY: setup calls on the bound device; the decode probe's buffer is filled once.
+        unsafe {
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut probe_stream, 1));
+            ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut out, 16));
+            ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut buf, DECODE_BYTES as usize));
+            ok("cuMemsetD32", sys::cuMemsetD32_v2(buf, 0x5a5a_1234, DECODE_BYTES as usize / 4));
+            ok("cuCtxSynchronize", sys::cuCtxSynchronize());
         }
+        let events: Vec<sys::CUevent> = (0..1024).map(|_| timing_event()).collect();
+        let window = (timing_event(), timing_event());
+        let (full, engine_sms) = (s.sms, part.as_ref().map_or(s.sms, |p| p.engine_sms()));
+        let mut summary: Vec<(String, String, f64, f64, f64, usize)> = Vec::new();
+        for decode in [false, true] {
+            let kind = if decode { "decode" } else { "compute" };
+            let make = |stream: u64, sms: u32, launches: usize| Probe {
+                decode,
+                stream,
+                sms,
+                full_sms: full,
+                out,
+                buf,
+                events: events.clone(),
+                launches,
+            };
+            // About 90 ms of probe per run: longer than the restores even at 25 GB/s.
+            let per = make(probe_stream as u64, full, 8).alone();
+            let launches = ((0.09 / per) as usize).clamp(8, events.len() - 1);
+            let whole = make(probe_stream as u64, full, launches);
+            let side = make(engine.as_ref().map_or(probe_stream as u64, |e| e.raw()), engine_sms, launches);
+            println!(
+                "\ninterference_{kind}: {launches} launches of {:.3} ms (whole device, {full} SMs); engine partition {engine_sms} SMs",
+                per * 1e3
+            );
+            let mut group = c.benchmark_group(format!("interference_{kind}"));
+            group.sample_size(10).sampling_mode(SamplingMode::Flat);
+            group.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
+            for (id, p) in [("probe_alone", &whole), ("probe_alone_engine_partition", &side)] {
+                let label = format!("{kind}/{id}");
+                group.bench_function(id, |bch| {
+                    bch.iter_custom(|iters| {
+                        (0..iters)
+                            .map(|_| {
+                                let t = p.alone();
+                                rec.add(&label, t);
+                                Duration::from_secs_f64(t)
+                            })
+                            .sum()
+                    })
+                });
+            }
+            let mut rows: Vec<(String, Path<'_>, &Probe)> = vec![
+                ("copy_engine_batch".into(), Path::CopyEngineBatch, &whole),
+                ("contiguous".into(), Path::Contiguous, &whole),
+            ];
+            for (id, b) in &paths {
+                let probe = if id.starts_with("isolated") { &side } else { &whole };
+                rows.push((id.clone(), Path::Backend(b), probe));
+            }
+            for (id, path, probe) in &rows {
+                let label = format!("{kind}/{id}");
+                group.bench_function(id.as_str(), |bch| {
+                    bch.iter_custom(|iters| {
+                        (0..iters)
+                            .map(|_| {
+                                let o = run_interference(s, probe, path, window);
+                                rec.add(&label, o.per_launch);
+                                rec.add(&format!("{label}/gbs"), o.gbs);
+                                rec.add(&format!("{label}/inside"), o.inside as f64);
+                                Duration::from_secs_f64(o.per_launch)
+                            })
+                            .sum()
+                    })
+                });
+            }
+            group.finish();
+            let alone_whole = rec.median(&format!("{kind}/probe_alone")).unwrap_or(f64::NAN);
+            let alone_side = rec.median(&format!("{kind}/probe_alone_engine_partition")).unwrap_or(f64::NAN);
+            for (id, _, probe) in &rows {
+                let label = format!("{kind}/{id}");
+                let Some(t) = rec.median(&label) else { continue };
+                let own = if std::ptr::eq(*probe, &side) { alone_side } else { alone_whole };
+                summary.push((
+                    kind.into(),
+                    id.clone(),
+                    rec.median(&format!("{label}/gbs")).unwrap_or(f64::NAN),
+                    (t / own - 1.0) * 100.0,
+                    (t / alone_whole - 1.0) * 100.0,
+                    rec.median(&format!("{label}/inside")).unwrap_or(0.0) as usize,
+                ));
+            }
+            if !alone_whole.is_nan() && !alone_side.is_nan() {
+                println!(
+                    "{kind} probe alone: {:.3} ms per launch on {full} SMs, {:.3} ms on the engine partition's {engine_sms} ({:+.2}%)",
+                    alone_whole * 1e3,
+                    alone_side * 1e3,
+                    (alone_side / alone_whole - 1.0) * 100.0
+                );
+            }
+        }
+        println!("\nrestores of 43 blocks back to back beside a probe (medians); slowdown of the probe's launches inside the restore window");
+        println!("| probe | restore path | restore GB/s | probe slowdown vs alone on its SMs | vs alone on the whole device | launches in window |");
+        println!("|---|---|---|---|---|---|");
+        for (kind, id, gbs, own, whole, n) in &summary {
+            println!("| {kind} | {id} | {gbs:.1} | {own:+.2}% | {whole:+.2}% | {n} |");
+        }
+        drop(engine);
+        // SAFETY: teardown of what this function created (the probe stream drained first).
+        unsafe {
+            ok("cuStreamSynchronize", sys::cuStreamSynchronize(probe_stream));
+            let _ = sys::cuMemFree_v2(out);
+            let _ = sys::cuMemFree_v2(buf);
+            let _ = sys::cuStreamDestroy_v2(probe_stream);
+        }
+    }
+
+    /// Why staged restores slow down beside the compute probe: the staged path's HBM scatter
+    /// kernel (8 blocks, 8 CTAs) timed alone, beside the probe on the whole device, and in the copy
+    /// partition with the probe in the engine partition.
+    fn hbm_kernel_beside_probe(s: &mut Setup) {
+        let d = CudaOptions::default();
+        let plain = s.backend(d);
+        let iso = s.backend(CudaOptions { reserved_sms: RESERVED_SMS, ..d });
+        let part = iso.sm_partition();
+        let engine = part.as_ref().map(|p| p.engine_stream(false).unwrap());
+        let batch = s.batch(8);
+        let staging: Vec<CopyPair> =
+            batch.iter().enumerate().map(|(i, p)| CopyPair::new(p.gpu_page, i as u32)).collect();
+        let mut out = 0u64;
+        let mut probe_stream: sys::CUstream = std::ptr::null_mut();
+        kvtier::cuda::raw::bind_device(0).unwrap();
+        // SAFETY: setup on the bound device.
+        unsafe {
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut probe_stream, 1));
+            ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut out, 16));
+        }
+        let buf = s.contiguous;
+        let events: Vec<sys::CUevent> = (0..64).map(|_| timing_event()).collect();
+        let (k0, k1) = (timing_event(), timing_event());
+        let time_kernels = |b: &CudaBackend, probe: Option<(u64, u32)>| -> (f64, usize) {
+            let stream = b.stream(Direction::Restore);
+            let p = probe.map(|(ps, sms)| {
+                let p = Probe {
+                    decode: false,
+                    stream: ps,
+                    sms,
+                    full_sms: s.sms,
+                    out,
+                    buf: 0,
+                    events: events.clone(),
+                    launches: 40,
+                };
+                p.queue();
+                sync(p.events[2]);
+                p
+            });
+            let mut v = Vec::new();
+            for _ in 0..15 {
+                record(k0, stream);
+                // SAFETY: the staging buffer holds MAX_BLOCKS slots; the pages are the benchmark's.
+                unsafe { b.launch_hbm_kernel(Direction::Restore, &staging, buf, stream, 8).unwrap() };
+                record(k1, stream);
+                sync(k1);
+                v.push(secs(k0, k1));
+            }
+            let mut overlapped = v.len();
+            if let Some(p) = &p {
+                sync(p.events[p.launches]);
+                // Kernels timed after the probe ended do not count as "beside".
+                if secs(p.events[0], p.events[p.launches]) < secs(p.events[0], k1) {
+                    overlapped = 0;
+                }
+            }
+            v.sort_by(|a, b| a.total_cmp(b));
+            (v[v.len() / 2], overlapped)
+        };
+        let alone = time_kernels(&plain, None);
+        let beside = time_kernels(&plain, Some((probe_stream as u64, s.sms)));
+        let isolated = match (&engine, &part) {
+            (Some(e), Some(p)) => Some(time_kernels(&iso, Some((e.raw(), p.engine_sms())))),
+            _ => None,
+        };
+        let bytes = 2.0 * 8.0 * s.g.block_bytes() as f64;
+        println!("\nthe staged restore's HBM scatter kernel (8 blocks = 27.6 MB read + 27.6 MB written, 8 CTAs), median of 15");
+        println!("| condition | kernel time | HBM GB/s (read + write) | timed while the probe ran |");
+        println!("|---|---|---|---|");
+        let row = |name: &str, (t, n): (f64, usize)| {
+            println!("| {name} | {:.1} us | {:.0} | {n} of 15 |", t * 1e6, bytes / t / 1e9);
+        };
+        row("alone", alone);
+        row("beside the compute probe (whole device)", beside);
+        if let Some(r) = isolated {
+            row("copy partition, probe in the engine partition", r);
+        }
+        drop(engine);
         // SAFETY: teardown of what this function created.
         unsafe {
             ok("cuStreamSynchronize", sys::cuStreamSynchronize(probe_stream));
             let _ = sys::cuMemFree_v2(out);
             let _ = sys::cuStreamDestroy_v2(probe_stream);
         }
-        let _ = std::ptr::null::<c_void>();
     }
 }

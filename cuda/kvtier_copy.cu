@@ -135,13 +135,47 @@ __device__ __forceinline__ void kvt_pattern_body(const kvt_pattern_args& a) {
 extern "C" __global__ void __launch_bounds__(256) kvt_fill(const kvt_pattern_args a) { kvt_pattern_body<true>(a); }
 extern "C" __global__ void __launch_bounds__(256) kvt_verify(const kvt_pattern_args a) { kvt_pattern_body<false>(a); }
 
-// Benchmark probe: a compute-bound kernel (dependent FMAs, no memory traffic but one store) that
-// stands in for the engine's decode kernels when measuring interference from copies.
-extern "C" __global__ void kvt_compute_probe(float* out, kvt_u32 iters) {
+// Benchmark probes: stand-ins for an engine's kernels when measuring interference from copies.
+//
+// kvt_compute_probe: compute-bound (dependent FMAs, no memory traffic but one store). The work is
+// `items` items of `iters` FMA pairs each, spread over the grid (CTA b takes items b, b + grid, ...),
+// so a launch sized to a partition's SMs does the same total work as one sized to the whole GPU.
+extern "C" __global__ void kvt_compute_probe(float* out, kvt_u32 iters, kvt_u32 items) {
     float x = threadIdx.x * 1e-3f, y = blockIdx.x * 1e-3f;
-    for (kvt_u32 i = 0; i < iters; ++i) {
-        x = fmaf(x, 0.999f, y);
-        y = fmaf(y, 0.999f, x);
+    for (kvt_u32 item = blockIdx.x; item < items; item += gridDim.x) {
+        for (kvt_u32 i = 0; i < iters; ++i) {
+            x = fmaf(x, 0.999f, y);
+            y = fmaf(y, 0.999f, x);
+        }
     }
     if (x == 12345.0f) out[0] = y;  // never true: keeps the loop alive
+}
+
+// kvt_decode_probe: memory-bound like decode attention: every SM streams a large buffer from HBM
+// (16-byte loads, 4 in flight per thread, grid-stride over `n16` 16-byte words, far larger than the
+// L2), folding what it reads into one word so nothing is optimised away.
+extern "C" __global__ void kvt_decode_probe(const uint4* buf, kvt_u64 n16, kvt_u32* out) {
+    const kvt_u64 stride = (kvt_u64)gridDim.x * blockDim.x;
+    kvt_u32 acc = 0;
+    kvt_u64 i = (kvt_u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 a = buf[i], b = buf[i + stride], c = buf[i + 2 * stride], d = buf[i + 3 * stride];
+        acc ^= a.x ^ a.w ^ b.y ^ b.z ^ c.x ^ c.w ^ d.y ^ d.z;
+    }
+    for (; i < n16; i += stride) {
+        const uint4 a = buf[i];
+        acc ^= a.x ^ a.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // almost never true
+}
+
+// kvt_sm_ids: CTA b records the SM it ran on in out[b] after holding it for about `hold_ns` ns (so
+// the CTAs of one launch spread over the SMs they may use). For tests of SM partitions.
+extern "C" __global__ void kvt_sm_ids(kvt_u32* out, kvt_u64 hold_ns) {
+    kvt_delay(hold_ns);
+    if (threadIdx.x == 0) {
+        kvt_u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        out[blockIdx.x] = sm;
+    }
 }

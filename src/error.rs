@@ -209,13 +209,38 @@ pub enum CopyError {
     /// The backend was built for another geometry or pool than the one given.
     #[error("backend mismatch: {0}")]
     Mismatch(String),
-    /// An error from the device driver or runtime.
+    /// A device error of a backend without a typed error of its own (also injected faults in
+    /// tests). The CUDA backend (feature `cuda`) reports `CopyError::Cuda` and `CopyError::Nvrtc` instead.
     #[error("device error in {call}: {message}")]
     Device {
-        /// Driver call or stage that failed.
+        /// Call or stage that failed.
         call: String,
-        /// The driver's message.
+        /// What went wrong.
         message: String,
+    },
+    /// A CUDA driver call failed (feature `cuda`); `source` keeps the driver's `CUresult`
+    /// (`source.0`), e.g. `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from a failed copy kernel.
+    #[cfg(feature = "cuda")]
+    #[error("CUDA driver call {call} failed: {}", crate::cuda::describe_driver_error(source))]
+    Cuda {
+        /// The driver function that returned the error, e.g. `cuLaunchKernel`.
+        call: &'static str,
+        /// The driver's result.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// NVRTC could not compile the copy kernels for this device (feature `cuda`); `source` keeps
+    /// the `nvrtcResult`, `log` the compiler's log (empty if it wrote none).
+    #[cfg(feature = "cuda")]
+    #[error("NVRTC call {call} failed: {source:?}{}{log}", if log.is_empty() { "" } else { ":\n" })]
+    Nvrtc {
+        /// The NVRTC function that failed, e.g. `nvrtcCompileProgram`.
+        call: &'static str,
+        /// NVRTC's result.
+        #[source]
+        source: cudarc::nvrtc::result::NvrtcError,
+        /// The compile log.
+        log: String,
     },
     /// The backend is not available on this machine or build.
     #[error("copy backend `{backend}` is unavailable: {reason}")]

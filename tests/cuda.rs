@@ -1,14 +1,16 @@
-//! GPU tests of the CUDA backend: byte parity both ways, offsets above 2^31, concurrent save and
-//! restore, ordering against engine kernels, rejection of bad batches. Every test needs an NVIDIA
-//! GPU; run them on the device with `--include-ignored`.
+//! GPU tests of the CUDA backend: byte parity both ways (zero copy, staged, staged with a zero-copy
+//! head, in an SM partition), offsets above 2^31, concurrent save and restore, ordering against
+//! engine kernels, SM isolation through green contexts, typed driver errors, rejection of bad
+//! batches. Every test needs an NVIDIA GPU; run them on the device with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::sys;
 use kvtier::copy::EngineArenas;
-use kvtier::cuda::{cuda_available, CopyMode, CudaArenas, CudaBackend, CudaOptions};
-use kvtier::{ArenaSpec, ContentKey, CopyBackend, CopyError, CopyPair, Geometry, PoolRegion, WaitFor};
+use kvtier::cuda::{cuda_available, CopyMode, CudaArenas, CudaBackend, CudaOptions, Isolation};
+use kvtier::{ArenaSpec, ContentKey, CopyBackend, CopyError, CopyPair, Direction, Geometry, PoolRegion, WaitFor};
 use memmap2::MmapMut;
 use std::any::Any;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 const GPU: &str = "needs an NVIDIA GPU: run on the device with --include-ignored";
@@ -97,6 +99,7 @@ fn round_trip(g: &Geometry, n: usize, options: CudaOptions, seed: u64) {
     let cap = (n as u32 + 17).max(32);
     let mut pool = TestPool::new(g.slot_bytes(), cap);
     let mut b = CudaBackend::new(0, g, arenas.binding().clone(), options).unwrap();
+    assert_eq!(options.reserved_sms > 0, *b.isolation() != Isolation::Off, "{:?}", b.isolation());
     pool.bind(&mut b);
     let mut rng = Rng(seed);
     let ks = keys(&mut rng, n);
@@ -485,4 +488,160 @@ fn tier_handle_stream_wait_orders_the_engine_stream() {
     unsafe { kvtier::cuda::raw::ck("cuEventSynchronize", sys::cuEventSynchronize(ev as _)).unwrap() };
     h.stream_wait(compute).unwrap();
     h.stream_wait(0).unwrap(); // the legacy default stream
+}
+
+/// Staged with a zero-copy head of odd sizes (cut inside a chunk, rounded up to a segment
+/// boundary), a whole-block head, and a head longer than the batch (all zero copy), over inline
+/// and uploaded pair lists, small pieces and the fused strided layout.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn parity_with_a_zero_copy_head() {
+    for (preset, pages) in [("glm52", 300), ("qwen3-4b", 300)] {
+        let g = Geometry::preset(preset, pages).unwrap();
+        let heads = [100_000u64, g.block_bytes(), 64 << 20];
+        for (i, n) in [1usize, 2, 8, 65].into_iter().enumerate() {
+            for (j, &head) in heads.iter().enumerate() {
+                let o = CudaOptions {
+                    mode: CopyMode::Staged,
+                    save_head_bytes: head,
+                    restore_head_bytes: head / 2 + 16,
+                    staged_piece_blocks: 3,
+                    staged_first_piece_bytes: 300_000,
+                    ..Default::default()
+                };
+                round_trip(&g, n, o, 700 + 10 * i as u64 + j as u64);
+            }
+        }
+    }
+}
+
+/// The backend's streams belong to a green context of the reserved SMs, the engine partition's
+/// streams to the others: kernels on each side run only on their own SMs, and the two sets are
+/// disjoint and cover the device.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn green_context_confines_copy_and_engine_kernels_to_disjoint_sms() {
+    let g = Geometry::preset("glm52", 16).unwrap();
+    let o = CudaOptions { reserved_sms: 8, ..Default::default() };
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    let sms = kvtier::cuda::raw::bind_device(0).unwrap();
+    let Isolation::GreenContext { copy_sms, engine_sms } = b.isolation().clone() else {
+        panic!("no green context: {:?}", b.isolation());
+    };
+    assert!(copy_sms >= 8 && copy_sms < sms, "{copy_sms} of {sms}");
+    assert_eq!(copy_sms + engine_sms, sms);
+    let part = b.sm_partition().expect("isolated");
+    assert_eq!((part.copy_sms(), part.engine_sms()), (copy_sms, engine_sms));
+    let grid = 8 * sms;
+    let ids = |stream: u64| -> BTreeSet<u32> {
+        kvtier::cuda::raw::sm_ids(0, stream, grid, 50_000).unwrap().into_iter().collect()
+    };
+    let copy_side = ids(b.stream(Direction::Restore));
+    let copy_save = ids(b.stream(Direction::Save));
+    let es = part.engine_stream(false).unwrap();
+    let engine_side = ids(es.raw());
+    assert_eq!(copy_side.len(), copy_sms as usize, "copy partition SMs: {copy_side:?}");
+    assert_eq!(copy_save, copy_side);
+    assert_eq!(engine_side.len(), engine_sms as usize);
+    assert!(copy_side.is_disjoint(&engine_side));
+    assert!(copy_side.iter().chain(&engine_side).all(|&s| s < sms));
+    // A second backend with the same reservation shares the split.
+    let b2 = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    assert_eq!(ids(b2.stream(Direction::Save)), copy_side);
+    assert!(part.engine_context().unwrap() != 0);
+}
+
+/// Copies with the kernels in the copy partition move the same bytes as without: every mode, one
+/// to 64 blocks, both directions, glm52 (verified on the host and on the GPU).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn green_context_parity() {
+    let g = Geometry::preset("glm52", 300).unwrap();
+    let base = CudaOptions { reserved_sms: 8, ..Default::default() };
+    let modes = [
+        base,
+        CudaOptions { mode: CopyMode::ZeroCopy, ..base },
+        CudaOptions { mode: CopyMode::Staged, save_head_bytes: 1 << 20, restore_head_bytes: 512 << 10, ..base },
+    ];
+    let arenas = CudaArenas::new(0, &g, base).unwrap();
+    let b = CudaBackend::new(0, &g, arenas.binding().clone(), base).unwrap();
+    assert!(matches!(b.isolation(), Isolation::GreenContext { .. }), "{:?}", b.isolation());
+    drop((b, arenas));
+    for (i, o) in modes.into_iter().enumerate() {
+        for (j, n) in [1usize, 8, 64].into_iter().enumerate() {
+            round_trip(&g, n, o, 900 + 10 * i as u64 + j as u64);
+        }
+    }
+}
+
+/// The engine side of the split, through the tier: a restore's handle orders a stream of the
+/// engine partition (`stream_wait`), and a reader queued there right away sees the restored bytes;
+/// a save waits for a writer on that stream.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn green_context_tier_restore_orders_an_engine_partition_stream() {
+    use kvtier::{HostTier, TierConfig};
+    let g = Geometry::preset("llama3-8b", 64).unwrap();
+    // Staged with zero-copy heads, so one small test covers every stream of the copy partition.
+    let o =
+        CudaOptions { reserved_sms: 8, save_head_bytes: 300_000, restore_head_bytes: 300_000, ..Default::default() };
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let backend = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    let part = backend.sm_partition().expect("isolated");
+    let tier = HostTier::new(TierConfig::new(g.clone(), 16 * g.slot_bytes())).unwrap();
+    let rank = tier.attach(Box::new(backend)).unwrap();
+    let engine = part.engine_stream(false).unwrap();
+    let ns = tier.namespace();
+    let keys: Vec<ContentKey> = (0..8u32).map(|i| ns.key_from_bytes(format!("green-{i}").as_bytes())).collect();
+    let old: Vec<ContentKey> = (0..8u32).map(|i| ns.key_from_bytes(format!("old-{i}").as_bytes())).collect();
+    let (src, dst): (Vec<u64>, Vec<u64>) = ((0..8).collect(), vec![40, 17, 33, 9, 61, 22, 50, 12]);
+    // A slow writer on the engine stream (sleeps 30 ms first); the save waits for it.
+    let writer = arenas.pattern_on(engine.raw(), &src, &keys, false, 30_000_000).unwrap();
+    let saved = rank.save(&keys, &src, WaitFor::CudaStream(engine.raw())).unwrap();
+    saved.handle.wait().unwrap();
+    writer.wait().unwrap();
+    arenas.fill(&dst, &old).unwrap();
+    let lease = tier.query(&keys);
+    assert_eq!(lease.len(), 8);
+    let h = rank.restore(&lease, &dst, WaitFor::CudaStream(engine.raw())).unwrap();
+    h.stream_wait(engine.raw()).unwrap();
+    let reader = arenas.pattern_on(engine.raw(), &dst, &keys, true, 0).unwrap();
+    reader.wait().unwrap();
+    h.wait().unwrap();
+    engine.synchronize().unwrap();
+}
+
+/// Too many reserved SMs: the backend says why it is not isolated and copies on the whole device.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn green_context_fallback_when_the_split_is_impossible() {
+    let g = Geometry::preset("glm52", 64).unwrap();
+    let o = CudaOptions { reserved_sms: 100_000, ..Default::default() };
+    let arenas = CudaArenas::new(0, &g, o).unwrap();
+    let b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+    match b.isolation() {
+        Isolation::Unavailable { reason } => assert!(reason.contains("100000 reserved SMs"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(b.sm_partition().is_none());
+    drop(b);
+    round_trip(&g, 3, o, 77);
+}
+
+/// A failed driver call keeps the driver's result: allocating 4 TiB arenas fails with
+/// `CUDA_ERROR_OUT_OF_MEMORY` from `cuMemAlloc`.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn a_failed_driver_call_keeps_its_cuda_result() {
+    let g = Geometry::new("huge", 16, vec![ArenaSpec::packed("a", 1 << 20, 1 << 22)]).unwrap();
+    let e = CudaArenas::new(0, &g, CudaOptions::default()).err().expect("4 TiB cannot be allocated");
+    match &e {
+        kvtier::Error::Copy(CopyError::Cuda { call, source }) => {
+            assert_eq!(*call, "cuMemAlloc");
+            assert_eq!(source.0, sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2)"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

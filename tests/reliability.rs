@@ -13,6 +13,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+/// Sets the flag when dropped: background threads of a test stop even if the test fails.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Decrements the counter when dropped (a finished or failed worker).
+struct CountDown<'a>(&'a AtomicU64);
+
+impl Drop for CountDown<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Every resident, ready, unpinned block can be evicted once asked for enough victims.
 fn assert_all_unpinned_evictable(tier: &HostTier, what: &str) {
     let s = tier.stats();
@@ -29,14 +47,16 @@ fn assert_all_unpinned_evictable(tier: &HostTier, what: &str) {
 fn no_policy_wedges_under_concurrent_prefix_saves_and_pins() {
     for &policy in PolicyKind::ALL {
         let tier = tier(12, policy);
-        let next = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let refused = Arc::new(AtomicU64::new(0));
+        let next = AtomicU64::new(0);
+        let savers = AtomicU64::new(2);
+        let refused = AtomicU64::new(0);
         std::thread::scope(|s| {
             for _ in 0..2 {
-                let (tier, next, refused) = (&tier, next.clone(), refused.clone());
+                let (tier, next, refused, savers) = (&tier, &next, &refused, &savers);
                 let a = arenas();
                 s.spawn(move || {
+                    // The queriers stop when both savers are done, however they end.
+                    let _done = CountDown(savers);
                     let rank = tier.attach(a.backend().unwrap()).unwrap();
                     for _ in 0..1500 {
                         let base = next.fetch_add(1, Ordering::Relaxed) % 40;
@@ -53,9 +73,9 @@ fn no_policy_wedges_under_concurrent_prefix_saves_and_pins() {
                 });
             }
             for _ in 0..2 {
-                let (tier, next, stop) = (&tier, next.clone(), stop.clone());
+                let (tier, next, savers) = (&tier, &next, &savers);
                 s.spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
+                    while savers.load(Ordering::Relaxed) > 0 {
                         let base = next.load(Ordering::Relaxed) % 40;
                         let lease = tier.query(&keys(tier, base.saturating_sub(3)..base));
                         std::thread::yield_now();
@@ -63,13 +83,6 @@ fn no_policy_wedges_under_concurrent_prefix_saves_and_pins() {
                     }
                 });
             }
-            // The savers are the first two threads: stop the queriers once they are done.
-            s.spawn(|| {
-                while next.load(Ordering::Relaxed) < 3000 {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                stop.store(true, Ordering::Relaxed);
-            });
         });
         assert_eq!(refused.load(Ordering::Relaxed), 0, "{policy}");
         let all = keys(&tier, 0..43);
@@ -224,6 +237,8 @@ fn a_prefix_save_under_concurrent_pins_saves_what_it_can() {
                 drop(lease);
             }
         });
+        // Stops the querier however this thread leaves the scope (a failed assertion included).
+        let _stop = StopOnDrop(&stop);
         for r in 0..2000u64 {
             let k = keys(&tier, 3 * r..3 * r + 3);
             a.fill(&[10, 11, 12], &k).unwrap();
@@ -234,7 +249,6 @@ fn a_prefix_save_under_concurrent_pins_saves_what_it_can() {
             assert_eq!(t.saving.len() + t.dropped, 3);
             assert_eq!(t.saving, (0..t.saving.len()).collect::<Vec<_>>(), "a prefix of the keys");
         }
-        stop.store(true, Ordering::Relaxed);
     });
     assert_eq!(tier.stats().saves_refused, 0);
 }

@@ -133,6 +133,14 @@ impl From<&CopyError> for Raised {
             C::DuplicateDestination { what, id } => r("DuplicateDestinationError").str("what", what).int("id", *id),
             C::Mismatch(m) => r("BackendMismatchError").str("detail", m),
             C::Device { call, message } => r("DeviceError").str("call", call).str("detail", message),
+            C::Cuda { call, source } => r("DeviceError")
+                .str("call", call)
+                .int("code", source.0 as u32)
+                .str("detail", kvtier::cuda::describe_driver_error(source)),
+            C::Nvrtc { call, source, log } => r("DeviceError")
+                .str("call", call)
+                .int("code", source.0 as u32)
+                .str("detail", format!("{:?}: {log}", source.0)),
             C::Unavailable { backend, reason } => {
                 r("BackendUnavailableError").str("backend", backend).str("reason", reason)
             }
@@ -245,7 +253,14 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
             CopyError::SlotOutOfRange { slot: 9, capacity: 4 },
             CopyError::DuplicateDestination { what: "GPU page", id: 3 },
             CopyError::Mismatch(s("pool slots differ")),
-            CopyError::Device { call: s("cuLaunchKernel"), message: s("CUDA_ERROR_ILLEGAL_ADDRESS (700)") },
+            CopyError::Device { call: s("injected"), message: s("a test's fault") },
+            // The same class; the last example of a class is the one the tests read.
+            CopyError::Cuda {
+                call: "cuLaunchKernel",
+                source: kvtier::cuda::cudarc::driver::DriverError(
+                    kvtier::cuda::cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+                ),
+            },
             CopyError::Unavailable { backend: "cuda", reason: s("no GPU") },
             CopyError::ShutDown,
             CopyError::BackendPanicked,

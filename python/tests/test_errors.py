@@ -24,7 +24,8 @@ def test_every_rust_error_variant_maps_to_its_class_with_fields():
     assert (by["CannotFitError"].needed, by["CannotFitError"].available, by["CannotFitError"].capacity) == (5, 2, 4)
     assert (by["MisalignedError"].arena, by["MisalignedError"].field, by["MisalignedError"].value) == ("a", "base", 8)
     assert (by["PageOutOfRangeError"].page, by["PageOutOfRangeError"].pages) == (99, 64)
-    assert by["DeviceError"].call == "cuLaunchKernel" and "700" in by["DeviceError"].detail
+    assert by["DeviceError"].call == "cuLaunchKernel" and by["DeviceError"].code == 700
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in by["DeviceError"].detail
     assert by["PoolSyscallError"].call == "mlock" and by["PoolSyscallError"].os_error
     assert by["DrainTimeoutError"].in_flight == 2
     assert isinstance(by["DrainTimeoutError"], TimeoutError)

@@ -110,7 +110,7 @@ pub trait CopyEvent: Send + Sync {
     /// was.
     ///
     /// # Errors
-    /// [`CopyError::Device`] from the driver (e.g. an invalid stream handle).
+    /// The driver's error (the CUDA backend's `CopyError::Cuda`, keeping the `CUresult`).
     fn stream_wait(&self, stream: u64) -> Result<(), CopyError>;
 }
 

@@ -3,14 +3,14 @@
 
 use super::backend::{CudaBackend, CudaOptions};
 use super::desc::{self, KvtPatternArgs};
-use super::device::{ck, launch, Device, DeviceBuffer, Event, Stream};
+use super::device::{launch, Ctx, Device, DeviceBuffer, Event, Stream};
 use crate::copy::{CopyBackend, EngineArenas};
 use crate::error::Error;
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
 use crate::pattern;
+use cudarc::driver::result as drv;
 use cudarc::driver::sys;
-use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Device arenas for a geometry on one device.
@@ -47,10 +47,11 @@ impl PatternJob {
         self.done = true;
         self.event.synchronize()?;
         let Some(m) = &self.mismatch else { return Ok(()) };
-        let mut code = 0u64;
+        let mut code = [0u64];
         self.arenas.dev.bind()?;
         // SAFETY: m holds one u64, written by the completed kernel.
-        ck("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(&mut code as *mut u64 as *mut c_void, m.ptr, 8) })?;
+        unsafe { drv::memcpy_dtoh_sync(&mut code, m.ptr) }.ctx("cuMemcpyDtoH")?;
+        let code = code[0];
         if code == u64::MAX {
             return Ok(());
         }
@@ -60,7 +61,7 @@ impl PatternJob {
         let mut chunk = vec![0u8; spec.bytes_per_page as usize];
         let src = self.arenas.binding.bases()[a] + self.pages[i] * spec.page_stride;
         // SAFETY: src..src+len lies inside arena a (page validated); chunk has len bytes.
-        ck("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(chunk.as_mut_ptr() as *mut c_void, src, chunk.len()) })?;
+        unsafe { drv::memcpy_dtoh_sync(&mut chunk, src) }.ctx("cuMemcpyDtoH")?;
         let off = pattern::first_mismatch(&self.keys[i], a, &chunk).unwrap_or(0);
         Err(Error::Verification(format!(
             "GPU page {}, arena `{}`, byte {off}: bytes differ from those of key {}",
@@ -82,7 +83,7 @@ impl CudaArenas {
     /// backends over them use `options`.
     ///
     /// # Errors
-    /// [`crate::CopyError::Unavailable`] / device errors (out of memory) as [`Error::Copy`].
+    /// [`crate::CopyError::Unavailable`] / device errors (`CUDA_ERROR_OUT_OF_MEMORY`) as [`Error::Copy`].
     pub fn new(device: u32, geometry: &Geometry, options: CudaOptions) -> Result<Arc<Self>, Error> {
         let dev = Device::get(device)?;
         let mut buffers: Vec<DeviceBuffer> = Vec::new();
@@ -205,5 +206,21 @@ impl EngineArenas for Arc<CudaArenas> {
     fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
         let b = CudaBackend::new(self.device(), &self.geometry, self.binding.clone(), self.options)?;
         Ok(Box::new(b.keep_alive(self.clone())))
+    }
+}
+
+impl std::fmt::Debug for CudaArenas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaArenas")
+            .field("model", &self.geometry.model())
+            .field("pages", &self.geometry.pages())
+            .field("binding", &self.binding)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for PatternJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PatternJob").field("pages", &self.pages.len()).field("done", &self.done).finish()
     }
 }

@@ -4,20 +4,24 @@
 //! two non-blocking streams (saves and restores run concurrently), pooled descriptor buffers for
 //! pair lists of more than [`INLINE_PAIRS`] pairs (pinned host copy + device copy, returned to the
 //! pool only after the batch's completion event), and, in staged mode, a lazily allocated HBM
-//! staging buffer per direction.
+//! staging buffer per direction. With [`CudaOptions::reserved_sms`] every stream of the backend
+//! belongs to a green context of a few SMs (see `green.rs`).
 //!
 //! A batch is: validate on the host ([`validate_batch`]: no out-of-range id reaches a kernel) ->
 //! `cuStreamWaitEvent` for its [`WaitFor`] -> pair upload (large batches) -> one kernel launch (zero
-//! copy: the kernel reads and writes host slots through the pool's device alias) -> event record.
-//! The completion shares the event with the tier's handles ([`Completion::shared_event`]), so an
-//! engine's stream can wait on it after the completion is gone; `wait` is `cuEventSynchronize`.
+//! copy: the kernel reads and writes host slots through the pool's device alias) or the staged
+//! pipeline -> event record. The completion shares the event with the tier's handles
+//! ([`Completion::shared_event`]), so an engine's stream can wait on it after the completion is
+//! gone; `wait` is `cuEventSynchronize`.
 
 use super::desc::{self, KvtCopyArgs, KvtPair, COPY_THREADS, FLAG_SLOT_IS_INDEX, INLINE_PAIRS};
-use super::device::{ck, launch, Device, DeviceBuffer, Event, Stream};
+use super::device::{ck, launch, Ctx, Device, DeviceBuffer, Event, Stream};
+use super::green::{Isolation, Partition, Side, SmPartition};
 use crate::copy::{validate_batch, Completion, CopyBackend, CopyEvent, CopyPair, Direction, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::{ArenaBinding, Geometry};
 use crate::pool::{HostPool, PoolRegion};
+use cudarc::driver::result as drv;
 use cudarc::driver::sys;
 use std::any::Any;
 use std::ffi::c_void;
@@ -37,10 +41,13 @@ pub enum CopyMode {
     /// exposed kernel time at the start of a save (end of a restore) is one small piece. Holds SMs
     /// only for the short HBM kernels; needs `2 * (staged_piece_blocks + 2)` slots of HBM per
     /// direction.
+    ///
+    /// With a head ([`CudaOptions::save_head_bytes`], [`CudaOptions::restore_head_bytes`]) the
+    /// batch's first bytes move zero copy on a second stream at the same time, so the link is busy
+    /// from the first microsecond while the pipeline's first gather (or last scatter) runs.
     Staged,
     /// Zero copy for batches of fewer than [`CudaOptions::auto_staged_min_blocks`] blocks, staged
-    /// from there on (the default: on the H200 staged reached 95-99% of a contiguous copy from 8
-    /// blocks with 8 CTAs, zero copy 92-95%; zero copy was faster for one block).
+    /// (with its head) from there on. The default.
     #[default]
     Auto,
 }
@@ -48,9 +55,9 @@ pub enum CopyMode {
 /// Tuning of a [`CudaBackend`]. Defaults chosen by measurement on an H200 (see `docs/benchmarks.md`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
-    /// CTAs (of 512 threads) of a save launch (zero copy). Default 2.
+    /// CTAs (of 512 threads) of a save launch (zero copy, also a staged save's head). Default 2.
     pub save_ctas: u32,
-    /// CTAs of a restore launch (zero copy). Default 4.
+    /// CTAs of a restore launch (zero copy, also a staged restore's head). Default 4.
     pub restore_ctas: u32,
     /// 16-byte loads in flight per lane in saves: 4 or 8. Default 4.
     pub save_unroll: u32,
@@ -64,6 +71,11 @@ pub struct CudaOptions {
     /// Staged mode: bytes of a save's first piece and a restore's last piece (rounded up to a
     /// segment boundary); the pieces double from there. At least 1. Default 512 KiB.
     pub staged_first_piece_bytes: u64,
+    /// Staged mode: bytes at the start of a save batch (rounded up to a segment boundary) that move
+    /// zero copy, on a second stream, while the pipeline moves the rest. 0 = none. Default 0.
+    pub save_head_bytes: u64,
+    /// Staged mode: as [`CudaOptions::save_head_bytes`], for restores. Default 0.
+    pub restore_head_bytes: u64,
     /// Auto mode: batches of at least this many blocks are staged. Default 2 (one block alone is
     /// faster zero copy: 72 us against 82 us staged on the H200).
     pub auto_staged_min_blocks: u32,
@@ -75,6 +87,13 @@ pub struct CudaOptions {
     /// dispatched ahead of pending CTAs of the engine's default-priority streams. Default true
     /// (measured neutral on the H200 benchmark: see `docs/benchmarks.md`).
     pub high_priority: bool,
+    /// SMs reserved for the copy kernels: when non-zero, every kernel of the backend runs in a
+    /// CUDA green context holding at least this many SMs (rounded up to the device's partition
+    /// granularity, 8 on an H200), and [`CudaBackend::sm_partition`] gives the engine streams on
+    /// the other SMs. Isolation holds only for engine kernels launched on those streams. Where
+    /// green contexts are unavailable (a driver older than CUDA 12.4, too many SMs asked) the
+    /// backend runs as with 0 and [`CudaBackend::isolation`] says why. Default 0.
+    pub reserved_sms: u32,
 }
 
 impl Default for CudaOptions {
@@ -87,10 +106,13 @@ impl Default for CudaOptions {
             mode: CopyMode::Auto,
             staged_piece_blocks: 8,
             staged_first_piece_bytes: 512 << 10,
+            save_head_bytes: 0,
+            restore_head_bytes: 0,
             auto_staged_min_blocks: 2,
             staged_ctas: 8,
             staged_unroll: 8,
             high_priority: true,
+            reserved_sms: 0,
         }
     }
 }
@@ -109,36 +131,56 @@ fn ramp(total: u64, first: u64, max: u64) -> Vec<u64> {
     out
 }
 
-/// The staged pipeline's pieces of a batch of `n` blocks as work-item ranges `[begin, end)`
-/// (item `w` = segment `w % spb` of pair `w / spb`), cut at segment boundaries: a ramp of
-/// [`ramp`] sizes over the batch's data bytes, ascending for saves and descending for restores.
-/// `seg_cum[s]` = data bytes of a block before segment `s` (`spb` entries), `block` = data bytes of
-/// a block. Every range is non-empty and they tile `[0, n * spb)` in order.
-fn pieces(n: u64, seg_cum: &[u64], block: u64, first: u64, max: u64, dir: Direction) -> Vec<(u64, u64)> {
-    let spb = seg_cum.len() as u64;
-    let mut sizes = ramp(n * block, first, max);
+/// Block geometry of a batch as the planner sees it: `seg_cum[s]` = data bytes of a block before
+/// segment `s` (`spb` entries), `block` = data bytes of a block.
+struct ItemMap<'a> {
+    seg_cum: &'a [u64],
+    block: u64,
+}
+
+impl ItemMap<'_> {
+    fn spb(&self) -> u64 {
+        self.seg_cum.len() as u64
+    }
+    /// First item (`w` = segment `w % spb` of pair `w / spb`) starting at or after data byte `b`.
+    fn item_at(&self, b: u64) -> u64 {
+        let (blk, rem) = (b / self.block, b % self.block);
+        blk * self.spb() + self.seg_cum.partition_point(|&c| c < rem) as u64
+    }
+    /// Data bytes before item `w`.
+    fn byte_at(&self, w: u64) -> u64 {
+        (w / self.spb()) * self.block + self.seg_cum[(w % self.spb()) as usize]
+    }
+}
+
+/// The staged pipeline's pieces of items `[start, n * spb)` of a batch of `n` blocks as work-item
+/// ranges `[begin, end)`, cut at segment boundaries: a [`ramp`] of sizes over those items' data
+/// bytes, ascending for saves and descending for restores. Every range is non-empty and they tile
+/// `[start, n * spb)` in order (empty when `start` is the end).
+fn pieces(n: u64, map: &ItemMap<'_>, start: u64, first: u64, max: u64, dir: Direction) -> Vec<(u64, u64)> {
+    let end_item = n * map.spb();
+    if start >= end_item {
+        return Vec::new();
+    }
+    let b0 = map.byte_at(start);
+    let mut sizes = ramp(n * map.block - b0, first, max);
     if dir == Direction::Restore {
         sizes.reverse();
     }
-    // Data byte position -> first item starting at or after it.
-    let item_at = |b: u64| -> u64 {
-        let (blk, rem) = (b / block, b % block);
-        blk * spb + seg_cum.partition_point(|&c| c < rem) as u64
-    };
     let mut out = Vec::with_capacity(sizes.len());
-    let (mut pos, mut begin) = (0u64, 0u64);
+    let (mut pos, mut begin) = (b0, start);
     for s in sizes {
         pos += s;
-        let end = item_at(pos).min(n * spb);
+        let end = map.item_at(pos).min(end_item);
         if end > begin {
             out.push((begin, end));
             begin = end;
         }
     }
-    if begin < n * spb {
+    if begin < end_item {
         match out.last_mut() {
-            Some(l) => l.1 = n * spb,
-            None => out.push((0, n * spb)),
+            Some(l) => l.1 = end_item,
+            None => out.push((start, end_item)),
         }
     }
     out
@@ -156,19 +198,19 @@ struct CudaRegistration {
 impl Drop for CudaRegistration {
     fn drop(&mut self) {
         let devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: drain every context that holds an alias of the region before unregistering, so no
-        // copy still reads or writes it; the region was registered by us with this base address.
-        unsafe {
-            for d in devices.iter() {
-                if d.bind().is_ok() {
-                    let _ = sys::cuCtxSynchronize();
-                }
+        // Drain every context that holds an alias of the region before unregistering, so no copy
+        // still reads or writes it (green contexts' work belongs to the primary context).
+        for d in devices.iter() {
+            if d.bind().is_ok() {
+                let _ = drv::ctx::synchronize();
             }
-            if let Some(d) = devices.first() {
-                let _ = d.bind();
-            }
-            let _ = sys::cuMemHostUnregister(self.host_base as *mut c_void);
         }
+        if let Some(d) = devices.first() {
+            let _ = d.bind();
+        }
+        // Host registration has no `driver::result` wrapper.
+        // SAFETY: the region was registered by us with this base address and nothing uses it now.
+        let _ = unsafe { sys::cuMemHostUnregister(self.host_base as *mut c_void) };
     }
 }
 
@@ -194,20 +236,17 @@ unsafe impl Sync for Pinned {}
 impl Pinned {
     fn new(dev: &Arc<Device>, bytes: usize) -> Result<Self, CopyError> {
         dev.bind()?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one pointer to `bytes` of pinned memory.
-        ck("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 0) })?;
+        // SAFETY: returns `bytes` of pinned memory owned by this value.
+        let p = unsafe { drv::malloc_host(bytes.max(1), 0) }.ctx("cuMemHostAlloc")?;
         Ok(Pinned { ptr: p as *mut u8, dev: dev.clone() })
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
+        let _ = self.dev.bind();
         // SAFETY: allocated by cuMemHostAlloc; owners free only after the copies reading it finished.
-        unsafe {
-            let _ = self.dev.bind();
-            let _ = sys::cuMemFreeHost(self.ptr as *mut c_void);
-        }
+        let _ = unsafe { drv::free_host(self.ptr as *mut c_void) };
     }
 }
 
@@ -219,7 +258,8 @@ struct DescBuf {
 }
 
 /// Staged-mode resources of one direction: the two-piece HBM buffer, the copy-engine stream and
-/// the events that hand pieces between it and the kernel stream.
+/// the events that hand pieces between it and the kernel stream, and the head's zero-copy stream
+/// with its two events (start after the batch's wait; the lane waits for its end).
 struct Staging {
     buf: DeviceBuffer,
     piece_slots: usize,
@@ -227,6 +267,9 @@ struct Staging {
     step: Event,
     half_free: [Event; 2],
     sync: Event,
+    head: Stream,
+    head_go: Event,
+    head_done: Event,
 }
 
 /// One direction's submission state.
@@ -250,6 +293,9 @@ struct Inner {
     save: Lane,
     restore: Lane,
     descs: Mutex<Vec<DescBuf>>,
+    /// The copy partition the backend's streams belong to, if isolated.
+    partition: Option<Arc<Partition>>,
+    isolation: Isolation,
 }
 
 impl Inner {
@@ -266,6 +312,18 @@ impl Inner {
 
     fn give_desc(&self, d: DescBuf) {
         self.descs.lock().unwrap_or_else(|p| p.into_inner()).push(d);
+    }
+
+    /// A new stream for the backend's work: in the copy partition when isolated.
+    fn new_stream(&self) -> Result<Stream, CopyError> {
+        new_stream(&self.dev, self.partition.as_deref(), self.options.high_priority)
+    }
+}
+
+fn new_stream(dev: &Arc<Device>, partition: Option<&Partition>, high: bool) -> Result<Stream, CopyError> {
+    match partition {
+        Some(p) => p.stream(Side::Copy, high),
+        None => Stream::with_priority(dev, high),
     }
 }
 
@@ -334,15 +392,28 @@ impl CudaBackend {
             })
             .collect();
         let high = options.high_priority;
+        let (partition, isolation) = match options.reserved_sms {
+            0 => (None, Isolation::Off),
+            n => match Partition::get(&dev, n) {
+                Ok(p) => {
+                    let iso = Isolation::GreenContext { copy_sms: p.copy_sms, engine_sms: p.engine_sms };
+                    (Some(p), iso)
+                }
+                Err(reason) => (None, Isolation::Unavailable { reason }),
+            },
+        };
+        let p = partition.as_deref();
         let inner = Inner {
             arena_table: DeviceBuffer::from_slice(&dev, &desc::arena_table(geometry, &binding))?,
             seg_table: DeviceBuffer::from_slice(&dev, &segs)?,
             segs_per_block: segs.len() as u32,
             seg_cum,
             seg_span,
-            save: Lane { stream: Stream::with_priority(&dev, high)?, submit: Mutex::new(None) },
-            restore: Lane { stream: Stream::with_priority(&dev, high)?, submit: Mutex::new(None) },
+            save: Lane { stream: new_stream(&dev, p, high)?, submit: Mutex::new(None) },
+            restore: Lane { stream: new_stream(&dev, p, high)?, submit: Mutex::new(None) },
             descs: Mutex::new(Vec::new()),
+            isolation,
+            partition: partition.clone(),
             geometry: geometry.clone(),
             options,
             dev,
@@ -368,10 +439,84 @@ impl CudaBackend {
     }
 
     /// The raw `CUstream` the backend queues `dir`'s copies on (benchmarks record timing events on
-    /// it). Work queued there by others is ordered with the backend's copies.
+    /// it). Work queued there by others is ordered with the backend's copies. Every batch's
+    /// completion is recorded on it (a staged batch's other streams join it first).
     pub fn stream(&self, dir: Direction) -> u64 {
         let lane = if dir == Direction::Save { &self.inner.save } else { &self.inner.restore };
         lane.stream.raw as u64
+    }
+
+    /// Where the copy kernels run: [`Isolation::Off`] without [`CudaOptions::reserved_sms`],
+    /// [`Isolation::GreenContext`] with the SM counts of the split, or
+    /// [`Isolation::Unavailable`] with the reason the backend fell back to the whole device.
+    pub fn isolation(&self) -> &Isolation {
+        &self.inner.isolation
+    }
+
+    /// The engine's side of the SM split when the backend is isolated
+    /// ([`Isolation::GreenContext`]): streams whose kernels never share an SM with the copy
+    /// kernels. `None` otherwise. Every backend of a device with the same
+    /// [`CudaOptions::reserved_sms`] shares one split.
+    pub fn sm_partition(&self) -> Option<SmPartition> {
+        self.inner.partition.clone().map(|inner| SmPartition { inner })
+    }
+
+    /// Launches the staged path's HBM kernel alone: gathers (save) every arena of `batch[i]`
+    /// into slot `i` of the device buffer at `buf` (slot stride = the geometry's slot bytes), or
+    /// scatters (restore) slot `i` into the arenas, on `stream` with `ctas` CTAs. For benchmarks
+    /// that time this kernel beside an engine's kernels. Not a stable API.
+    ///
+    /// # Safety
+    /// `buf` must hold `batch.len()` slots of device memory; nothing else may use the pages or the
+    /// buffer until the kernel completes; `stream` must be a live stream of this device.
+    ///
+    /// # Errors
+    /// [`CopyError::PageOutOfRange`], [`CopyError::Mismatch`] for more than 64 pairs or a bad
+    /// `ctas`; driver errors.
+    #[doc(hidden)]
+    pub unsafe fn launch_hbm_kernel(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        buf: u64,
+        stream: u64,
+        ctas: u32,
+    ) -> Result<(), CopyError> {
+        let inner = &self.inner;
+        if batch.len() > INLINE_PAIRS || ctas == 0 {
+            return Err(CopyError::Mismatch(format!("{} pairs, {ctas} CTAs", batch.len())));
+        }
+        validate_batch(batch, inner.geometry.pages(), batch.len() as u32, dir)?;
+        inner.dev.bind()?;
+        let mut args = self.base_args(buf, inner.geometry.slot_bytes(), batch);
+        args.flags = FLAG_SLOT_IS_INDEX;
+        let k = &inner.dev.kernels;
+        let u = if inner.options.staged_unroll == 8 { 1 } else { 0 };
+        let f = if dir == Direction::Save { k.save[u] } else { k.restore[u] };
+        // SAFETY: args is kvt_copy_args with validated pages, FLAG_SLOT_IS_INDEX keeps every access
+        // inside batch.len() slots of `buf` (caller's contract), the tables live in `inner`.
+        unsafe { launch(f, ctas, COPY_THREADS, stream as sys::CUstream, &args) }
+    }
+
+    /// Kernel arguments for `batch` (at most [`INLINE_PAIRS`] pairs, inline) over `host_base`.
+    fn base_args(&self, host_base: u64, slot_bytes: u64, batch: &[CopyPair]) -> KvtCopyArgs {
+        let inner = &self.inner;
+        let mut args = KvtCopyArgs {
+            arenas: inner.arena_table.ptr,
+            segs: inner.seg_table.ptr,
+            pairs: 0,
+            host_base,
+            slot_bytes,
+            item_begin: 0,
+            item_end: batch.len() as u64 * inner.segs_per_block as u64,
+            segs_per_block: inner.segs_per_block,
+            flags: 0,
+            inline_pairs: [KvtPair::default(); INLINE_PAIRS],
+        };
+        for (d, p) in args.inline_pairs.iter_mut().zip(batch) {
+            *d = KvtPair { gpu_page: p.gpu_page, slot: p.slot, reserved: 0 };
+        }
+        args
     }
 
     /// The device alias of host slot 0 of the bound pool, if bound.
@@ -467,58 +612,36 @@ impl CudaBackend {
         let stream = lane.stream.raw;
         lane.stream.wait_for(wait)?;
         let mut desc = None;
-        let mut args = KvtCopyArgs {
-            arenas: inner.arena_table.ptr,
-            segs: inner.seg_table.ptr,
-            pairs: 0,
-            host_base: pool.alias,
-            slot_bytes: pool.slot_bytes,
-            item_begin: 0,
-            item_end: batch.len() as u64 * inner.segs_per_block as u64,
-            segs_per_block: inner.segs_per_block,
-            flags: 0,
-            inline_pairs: [KvtPair::default(); INLINE_PAIRS],
-        };
-        if batch.len() <= INLINE_PAIRS {
-            for (d, p) in args.inline_pairs.iter_mut().zip(batch) {
-                *d = KvtPair { gpu_page: p.gpu_page, slot: p.slot, reserved: 0 };
-            }
-        } else {
+        let mut args = self.base_args(pool.alias, pool.slot_bytes, &batch[..batch.len().min(INLINE_PAIRS)]);
+        args.item_end = batch.len() as u64 * inner.segs_per_block as u64;
+        if batch.len() > INLINE_PAIRS {
             let d = inner.take_desc(batch.len())?;
             let bytes = std::mem::size_of_val(batch);
             // SAFETY: d.host holds cap >= batch.len() pairs; CopyPair and KvtPair are both repr(C)
             // {u64, u32, u32}; the pinned buffer is not in use (pooled buffers return only after
-            // their completion).
+            // their completion), and it stays alive (in the completion) until the copy has run.
             unsafe {
                 std::ptr::copy_nonoverlapping(batch.as_ptr() as *const u8, d.host.ptr, bytes);
-                ck(
-                    "cuMemcpyHtoDAsync",
-                    sys::cuMemcpyHtoDAsync_v2(d.dev.ptr, d.host.ptr as *const c_void, bytes, stream),
-                )?;
+                let host = std::slice::from_raw_parts(d.host.ptr as *const u8, bytes);
+                drv::memcpy_htod_async(d.dev.ptr, host, stream).ctx("cuMemcpyHtoDAsync")?;
             }
             args.pairs = d.dev.ptr;
+            args.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
             desc = Some(d);
         }
         let o = &inner.options;
-        let k = &inner.dev.kernels;
-        let unroll_idx = |u: u32| if u == 8 { 1 } else { 0 };
         let staged = match o.mode {
             CopyMode::ZeroCopy => false,
             CopyMode::Staged => true,
             CopyMode::Auto => batch.len() >= o.auto_staged_min_blocks as usize,
         };
         let result = match staged {
-            false => {
-                let (f, ctas) = match dir {
-                    Direction::Save => (k.save[unroll_idx(o.save_unroll)], o.save_ctas),
-                    Direction::Restore => (k.restore[unroll_idx(o.restore_unroll)], o.restore_ctas),
-                };
-                // SAFETY: args is kvt_copy_args; the tables live in `inner` (kept alive by the
-                // completion), the pair list in `desc` (released after completion), the host slots in
-                // the registered pool (the registration drains before unregistering), and the arenas
-                // are the engine's (trait contract). Every id was validated above.
-                unsafe { launch(f, ctas, COPY_THREADS, stream, &args) }
-            }
+            // SAFETY: args is kvt_copy_args for the whole batch over the pool alias; the tables live
+            // in `inner` (kept alive by the completion), the pair list in `desc` (released after
+            // completion), the host slots in the registered pool (the registration drains before
+            // unregistering), and the arenas are the engine's (trait contract). Every id was
+            // validated above.
+            false => unsafe { self.launch_zero_copy(&args, dir, stream) },
             true => self.staged(&mut staging, &args, batch, pool, dir, stream),
         };
         drop(staging);
@@ -539,18 +662,43 @@ impl CudaBackend {
         }))
     }
 
-    /// Staged mode: the pieces of [`pieces`], alternating between the two halves of the staging
-    /// buffer (piece-relative pair `r` at slot `r` of the half). Save: the kernel stream gathers
-    /// piece k into half k % 2 (after the copy of piece k - 2 out of that half), the copy stream
-    /// then moves it to the host slots. Restore: the copy stream fills half k % 2 (after the
-    /// scatter of piece k - 2 read it), then the kernel stream scatters it. The lane stream waits
-    /// for the copy stream at the end, so the completion event covers everything.
+    /// Launches the zero-copy kernel of `dir` over `args` (its item range) on `stream`.
+    ///
+    /// # Safety
+    /// As the zero-copy launch in `submit`: `args` over the pool alias with validated ids, and its
+    /// pair list alive until the launch completes.
+    unsafe fn launch_zero_copy(
+        &self,
+        args: &KvtCopyArgs,
+        dir: Direction,
+        stream: sys::CUstream,
+    ) -> Result<(), CopyError> {
+        let o = &self.inner.options;
+        let k = &self.inner.dev.kernels;
+        let unroll_idx = |u: u32| if u == 8 { 1 } else { 0 };
+        let (f, ctas) = match dir {
+            Direction::Save => (k.save[unroll_idx(o.save_unroll)], o.save_ctas),
+            Direction::Restore => (k.restore[unroll_idx(o.restore_unroll)], o.restore_ctas),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { launch(f, ctas, COPY_THREADS, stream, args) }
+    }
+
+    /// Staged mode: the head (the first [`CudaOptions::save_head_bytes`] /
+    /// [`CudaOptions::restore_head_bytes`], rounded up to a segment boundary) zero copy on the head
+    /// stream, which starts after the lane's wait; then the rest in the pieces of [`pieces`],
+    /// alternating between the two halves of the staging buffer (piece-relative pair `r` at slot
+    /// `r` of the half). Save: the kernel stream gathers piece k into half k % 2 (after the copy of
+    /// piece k - 2 out of that half), the copy stream then moves it to the host slots. Restore: the
+    /// copy stream fills half k % 2 (after the scatter of piece k - 2 read it), then the kernel
+    /// stream scatters it. The lane stream waits for the copy stream and the head stream at the
+    /// end, so the completion event covers everything.
     ///
     /// A restore's copies into the staging buffer wait only for the scatters that last read the
     /// half they fill (also those of earlier batches), not for the whole lane: they touch no GPU
     /// page, so the batch's [`WaitFor`] and earlier batches' final scatters gate only the scatter
-    /// kernels (on the lane stream), and back-to-back restores keep the copy engine busy while the
-    /// previous batch's last scatter runs.
+    /// kernels (on the lane stream) and the head, and back-to-back restores keep the copy engine
+    /// busy while the previous batch's last scatter runs.
     fn staged(
         &self,
         staging: &mut Option<Staging>,
@@ -573,22 +721,35 @@ impl CudaBackend {
             *staging = Some(Staging {
                 buf: DeviceBuffer::new(dev, (2 * piece_slots as u64 * sb) as usize)?,
                 piece_slots,
-                copy: Stream::with_priority(dev, o.high_priority)?,
+                copy: inner.new_stream()?,
                 step: Event::new(dev)?,
                 half_free: [Event::new(dev)?, Event::new(dev)?],
                 sync: Event::new(dev)?,
+                head: inner.new_stream()?,
+                head_go: Event::new(dev)?,
+                head_done: Event::new(dev)?,
             });
         }
         let stg = staging.as_ref().expect("allocated");
-        let block = inner.geometry.block_bytes();
-        let plan = pieces(
-            batch.len() as u64,
-            &inner.seg_cum,
-            block,
-            o.staged_first_piece_bytes,
-            max_piece as u64 * block,
-            dir,
-        );
+        let map = ItemMap { seg_cum: &inner.seg_cum, block: inner.geometry.block_bytes() };
+        let n_items = batch.len() as u64 * spb;
+        let head_bytes = if dir == Direction::Save { o.save_head_bytes } else { o.restore_head_bytes };
+        let head_items = if head_bytes == 0 { 0 } else { map.item_at(head_bytes).min(n_items) };
+        if head_items > 0 {
+            // The head reads or writes GPU pages: it starts after everything queued on the lane so
+            // far (this batch's WaitFor, earlier batches).
+            stg.head_go.record(stream)?;
+            stg.head.wait_event(stg.head_go.raw)?;
+            let mut a = *args;
+            a.item_begin = 0;
+            a.item_end = head_items;
+            // SAFETY: as the zero-copy launch in `submit` (the same arguments, a prefix of the
+            // items); the lane waits for head_done below before the batch's completion event.
+            unsafe { self.launch_zero_copy(&a, dir, stg.head.raw)? };
+            stg.head_done.record(stg.head.raw)?;
+        }
+        let plan =
+            pieces(batch.len() as u64, &map, head_items, o.staged_first_piece_bytes, max_piece as u64 * map.block, dir);
         let k = &inner.dev.kernels;
         let u = if o.staged_unroll == 8 { 1 } else { 0 };
         let f = match dir {
@@ -596,12 +757,11 @@ impl CudaBackend {
             Direction::Restore => k.restore[u],
         };
         let cs = stg.copy.raw;
-        if dir == Direction::Save {
+        if dir == Direction::Save && !plan.is_empty() {
             // Save copies start after everything queued on the lane so far (this batch's WaitFor,
             // earlier batches' gathers); each also waits for its own piece's gather below.
             stg.sync.record(stream)?;
-            // SAFETY: live stream and event.
-            ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(cs, stg.sync.raw, 0) })?;
+            stg.copy.wait_event(stg.sync.raw)?;
         }
         for (pi, &(w0, w1)) in plan.iter().enumerate() {
             let (i0, i1) = ((w0 / spb) as usize, ((w1 - 1) / spb) as usize);
@@ -640,6 +800,9 @@ impl CudaBackend {
                     let host = pool.alias + batch[i0 + r].slot as u64 * sb + lo;
                     let dev = st + r as u64 * sb + lo;
                     let (dst, src) = if dir == Direction::Save { (host, dev) } else { (dev, host) };
+                    // A copy between a device buffer and the pool's device alias: the generic
+                    // cuMemcpyAsync (unified addressing picks the direction) has no
+                    // `driver::result` wrapper.
                     // SAFETY: both ranges lie inside the staging half (cnt <= piece_slots) and the
                     // registered pool (ids validated); ordered with the kernels by the events
                     // around this call.
@@ -648,40 +811,39 @@ impl CudaBackend {
                 }
                 Ok(())
             };
-            // SAFETY: live streams and events of this lane (a wait takes the event's state at the
-            // call, so re-recording an event later is fine); the launches as noted below.
-            unsafe {
-                if dir == Direction::Save {
-                    if pi >= 2 {
-                        ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.half_free[half].raw, 0))?;
-                    }
-                    // SAFETY: as in the zero-copy launch; FLAG_SLOT_IS_INDEX with the
-                    // piece-relative pair list keeps every access below cnt <= piece_slots slots.
-                    launch(f, o.staged_ctas, COPY_THREADS, stream, &a)?;
-                    stg.step.record(stream)?;
-                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.step.raw, 0))?;
-                    copies()?;
-                    stg.half_free[half].record(cs)?;
-                } else {
-                    // The last scatter that read this half (this batch's piece k - 2 or an earlier
-                    // batch's; an event never recorded is no wait).
-                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(cs, stg.half_free[half].raw, 0))?;
-                    copies()?;
-                    stg.step.record(cs)?;
-                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, stg.step.raw, 0))?;
-                    // SAFETY: as above.
-                    launch(f, o.staged_ctas, COPY_THREADS, stream, &a)?;
-                    stg.half_free[half].record(stream)?;
+            if dir == Direction::Save {
+                if pi >= 2 {
+                    // A wait takes the event's state at the call, so re-recording it later is fine.
+                    Stream::wait_raw(stream, stg.half_free[half].raw)?;
                 }
+                // SAFETY: as the zero-copy launch in `submit`; FLAG_SLOT_IS_INDEX with the
+                // piece-relative pair list keeps every access below cnt <= piece_slots slots.
+                unsafe { launch(f, o.staged_ctas, COPY_THREADS, stream, &a)? };
+                stg.step.record(stream)?;
+                stg.copy.wait_event(stg.step.raw)?;
+                copies()?;
+                stg.half_free[half].record(cs)?;
+            } else {
+                // The last scatter that read this half (this batch's piece k - 2 or an earlier
+                // batch's; an event never recorded is no wait).
+                stg.copy.wait_event(stg.half_free[half].raw)?;
+                copies()?;
+                stg.step.record(cs)?;
+                Stream::wait_raw(stream, stg.step.raw)?;
+                // SAFETY: as above.
+                unsafe { launch(f, o.staged_ctas, COPY_THREADS, stream, &a)? };
+                stg.half_free[half].record(stream)?;
             }
         }
-        if dir == Direction::Restore {
-            // The last scatter waited for the last copy: the lane already covers everything.
+        if head_items > 0 {
+            Stream::wait_raw(stream, stg.head_done.raw)?;
+        }
+        if dir == Direction::Restore || plan.is_empty() {
+            // The last scatter waited for the last copy: the lane already covers the pipeline.
             return Ok(());
         }
         stg.sync.record(cs)?;
-        // SAFETY: live stream and event.
-        ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, stg.sync.raw, 0) })
+        Stream::wait_raw(stream, stg.sync.raw)
     }
 }
 
@@ -784,6 +946,16 @@ impl Drop for CudaCompletion {
     }
 }
 
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("model", &self.inner.geometry.model())
+            .field("options", &self.inner.options)
+            .field("pool_bound", &self.pool.is_some())
+            .finish()
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -797,8 +969,7 @@ mod tests {
         assert_eq!(ramp(7, 100, 3), vec![3, 3, 1]);
     }
 
-    #[test]
-    fn pieces_tile_the_batch_at_segment_boundaries() {
+    fn glm52_map() -> (Geometry, Vec<u64>) {
         let g = Geometry::preset("glm52", 8).unwrap();
         let segs = desc::segment_table(&g).unwrap();
         let mut cum = Vec::new();
@@ -807,10 +978,17 @@ mod tests {
             cum.push(c);
             c += s.len as u64;
         }
-        let (block, spb) = (g.block_bytes(), segs.len() as u64);
+        (g, cum)
+    }
+
+    #[test]
+    fn pieces_tile_the_batch_at_segment_boundaries() {
+        let (g, cum) = glm52_map();
+        let map = ItemMap { seg_cum: &cum, block: g.block_bytes() };
+        let (block, spb) = (g.block_bytes(), cum.len() as u64);
         for dir in [Direction::Save, Direction::Restore] {
             for n in [1u64, 2, 8, 43] {
-                let p = pieces(n, &cum, block, 256 << 10, 8 * block, dir);
+                let p = pieces(n, &map, 0, 256 << 10, 8 * block, dir);
                 assert_eq!(p[0].0, 0);
                 assert_eq!(p.last().unwrap().1, n * spb);
                 assert!(p.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
@@ -818,14 +996,55 @@ mod tests {
                 assert!(p.iter().all(|&(a, b)| (b - 1) / spb - a / spb < 10));
             }
             // One block: 256 KiB, 512 KiB, 1 MiB, the rest (ascending for saves).
-            let p = pieces(1, &cum, block, 256 << 10, 8 * block, dir);
+            let p = pieces(1, &map, 0, 256 << 10, 8 * block, dir);
             assert_eq!(p.len(), 4);
             let (small, big) = if dir == Direction::Save { (p[0], p[3]) } else { (p[3], p[0]) };
             assert!(small.1 - small.0 < big.1 - big.0);
         }
         // The first save piece ends at the first segment boundary at or after 256 KiB.
-        let p = pieces(1, &cum, block, 256 << 10, 8 * block, Direction::Save);
+        let p = pieces(1, &map, 0, 256 << 10, 8 * block, Direction::Save);
         let want = cum.partition_point(|&c| c < 256 << 10) as u64;
         assert_eq!(p[0], (0, want));
+    }
+
+    #[test]
+    fn pieces_after_a_head_start_at_the_head_and_tile_the_rest() {
+        let (g, cum) = glm52_map();
+        let map = ItemMap { seg_cum: &cum, block: g.block_bytes() };
+        let spb = cum.len() as u64;
+        // A 512 KiB head ends at the first segment boundary at or after 512 KiB: 128 segments of
+        // 4,096 B (the first 11 arenas' chunks are 10 x 4,096 + 1,024 B each, so fewer).
+        let head = map.item_at(512 << 10);
+        assert_eq!(map.byte_at(head), cum[head as usize]);
+        assert!(map.byte_at(head) >= 512 << 10 && map.byte_at(head - 1) < 512 << 10);
+        for dir in [Direction::Save, Direction::Restore] {
+            for n in [1u64, 8] {
+                let p = pieces(n, &map, head, 1 << 20, 8 * g.block_bytes(), dir);
+                assert_eq!(p[0].0, head);
+                assert_eq!(p.last().unwrap().1, n * spb);
+                assert!(p.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1));
+            }
+        }
+        // A head past the batch leaves nothing to stage; one in the second block starts there.
+        assert!(pieces(1, &map, spb, 1 << 20, 8 * g.block_bytes(), Direction::Save).is_empty());
+        let p = pieces(2, &map, spb + 5, 1 << 20, 8 * g.block_bytes(), Direction::Restore);
+        assert_eq!((p[0].0, p.last().unwrap().1), (spb + 5, 2 * spb));
+        assert_eq!(map.item_at(g.block_bytes()), spb);
+        assert_eq!(map.byte_at(spb + 5), g.block_bytes() + cum[5]);
+    }
+
+    #[test]
+    fn a_driver_error_keeps_its_result_and_formats_without_a_driver() {
+        let e = CopyError::Cuda {
+            call: "cuLaunchKernel",
+            source: cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        };
+        let text = e.to_string();
+        assert!(text.starts_with("CUDA driver call cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"), "{text}");
+        match &e {
+            CopyError::Cuda { source, .. } => assert_eq!(source.0 as i32, 700),
+            other => panic!("{other:?}"),
+        }
+        assert!(std::error::Error::source(&e).is_some());
     }
 }

@@ -1,12 +1,20 @@
 //! One CUDA device as the backends see it: its primary context, the copy kernels compiled for its
 //! architecture with NVRTC at first use (cached per device for the life of the process), and small
-//! checked wrappers over the driver calls the backends make.
+//! owning types (device buffer, stream, event) over the driver calls the backends make.
+//!
+//! Driver calls go through cudarc's `driver::result` wrappers wherever one exists (device queries,
+//! primary context, module loading, allocation, copies, streams, events, launches); their
+//! [`DriverError`] becomes [`CopyError::Cuda`] with the name of the call ([`Ctx::ctx`]). Calls that
+//! `driver::result` does not wrap (context push/pop, host registration, green contexts) go through
+//! `driver::sys` and [`ck`].
 
 use crate::error::CopyError;
+use cudarc::driver::result::{self as drv, DriverError};
 use cudarc::driver::sys;
+use cudarc::nvrtc::result::{self as rtc, NvrtcError};
 use cudarc::nvrtc::sys as nvrtc;
 use std::collections::HashMap;
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel source and headers, embedded at build time.
@@ -16,35 +24,45 @@ const HEADERS: [(&str, &str); 2] = [
     ("kvtier_pattern.cuh", include_str!("../../cuda/kvtier_pattern.cuh")),
 ];
 
-/// Turns a driver result into `Ok` or [`CopyError::Device`] naming `call` and the driver's message.
-pub fn ck(call: &str, r: sys::CUresult) -> Result<(), CopyError> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
+/// Names a failed driver call: `Result<T, DriverError>` -> `Result<T, CopyError>`.
+pub(crate) trait Ctx<T> {
+    /// The value, or [`CopyError::Cuda`] naming `call` and keeping the driver's result.
+    fn ctx(self, call: &'static str) -> Result<T, CopyError>;
+}
+
+impl<T> Ctx<T> for Result<T, DriverError> {
+    fn ctx(self, call: &'static str) -> Result<T, CopyError> {
+        self.map_err(|source| CopyError::Cuda { call, source })
     }
-    let mut name: *const c_char = std::ptr::null();
-    let mut text: *const c_char = std::ptr::null();
-    // SAFETY: both calls only write a pointer to a static string owned by the driver (or leave it
-    // null for an unknown code); we read it as a C string only when non-null.
-    let message = unsafe {
-        let _ = sys::cuGetErrorName(r, &mut name);
-        let _ = sys::cuGetErrorString(r, &mut text);
-        let s = |p: *const c_char| {
-            if p.is_null() {
-                String::new()
-            } else {
-                CStr::from_ptr(p).to_string_lossy().into_owned()
-            }
-        };
-        format!("{} ({}): {}", s(name), r as i32, s(text))
-    };
-    Err(CopyError::Device { call: call.to_string(), message })
+}
+
+/// Turns a raw driver result into `Ok` or [`CopyError::Cuda`] naming `call` (for driver calls that
+/// cudarc's `driver::result` does not wrap).
+///
+/// # Errors
+/// [`CopyError::Cuda`] for any result other than `CUDA_SUCCESS`.
+pub fn ck(call: &'static str, r: sys::CUresult) -> Result<(), CopyError> {
+    r.result().ctx(call)
+}
+
+/// `CUDA_ERROR_NAME (code): description` for a driver error, asking the driver for the name and
+/// description only when its library is loadable (formatting an error never panics on a machine
+/// without CUDA, where such errors exist only as constructed values).
+pub fn describe_driver_error(e: &DriverError) -> String {
+    let code = e.0 as i32;
+    if !driver_present() {
+        return format!("{:?} ({code})", e.0);
+    }
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    format!("{:?} ({code}): {text}", e.0)
 }
 
 /// True if the CUDA driver library can be loaded (so calling into it cannot panic on a missing
-/// library).
-fn driver_present() -> bool {
+/// library). Probed once per process.
+pub(crate) fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to open the library by its usual names.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 fn nvrtc_present() -> bool {
@@ -62,13 +80,9 @@ pub fn device_count() -> Result<u32, CopyError> {
     if !driver_present() {
         return Err(unavailable("the CUDA driver library (libcuda.so) was not found".into()));
     }
-    // SAFETY: cuInit may be called any number of times; the count is written to a local.
-    unsafe {
-        ck("cuInit", sys::cuInit(0)).map_err(|e| unavailable(e.to_string()))?;
-        let mut n = 0;
-        ck("cuDeviceGetCount", sys::cuDeviceGetCount(&mut n)).map_err(|e| unavailable(e.to_string()))?;
-        Ok(n.max(0) as u32)
-    }
+    drv::init().ctx("cuInit").map_err(|e| unavailable(e.to_string()))?;
+    let n = drv::device::get_count().ctx("cuDeviceGetCount").map_err(|e| unavailable(e.to_string()))?;
+    Ok(n.max(0) as u32)
 }
 
 /// True if this machine can run the CUDA backend: the driver and NVRTC libraries load and at least
@@ -85,11 +99,14 @@ pub(crate) struct Kernels {
     pub fill: sys::CUfunction,
     pub verify: sys::CUfunction,
     pub probe: sys::CUfunction,
+    pub decode_probe: sys::CUfunction,
+    pub sm_ids: sys::CUfunction,
 }
 
 /// A device: ordinal, retained primary context, compiled module.
 pub(crate) struct Device {
     pub ordinal: i32,
+    pub cu_device: sys::CUdevice,
     pub ctx: sys::CUcontext,
     pub kernels: Kernels,
     pub sm_count: u32,
@@ -110,7 +127,7 @@ impl Device {
     ///
     /// # Errors
     /// [`CopyError::Unavailable`] when CUDA or NVRTC is missing or the ordinal does not exist;
-    /// [`CopyError::Device`] for driver or compile errors (the NVRTC log in the message).
+    /// [`CopyError::Cuda`] for driver errors, [`CopyError::Nvrtc`] for compile errors (with the log).
     pub fn get(ordinal: u32) -> Result<Arc<Device>, CopyError> {
         static CACHE: OnceLock<Mutex<HashMap<u32, Arc<Device>>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
@@ -137,44 +154,31 @@ impl Device {
                 reason: "the NVRTC library (libnvrtc.so) was not found".into(),
             });
         }
-        let attr = |dev: sys::CUdevice, a: sys::CUdevice_attribute| -> Result<i32, CopyError> {
-            let mut v = 0;
-            // SAFETY: writes one int; dev is a valid device handle from cuDeviceGet.
-            ck("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) })?;
-            Ok(v)
-        };
-        let mut dev: sys::CUdevice = 0;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: plain handle queries; the retained primary context is never released (the
+        let dev = drv::device::get(ordinal as i32).ctx("cuDeviceGet")?;
+        // SAFETY: dev comes from cuDeviceGet; the attribute queries write one int each.
+        let attr =
+            |a: sys::CUdevice_attribute| unsafe { drv::device::get_attribute(dev, a) }.ctx("cuDeviceGetAttribute");
+        // SAFETY: dev comes from cuDeviceGet; the retained primary context is never released (the
         // Device lives for the process), so every later use of ctx is valid.
-        unsafe {
-            ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
-            ck("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
-            ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
-        }
+        let ctx = unsafe { drv::primary_ctx::retain(dev) }.ctx("cuDevicePrimaryCtxRetain")?;
+        // SAFETY: ctx is the live primary context retained above.
+        unsafe { drv::ctx::set_current(ctx) }.ctx("cuCtxSetCurrent")?;
         use sys::CUdevice_attribute::*;
-        let major = attr(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = attr(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let sm_count = attr(dev, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        if attr(dev, CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? == 0 {
+        let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        if attr(CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)? == 0 {
             return Err(CopyError::Unavailable { backend: "cuda", reason: "device cannot map host memory".into() });
         }
-        let mut name = [0 as c_char; 256];
-        // SAFETY: writes at most 256 bytes, NUL-terminated.
-        ck("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 256, dev) })?;
-        // SAFETY: NUL-terminated by the driver.
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        let name = drv::device::get_name(dev).ctx("cuDeviceGetName")?;
         let arch = format!("sm_{major}{minor}");
         let cubin = compile(&arch)?;
-        let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: cubin is a complete CUBIN image from NVRTC; the context is current.
-        ck("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const c_void) })?;
+        // SAFETY: cubin is a complete CUBIN image from NVRTC; the context is current. The module is
+        // never unloaded (the Device lives for the process).
+        let module = unsafe { drv::module::load_data(cubin.as_ptr() as *const c_void) }.ctx("cuModuleLoadData")?;
         let f = |n: &str| -> Result<sys::CUfunction, CopyError> {
-            let c = CString::new(n).expect("no NUL");
-            let mut func: sys::CUfunction = std::ptr::null_mut();
-            // SAFETY: module is loaded; c is a NUL-terminated name.
-            ck("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) })?;
-            Ok(func)
+            // SAFETY: module is loaded and never unloaded.
+            unsafe { drv::module::get_function(module, CString::new(n).expect("no NUL")) }.ctx("cuModuleGetFunction")
         };
         let kernels = Kernels {
             save: [f("kvt_save_u4")?, f("kvt_save_u8")?],
@@ -182,76 +186,75 @@ impl Device {
             fill: f("kvt_fill")?,
             verify: f("kvt_verify")?,
             probe: f("kvt_compute_probe")?,
+            decode_probe: f("kvt_decode_probe")?,
+            sm_ids: f("kvt_sm_ids")?,
         };
-        Ok(Device { ordinal: ordinal as i32, ctx, kernels, sm_count, arch, name })
+        Ok(Device { ordinal: ordinal as i32, cu_device: dev, ctx, kernels, sm_count, arch, name })
     }
 
     /// Makes the device's primary context current on the calling thread.
     ///
     /// # Errors
-    /// [`CopyError::Device`] from `cuCtxSetCurrent`.
+    /// [`CopyError::Cuda`] from `cuCtxSetCurrent`.
     pub fn bind(&self) -> Result<(), CopyError> {
         // SAFETY: ctx is a retained primary context, valid for the process.
-        ck("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+        unsafe { drv::ctx::set_current(self.ctx) }.ctx("cuCtxSetCurrent")
     }
 }
 
 /// Compiles the kernels for `arch` (`sm_XY`) with NVRTC and returns the CUBIN.
+///
+/// Program creation and the CUBIN read stay on `nvrtc::sys`: cudarc's `nvrtc::result` creates
+/// programs without in-memory headers (our source includes `kvtier_copy.cuh` and
+/// `kvtier_pattern.cuh`, embedded in the binary, not files on disk) and reads PTX only, while we
+/// load a CUBIN compiled for the device's own `sm_XY` (no JIT step at module load). Compiling, the
+/// log and destruction use `nvrtc::result`.
 fn compile(arch: &str) -> Result<Vec<u8>, CopyError> {
-    let err = |call: &str, r: nvrtc::nvrtcResult, log: &str| {
-        // SAFETY: returns a pointer to a static string.
-        let s = unsafe { CStr::from_ptr(nvrtc::nvrtcGetErrorString(r)) }.to_string_lossy().into_owned();
-        CopyError::Device {
-            call: call.to_string(),
-            message: format!("{s}{}{log}", if log.is_empty() { "" } else { ":\n" }),
-        }
-    };
-    let ok = nvrtc::nvrtcResult::NVRTC_SUCCESS;
+    let fail = |call: &'static str, source: NvrtcError, log: String| CopyError::Nvrtc { call, source, log };
     let src = CString::new(SOURCE).expect("no NUL");
     let hdr: Vec<CString> = HEADERS.iter().map(|(_, s)| CString::new(*s).expect("no NUL")).collect();
     let names: Vec<CString> = HEADERS.iter().map(|(n, _)| CString::new(*n).expect("no NUL")).collect();
     let hp: Vec<*const c_char> = hdr.iter().map(|c| c.as_ptr()).collect();
     let np: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
     let file = CString::new("kvtier_copy.cu").expect("no NUL");
-    let opts: Vec<CString> = [format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-default-device".into()]
-        .into_iter()
-        .map(|o| CString::new(o).expect("no NUL"))
-        .collect();
-    let op: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
+    let opts = [format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-default-device".into()];
     let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
-    // SAFETY: every pointer refers to a live NUL-terminated string for the duration of the calls;
-    // the program is destroyed on every path below.
+    // SAFETY: every pointer refers to a live NUL-terminated string for the duration of the call;
+    // the program is destroyed below on every path once created.
     unsafe {
-        let r = nvrtc::nvrtcCreateProgram(&mut prog, src.as_ptr(), file.as_ptr(), 2, hp.as_ptr(), np.as_ptr());
-        if r != ok {
-            return Err(err("nvrtcCreateProgram", r, ""));
-        }
-        let r = nvrtc::nvrtcCompileProgram(prog, op.len() as i32, op.as_ptr());
-        let mut log_len = 0usize;
-        nvrtc::nvrtcGetProgramLogSize(prog, &mut log_len);
-        let mut log = vec![0u8; log_len.max(1)];
-        nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
-        let log = String::from_utf8_lossy(&log).trim_end_matches('\0').trim().to_string();
-        let result = if r != ok {
-            Err(err(&format!("nvrtcCompileProgram({arch})"), r, &log))
-        } else {
-            let mut n = 0usize;
-            let r = nvrtc::nvrtcGetCUBINSize(prog, &mut n);
-            let mut cubin = vec![0u8; n];
-            if r != ok {
-                Err(err("nvrtcGetCUBINSize", r, ""))
-            } else {
-                let r = nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char);
-                if r != ok {
-                    Err(err("nvrtcGetCUBIN", r, ""))
-                } else {
-                    Ok(cubin)
+        nvrtc::nvrtcCreateProgram(&mut prog, src.as_ptr(), file.as_ptr(), 2, hp.as_ptr(), np.as_ptr())
+            .result()
+            .map_err(|e| fail("nvrtcCreateProgram", e, String::new()))?;
+    }
+    // SAFETY: prog is a live program until destroy_program below.
+    let result = unsafe {
+        let compiled = rtc::compile_program(prog, &opts);
+        let log = rtc::get_program_log(prog)
+            .map(|l| {
+                let bytes: Vec<u8> = l.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                String::from_utf8_lossy(&bytes).trim().to_string()
+            })
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(fail("nvrtcCompileProgram", e, format!("({arch}) {log}"))),
+            Ok(()) => {
+                let mut n = 0usize;
+                match nvrtc::nvrtcGetCUBINSize(prog, &mut n).result() {
+                    Err(e) => Err(fail("nvrtcGetCUBINSize", e, String::new())),
+                    Ok(()) => {
+                        let mut cubin = vec![0u8; n];
+                        nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char)
+                            .result()
+                            .map(|_| cubin)
+                            .map_err(|e| fail("nvrtcGetCUBIN", e, String::new()))
+                    }
                 }
             }
-        };
-        nvrtc::nvrtcDestroyProgram(&mut prog);
-        result
-    }
+        }
+    };
+    // SAFETY: prog is live and destroyed exactly once.
+    let _ = unsafe { rtc::destroy_program(prog) };
+    result
 }
 
 /// A device allocation (`cuMemAlloc`), freed on drop.
@@ -264,19 +267,18 @@ impl DeviceBuffer {
     /// Allocates `bytes` (at least 1) bytes on `dev`.
     pub fn new(dev: &Arc<Device>, bytes: usize) -> Result<Self, CopyError> {
         dev.bind()?;
-        let mut ptr = 0;
-        // SAFETY: writes one device address; the context is current.
-        ck("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) })?;
+        // SAFETY: the context is current; the memory is only handed to kernels and copies that
+        // write it before anything reads it.
+        let ptr = unsafe { drv::malloc_sync(bytes.max(1)) }.ctx("cuMemAlloc")?;
         Ok(DeviceBuffer { ptr, dev: dev.clone() })
     }
 
     /// A buffer holding a copy of `data` (synchronous upload).
     pub fn from_slice<T: Copy>(dev: &Arc<Device>, data: &[T]) -> Result<Self, CopyError> {
-        let bytes = std::mem::size_of_val(data);
-        let b = Self::new(dev, bytes)?;
-        if bytes > 0 {
-            // SAFETY: the buffer holds `bytes` bytes; data is a live slice of that size.
-            ck("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(b.ptr, data.as_ptr() as *const c_void, bytes) })?;
+        let b = Self::new(dev, std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: the buffer holds size_of_val(data) bytes; data is a live slice of that size.
+            unsafe { drv::memcpy_htod_sync(b.ptr, data) }.ctx("cuMemcpyHtoD")?;
         }
         Ok(b)
     }
@@ -284,12 +286,10 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // SAFETY: ptr came from cuMemAlloc in this context; owners free it only after the work that
-        // uses it has completed (documented at each owner).
-        unsafe {
-            if self.dev.bind().is_ok() {
-                let _ = sys::cuMemFree_v2(self.ptr);
-            }
+        if self.dev.bind().is_ok() {
+            // SAFETY: ptr came from cuMemAlloc in this context; owners free it only after the work
+            // that uses it has completed (documented at each owner).
+            let _ = unsafe { drv::free_sync(self.ptr) };
         }
     }
 }
@@ -315,42 +315,50 @@ impl Stream {
     /// scheduler dispatches its pending CTAs before those of lower-priority streams).
     pub fn with_priority(dev: &Arc<Device>, high: bool) -> Result<Self, CopyError> {
         dev.bind()?;
-        let (mut least, mut greatest) = (0i32, 0i32);
-        if high {
-            // SAFETY: writes two ints; the context is current.
-            ck("cuCtxGetStreamPriorityRange", unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) })?;
-        }
-        let mut raw: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: writes one handle; the context is current.
-        ck("cuStreamCreateWithPriority", unsafe {
-            sys::cuStreamCreateWithPriority(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest)
-        })?;
+        let priority = if high { drv::stream::get_priority_range().ctx("cuCtxGetStreamPriorityRange")?.1 } else { 0 };
+        let raw = drv::stream::create_with_priority(drv::stream::StreamKind::NonBlocking, priority)
+            .ctx("cuStreamCreateWithPriority")?;
         Ok(Stream { raw, dev: dev.clone() })
+    }
+
+    /// Takes ownership of `raw`, a stream of `dev`'s primary context or of one of its green
+    /// contexts (synchronised and destroyed on drop).
+    pub fn from_raw(dev: &Arc<Device>, raw: sys::CUstream) -> Self {
+        Stream { raw, dev: dev.clone() }
     }
 
     /// Blocks until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), CopyError> {
         self.dev.bind()?;
         // SAFETY: raw is a live stream.
-        ck("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.raw) })
+        unsafe { drv::stream::synchronize(self.raw) }.ctx("cuStreamSynchronize")
+    }
+
+    /// Makes the stream wait for the last record of `event` (taken at this call).
+    pub fn wait_event(&self, event: sys::CUevent) -> Result<(), CopyError> {
+        Self::wait_raw(self.raw, event)
+    }
+
+    /// Makes the raw `stream` wait for the last record of `event` (taken at this call). Both must
+    /// be live handles of one device (the event's record may come from any of its contexts).
+    pub fn wait_raw(stream: sys::CUstream, event: sys::CUevent) -> Result<(), CopyError> {
+        // SAFETY: both handles are live (callers' contract; the caller's event by WaitFor's).
+        unsafe { drv::stream::wait_event(stream, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .ctx("cuStreamWaitEvent")
     }
 
     /// Makes the stream wait for `wait` (see [`crate::WaitFor`]).
     pub fn wait_for(&self, wait: crate::WaitFor) -> Result<(), CopyError> {
         match wait {
             crate::WaitFor::Nothing => Ok(()),
-            crate::WaitFor::CudaEvent(e) => {
-                // SAFETY: the caller passes a live recorded event (WaitFor's contract).
-                ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(self.raw, e as sys::CUevent, 0) })
-            }
+            // The caller passes a live recorded event (WaitFor's contract).
+            crate::WaitFor::CudaEvent(e) => self.wait_event(e as sys::CUevent),
             crate::WaitFor::CudaStream(s) => {
+                // The event is recorded on the caller's live stream and waited on here, then
+                // destroyed (the driver keeps the wait valid after destruction).
                 let ev = Event::new(&self.dev)?;
-                // SAFETY: s is the caller's live stream; the event is recorded on it and waited
-                // on here, then destroyed (the driver keeps the wait valid after destruction).
-                unsafe {
-                    ck("cuEventRecord", sys::cuEventRecord(ev.raw, s as sys::CUstream))?;
-                    ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(self.raw, ev.raw, 0))
-                }
+                ev.record(s as sys::CUstream)?;
+                self.wait_event(ev.raw)
             }
         }
     }
@@ -358,11 +366,12 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: drain first so nothing queued outlives the stream's owners' buffers.
-        unsafe {
-            if self.dev.bind().is_ok() {
-                let _ = sys::cuStreamSynchronize(self.raw);
-                let _ = sys::cuStreamDestroy_v2(self.raw);
+        if self.dev.bind().is_ok() {
+            // SAFETY: drain first so nothing queued outlives the stream's owners' buffers; raw is
+            // live and destroyed once.
+            unsafe {
+                let _ = drv::stream::synchronize(self.raw);
+                let _ = drv::stream::destroy(self.raw);
             }
         }
     }
@@ -382,40 +391,40 @@ unsafe impl Sync for Event {}
 impl Event {
     /// A new event without timing.
     pub fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
-        Self::with_flags(dev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        Self::with_flags(dev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }
 
-    /// A new event with `flags` (`CU_EVENT_*`).
-    pub fn with_flags(dev: &Arc<Device>, flags: u32) -> Result<Self, CopyError> {
+    /// A new event with `flags`.
+    pub fn with_flags(dev: &Arc<Device>, flags: sys::CUevent_flags) -> Result<Self, CopyError> {
         dev.bind()?;
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: writes one handle.
-        ck("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+        let raw = drv::event::create(flags).ctx("cuEventCreate")?;
         Ok(Event { raw, dev: dev.clone() })
     }
 
     /// Records the event on `stream`.
     pub fn record(&self, stream: sys::CUstream) -> Result<(), CopyError> {
         // SAFETY: both handles are live.
-        ck("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, stream) })
+        unsafe { drv::event::record(self.raw, stream) }.ctx("cuEventRecord")
     }
 
     /// Blocks until the event has completed.
     pub fn synchronize(&self) -> Result<(), CopyError> {
         self.dev.bind()?;
         // SAFETY: live event.
-        ck("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw) })
+        unsafe { drv::event::synchronize(self.raw) }.ctx("cuEventSynchronize")
     }
 
     /// Makes `stream` (any context's; 0 = the legacy default stream of this event's device) wait
     /// for the event without a host sync. The device's primary context is pushed for the call and
     /// popped after it, so the calling thread's current context (an engine's) is left as it was.
     pub fn stream_wait(&self, stream: sys::CUstream) -> Result<(), CopyError> {
+        // Context push/pop have no `driver::result` wrapper.
         // SAFETY: ctx is a retained primary context (valid for the process); the push is undone
         // by the pop below on every path; raw is a live event; the stream is the caller's.
         unsafe {
             ck("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(self.dev.ctx))?;
-            let r = ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(stream, self.raw, 0));
+            let r = drv::stream::wait_event(stream, self.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                .ctx("cuStreamWaitEvent");
             let mut popped: sys::CUcontext = std::ptr::null_mut();
             let p = ck("cuCtxPopCurrent", sys::cuCtxPopCurrent_v2(&mut popped));
             r.and(p)
@@ -426,24 +435,24 @@ impl Event {
     pub fn query(&self) -> Result<bool, CopyError> {
         self.dev.bind()?;
         // SAFETY: live event.
-        match unsafe { sys::cuEventQuery(self.raw) } {
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            r => ck("cuEventQuery", r).map(|_| true),
+        match unsafe { drv::event::query(self.raw) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(e).ctx("cuEventQuery"),
         }
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: live event; destroying a pending event is allowed (resources are released when it
-        // completes).
-        unsafe {
-            let _ = sys::cuEventDestroy_v2(self.raw);
-        }
+        // SAFETY: live event, destroyed once; destroying a pending event is allowed (resources are
+        // released when it completes).
+        let _ = unsafe { drv::event::destroy(self.raw) };
     }
 }
 
-/// Launches `f` with one by-value parameter block `args` on `stream`.
+/// Launches `f` with one by-value parameter block `args` on `grid` CTAs of `threads` threads on
+/// `stream`.
 ///
 /// # Safety
 /// `args` must be the exact parameter type of `f`, and every device address in it must stay valid
@@ -458,7 +467,21 @@ pub(crate) unsafe fn launch<T>(
     let mut params = [args as *const T as *mut c_void];
     // SAFETY: params points at one live parameter block of the kernel's type (caller's contract);
     // the driver copies it before returning.
-    ck("cuLaunchKernel", unsafe {
-        sys::cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut())
-    })
+    unsafe { drv::launch_kernel(f, (grid, 1, 1), (threads, 1, 1), 0, stream, &mut params) }.ctx("cuLaunchKernel")
+}
+
+/// Launches `f` with the parameters `params` (one pointer per kernel parameter).
+///
+/// # Safety
+/// Each pointer must point at a live value of the kernel's parameter type, in order, and every
+/// device address among them must stay valid until the launch completes.
+pub(crate) unsafe fn launch_params(
+    f: sys::CUfunction,
+    grid: u32,
+    threads: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), CopyError> {
+    // SAFETY: the caller's contract.
+    unsafe { drv::launch_kernel(f, (grid, 1, 1), (threads, 1, 1), 0, stream, params) }.ctx("cuLaunchKernel")
 }
