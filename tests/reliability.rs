@@ -240,7 +240,8 @@ fn a_prefix_save_under_concurrent_pins_saves_what_it_can() {
         // Stops the querier however this thread leaves the scope (a failed assertion included).
         let _stop = StopOnDrop(&stop);
         for r in 0..2000u64 {
-            let k = keys(&tier, 3 * r..3 * r + 3);
+            // Fresh keys each round, disjoint from the resident base keys (100..108).
+            let k = keys(&tier, 1000 + 3 * r..1000 + 3 * r + 3);
             a.fill(&[10, 11, 12], &k).unwrap();
             let t = rank
                 .save_with(&k, &[10, 11, 12], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix))
