@@ -21,7 +21,7 @@
 mod harness;
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
-use harness::{Args, Measured, Report, Row};
+use harness::{Args, Measured, Recorder, Report, Row};
 use kvtier::pool::{hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig};
 use kvtier::testing::FreeList;
 use std::hint::black_box;
@@ -130,19 +130,17 @@ fn free_ids(capacity: u32, prefill: f64) -> Vec<u32> {
 fn pair_run<L: SlotList>(args: &Args, threads: usize, capacity: u32, ops: u64) -> Measured {
     let free = free_ids(capacity, args.prefill);
     assert!(!free.is_empty(), "--prefill leaves no free id");
-    harness::run_repeated(
-        threads,
-        args,
-        || L::build(capacity, &free),
-        |_, _| (),
-        |l, _, _, rec| {
-            rec.run(ops, |_| {
-                let id = l.pop().expect("a free id");
-                l.push(black_box(id));
-            });
-            ops
-        },
-    )
+    harness::run_repeated(threads, args, || L::build(capacity, &free), |_, _| (), |l, _, _, rec| pairs(l, ops, rec))
+}
+
+/// One thread's pairs (never inlined: profilers can attribute a run's work to it).
+#[inline(never)]
+fn pairs<L: SlotList>(l: &L, ops: u64, rec: &mut Recorder) -> u64 {
+    rec.run(ops, |_| {
+        let id = l.pop().expect("a free id");
+        l.push(black_box(id));
+    });
+    ops
 }
 
 fn batch_run<L: SlotList>(args: &Args, threads: usize, capacity: u32, rounds: u64) -> Measured {
@@ -153,18 +151,22 @@ fn batch_run<L: SlotList>(args: &Args, threads: usize, capacity: u32, rounds: u6
         args,
         || L::build(capacity, &free),
         |_, _| Vec::<u32>::with_capacity(BATCH),
-        |l, _, held, rec| {
-            rec.run(rounds, |_| {
-                for _ in 0..BATCH {
-                    held.push(l.pop().expect("a free id"));
-                }
-                for id in held.drain(..) {
-                    l.push(black_box(id));
-                }
-            });
-            rounds
-        },
+        |l, _, held, rec| batches(l, held, rounds, rec),
     )
+}
+
+/// One thread's batches (never inlined: profilers can attribute a run's work to it).
+#[inline(never)]
+fn batches<L: SlotList>(l: &L, held: &mut Vec<u32>, rounds: u64, rec: &mut Recorder) -> u64 {
+    rec.run(rounds, |_| {
+        for _ in 0..BATCH {
+            held.push(l.pop().expect("a free id"));
+        }
+        for id in held.drain(..) {
+            l.push(black_box(id));
+        }
+    });
+    rounds
 }
 
 /// Sets `nr_hugepages` (root only) and restores the old value when dropped.

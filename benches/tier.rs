@@ -24,12 +24,13 @@
 //!   chain of 43 blocks (plan, 43 free slots, 43 index reservations, commit). `--ops / 100` per
 //!   thread (10 k chains).
 //! - **`evict`**: a full pool of ready chains; one operation = save a fresh chain, which evicts 43
-//!   blocks chosen by the policy. `--ops / 100` per thread.
+//!   blocks chosen by the policy. `--ops / 2000` per thread (500 chains: 21.5 k evictions).
 //! - **`admission`**: a full pool; chains are drawn (uniform or Zipf) from twice as many as fit;
 //!   one operation = query the chain, restore its resident prefix, save the rest (evicting).
-//!   `--ops / 100` per thread.
+//!   `--ops / 2000` per thread.
 //!
-//! `--capacity` is the pool's slot count (65,536; the `save` workload sizes its own pool).
+//! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
+//! workload sizes its own pool).
 //! `cargo bench --bench tier -- --help` lists the options; `-- --quick` runs in a few seconds.
 
 #[path = "harness/mod.rs"]
@@ -278,7 +279,7 @@ fn main() {
     let args = Args::from_env();
     let threads = args.thread_counts();
     let ops = args.ops_or(1_000_000, 200_000);
-    let capacity = args.capacity_or(1 << 16, 1 << 13) as u64;
+    let capacity = args.capacity_or(1 << 15, 1 << 13) as u64;
     assert!(capacity >= 4 * CHAIN as u64, "--capacity must hold a few chains");
     let contenders = args.pick("contenders", &args.contenders, CONTENDERS, CONTENDERS);
     let workloads = args.pick("workloads", &args.workloads, WORKLOADS, WORKLOADS);
@@ -290,7 +291,12 @@ fn main() {
             ("threads", format!("{threads:?}")),
             (
                 "operations per thread",
-                format!("{} queries (query), {} chains of {CHAIN} (save, evict, admission)", ops / 5, ops / 100),
+                format!(
+                    "{} queries (query), {} chains of {CHAIN} (save), {} chains (evict, admission)",
+                    ops / 5,
+                    ops / 100,
+                    ops / 2000
+                ),
             ),
             (
                 "pool",
@@ -308,7 +314,12 @@ fn main() {
         let w: &'static str = WORKLOADS.iter().find(|k| *k == w).expect("validated");
         let variants: Vec<Option<Dist>> =
             if matches!(w, "query" | "admission") { dists.iter().map(|d| Some(*d)).collect() } else { vec![None] };
-        let n = if w == "query" { ops / 5 } else { ops / 100 }.max(1);
+        let n = match w {
+            "query" => ops / 5,
+            "save" => ops / 100,
+            _ => ops / 2000,
+        }
+        .max(1);
         for dist in variants {
             let variant = dist.map_or_else(|| "-".to_string(), |d| d.name());
             let plan = Plan { workload: w, dist, ops: n };

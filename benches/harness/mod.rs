@@ -17,7 +17,7 @@
 //! Every bench binary takes its parameters after `--` (see [`Args`]); `--quick` shrinks everything
 //! to a few seconds for a 2-core machine and CI. Results go to stdout as markdown tables and, with
 //! `--out DIR`, to `DIR/<bench>.json` (the header and one record per run) and `DIR/<bench>.md`
-//! (the printed report).
+//! (the printed report); `--tag NAME` names them `NAME.json` and `NAME.md` instead.
 
 #![allow(dead_code)] // each bench binary uses a different part of the harness
 
@@ -82,6 +82,10 @@ pub struct Args {
     /// Write `<bench>.json` and `<bench>.md` into this folder.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// File stem of `--out`'s files instead of the bench's name (two runs of one bench into one
+    /// folder).
+    #[arg(long)]
+    pub tag: Option<String>,
     /// Hasher of the other maps: `ahash` (default) or `fold` (the same two-word mix kvtier's index
     /// uses; content keys are uniform hashes already).
     #[arg(long, default_value = "ahash")]
@@ -596,13 +600,13 @@ impl Report {
     pub fn add(&mut self, row: Row) {
         let m = &row.m;
         println!(
-            "{:>8.1}s  {:<14} {:<10} {:<16} {:>3} thr  {:>9.2} M/s  {:>8.1} ns/op/thread  p50 {:>6} p99 {:>7} p99.9 {:>8} ns",
+            "{:>8.1}s  {:<14} {:<10} {:<16} {:>3} thr  {:>9}/s  {:>8.1} ns/op/thread  p50 {:>6} p99 {:>7} p99.9 {:>8} ns",
             self.started.elapsed().as_secs_f64(),
             row.workload,
             row.variant,
             row.contender,
             m.threads,
-            m.mops(),
+            rate(m.mops() * 1e6),
             m.ns_per_op(),
             m.lat[0],
             m.lat[2],
@@ -637,8 +641,7 @@ impl Report {
                 }
             }
             let unit = rows[0].unit;
-            let _ =
-                writeln!(md, "### {workload}, {variant}: million {unit}/s, all threads (ns per {unit} per thread)\n");
+            let _ = writeln!(md, "### {workload}, {variant}: {unit}/s, all threads (ns per operation per thread)\n");
             let _ = write!(md, "| contender |");
             for t in &threads {
                 let _ = write!(md, " {t} thr |");
@@ -651,7 +654,7 @@ impl Report {
                 for t in &threads {
                     match rows.iter().find(|r| r.contender == *c && r.m.threads == *t) {
                         Some(r) => {
-                            let _ = write!(md, " {:.2} ({:.0}) |", r.m.mops(), r.m.ns_per_op());
+                            let _ = write!(md, " {} ({:.0}) |", rate(r.m.mops() * 1e6), r.m.ns_per_op());
                             last = Some(r);
                         }
                         None => {
@@ -678,10 +681,11 @@ impl Report {
         println!();
         print!("{}", &md[self.header.len()..]);
         if let Some(dir) = &args.out {
+            let stem = args.tag.as_deref().unwrap_or(self.bench);
             std::fs::create_dir_all(dir).expect("creating --out");
-            std::fs::write(dir.join(format!("{}.md", self.bench)), &md).expect("writing the report");
-            std::fs::write(dir.join(format!("{}.json", self.bench)), self.json()).expect("writing the json");
-            println!("wrote {}/{}.md and .json", dir.display(), self.bench);
+            std::fs::write(dir.join(format!("{stem}.md")), &md).expect("writing the report");
+            std::fs::write(dir.join(format!("{stem}.json")), self.json()).expect("writing the json");
+            println!("wrote {}/{stem}.md and .json", dir.display());
         }
     }
 
@@ -721,6 +725,25 @@ impl Report {
         j.push_str("  ]\n}\n");
         j
     }
+}
+
+/// A rate with three significant digits and a unit prefix: `12.3 M`, `456 k`, `7.89`.
+fn rate(per_sec: f64) -> String {
+    let (v, p) = if per_sec >= 1e6 {
+        (per_sec / 1e6, " M")
+    } else if per_sec >= 1e3 {
+        (per_sec / 1e3, " k")
+    } else {
+        (per_sec, "")
+    };
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.digits$}{p}")
 }
 
 fn json_str(s: &str) -> String {
