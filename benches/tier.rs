@@ -1,0 +1,357 @@
+//! The tier's CPU paths under concurrency, moving no bytes: what an engine pays per admission.
+//!
+//! The tier is a real `HostTier` over a pool of tiny slots (one 16-byte page each, padded to the
+//! pool's slot alignment; their bytes are never touched), with
+//! the default eviction policy unless `--policy` names another. Every operation works on a chain of
+//! 43 blocks (a long prompt). Two ways to drive it (the contenders):
+//!
+//! - **`core`**: synchronously on the worker thread, through `kvtier::testing`, calling the
+//!   functions the tier itself calls: the lease side of a restore (`testing::restore_with`: the
+//!   restore's own pins, a use of the lease, settle), and a save's plan, slot acquisition (free
+//!   slots first, then eviction), index reservation and commit (what `Rank::save_with` does on the
+//!   engine's thread plus what its completion thread does once the copy is done).
+//! - **`rank`**: the public API, one `Rank` per worker thread with a copy backend that moves
+//!   nothing and completes at once: `HostTier::query`, `Rank::restore`, `Rank::save_with`; pins are
+//!   dropped and saves committed on each rank's completion threads. Latency is the engine thread's
+//!   call; throughput counts until every rank has drained.
+//!
+//! Workloads (each at every `--threads` count; harness and options: `benches/harness/mod.rs`):
+//!
+//! - **`query`**: the pool is filled to `--prefill` (75%) with ready chains; one operation =
+//!   query a chain (drawn uniform or Zipf) for a lease on its 43 blocks, restore them (no bytes),
+//!   drop the lease. `--ops / 5` per thread (200 k).
+//! - **`save`**: an empty pool with room for every save of the run; one operation = save a fresh
+//!   chain of 43 blocks (plan, 43 free slots, 43 index reservations, commit). `--ops / 100` per
+//!   thread (10 k chains).
+//! - **`evict`**: a full pool of ready chains; one operation = save a fresh chain, which evicts 43
+//!   blocks chosen by the policy. `--ops / 2000` per thread (500 chains: 21.5 k evictions).
+//! - **`admission`**: a full pool; chains are drawn (uniform or Zipf) from twice as many as fit;
+//!   one operation = query the chain, restore its resident prefix, save the rest (evicting).
+//!   `--ops / 2000` per thread.
+//!
+//! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
+//! workload sizes its own pool).
+//! `cargo bench --bench tier -- --help` lists the options; `-- --quick` runs in a few seconds.
+
+#[path = "harness/mod.rs"]
+mod harness;
+
+use harness::{Args, Dist, Measured, Report, Rng, Row, Sampler};
+use kvtier::copy::{Completion, CopyBackend, CopyPair, WaitFor};
+use kvtier::pool::BackingChoice;
+use kvtier::testing::{self, Core, Want, WriteReservation};
+use kvtier::tier::{HostTier, Rank, SaveOptions, TierConfig};
+use kvtier::{ArenaSpec, ContentKey, CopyError, Geometry, HostPool, PolicyKind, TierError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Blocks in a chain (a long prompt's 43 blocks of 64 tokens).
+const CHAIN: usize = 43;
+/// GPU pages of the (imaginary) engine arenas: one chain's worth.
+const PAGES: u64 = CHAIN as u64;
+
+/// A copy backend that moves nothing and whose batches are complete at once.
+struct NullBackend(Geometry);
+
+struct Done;
+
+impl Completion for Done {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        Ok(true)
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        Ok(())
+    }
+}
+
+impl CopyBackend for NullBackend {
+    fn name(&self) -> &'static str {
+        "null"
+    }
+    fn geometry(&self) -> &Geometry {
+        &self.0
+    }
+    fn bind_pool(&mut self, _pool: &HostPool) -> Result<(), CopyError> {
+        Ok(())
+    }
+    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        Ok(Box::new(Done))
+    }
+    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        Ok(Box::new(Done))
+    }
+}
+
+fn geometry() -> Geometry {
+    Geometry::new("cpu-bench", 64, vec![ArenaSpec::packed("kv", 16, PAGES)]).expect("a valid geometry")
+}
+
+/// Block `j` of chain `c`.
+#[inline]
+fn chain_key(c: u64, j: usize) -> ContentKey {
+    let x = (c << 8) | j as u64;
+    ContentKey::from_words(harness::mix64(x ^ 0x7469_6572_0000_0001), harness::mix64(x ^ 0x6b76_0000_0000_0002))
+}
+
+fn chain(c: u64) -> [ContentKey; CHAIN] {
+    std::array::from_fn(|j| chain_key(c, j))
+}
+
+/// A fresh chain id for thread `t`'s `n`-th save (never one of the shared chains).
+fn fresh(t: usize, n: u64) -> u64 {
+    ((t as u64 + 1) << 40) | n
+}
+
+/// A save through the tier's own steps, on this thread (the `core` contender): plan, acquire
+/// (free slots, then eviction), reserve in the index, commit. Returns the blocks saved.
+fn save_core(core: &Arc<Core>, keys: &[ContentKey], opts: &SaveOptions) -> Result<usize, TierError> {
+    let mut plan = core.plan_save(keys, opts);
+    let need = plan.missing().len();
+    if need == 0 {
+        return Ok(0);
+    }
+    let slots = core.acquire_slots(Want::Exactly(need))?;
+    plan.truncate(slots.len());
+    let mut reservation = WriteReservation::new(core);
+    for (&i, slot) in plan.missing().iter().zip(slots) {
+        reservation.reserve(keys[i], slot, i as u32);
+    }
+    drop(plan);
+    reservation.commit();
+    Ok(need)
+}
+
+/// A tier of `slots` slots with `chains` ready chains (`0..chains`), saved by all cores.
+fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
+    let policy: PolicyKind = args.policy.as_deref().map_or_else(PolicyKind::default, |p| {
+        p.parse().unwrap_or_else(|e| {
+            eprintln!("--policy: {e}");
+            std::process::exit(2)
+        })
+    });
+    let g = geometry();
+    let bytes = slots * g.slot_bytes();
+    let cfg = TierConfig::new(g, bytes).with_backing(BackingChoice::Plain).with_policy(policy);
+    let tier = HostTier::new(cfg).expect("a tier of 16-byte slots");
+    assert_eq!(tier.capacity() as u64, slots, "pool slot count");
+    let core = testing::core(&tier);
+    let w = harness::cpus().min(16) as u64;
+    std::thread::scope(|s| {
+        for t in 0..w {
+            s.spawn(move || {
+                let opts = SaveOptions::default();
+                let mut c = t;
+                while c < chains {
+                    save_core(core, &chain(c), &opts).expect("room for the prefill");
+                    c += w;
+                }
+            });
+        }
+    });
+    tier
+}
+
+/// Per-thread state: the thread's rank (the `rank` contender) and its chain draws.
+struct Worker {
+    rank: Option<Rank>,
+    draws: Vec<u32>,
+    fresh: u64,
+}
+
+fn worker(tier: &HostTier, args: &Args, t: usize, rank: bool, draws: u64, sampler: Option<&Sampler>) -> Worker {
+    let rank = rank.then(|| tier.attach(Box::new(NullBackend(geometry()))).expect("attach a rank"));
+    let draws = match sampler {
+        Some(s) => {
+            let mut rng = Rng::new(args.seed ^ harness::mix64(t as u64 + 7));
+            (0..draws).map(|_| s.sample(&mut rng) as u32).collect()
+        }
+        None => Vec::new(),
+    };
+    Worker { rank, draws, fresh: 0 }
+}
+
+fn drain(w: &Worker) {
+    if let Some(r) = &w.rank {
+        r.drain(Duration::from_secs(600)).expect("rank drained");
+    }
+}
+
+const PAGE_IDS: [u64; CHAIN] = {
+    let mut p = [0u64; CHAIN];
+    let mut i = 0;
+    while i < CHAIN {
+        p[i] = i as u64;
+        i += 1;
+    }
+    p
+};
+
+/// Query + restore of a chain's resident prefix; returns the prefix length.
+#[inline]
+fn query_restore(tier: &HostTier, w: &Worker, keys: &[ContentKey], errors: &AtomicU64) -> usize {
+    let lease = tier.query(keys);
+    let h = lease.len();
+    if h > 0 {
+        let ok = match &w.rank {
+            None => testing::restore_with(&lease, h, |slots| std::hint::black_box(slots.len())).is_ok(),
+            Some(r) => r.restore(&lease, &PAGE_IDS[..h], WaitFor::Nothing).is_ok(),
+        };
+        if !ok {
+            errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    h
+}
+
+#[inline]
+fn save(tier: &HostTier, w: &Worker, keys: &[ContentKey], errors: &AtomicU64) {
+    let opts = SaveOptions::default();
+    let ok = match &w.rank {
+        None => save_core(testing::core(tier), keys, &opts).is_ok(),
+        Some(r) => {
+            let pages = &PAGE_IDS[CHAIN - keys.len()..];
+            r.save_with(keys, pages, WaitFor::Nothing, opts).is_ok()
+        }
+    };
+    if !ok {
+        errors.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+struct Plan {
+    workload: &'static str,
+    dist: Option<Dist>,
+    ops: u64,
+}
+
+fn run_one(args: &Args, plan: &Plan, threads: usize, capacity: u64, rank: bool, errors: &AtomicU64) -> Measured {
+    let ops = plan.ops;
+    let chains = capacity / CHAIN as u64;
+    // What the pool holds before the run, and which chains the operations draw from.
+    let (slots, filled, universe) = match plan.workload {
+        "query" => (capacity, ((capacity as f64 * args.prefill) as u64 / CHAIN as u64).max(1), 0),
+        "save" => (threads as u64 * ops * CHAIN as u64 + CHAIN as u64, 0, 0),
+        "evict" => (capacity, chains, 0),
+        _ => (capacity, chains, 2 * chains),
+    };
+    let sampler = match (plan.workload, plan.dist) {
+        ("query", Some(d)) => Some(Sampler::new(d, filled)),
+        ("admission", Some(d)) => Some(Sampler::new(d, universe)),
+        _ => None,
+    };
+    let workload = plan.workload;
+    harness::run_repeated(
+        threads,
+        args,
+        || tier_with(args, slots, filled),
+        |tier, t| worker(tier, args, t, rank, ops, sampler.as_ref()),
+        |tier, t, w, rec| {
+            match workload {
+                "query" => rec.run(ops, |i| {
+                    let keys = chain(w.draws[i as usize] as u64);
+                    let h = query_restore(tier, w, &keys, errors);
+                    debug_assert_eq!(h, CHAIN);
+                }),
+                "save" | "evict" => rec.run(ops, |_| {
+                    w.fresh += 1;
+                    let keys = chain(fresh(t, w.fresh));
+                    save(tier, w, &keys, errors);
+                }),
+                _ => rec.run(ops, |i| {
+                    let keys = chain(w.draws[i as usize] as u64);
+                    let h = query_restore(tier, w, &keys, errors);
+                    if h < CHAIN {
+                        save(tier, w, &keys[h..], errors);
+                    }
+                }),
+            }
+            drain(w);
+            ops
+        },
+    )
+}
+
+const CONTENDERS: &[&str] = &["core", "rank"];
+const WORKLOADS: &[&str] = &["query", "save", "evict", "admission"];
+
+fn main() {
+    let args = Args::from_env();
+    let threads = args.thread_counts();
+    let ops = args.ops_or(1_000_000, 200_000);
+    let capacity = args.capacity_or(1 << 15, 1 << 13) as u64;
+    assert!(capacity >= 4 * CHAIN as u64, "--capacity must hold a few chains");
+    let contenders = args.pick("contenders", &args.contenders, CONTENDERS, CONTENDERS);
+    let workloads = args.pick("workloads", &args.workloads, WORKLOADS, WORKLOADS);
+    let dists = args.distributions();
+    let mut report = Report::new(
+        "tier",
+        &args,
+        &[
+            ("threads", format!("{threads:?}")),
+            (
+                "operations per thread",
+                format!(
+                    "{} queries (query), {} chains of {CHAIN} (save), {} chains (evict, admission)",
+                    ops / 5,
+                    ops / 100,
+                    ops / 2000
+                ),
+            ),
+            (
+                "pool",
+                format!(
+                    "{capacity} slots of {} B, never touched ({} chains of {CHAIN})",
+                    geometry().slot_bytes(),
+                    capacity / CHAIN as u64
+                ),
+            ),
+            ("policy", args.policy.clone().unwrap_or_else(|| PolicyKind::default().name().to_string())),
+        ],
+    );
+    let mut failures = Vec::new();
+    for w in &workloads {
+        let w: &'static str = WORKLOADS.iter().find(|k| *k == w).expect("validated");
+        let variants: Vec<Option<Dist>> =
+            if matches!(w, "query" | "admission") { dists.iter().map(|d| Some(*d)).collect() } else { vec![None] };
+        let n = match w {
+            "query" => ops / 5,
+            "save" => ops / 100,
+            _ => ops / 2000,
+        }
+        .max(1);
+        for dist in variants {
+            let variant = dist.map_or_else(|| "-".to_string(), |d| d.name());
+            let plan = Plan { workload: w, dist, ops: n };
+            for &t in &threads {
+                for c in &contenders {
+                    if !args.selected(&format!("{w} {variant} {c}")) {
+                        continue;
+                    }
+                    let errors = AtomicU64::new(0);
+                    let m = run_one(&args, &plan, t, capacity, c == "rank", &errors);
+                    let e = errors.load(Ordering::Relaxed);
+                    if e > 0 {
+                        failures.push(format!("{w} {variant} {c} {t} threads: {e} refused operations"));
+                    }
+                    report.add(Row {
+                        workload: w.to_string(),
+                        variant: variant.clone(),
+                        contender: c.clone(),
+                        m,
+                        unit: if w == "query" { "queries" } else { "chains" },
+                    });
+                }
+            }
+        }
+    }
+    let mut notes = String::from(
+        "One operation works on a chain of 43 blocks: divide ns per operation by 43 for a block's cost. \
+         core: the tier's steps on the worker thread; rank: the public API, commits and unpins on the ranks' \
+         completion threads (counted until drained).",
+    );
+    for f in &failures {
+        notes.push_str(&format!("\n- {f} (CannotFit / PoolExhausted / lease errors)"));
+    }
+    report.finish(&args, &notes);
+}
