@@ -33,7 +33,7 @@ pub use handle::CopyHandle;
 pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
-pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
+pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
 pub use slot::SlotId;
 pub use tier::{Fit, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
