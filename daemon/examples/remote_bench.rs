@@ -116,7 +116,7 @@ fn rtt(socket: Option<String>, n: usize, iters: usize) {
         rank.save(&keys, &pages, WaitFor::Nothing).unwrap().handle.wait().unwrap();
         let mut held = Vec::with_capacity(1);
         report(
-            &format!("{name}: query, {n} hits (lease kept)"),
+            &format!("{name}: query, {n} hits, lease dropped"),
             time(iters, || {
                 held.push(tier.try_query_shared(&keys, 1).unwrap());
                 assert_eq!(held[0].len(), n);

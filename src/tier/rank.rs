@@ -94,8 +94,10 @@ impl Job {
         };
         core.counters.record_copy(dir, blocks, bytes, result.is_ok());
         inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
-        handle.complete(&result);
+        // The batch leaves the rank's load before its handle completes, so a caller woken by the
+        // handle sees `Rank::load` without it.
         inflight.end();
+        handle.complete(&result);
     }
 }
 
