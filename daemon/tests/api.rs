@@ -120,7 +120,7 @@ fn a_connected_tier_answers_like_an_in_process_one() {
     assert!(remote.is_connected_tier() && !local.is_connected_tier());
     assert_eq!(remote.geometry(), local.geometry());
     assert_eq!(remote.namespace(), local.namespace());
-    assert_eq!(remote.pool().shared_fd().is_some(), true);
+    assert!(remote.pool().shared_fd().is_some());
     let a = script(&local);
     let b = script(&remote);
     for (x, y) in a.iter().zip(&b) {

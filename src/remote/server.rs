@@ -113,18 +113,25 @@ fn exited(pidfd: &OwnedFd) -> bool {
 fn peer_process(stream: &UnixStream) -> (Option<u32>, Option<OwnedFd>) {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
     let pid = getsockopt(stream, PeerCredentials).ok().map(|c| c.pid()).filter(|&p| p > 0);
-    const SO_PEERPIDFD: libc::c_int = 77;
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `fd`, a live c_int.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&mut fd as *mut libc::c_int).cast(),
-            &mut len,
-        )
+    // SO_PEERPIDFD is 77 in the generic socket option table (x86-64, arm64); elsewhere only
+    // pidfd_open is tried.
+    let (rc, fd) = if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
+        const SO_PEERPIDFD: libc::c_int = 77;
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `fd`, a live c_int.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&mut fd as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        (rc, fd)
+    } else {
+        (-1, -1)
     };
     if rc == 0 && fd >= 0 {
         // SAFETY: the kernel made `fd` for us; nothing else owns it.

@@ -33,7 +33,7 @@ pub struct SaveTicket {
     /// Keys repeated within this save: copied once.
     pub duplicates: usize,
     /// Missing keys not saved because they did not fit or the policy did not admit them (or one
-    /// before them) ([`Fit::Prefix`] only).
+    /// before them) ([`crate::Fit::Prefix`] only).
     pub dropped: usize,
     /// Completes when the copied blocks are committed and visible to queries.
     pub handle: CopyHandle,
@@ -279,7 +279,7 @@ impl Rank {
         Ok(CopyHandle::new(handle))
     }
 
-    /// Saves with [`Fit::AllOrNothing`]; see [`Rank::save_with`].
+    /// Saves with [`crate::Fit::AllOrNothing`]; see [`Rank::save_with`].
     ///
     /// # Errors
     /// As [`Rank::save_with`].
@@ -298,7 +298,7 @@ impl Rank {
     ///
     /// # Errors
     /// [`TierError::LengthMismatch`]; [`TierError::Copy`] with [`CopyError::PageOutOfRange`] for a
-    /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`Fit::AllOrNothing`]:
+    /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`crate::Fit::AllOrNothing`]:
     /// nothing evicted) or [`TierError::PoolExhausted`] (the slots were pinned meanwhile; nothing
     /// evicted); [`TierError::ShuttingDown`]; backend errors (the reserved slots are released,
     /// nothing becomes visible).
