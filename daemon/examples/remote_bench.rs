@@ -275,7 +275,11 @@ mod gpu {
             let hs: Vec<_> = (0..a.procs)
                 .map(|i| {
                     let (local, a, barrier) = (&local, &a, &barrier);
-                    s.spawn(move || one_rank(local, 100 + i as u64, a, || drop(barrier.wait())))
+                    s.spawn(move || {
+                        one_rank(local, 100 + i as u64, a, || {
+                            barrier.wait();
+                        })
+                    })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
