@@ -286,7 +286,7 @@ pub enum IndexError {
 }
 
 /// An operation of [`crate::HostTier`] that cannot be carried out. Nothing ready is lost.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 #[non_exhaustive]
 pub enum TierError {
     /// Keys and GPU pages differ in number.
@@ -366,6 +366,24 @@ pub enum TierError {
     /// The index could not be built.
     #[error(transparent)]
     Index(#[from] IndexError),
+    /// A tier reached through the tier daemon (`HostTier::connect`, feature `remote`) lost its
+    /// connection: the daemon is not running, stopped or restarted, or the connection broke.
+    /// Nothing was saved or restored by the call; a copy already submitted keeps its own bytes (a
+    /// restore's pages hold the right bytes once its handle completes, a save's blocks may not be
+    /// visible). The handle stays failed: fall back to prefill and connect again.
+    #[error("the tier daemon connection is lost: {reason}")]
+    Disconnected {
+        /// What happened (the I/O error, or the daemon's restart).
+        reason: String,
+    },
+    /// The tier daemon speaks another protocol version than this client.
+    #[error("the tier daemon speaks protocol version {daemon}, this client {client}; use matching kvtier builds")]
+    ProtocolMismatch {
+        /// The daemon's protocol version.
+        daemon: u32,
+        /// This client's protocol version.
+        client: u32,
+    },
 }
 
 /// Any kvtier error.

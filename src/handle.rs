@@ -12,18 +12,18 @@
 //! shortly after, when the tier has released the copy's pins).
 
 use crate::copy::CopyEvent;
-use crate::error::{CopyError, TierError};
+use crate::error::TierError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-type Callback = Box<dyn FnOnce(&Result<(), CopyError>) + Send>;
+type Callback = Box<dyn FnOnce(&Result<(), TierError>) + Send>;
 
 #[derive(Default)]
 struct State {
-    result: Option<Result<(), CopyError>>,
+    result: Option<Result<(), TierError>>,
     completed_at: Option<Instant>,
     wakers: Vec<Waker>,
     callbacks: Vec<Callback>,
@@ -57,7 +57,7 @@ impl HandleShared {
     }
 
     /// Records the outcome and wakes every waiter, future and callback (once).
-    pub(crate) fn complete(&self, result: &Result<(), CopyError>) {
+    pub(crate) fn complete(&self, result: &Result<(), TierError>) {
         let r = result.clone();
         let (wakers, callbacks) = {
             let mut st = self.state.lock().expect("handle lock");
@@ -81,9 +81,10 @@ impl HandleShared {
     }
 }
 
-/// The copy's outcome as the handle reports it: the backend's error, in its original variant.
-fn to_tier(r: &Result<(), CopyError>) -> Result<(), TierError> {
-    r.clone().map_err(TierError::Copy)
+/// The copy's outcome as the handle reports it: the backend's error ([`TierError::Copy`], in its
+/// original variant), or the tier's when it could not finalise the copy ([`TierError::Disconnected`]).
+fn to_tier(r: &Result<(), TierError>) -> Result<(), TierError> {
+    r.clone()
 }
 
 /// A handle to one submitted save or restore batch. Cloning shares it.
@@ -182,7 +183,7 @@ impl CopyHandle {
     ///
     /// # Errors
     /// The copy's failure if it has already failed ([`TierError::Copy`]); a driver error from
-    /// `cuStreamWaitEvent` ([`CopyError::Device`]). A copy that fails after the wait was queued
+    /// `cuStreamWaitEvent` ([`crate::CopyError::Device`]). A copy that fails after the wait was queued
     /// is reported by [`CopyHandle::wait`], not here.
     pub fn stream_wait(&self, stream: u64) -> Result<(), TierError> {
         match &self.shared.event {
@@ -234,6 +235,7 @@ impl std::fmt::Debug for CopyHandle {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::error::CopyError;
     use crate::sync::{AtomicUsize, Ordering};
 
     #[test]
@@ -299,7 +301,7 @@ mod tests {
     fn stream_wait_reports_a_failed_copy_and_waits_on_the_host_without_an_event() {
         let (waits, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let shared = HandleShared::with_event(1, 16, Some(Arc::new(FakeEvent { waits: waits.clone(), drops })));
-        shared.complete(&Err(CopyError::Device { call: "kernel".into(), message: "boom".into() }));
+        shared.complete(&Err(CopyError::Device { call: "kernel".into(), message: "boom".into() }.into()));
         let e = CopyHandle::new(shared).stream_wait(0x5_7ea3).unwrap_err();
         assert!(matches!(e, TierError::Copy(CopyError::Device { .. })), "{e:?}");
         assert_eq!(waits.load(Ordering::Relaxed), 0, "no wait is queued on a failed copy");

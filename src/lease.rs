@@ -109,10 +109,18 @@ impl LeaseState {
 struct LeaseInner {
     core: Arc<Core>,
     state: Arc<LeaseState>,
+    /// The daemon's lease, for a lease of a connected tier: the daemon holds the pins, and `state`
+    /// only this process's copy of the blocks (never settled here). Dropping it tells the daemon.
+    #[cfg(feature = "remote")]
+    remote: Option<crate::remote::client::RemoteLease>,
 }
 
 impl Drop for LeaseInner {
     fn drop(&mut self) {
+        #[cfg(feature = "remote")]
+        if self.remote.is_some() {
+            return;
+        }
         self.state.settle(&self.core, Settled::Dropped);
     }
 }
@@ -144,13 +152,37 @@ impl Lease {
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses_left: AtomicU32::new(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
-        let lease = Lease { inner: Arc::new(LeaseInner { core: core.clone(), state: state.clone() }) };
+        let lease = Lease {
+            inner: Arc::new(LeaseInner {
+                core: core.clone(),
+                state: state.clone(),
+                #[cfg(feature = "remote")]
+                remote: None,
+            }),
+        };
         if empty || uses == 0 {
             state.settle(core, Settled::Consumed);
         } else {
             core.leases.register(&state);
         }
         lease
+    }
+
+    /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there.
+    #[cfg(feature = "remote")]
+    pub(crate) fn remote_lease(
+        core: &Arc<Core>,
+        blocks: Vec<LeasedBlock>,
+        remote: crate::remote::client::RemoteLease,
+    ) -> Lease {
+        let state = Arc::new(LeaseState { blocks, uses_left: AtomicU32::new(0), settled: AtomicU8::new(0) });
+        Lease { inner: Arc::new(LeaseInner { core: core.clone(), state, remote: Some(remote) }) }
+    }
+
+    /// The daemon's lease, for a lease of a connected tier.
+    #[cfg(feature = "remote")]
+    pub(crate) fn remote(&self) -> Option<&crate::remote::client::RemoteLease> {
+        self.inner.remote.as_ref()
     }
 
     pub(crate) fn core(&self) -> &Arc<Core> {
@@ -182,17 +214,30 @@ impl Lease {
     }
 
     /// True once the lease has settled (consumed, released, dropped or expired); its pins are gone.
+    /// (A connected tier asks its daemon; a lost connection counts as settled.)
     pub fn is_settled(&self) -> bool {
+        #[cfg(feature = "remote")]
+        if let Some(r) = self.remote() {
+            return r.info().settled;
+        }
         self.state().is_settled()
     }
 
     /// True if the tier settled the lease because it outlived [`crate::TierConfig::lease_ttl`].
     pub fn is_expired(&self) -> bool {
+        #[cfg(feature = "remote")]
+        if let Some(r) = self.remote() {
+            return r.info().expired;
+        }
         self.state().how() == Settled::Expired
     }
 
     /// Restores this lease still allows (0 once settled).
     pub fn uses_left(&self) -> u32 {
+        #[cfg(feature = "remote")]
+        if let Some(r) = self.remote() {
+            return r.info().uses_left;
+        }
         if self.is_settled() {
             0
         } else {
@@ -203,6 +248,10 @@ impl Lease {
     /// Settles the lease now, dropping its pins. Restores already submitted keep their own pins
     /// and complete normally. Returns true if this call settled it (false if it already was).
     pub fn release(self) -> bool {
+        #[cfg(feature = "remote")]
+        if let Some(r) = self.remote() {
+            return r.release();
+        }
         self.inner.state.settle(&self.inner.core, Settled::Released)
     }
 
@@ -223,7 +272,7 @@ impl Lease {
     /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::LeaseSettled`] /
     /// [`TierError::LeaseExpired`] if no use is left; [`TierError::TooManyPins`] if a slot's pin
     /// count is full (the lease stays usable).
-    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreClaim<'_>, TierError> {
+    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreClaim, TierError> {
         if n > self.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: self.len() });
         }
@@ -244,7 +293,7 @@ impl Lease {
             drop(pins);
             return Err(self.settled_error());
         }
-        Ok(RestoreClaim { lease: self, pins: Some(pins), submitted: false })
+        Ok(RestoreClaim { lease: self.clone(), pins: Some(pins), submitted: false })
     }
 
     /// Takes one use without settling: false if none is left or the lease is settled.
@@ -284,14 +333,15 @@ impl Lease {
 }
 
 /// A restore's hold on a lease: its own pins on the blocks it copies and one use of the lease
-/// (see [`Lease::begin_restore`]).
-pub(crate) struct RestoreClaim<'a> {
-    lease: &'a Lease,
+/// (see [`Lease::begin_restore`]). It holds a handle on the lease, so the tier daemon can keep a
+/// claim between a remote rank's messages.
+pub(crate) struct RestoreClaim {
+    lease: Lease,
     pins: Option<SlotPins>,
     submitted: bool,
 }
 
-impl RestoreClaim<'_> {
+impl RestoreClaim {
     /// The pinned slots, in key order.
     pub(crate) fn slots(&self) -> &[SlotId] {
         self.pins.as_ref().map_or(&[], |p| p.slots())
@@ -309,7 +359,7 @@ impl RestoreClaim<'_> {
     }
 }
 
-impl Drop for RestoreClaim<'_> {
+impl Drop for RestoreClaim {
     fn drop(&mut self) {
         if !self.submitted {
             // Not submitted: pins first, then the use goes back.

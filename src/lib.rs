@@ -21,6 +21,8 @@ pub mod key;
 pub mod lease;
 pub mod pattern;
 pub mod pool;
+#[cfg(feature = "remote")]
+pub mod remote;
 pub(crate) mod slot;
 pub(crate) mod sync;
 pub mod tier;
@@ -33,7 +35,9 @@ pub use handle::CopyHandle;
 pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
-pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
+pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
+#[cfg(feature = "remote")]
+pub use remote::LeaseToken;
 pub use slot::SlotId;
 pub use tier::{Fit, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
@@ -69,6 +73,17 @@ pub mod testing {
     /// [`HostTier::query_shared`] does).
     pub fn query(core: &crate::sync::Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
         Lease::acquire(core, keys, uses)
+    }
+
+    /// The tier daemon's [`Core::audit`] of its tier over `keys`, asked through the connected tier
+    /// `tier` ([`HostTier::connect`]). The inner `Err` names the first violated invariant.
+    ///
+    /// # Errors
+    /// [`TierError::ForeignLease`] for an in-process tier (audit [`core`] instead);
+    /// [`TierError::Disconnected`].
+    #[cfg(feature = "remote")]
+    pub fn remote_audit(tier: &HostTier, keys: &[ContentKey]) -> Result<Result<AuditReport, String>, TierError> {
+        tier.remote().ok_or(TierError::ForeignLease)?.audit(keys)
     }
 
     /// The lease side of a restore of `n` blocks, in the order [`crate::Rank::restore`] runs it:

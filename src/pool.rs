@@ -56,6 +56,9 @@ use std::num::NonZeroUsize;
 use std::path::Path;
 use std::ptr::NonNull;
 
+mod shared;
+pub use shared::SharedPoolLayout;
+
 /// Bytes in one hugetlb / THP page (2 MiB).
 pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
 
@@ -398,6 +401,27 @@ fn prefault(map: &Mapping, stride: usize) {
     });
 }
 
+/// The pool's capacity in slots for `config`, after the checks every constructor makes (slot size,
+/// at least one slot, at most [`MAX_SLOTS`], an existing NUMA node).
+fn slot_count(slot_bytes: u64, config: &PoolConfig) -> Result<u32, PoolError> {
+    if slot_bytes == 0 || slot_bytes % 16 != 0 {
+        return Err(PoolError::BadSlotSize { slot_bytes });
+    }
+    let slots = config.bytes / slot_bytes;
+    if slots == 0 {
+        return Err(PoolError::TooSmall { bytes: config.bytes, slot_bytes });
+    }
+    if slots > MAX_SLOTS as u64 {
+        return Err(PoolError::TooManySlots { slots, max: MAX_SLOTS as u64 });
+    }
+    if let Some(node) = config.numa_node {
+        if !Path::new(&format!("/sys/devices/system/node/node{node}")).is_dir() {
+            return Err(PoolError::NoSuchNumaNode { node });
+        }
+    }
+    Ok(slots as u32)
+}
+
 /// The slab pool: `capacity` slots of `slot_bytes` bytes in one host mapping, a control word per
 /// slot and a lock-free free list of slot ids. See the module docs for layout, backing and teardown.
 pub struct HostPool {
@@ -412,6 +436,8 @@ pub struct HostPool {
     locked: bool,
     control: SlotControl,
     free: FreeList,
+    /// The memfd behind a pool in shared memory ([`HostPool::new_shared`], [`HostPool::attach_shared`]).
+    memfd: Option<std::os::fd::OwnedFd>,
 }
 
 // SAFETY: HostPool owns its mapping (a raw pointer, hence not auto-Send); the memory is plain bytes
@@ -436,24 +462,9 @@ impl HostPool {
     /// - [`PoolError::Map`]: `mmap` failed (or the length exceeds the address space).
     /// - [`PoolError::Syscall`]: `mbind` or `mlock` failed.
     pub fn new(slot_bytes: u64, config: &PoolConfig) -> Result<Self, PoolError> {
-        if slot_bytes == 0 || slot_bytes % 16 != 0 {
-            return Err(PoolError::BadSlotSize { slot_bytes });
-        }
-        let slots = config.bytes / slot_bytes;
-        if slots == 0 {
-            return Err(PoolError::TooSmall { bytes: config.bytes, slot_bytes });
-        }
-        if slots > MAX_SLOTS as u64 {
-            return Err(PoolError::TooManySlots { slots, max: MAX_SLOTS as u64 });
-        }
-        let capacity = slots as u32;
+        let capacity = slot_count(slot_bytes, config)?;
         // <= config.bytes: cannot overflow.
-        let data = slots * slot_bytes;
-        if let Some(node) = config.numa_node {
-            if !Path::new(&format!("/sys/devices/system/node/node{node}")).is_dir() {
-                return Err(PoolError::NoSuchNumaNode { node });
-            }
-        }
+        let data = capacity as u64 * slot_bytes;
         let (map, backing) = match config.backing {
             BackingChoice::HugeTlb => match map_hugetlb(data, config.numa_node) {
                 Ok(m) => (m, Backing::HugeTlb),
@@ -467,6 +478,19 @@ impl HostPool {
             BackingChoice::TransparentHuge => map_thp(data)?,
             BackingChoice::Plain => (map_plain(data)?, Backing::Plain),
         };
+        Self::assemble(map, backing, slot_bytes, capacity, config, None)
+    }
+
+    /// The common tail of every constructor: NUMA binding, prefault and `mlock` as `config` asks,
+    /// then the slot words and the free list.
+    fn assemble(
+        map: Mapping,
+        backing: Backing,
+        slot_bytes: u64,
+        capacity: u32,
+        config: &PoolConfig,
+        memfd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Self, PoolError> {
         if let Some(node) = config.numa_node {
             bind_to_node(&map, node)?;
         }
@@ -489,6 +513,7 @@ impl HostPool {
             locked: config.mlock,
             control: SlotControl::new(capacity),
             free: FreeList::new(capacity),
+            memfd,
         })
     }
 

@@ -16,6 +16,10 @@ so a request whose prefix was seen before restores it instead of prefilling it.
         h = rank.restore(lease, free_pages[: len(lease)], after_stream=torch.cuda.current_stream())
         h.stream_wait(torch.cuda.current_stream())   # compute waits for the copy, no host sync
 
+Engines that run one process per GPU rank share one pool through the tier daemon: start
+``kvtierd`` once, then ``tier = kvtier.connect("/tmp/kvtierd.sock")`` in every process gives the
+same ``Tier`` API over the daemon's pool.
+
 See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
 :mod:`kvtier.errors`, all subclasses of :class:`KvtierError`.
 """
@@ -29,6 +33,7 @@ from ._kvtier import (
     SaveTicket,
     Tier,
     __version__,
+    connect,
     cuda_available,
 )
 from .errors import *  # noqa: F401,F403  (the exception classes)
@@ -43,6 +48,7 @@ __all__ = [
     "CopyHandle",
     "SaveTicket",
     "cuda_available",
+    "connect",
     "__version__",
     *_errors_all,
 ]

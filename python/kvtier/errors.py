@@ -72,6 +72,8 @@ __all__ = [
     "GeometryMismatchError",
     "IndexCapacityError",
     "BackendPanickedError",
+    "DisconnectedError",
+    "ProtocolMismatchError",
 ]
 
 
@@ -311,3 +313,14 @@ class DrainTimeoutError(TierError, TimeoutError):
 
 class TooManyPinsError(TierError):
     """A slot's pin count is at its limit. Attribute: ``slot``."""
+
+
+class DisconnectedError(TierError, ConnectionError):
+    """A tier from :func:`kvtier.connect` lost its daemon (not running, stopped or restarted, or
+    the connection broke). Nothing was saved or restored by the call; fall back to prefill and
+    connect again. Attribute: ``reason``."""
+
+
+class ProtocolMismatchError(TierError):
+    """The tier daemon speaks another protocol version than this kvtier. Attributes: ``daemon``,
+    ``client``."""

@@ -182,6 +182,10 @@ impl From<&TierError> for Raised {
             T::Index(IndexError::CapacityTooLarge { requested, max }) => {
                 r("IndexCapacityError").int("requested", usize_(*requested)).int("max", usize_(*max))
             }
+            T::Disconnected { reason } => r("DisconnectedError").str("reason", reason),
+            T::ProtocolMismatch { daemon, client } => {
+                r("ProtocolMismatchError").int("daemon", *daemon).int("client", *client)
+            }
             T::Copy(c) => c.into(),
             _ => r("TierError"),
         }
@@ -279,6 +283,8 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
         TierError::LeaseExpired,
         TierError::GeometryMismatch { backend: s("a"), tier: s("b") },
         TierError::Index(IndexError::CapacityTooLarge { requested: 1 << 60, max: 1 << 56 }),
+        TierError::Disconnected { reason: s("the daemon closed the connection (it stopped or restarted)") },
+        TierError::ProtocolMismatch { daemon: 2, client: 1 },
     ];
     let mut out: Vec<Raised> = Vec::new();
     out.extend(geometry.iter().map(Raised::from));

@@ -38,6 +38,8 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::PyCopyHandle>()?;
     m.add_class::<tier::PySaveTicket>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(tier::connect, m)?)?;
+    m.add_function(wrap_pyfunction!(tier::_serve, m)?)?;
     m.add_function(wrap_pyfunction!(_error_examples, m)?)?;
     Ok(())
 }

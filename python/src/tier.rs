@@ -11,8 +11,8 @@ use kvtier::copy::host::{HostArenas, HostBackend};
 use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
 use kvtier::pool::BackingChoice;
 use kvtier::{
-    ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, PolicyKind, Rank, SaveOptions,
-    TierConfig, TierError,
+    ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, LeaseToken, PolicyKind, Rank,
+    SaveOptions, TierConfig, TierError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
@@ -112,6 +112,52 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
         }
     }
     Ok(o)
+}
+
+/// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` and returns a
+/// `Tier` with the same methods as an in-process one: the daemon owns the index, slots, leases and
+/// eviction over a pool in shared memory that this process maps; ranks attached here copy between
+/// this process's tensors and that pool. Every engine process connects on its own (after forking).
+///
+/// `geometry`: if given, the daemon must serve its namespace (model, page size, arenas, shard).
+///
+/// Raises: `DisconnectedError` (no daemon at `path`), `ProtocolMismatchError`,
+/// `GeometryMismatchError`, `PoolMapError`.
+#[pyfunction]
+#[pyo3(signature = (path, geometry = None))]
+pub fn connect(py: Python<'_>, path: std::path::PathBuf, geometry: Option<&PyGeometry>) -> PyResult<PyTier> {
+    let expect = geometry.map(|g| g.inner.clone());
+    let inner = py
+        .detach(|| match &expect {
+            Some(g) => HostTier::connect_as(&path, g),
+            None => HostTier::connect(&path),
+        })
+        .py()?;
+    Ok(PyTier { inner })
+}
+
+/// Serves a new tier of `pool_bytes` (plain pages, in shared memory) on the Unix socket `path`
+/// from a thread of this process, as `kvtierd` does. For tests and examples; run `kvtierd` for
+/// engines (a daemon outlives the processes it serves). Not a stable API.
+#[pyfunction]
+#[pyo3(signature = (path, geometry, pool_bytes, policy = None))]
+pub fn _serve(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    geometry: &PyGeometry,
+    pool_bytes: u64,
+    policy: Option<&str>,
+) -> PyResult<()> {
+    let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes).with_backing(BackingChoice::Plain);
+    if let Some(p) = policy {
+        cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
+    }
+    let server = py.detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind(&path, t))).py()?;
+    std::thread::Builder::new()
+        .name("kvtier-serve".into())
+        .spawn(move || server.run())
+        .map_err(|e| config_error(format!("spawning the server thread: {e}")))?;
+    Ok(())
 }
 
 impl PyTier {
@@ -240,11 +286,30 @@ impl PyTier {
     /// `keys`: a sequence of 16-byte content keys (`Namespace.key`). `uses`: restores allowed
     /// from this lease (one per rank that will restore the same blocks).
     ///
-    /// Raises: `KeyLengthError`.
+    /// Raises: `KeyLengthError`; `DisconnectedError` (a connected tier whose daemon is gone).
     #[pyo3(signature = (keys, uses = 1))]
-    fn query(&self, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
+    fn query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
         let keys = keys_of(keys)?;
-        Ok(PyLease { inner: self.inner.query_shared(&keys, uses) })
+        let inner = py.detach(|| self.inner.try_query_shared(&keys, uses)).py()?;
+        Ok(PyLease { inner })
+    }
+
+    /// Opens a lease another process shared (`Lease.token`), for a tier from `kvtier.connect`:
+    /// each data-parallel process restores from the one lease with one of its uses. The lease
+    /// lives while any process holds it.
+    ///
+    /// Raises: `ForeignLeaseError` (an in-process tier, or a token of an earlier daemon run),
+    /// `LeaseSettledError`, `DisconnectedError`.
+    fn open_lease(&self, py: Python<'_>, token: &[u8]) -> PyResult<PyLease> {
+        let token = LeaseToken::from_bytes(token).py()?;
+        let inner = py.detach(|| self.inner.open_lease(&token)).py()?;
+        Ok(PyLease { inner })
+    }
+
+    /// True for a tier from `kvtier.connect` (its state lives in the tier daemon).
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.is_connected_tier()
     }
 
     /// True if the block of `key` is resident (does not pin or refresh it).
@@ -260,8 +325,11 @@ impl PyTier {
     /// The tier's counters as a dict of ints: `queries`, `hit_blocks`, `miss_blocks`,
     /// `saved_blocks`, `restored_blocks`, `evictions`, `bytes_saved`, `bytes_restored`,
     /// `pinned_slots`, `ready_slots`, `free_slots`, `capacity`, ... (blocks, slots and bytes).
+    ///
+    /// Raises: `DisconnectedError` (a connected tier whose daemon is gone).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        to_py(py, &self.inner.stats())
+        let s = py.detach(|| self.inner.try_stats()).py()?;
+        to_py(py, &s)
     }
 
     /// The block layout.
@@ -555,6 +623,13 @@ impl PyLease {
     #[getter]
     fn uses_left(&self) -> u32 {
         self.inner.uses_left()
+    }
+    /// For a lease of a tier from `kvtier.connect`: 16 bytes that another process connected to the
+    /// same daemon passes to `Tier.open_lease` to restore from this lease. None for an in-process
+    /// tier's lease and for an empty one.
+    #[getter]
+    fn token<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.token().map(|t| PyBytes::new(py, &t.to_bytes()))
     }
     /// Settles now, dropping the pins (restores already submitted complete normally). Returns True
     /// if this call settled it.

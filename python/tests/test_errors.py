@@ -11,9 +11,9 @@ from conftest import PAGES, make_arrays
 def test_every_rust_error_variant_maps_to_its_class_with_fields():
     examples = kvtier._kvtier._error_examples()
     names = {name for name, _ in examples}
-    # One class per variant of GeometryError (12), PoolError (8), CopyError (8), TierError (12,
+    # One class per variant of GeometryError (12), PoolError (8), CopyError (8), TierError (14,
     # Copy aside), plus kvtier::Error's Verification and Config.
-    assert len(names) == 12 + 8 + 8 + 12 + 2
+    assert len(names) == 12 + 8 + 8 + 14 + 2
     for name, exc in examples:
         cls = getattr(errors, name)
         assert type(exc) is cls, (name, type(exc))
@@ -37,6 +37,9 @@ def test_every_rust_error_variant_maps_to_its_class_with_fields():
     assert isinstance(by["LeaseExpiredError"], kvtier.LeaseSettledError)
     assert (by["IndexCapacityError"].requested, by["IndexCapacityError"].max) == (1 << 60, 1 << 56)
     assert isinstance(by["BackendPanickedError"], kvtier.CopyError)
+    assert isinstance(by["DisconnectedError"], kvtier.TierError) and isinstance(by["DisconnectedError"], ConnectionError)
+    assert "restarted" in by["DisconnectedError"].reason
+    assert (by["ProtocolMismatchError"].daemon, by["ProtocolMismatchError"].client) == (2, 1)
 
 
 def test_every_exception_class_is_exported_and_documented():

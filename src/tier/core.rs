@@ -239,6 +239,22 @@ impl Core {
         add(&self.counters.quarantined_slots, n as u64);
     }
 
+    /// Returns a block quarantined by [`Core::quarantine_reserved`] to the free list once its copy
+    /// is known to have stopped (the tier daemon: the process that ran the copy is gone):
+    /// `WRITING(g) -> FREE(g+1)`, then the free list. Its index entry went at quarantine.
+    pub fn release_quarantined(&self, r: Reserved) {
+        self.control().release(r.slot);
+        self.pool.free(r.slot);
+        sub(&self.counters.quarantined_slots, 1);
+    }
+
+    /// Takes back `n` slots counted by [`Core::record_quarantined_pins`] whose pins were dropped
+    /// (the tier daemon: the process whose copy held them is gone).
+    #[cfg(feature = "remote")]
+    pub(crate) fn release_quarantined_pins(&self, n: usize) {
+        sub(&self.counters.quarantined_slots, n as u64);
+    }
+
     /// True if `slot` is `READY` and unpinned now.
     pub fn evictable(&self, slot: SlotId) -> bool {
         let w = self.control().load(slot);

@@ -25,11 +25,14 @@ mod config;
 pub(crate) mod core;
 pub(crate) mod evictor;
 mod expiry;
+pub(crate) mod prepare;
 mod rank;
 pub(crate) mod save;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
+#[cfg(feature = "remote")]
+pub(crate) use rank::{CopyOutcome, Settle};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, TierStats};
 
@@ -47,6 +50,11 @@ use crate::sync::Arc;
 #[derive(Clone)]
 pub struct HostTier {
     core: Arc<Core>,
+    /// The tier daemon connection of a connected tier ([`HostTier::connect`]): the daemon owns the
+    /// state machine, and `core` holds only this process's mapping of the shared pool and the
+    /// geometry (its index, free list and policy stay empty).
+    #[cfg(feature = "remote")]
+    remote: Option<std::sync::Arc<crate::remote::client::Conn>>,
 }
 
 impl HostTier {
@@ -58,7 +66,37 @@ impl HostTier {
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
         let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
-        Ok(HostTier { core: Arc::new(core) })
+        Ok(HostTier::from_core(core))
+    }
+
+    /// [`HostTier::new`] with the pool in shared memory (a memfd, see [`HostPool::new_shared`]),
+    /// so other processes can map its slots: what the tier daemon serves.
+    ///
+    /// # Errors
+    /// As [`HostTier::new`].
+    pub fn new_shared(config: TierConfig) -> Result<Self, Error> {
+        let pool = HostPool::new_shared(config.geometry.slot_bytes(), &config.pool)?;
+        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
+        Ok(HostTier::from_core(core))
+    }
+
+    pub(crate) fn from_core(core: Core) -> Self {
+        HostTier {
+            core: Arc::new(core),
+            #[cfg(feature = "remote")]
+            remote: None,
+        }
+    }
+
+    /// The daemon connection of a connected tier.
+    #[cfg(feature = "remote")]
+    pub(crate) fn remote(&self) -> Option<&std::sync::Arc<crate::remote::client::Conn>> {
+        self.remote.as_ref()
+    }
+
+    #[cfg(feature = "remote")]
+    pub(crate) fn from_remote(core: Core, conn: std::sync::Arc<crate::remote::client::Conn>) -> Self {
+        HostTier { core: Arc::new(core), remote: Some(conn) }
     }
 
     /// Attaches one rank's copy backend (its device and GPU arenas) and returns its [`Rank`].
@@ -80,6 +118,13 @@ impl HostTier {
             return Err(TierError::GeometryMismatch { backend: bg.model().to_string(), tier: tg.model().to_string() });
         }
         backend.bind_pool(self.core.pool()).map_err(|e: CopyError| TierError::Copy(e))?;
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            let id = conn.attach()?;
+            let mut rank = Rank::start(self.core.clone(), std::sync::Arc::from(backend), id);
+            rank.remote = Some(conn.clone());
+            return Ok(rank);
+        }
         let id = self.core.next_rank_id();
         Ok(Rank::start(self.core.clone(), std::sync::Arc::from(backend), id))
     }
@@ -87,18 +132,37 @@ impl HostTier {
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
     /// them (see [`Lease`]). Hits refresh the blocks' recency.
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
-        Lease::acquire(&self.core, keys, 1)
+        self.query_shared(keys, 1)
     }
 
     /// [`HostTier::query`] with `uses` restores allowed (one per rank that will restore), so every
     /// data-parallel rank can restore the same blocks from one lease. `uses == 0` returns a lease
     /// that is already settled (it pins nothing).
+    ///
+    /// A connected tier whose daemon is gone answers with an empty lease (a miss: the engine
+    /// prefills); [`HostTier::try_query_shared`] reports the error instead.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
-        Lease::acquire(&self.core, keys, uses)
+        self.try_query_shared(keys, uses).unwrap_or_else(|_| Lease::acquire(&self.core, &[], uses))
+    }
+
+    /// [`HostTier::query_shared`], reporting a lost daemon connection.
+    ///
+    /// # Errors
+    /// [`TierError::Disconnected`] (connected tiers only; an in-process tier always answers).
+    pub fn try_query_shared(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return crate::remote::client::query(&self.core, conn, keys, uses);
+        }
+        Ok(Lease::acquire(&self.core, keys, uses))
     }
 
     /// True if `key`'s block is ready (does not pin or refresh it).
     pub fn contains(&self, key: &ContentKey) -> bool {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.contains(key).unwrap_or(false);
+        }
         self.core.index().get(key).is_some_and(|r| {
             let w = self.core.control().load(r.slot);
             w.state() == SlotState::Ready && w.generation() == r.generation
@@ -107,6 +171,10 @@ impl HostTier {
 
     /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed.
     pub fn evict(&self, n: usize) -> usize {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.evict(n).unwrap_or(0);
+        }
         let mut slots = Vec::new();
         let freed = self.core.evict_into(n, &mut slots);
         for s in slots {
@@ -118,12 +186,28 @@ impl HostTier {
     /// Settles every lease older than [`TierConfig::lease_ttl`] now (saves do it themselves when
     /// the pool is short of slots); returns how many it settled. A no-op without a TTL.
     pub fn expire_leases(&self) -> usize {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.expire_leases().unwrap_or(0);
+        }
         self.core.expire_leases()
     }
 
-    /// Live counters.
+    /// Live counters (a connected tier's daemon's; all zero once its connection is lost).
     pub fn stats(&self) -> TierStats {
-        self.core.stats()
+        self.try_stats().unwrap_or_default()
+    }
+
+    /// [`HostTier::stats`], reporting a lost daemon connection.
+    ///
+    /// # Errors
+    /// [`TierError::Disconnected`] (connected tiers only).
+    pub fn try_stats(&self) -> Result<TierStats, TierError> {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.stats();
+        }
+        Ok(self.core.stats())
     }
 
     /// The block layout.
@@ -136,7 +220,8 @@ impl HostTier {
         self.core.geometry().namespace()
     }
 
-    /// The host pool (capacity, backing).
+    /// The host pool (capacity, backing). For a connected tier, this process's mapping of the
+    /// daemon's pool: its free list is not the daemon's (use [`HostTier::stats`]).
     pub fn pool(&self) -> &HostPool {
         self.core.pool()
     }
@@ -152,7 +237,8 @@ impl HostTier {
     }
 
     /// Stops accepting saves, restores and attaches (queries still answer). In-flight copies
-    /// complete normally; drain each rank with [`Rank::shutdown`].
+    /// complete normally; drain each rank with [`Rank::shutdown`]. For a connected tier this stops
+    /// this handle (and its clones) only, not the daemon.
     pub fn shutdown(&self) {
         self.core.begin_shutdown();
     }

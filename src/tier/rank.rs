@@ -8,13 +8,10 @@
 //! [`CopyError::BackendPanicked`], and the copy's host slots are quarantined (never reused, since
 //! the copy may still be running) instead of being freed.
 
-use super::config::{Fit, SaveOptions};
+use super::config::SaveOptions;
 use super::core::Core;
-use super::evictor::Want;
-use super::stats::add;
 use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, TierError};
-use crate::guard::WriteReservation;
 use crate::handle::{CopyHandle, HandleShared};
 use crate::key::{ContentKey, Namespace};
 use crate::lease::Lease;
@@ -36,7 +33,7 @@ pub struct SaveTicket {
     /// Keys repeated within this save: copied once.
     pub duplicates: usize,
     /// Missing keys not saved because they did not fit or the policy did not admit them (or one
-    /// before them) ([`Fit::Prefix`] only).
+    /// before them) ([`crate::Fit::Prefix`] only).
     pub dropped: usize,
     /// Completes when the copied blocks are committed and visible to queries.
     pub handle: CopyHandle,
@@ -53,7 +50,9 @@ pub(crate) enum CopyOutcome {
     Unknown,
 }
 
-type Settle = Box<dyn FnOnce(CopyOutcome) + Send>;
+/// Finalises a copy once its outcome is known. An error (a remote tier that could not tell its
+/// daemon) fails the copy's handle even though the copy itself completed.
+pub(crate) type Settle = Box<dyn FnOnce(CopyOutcome) -> Result<(), TierError> + Send>;
 
 struct Job {
     completion: Box<dyn Completion>,
@@ -72,7 +71,7 @@ impl Job {
         let waited = catch_unwind(AssertUnwindSafe(|| completion.wait()));
         let result = match waited {
             Ok(r) => {
-                settle(if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed });
+                let settled = settle(if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed });
                 if let Err(e) = &r {
                     tracing::warn!("{dir:?} of {blocks} blocks failed: {e}");
                 }
@@ -80,23 +79,25 @@ impl Job {
                 if catch_unwind(AssertUnwindSafe(move || drop(completion))).is_err() {
                     tracing::error!("a {dir:?} completion panicked when dropped; the panic was contained");
                 }
-                r
+                r.map_err(TierError::Copy).and(settled)
             }
             Err(_) => {
                 tracing::error!(
                     "the copy backend panicked while waiting for a {dir:?} of {blocks} blocks; \
                      its host slots are quarantined"
                 );
-                settle(CopyOutcome::Unknown);
+                let _ = settle(CopyOutcome::Unknown);
                 // It may own buffers the copy still uses: never drop it.
                 std::mem::forget(completion);
-                Err(CopyError::BackendPanicked)
+                Err(TierError::Copy(CopyError::BackendPanicked))
             }
         };
         core.counters.record_copy(dir, blocks, bytes, result.is_ok());
         inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
-        handle.complete(&result);
+        // The batch leaves the rank's load before its handle completes, so a caller woken by the
+        // handle sees `Rank::load` without it.
         inflight.end();
+        handle.complete(&result);
     }
 }
 
@@ -152,6 +153,9 @@ pub struct Rank {
     restore_tx: std::sync::Mutex<Option<mpsc::Sender<Job>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     inflight: std::sync::Arc<InFlight>,
+    /// The tier daemon connection of a rank of a connected tier ([`super::HostTier::connect`]).
+    #[cfg(feature = "remote")]
+    pub(crate) remote: Option<std::sync::Arc<crate::remote::client::Conn>>,
 }
 
 impl Rank {
@@ -183,7 +187,15 @@ impl Rank {
             restore_tx: std::sync::Mutex::new(Some(restore_tx)),
             threads,
             inflight,
+            #[cfg(feature = "remote")]
+            remote: None,
         }
+    }
+
+    /// Slots in the pool this rank copies to and from.
+    #[cfg(feature = "remote")]
+    pub(crate) fn core_pool_capacity(&self) -> u32 {
+        self.core.pool().capacity()
     }
 
     /// This rank's id (attach order, from 0).
@@ -227,7 +239,7 @@ impl Rank {
     /// # Safety
     /// The backend contract for `batch` ([`CopyBackend`]): `settle` must own the slots' reservation
     /// (save) or pins (restore), and the caller must own the GPU pages until the handle completes.
-    unsafe fn launch(
+    pub(crate) unsafe fn launch(
         &self,
         dir: Direction,
         batch: &[CopyPair],
@@ -267,7 +279,7 @@ impl Rank {
         Ok(CopyHandle::new(handle))
     }
 
-    /// Saves with [`Fit::AllOrNothing`]; see [`Rank::save_with`].
+    /// Saves with [`crate::Fit::AllOrNothing`]; see [`Rank::save_with`].
     ///
     /// # Errors
     /// As [`Rank::save_with`].
@@ -286,7 +298,7 @@ impl Rank {
     ///
     /// # Errors
     /// [`TierError::LengthMismatch`]; [`TierError::Copy`] with [`CopyError::PageOutOfRange`] for a
-    /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`Fit::AllOrNothing`]:
+    /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`crate::Fit::AllOrNothing`]:
     /// nothing evicted) or [`TierError::PoolExhausted`] (the slots were pinned meanwhile; nothing
     /// evicted); [`TierError::ShuttingDown`]; backend errors (the reserved slots are released,
     /// nothing becomes visible).
@@ -301,62 +313,22 @@ impl Rank {
         if keys.len() != gpu_pages.len() {
             return Err(TierError::LengthMismatch { keys: keys.len(), pages: gpu_pages.len() });
         }
-        let core = &*self.core;
-        let pages = core.geometry().pages();
+        // The rank's own page count (a connected tier's geometry names no GPU pages).
+        let pages = self.backend.geometry().pages();
         if let Some(&p) = gpu_pages.iter().find(|&&p| p >= pages) {
             return Err(CopyError::PageOutOfRange { page: p, pages }.into());
         }
-        let c = &core.counters;
-        let mut plan = core.plan_save(keys, &opts);
-        plan.record();
-        let need = plan.missing().len();
-        let want = match opts.fit {
-            Fit::AllOrNothing => {
-                let mut avail = core.available_slots();
-                if need > avail && core.expire_leases() > 0 {
-                    avail = core.available_slots();
-                }
-                if need > avail {
-                    add(&c.saves_refused, 1);
-                    return Err(TierError::CannotFit {
-                        needed: need,
-                        available: avail,
-                        capacity: core.pool().capacity() as usize,
-                    });
-                }
-                Want::Exactly(need)
-            }
-            Fit::Prefix => {
-                if need > core.available_slots() {
-                    core.expire_leases();
-                }
-                Want::UpTo(need)
-            }
-        };
-        let slots = core.acquire_slots(want).inspect_err(|_| add(&c.saves_refused, 1))?;
-        plan.truncate(slots.len());
-        let dropped = need - slots.len() + plan.refused;
-        add(&c.save_dropped, dropped as u64);
-        let mut reservation = WriteReservation::new(&self.core);
-        let mut saving = Vec::with_capacity(slots.len());
-        let mut batch = Vec::with_capacity(slots.len());
-        let mut lost = 0;
-        for (&i, slot) in plan.missing().iter().zip(slots) {
-            if reservation.reserve(keys[i], slot, opts.depth_of(i).unwrap_or(u32::MAX)) {
-                saving.push(i);
-                batch.push(CopyPair::new(gpu_pages[i], slot.0));
-            } else {
-                // Unreachable while the plan's claim is held; counted as in flight if it happens.
-                lost += 1;
-            }
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return crate::remote::client::save(self, conn, keys, gpu_pages, wait, opts);
         }
-        add(&c.save_skipped_in_flight, lost as u64);
-        let (resident, in_flight, duplicates) = (plan.resident, plan.in_flight + lost, plan.duplicates);
-        // The index entries are in place: the keys' save claims can go.
-        drop(plan);
-        if batch.is_empty() {
+        let prepared = super::prepare::prepare_save(&self.core, keys, &opts)?;
+        let super::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } = prepared;
+        if saving.is_empty() {
             return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
         }
+        let batch: Vec<CopyPair> =
+            saving.iter().zip(reservation.entries()).map(|(&i, r)| CopyPair::new(gpu_pages[i], r.slot.0)).collect();
         // SAFETY: every slot in `batch` is WRITING and owned by `reservation`, which the settle
         // closure owns until the copy has finished (the reservation holds the core, so the pool
         // outlives the copy); GPU pages are the caller's, who may not rewrite them before the handle
@@ -366,10 +338,13 @@ impl Rank {
                 Direction::Save,
                 &batch,
                 wait,
-                Box::new(move |outcome| match outcome {
-                    CopyOutcome::Done => reservation.commit(),
-                    CopyOutcome::Failed => drop(reservation),
-                    CopyOutcome::Unknown => reservation.quarantine(),
+                Box::new(move |outcome| {
+                    match outcome {
+                        CopyOutcome::Done => reservation.commit(),
+                        CopyOutcome::Failed => drop(reservation),
+                        CopyOutcome::Unknown => reservation.quarantine(),
+                    }
+                    Ok(())
                 }),
             )
         }?;
@@ -399,6 +374,10 @@ impl Rank {
         if n > lease.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: lease.len() });
         }
+        #[cfg(feature = "remote")]
+        if let Some(remote) = lease.remote() {
+            return crate::remote::client::restore(self, remote, gpu_pages, wait);
+        }
         if n == 0 {
             lease.consume_without_copy();
             return Ok(CopyHandle::ready());
@@ -413,9 +392,12 @@ impl Rank {
                 Direction::Restore,
                 &batch,
                 wait,
-                Box::new(move |outcome| match outcome {
-                    CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
-                    CopyOutcome::Unknown => pins.quarantine(),
+                Box::new(move |outcome| {
+                    match outcome {
+                        CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
+                        CopyOutcome::Unknown => pins.quarantine(),
+                    }
+                    Ok(())
                 }),
             )
         }?;

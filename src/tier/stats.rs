@@ -50,7 +50,8 @@ pub struct TierStats {
     /// [`crate::TierConfig::lease_ttl`] is set; 0 otherwise or when there is none).
     pub oldest_lease_age_ms: u64,
     /// Slots withheld for good because a copy's outcome is unknown (its backend panicked while
-    /// waiting for it): never reused, since the copy may still be running.
+    /// waiting for it): never reused, since the copy may still be running. The tier daemon also
+    /// counts here the slots and pins of a disconnected engine process's copies, until it exits.
     pub quarantined_slots: u64,
     /// Slots with at least one pin (lease or restore guard).
     pub pinned_slots: u64,

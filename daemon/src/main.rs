@@ -1,0 +1,175 @@
+//! `kvtierd`: the kvtier tier daemon. One host pool in shared memory, served to every engine process
+//! that connects to its Unix socket (`kvtier::HostTier::connect`). See `docs/design.md` ("The tier
+//! daemon") for the protocol and what happens when an engine dies.
+
+use clap::Parser;
+use kvtier::remote::Server;
+use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The kvtier tier daemon: one host-memory KV-cache pool in shared memory for every engine process.
+#[derive(Parser, Debug)]
+#[command(name = "kvtierd", version)]
+struct Args {
+    /// Unix socket to listen on.
+    #[arg(long, default_value = "/tmp/kvtierd.sock")]
+    socket: PathBuf,
+    /// Block layout preset: glm52, qwen3-4b, deepseek-v3, deepseek-v3-bf16, llama3-8b.
+    #[arg(long, conflicts_with_all = ["model", "arena"])]
+    geometry: Option<String>,
+    /// Model name of a custom layout (with --page-tokens and --arena).
+    #[arg(long, requires = "arena")]
+    model: Option<String>,
+    /// Tokens per page of a custom layout.
+    #[arg(long, default_value_t = 16)]
+    page_tokens: u32,
+    /// One arena of a custom layout, NAME:BYTES_PER_PAGE, in order (repeat).
+    #[arg(long)]
+    arena: Vec<String>,
+    /// Tensor-parallel shard INDEX/COUNT the blocks belong to.
+    #[arg(long)]
+    shard: Option<String>,
+    /// Host memory for block slots (e.g. 32GiB; capacity = floor(pool / slot size)).
+    #[arg(long, default_value = "4GiB")]
+    pool: String,
+    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu.
+    #[arg(long, default_value_t = PolicyKind::default().name().to_string())]
+    policy: String,
+    /// Pages behind the pool: auto (hugetlb if reserved, else 4 KiB), hugetlb, thp, plain.
+    #[arg(long, default_value = "auto")]
+    backing: String,
+    /// Settle leases older than this many seconds (an engine that forgets one pins at most this long).
+    #[arg(long)]
+    lease_ttl: Option<f64>,
+    /// Touch every page at start (no page faults on first saves).
+    #[arg(long)]
+    prefault: bool,
+    /// Lock the pool in memory.
+    #[arg(long)]
+    mlock: bool,
+    /// Bind the pool to this NUMA node.
+    #[arg(long)]
+    numa_node: Option<u32>,
+}
+
+fn geometry(a: &Args) -> Result<Geometry, String> {
+    let g = match (&a.geometry, &a.model) {
+        (Some(p), _) => Geometry::preset(p, 1).map_err(|e| e.to_string())?,
+        (None, Some(model)) => {
+            let arenas = a
+                .arena
+                .iter()
+                .map(|s| {
+                    let (name, bytes) = s.split_once(':').ok_or_else(|| format!("--arena {s}: expected NAME:BYTES"))?;
+                    let bytes = bytes.parse::<u64>().map_err(|e| format!("--arena {s}: {e}"))?;
+                    Ok(ArenaSpec::packed(name, bytes, 1))
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            Geometry::new(model, a.page_tokens, arenas).map_err(|e| e.to_string())?
+        }
+        (None, None) => return Err("give --geometry PRESET, or --model with --arena NAME:BYTES".into()),
+    };
+    match &a.shard {
+        None => Ok(g),
+        Some(s) => {
+            let (i, n) = s.split_once('/').ok_or_else(|| format!("--shard {s}: expected INDEX/COUNT"))?;
+            let (i, n) = (i.parse::<u32>().map_err(|e| e.to_string())?, n.parse::<u32>().map_err(|e| e.to_string())?);
+            g.with_shard(i, n).map_err(|e| e.to_string())
+        }
+    }
+}
+
+fn config(a: &Args) -> Result<TierConfig, String> {
+    let g = geometry(a)?;
+    let bytes = parse_size::parse_size(&a.pool).map_err(|e| format!("--pool {}: {e}", a.pool))?;
+    let backing = match a.backing.as_str() {
+        "auto" => BackingChoice::Auto,
+        "hugetlb" => BackingChoice::HugeTlb,
+        "thp" => BackingChoice::TransparentHuge,
+        "plain" => BackingChoice::Plain,
+        b => return Err(format!("--backing {b}: expected auto, hugetlb, thp or plain")),
+    };
+    let mut pool = PoolConfig::new(bytes).with_backing(backing).with_prefault(a.prefault).with_mlock(a.mlock);
+    if let Some(n) = a.numa_node {
+        pool = pool.with_numa_node(n);
+    }
+    let policy = a.policy.parse::<PolicyKind>().map_err(|e| e.to_string())?;
+    let mut cfg = TierConfig::new(g, bytes).with_pool(pool).with_policy(policy);
+    if let Some(ttl) = a.lease_ttl {
+        let ttl =
+            Duration::try_from_secs_f64(ttl).map_err(|_| format!("--lease-ttl {ttl}: not a number of seconds"))?;
+        cfg = cfg.with_lease_ttl(ttl);
+    }
+    Ok(cfg)
+}
+
+fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvtier=info,kvtierd=info".into()),
+        )
+        .init();
+    let cfg = match config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvtierd: {e}");
+            std::process::exit(2);
+        }
+    };
+    // Block the stop signals in every thread; the main thread waits for them below.
+    let mut stop = nix::sys::signal::SigSet::empty();
+    stop.add(nix::sys::signal::Signal::SIGTERM);
+    stop.add(nix::sys::signal::Signal::SIGINT);
+    if let Err(e) = stop.thread_block() {
+        eprintln!("kvtierd: blocking SIGTERM/SIGINT: {e}");
+        std::process::exit(1);
+    }
+    let t0 = Instant::now();
+    let tier = match HostTier::new_shared(cfg) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvtierd: {e}");
+            std::process::exit(1);
+        }
+    };
+    let setup = t0.elapsed();
+    let server = match Server::bind(&args.socket, tier) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvtierd: {e}");
+            std::process::exit(1);
+        }
+    };
+    let t = server.tier();
+    let g = t.geometry();
+    println!(
+        "kvtierd: serving {} (namespace {:?}) at {}: {} slots of {} B ({:.2} GiB mapped, {} pages), policy {}, \
+         pool set up in {:.1} ms, pid {}",
+        g.model(),
+        g.namespace(),
+        args.socket.display(),
+        t.capacity(),
+        g.slot_bytes(),
+        t.pool().mapped_bytes() as f64 / (1u64 << 30) as f64,
+        t.pool().backing().name(),
+        t.policy_name(),
+        setup.as_secs_f64() * 1e3,
+        std::process::id()
+    );
+    let path = server.path().to_path_buf();
+    std::thread::Builder::new()
+        .name("kvtierd-accept".into())
+        .spawn(move || {
+            if let Err(e) = server.run() {
+                eprintln!("kvtierd: {e}");
+                std::process::exit(1);
+            }
+        })
+        .expect("spawning the accept thread");
+    let sig = stop.wait();
+    let _ = std::fs::remove_file(&path);
+    eprintln!("kvtierd: {sig:?}: stopped");
+}

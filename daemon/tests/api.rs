@@ -1,0 +1,213 @@
+//! A connected tier answers like an in-process one: the same values and the same errors, call by
+//! call. The daemon's server runs on a thread of this test process (`kvtier::remote::Server`), the
+//! clients are `HostTier::connect` handles on other threads.
+
+use kvtier::copy::host::HostArenas;
+use kvtier::remote::Server;
+use kvtier::{
+    ArenaSpec, BackingChoice, CopyError, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig,
+    TierError, WaitFor,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn geometry() -> Geometry {
+    Geometry::new("test-model", 16, vec![ArenaSpec::packed("big", 4096, 1), ArenaSpec::packed("small", 1024, 1)])
+        .unwrap()
+}
+
+fn config(slots: u64) -> TierConfig {
+    let g = geometry();
+    TierConfig::new(g.clone(), slots * g.slot_bytes()).with_backing(BackingChoice::Plain).with_policy(PolicyKind::Lru)
+}
+
+/// A served tier of `slots` slots and the socket's directory (keep it alive).
+fn serve(slots: u64) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvtierd.sock");
+    let server = Server::bind(&path, HostTier::new_shared(config(slots)).unwrap()).unwrap();
+    std::thread::spawn(move || server.run());
+    (dir, path)
+}
+
+/// The same scripted calls on an in-process tier and on a connected one give the same answers.
+fn script(tier: &HostTier) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut log = |s: String| out.push(s);
+    let g = tier.geometry().with_pages(64).unwrap();
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    log(format!(
+        "rank {} backend {} policy {} capacity {}",
+        rank.id(),
+        rank.backend_name(),
+        tier.policy_name(),
+        tier.capacity()
+    ));
+    let k: Vec<_> = (0..12).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+    let src: Vec<u64> = (0..12).collect();
+    arenas.fill(&src, &k).unwrap();
+    // Errors before anything is planned.
+    log(format!("{:?}", rank.save(&k[..2], &[1], WaitFor::Nothing).unwrap_err()));
+    log(format!("{:?}", rank.save(&k[..1], &[64], WaitFor::Nothing).unwrap_err()));
+    // An all-or-nothing save that cannot fit evicts nothing.
+    log(format!("{:?}", rank.save(&k[..11], &src[..11], WaitFor::Nothing).unwrap_err()));
+    let t = rank.save(&k[..6], &src[..6], WaitFor::Nothing).unwrap();
+    t.handle.wait_timeout(WAIT).unwrap().unwrap();
+    log(format!("saving {:?} resident {} in flight {} dup {}", t.saving, t.resident, t.in_flight, t.duplicates));
+    let dup = [k[0], k[6], k[6]];
+    let t = rank.save(&dup, &[0, 6, 6], WaitFor::Nothing).unwrap();
+    t.handle.wait_timeout(WAIT).unwrap().unwrap();
+    log(format!("saving {:?} resident {} dup {}", t.saving, t.resident, t.duplicates));
+    let t = rank
+        .save_with(&k[7..10], &src[7..10], WaitFor::Nothing, SaveOptions::new().fit(Fit::Prefix).prefix_depth(7))
+        .unwrap();
+    t.handle.wait_timeout(WAIT).unwrap().unwrap();
+    log(format!("prefix saving {:?} dropped {}", t.saving, t.dropped));
+    log(format!("contains {} {}", tier.contains(&k[0]), tier.contains(&k[11])));
+    // Leases: a shared one, restored twice, then settled.
+    let lease = tier.query_shared(&k[..4], 2);
+    log(format!("lease len {} uses {} settled {}", lease.len(), lease.uses_left(), lease.is_settled()));
+    log(format!("{:?}", rank.restore(&lease, &[20, 21, 22, 23, 24], WaitFor::Nothing).unwrap_err()));
+    log(format!("{:?}", rank.restore(&lease, &[20, 20], WaitFor::Nothing).unwrap_err()));
+    log(format!("uses after a refused restore {}", lease.uses_left()));
+    rank.restore(&lease, &[20, 21, 22, 23], WaitFor::Nothing).unwrap().wait_timeout(WAIT).unwrap().unwrap();
+    arenas.verify(&[20, 21, 22, 23], &k[..4]).unwrap();
+    rank.restore(&lease, &[30, 31], WaitFor::Nothing).unwrap().wait_timeout(WAIT).unwrap().unwrap();
+    arenas.verify(&[30, 31], &k[..2]).unwrap();
+    log(format!("settled {} uses {}", lease.is_settled(), lease.uses_left()));
+    log(format!("{:?}", rank.restore(&lease, &[40], WaitFor::Nothing).unwrap_err()));
+    let l2 = tier.query(&k[..3]);
+    log(format!("release {} again {}", l2.clone().release(), l2.clone().release()));
+    let miss = tier.query(&[tier.namespace().trace_page_key(99, 0), k[0]]);
+    log(format!("miss len {} settled {} token {}", miss.len(), miss.is_settled(), miss.token_or_none()));
+    log(format!("evicted {}", tier.evict(2)));
+    let s = tier.stats();
+    log(format!(
+        "stats q {} hit {} miss {} saved {} restored {} evictions {} pinned {} ready {} free {} refused {} dropped {}",
+        s.queries,
+        s.hit_blocks,
+        s.miss_blocks,
+        s.saved_blocks,
+        s.restored_blocks,
+        s.evictions,
+        s.pinned_slots,
+        s.ready_slots,
+        s.free_slots,
+        s.saves_refused,
+        s.save_dropped
+    ));
+    rank.shutdown(WAIT).unwrap();
+    out
+}
+
+trait TokenOrNone {
+    fn token_or_none(&self) -> bool;
+}
+impl TokenOrNone for kvtier::Lease {
+    fn token_or_none(&self) -> bool {
+        self.token().is_some()
+    }
+}
+
+#[test]
+fn a_connected_tier_answers_like_an_in_process_one() {
+    let local = HostTier::new(config(10)).unwrap();
+    let (_dir, path) = serve(10);
+    let remote = HostTier::connect(&path).unwrap();
+    assert!(remote.is_connected_tier() && !local.is_connected_tier());
+    assert_eq!(remote.geometry(), local.geometry());
+    assert_eq!(remote.namespace(), local.namespace());
+    assert!(remote.pool().shared_fd().is_some());
+    let a = script(&local);
+    let b = script(&remote);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x, y);
+    }
+    assert_eq!(a.len(), b.len());
+    let keys: Vec<_> = (0..12).map(|i| remote.namespace().trace_page_key(i, 0)).collect();
+    let audit = kvtier::testing::remote_audit(&remote, &keys).unwrap().unwrap();
+    assert_eq!(audit, kvtier::testing::core(&local).audit(&keys).unwrap());
+    assert!(matches!(kvtier::testing::remote_audit(&local, &keys), Err(TierError::ForeignLease)));
+}
+
+#[test]
+fn leases_are_foreign_across_tiers_and_tokens_open_on_other_connections() {
+    let (_dir, path) = serve(8);
+    let a = HostTier::connect(&path).unwrap();
+    let b = HostTier::connect(&path).unwrap();
+    let local = HostTier::new(config(8)).unwrap();
+    let g = a.geometry().with_pages(8).unwrap();
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let ra = a.attach(arenas.backend().unwrap()).unwrap();
+    let k: Vec<_> = (0..3).map(|i| a.namespace().trace_page_key(i, 0)).collect();
+    arenas.fill(&[0, 1, 2], &k).unwrap();
+    ra.save(&k, &[0, 1, 2], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
+    let lease = a.query_shared(&k, 2);
+    // A lease of one connection restored by a rank of another handle is foreign, as across tiers.
+    let rl = local.attach(arenas.backend().unwrap()).unwrap();
+    assert!(matches!(rl.restore(&lease, &[4], WaitFor::Nothing), Err(TierError::ForeignLease)));
+    let token = lease.token().unwrap();
+    assert_eq!(kvtier::LeaseToken::from_bytes(&token.to_bytes()).unwrap(), token);
+    assert!(matches!(local.open_lease(&token), Err(TierError::ForeignLease)));
+    let opened = b.open_lease(&token).unwrap();
+    assert_eq!(opened.len(), 3);
+    // The first handle goes; the lease lives on in the other connection.
+    drop(lease);
+    let rb = b.attach(arenas.backend().unwrap()).unwrap();
+    rb.restore(&opened, &[5, 6, 7], WaitFor::Nothing).unwrap().wait_timeout(WAIT).unwrap().unwrap();
+    arenas.verify(&[5, 6, 7], &k).unwrap();
+    assert_eq!((opened.uses_left(), opened.is_settled()), (1, false));
+    drop(opened);
+    let s = b.stats();
+    assert_eq!((s.live_leases, s.pinned_slots), (0, 0), "the last handle settled it");
+    assert!(matches!(b.open_lease(&token), Err(TierError::LeaseSettled)));
+    // A copy error on submission keeps the lease's use (as in process).
+    let l = a.query(&k);
+    let e = ra.restore(&l, &[0, 0], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(e, TierError::Copy(CopyError::DuplicateDestination { .. })), "{e:?}");
+    assert_eq!(l.uses_left(), 1);
+    assert_eq!(a.stats().pinned_slots, 3, "only the lease's pins");
+}
+
+#[test]
+fn connecting_checks_the_namespace_and_a_missing_daemon_is_a_typed_error() {
+    let (dir, path) = serve(4);
+    assert!(HostTier::connect_as(&path, &geometry()).is_ok());
+    let other = Geometry::new("other-model", 16, vec![ArenaSpec::packed("big", 4096, 1)]).unwrap();
+    let e = HostTier::connect_as(&path, &other).unwrap_err();
+    assert!(matches!(e, kvtier::Error::Tier(TierError::GeometryMismatch { .. })), "{e:?}");
+    let e = HostTier::connect(dir.path().join("nobody.sock")).unwrap_err();
+    assert!(matches!(e, kvtier::Error::Tier(TierError::Disconnected { .. })), "{e:?}");
+    // A second daemon on a live socket is refused.
+    let e = Server::bind(&path, HostTier::new_shared(config(4)).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("already listens"), "{e}");
+    // A private pool cannot be served.
+    let e = Server::bind(dir.path().join("x.sock"), HostTier::new(config(4)).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("private"), "{e}");
+}
+
+#[test]
+fn a_hello_of_another_protocol_version_is_refused() {
+    use kvtier::remote::proto::{self, Reply, Request, WireError};
+    use std::io::Read;
+    let (_dir, path) = serve(4);
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut buf = Vec::new();
+    let hello = Request::Hello { magic: proto::MAGIC, version: proto::PROTOCOL_VERSION + 1, namespace: None };
+    proto::write_frame(&mut proto::NoSigPipe(&s), &hello, &mut buf).unwrap();
+    let mut marker = [0u8];
+    s.read_exact(&mut marker).unwrap();
+    assert_eq!(marker[0], proto::MARKER_REFUSED);
+    let r: Reply = proto::read_frame(&mut s, &mut buf).unwrap();
+    assert_eq!(
+        r,
+        Reply::Error(WireError::ProtocolMismatch {
+            daemon: proto::PROTOCOL_VERSION,
+            client: proto::PROTOCOL_VERSION + 1
+        })
+    );
+}

@@ -1,0 +1,615 @@
+//! The tier daemon's wire protocol: versioned, batched, binary.
+//!
+//! A connection is a Unix stream socket. Every message is one **frame**: a 4-byte little-endian
+//! payload length, then the payload, a [`Request`] or a [`Reply`] encoded with `postcard` (serde's
+//! compact varint format). A frame is at most [`MAX_FRAME`] bytes.
+//!
+//! The client speaks first: [`Request::Hello`] with [`MAGIC`], [`PROTOCOL_VERSION`] and, optionally,
+//! the namespace it expects. The daemon answers with one **marker byte** sent with `sendmsg`:
+//! [`MARKER_POOL`] carries the pool's memfd as `SCM_RIGHTS` ancillary data, [`MARKER_REFUSED`]
+//! carries nothing; then the [`Reply`] frame ([`Reply::Welcome`] or [`Reply::Error`]).
+//!
+//! After the hello every [`Request`] gets exactly one [`Reply`], in order, except the one-way
+//! messages ([`Request::is_one_way`]), which get none. Everything is batched: one round trip per
+//! query or save batch, never per page. Bump [`PROTOCOL_VERSION`] with any change to these types
+//! (or to [`WireStats`]).
+
+use crate::error::TierError;
+use crate::key::{ContentKey, Namespace};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+
+/// The first four bytes of a hello.
+pub const MAGIC: [u8; 4] = *b"KVTD";
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest frame payload, in bytes (a 1M-key query is 16 MB).
+pub const MAX_FRAME: usize = 64 << 20;
+/// Marker byte before a welcome: the pool's memfd rides with it.
+pub const MARKER_POOL: u8 = b'F';
+/// Marker byte before a refusal: no fd.
+pub const MARKER_REFUSED: u8 = b'E';
+
+/// How a copy ended, as the rank that ran it reports it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// The copy completed.
+    Done,
+    /// The copy failed; it is over.
+    Failed,
+    /// The copy's backend panicked while waiting: the copy may still be running in that process.
+    Unknown,
+    /// The copy was never submitted (the backend refused it).
+    NotSubmitted,
+}
+
+/// A client's message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first message: [`MAGIC`], [`PROTOCOL_VERSION`], and the namespace the client expects
+    /// (`None`: adopt the daemon's geometry).
+    Hello {
+        /// [`MAGIC`].
+        magic: [u8; 4],
+        /// [`PROTOCOL_VERSION`].
+        version: u32,
+        /// The expected namespace.
+        namespace: Option<Namespace>,
+    },
+    /// A rank attaches: its id. -> [`Reply::Attached`].
+    Attach,
+    /// Lease the longest ready prefix of `keys` with `uses` restores. -> [`Reply::Leased`].
+    Query {
+        /// Keys, in prompt order.
+        keys: Vec<ContentKey>,
+        /// Restores the lease allows.
+        uses: u32,
+    },
+    /// Take a handle on a lease another connection made (its token). -> [`Reply::Leased`].
+    OpenLease {
+        /// The lease.
+        lease: u64,
+    },
+    /// The lease's state. -> [`Reply::LeaseInfo`].
+    LeaseInfo {
+        /// The lease.
+        lease: u64,
+    },
+    /// Settle the lease now. -> [`Reply::Bool`] (true if this settled it).
+    ReleaseLease {
+        /// The lease.
+        lease: u64,
+    },
+    /// One-way: this connection drops one handle on the lease (the lease settles when the last
+    /// handle, of any connection, is gone).
+    DropLease {
+        /// The lease.
+        lease: u64,
+    },
+    /// Use up one restore without copying (a zero-page restore). -> [`Reply::Done`].
+    ConsumeUse {
+        /// The lease.
+        lease: u64,
+    },
+    /// Plan, fit, acquire and reserve a save. -> [`Reply::SavePrepared`].
+    PrepareSave {
+        /// Keys to save, in prompt order.
+        keys: Vec<ContentKey>,
+        /// `Fit::Prefix` instead of all-or-nothing.
+        prefix: bool,
+        /// Prompt depth of the first key.
+        prefix_depth: Option<u32>,
+    },
+    /// The save's copy ended: commit, abort or quarantine its slots. -> [`Reply::Done`].
+    FinishSave {
+        /// The save.
+        save: u64,
+        /// How its copy ended.
+        outcome: Outcome,
+    },
+    /// Take the restore's pins on the lease's first `blocks` blocks, then one use. ->
+    /// [`Reply::Restoring`].
+    Restore {
+        /// The lease.
+        lease: u64,
+        /// Blocks to restore (at least 1).
+        blocks: u32,
+    },
+    /// One-way: the restore's copy was submitted (the lease settles if that was its last use).
+    RestoreSubmitted {
+        /// The restore.
+        restore: u64,
+    },
+    /// The restore's copy ended (or was never submitted): its pins go (are kept, for
+    /// [`Outcome::Unknown`], until the process is gone). -> [`Reply::Done`].
+    FinishRestore {
+        /// The restore.
+        restore: u64,
+        /// How its copy ended.
+        outcome: Outcome,
+    },
+    /// Is `key` ready? -> [`Reply::Bool`].
+    Contains {
+        /// The key.
+        key: ContentKey,
+    },
+    /// Evict up to `blocks` unpinned ready blocks. -> [`Reply::Count`].
+    Evict {
+        /// Blocks.
+        blocks: u64,
+    },
+    /// Settle leases past their time-to-live. -> [`Reply::Count`].
+    ExpireLeases,
+    /// The tier's counters. -> [`Reply::Stats`].
+    Stats,
+    /// The tier's structural audit over `keys` (tests, debugging). -> [`Reply::Audit`].
+    Audit {
+        /// Keys to check in the index.
+        keys: Vec<ContentKey>,
+    },
+}
+
+impl Request {
+    /// True for messages that get no reply.
+    pub fn is_one_way(&self) -> bool {
+        matches!(self, Request::DropLease { .. } | Request::RestoreSubmitted { .. })
+    }
+}
+
+/// One leased block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireBlock {
+    /// Its key.
+    pub key: ContentKey,
+    /// Its slot.
+    pub slot: u32,
+    /// The slot's generation.
+    pub generation: u64,
+}
+
+/// One arena of the daemon's geometry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireArena {
+    /// Name.
+    pub name: String,
+    /// Copy unit, bytes.
+    pub bytes_per_page: u64,
+    /// Page stride, bytes.
+    pub page_stride: u64,
+    /// Pages.
+    pub pages: u64,
+    /// `Placement::Fused { buffer, offset }`, or `None` for `Placement::Own`.
+    pub fused: Option<(u32, u64)>,
+}
+
+/// What a client learns from the daemon's welcome.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// [`PROTOCOL_VERSION`] of the daemon.
+    pub version: u32,
+    /// A random number naming this run of the daemon (lease tokens carry it).
+    pub instance: u64,
+    /// The daemon's process id.
+    pub pid: u32,
+    /// Model name.
+    pub model: String,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// Tensor-parallel shard.
+    pub shard: Option<(u32, u32)>,
+    /// Arenas, in order.
+    pub arenas: Vec<WireArena>,
+    /// The namespace (checked against the geometry rebuilt from the fields above).
+    pub namespace: Namespace,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Slots.
+    pub capacity: u32,
+    /// Bytes to map.
+    pub mapped_bytes: u64,
+    /// `hugetlb`, `thp` or `plain`.
+    pub backing: String,
+    /// The eviction policy's name.
+    pub policy: String,
+}
+
+/// The audit's slot counts.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireAudit {
+    /// `FREE` slots.
+    pub free: u64,
+    /// `WRITING` slots.
+    pub writing: u64,
+    /// `READY` slots.
+    pub ready: u64,
+    /// `EVICTING` slots.
+    pub evicting: u64,
+    /// Pinned slots.
+    pub pinned: u64,
+}
+
+/// [`crate::TierStats`] on the wire, field for field.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub struct WireStats {
+    pub queries: u64,
+    pub hit_blocks: u64,
+    pub miss_blocks: u64,
+    pub saved_blocks: u64,
+    pub save_skipped_resident: u64,
+    pub save_skipped_in_flight: u64,
+    pub save_skipped_duplicate: u64,
+    pub save_dropped: u64,
+    pub saves_refused: u64,
+    pub save_failed_blocks: u64,
+    pub restored_blocks: u64,
+    pub restore_failed_blocks: u64,
+    pub evictions: u64,
+    pub bytes_saved: u64,
+    pub bytes_restored: u64,
+    pub expired_leases: u64,
+    pub live_leases: u64,
+    pub oldest_lease_age_ms: u64,
+    pub quarantined_slots: u64,
+    pub pinned_slots: u64,
+    pub ready_slots: u64,
+    pub writing_slots: u64,
+    pub free_slots: u64,
+    pub capacity: u64,
+    pub index_entries: u64,
+}
+
+impl From<crate::TierStats> for WireStats {
+    fn from(s: crate::TierStats) -> Self {
+        // Exhaustive on purpose: a field added to TierStats must be added here (and the protocol
+        // version bumped).
+        let crate::TierStats {
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            save_skipped_resident,
+            save_skipped_in_flight,
+            save_skipped_duplicate,
+            save_dropped,
+            saves_refused,
+            save_failed_blocks,
+            restored_blocks,
+            restore_failed_blocks,
+            evictions,
+            bytes_saved,
+            bytes_restored,
+            expired_leases,
+            live_leases,
+            oldest_lease_age_ms,
+            quarantined_slots,
+            pinned_slots,
+            ready_slots,
+            writing_slots,
+            free_slots,
+            capacity,
+            index_entries,
+        } = s;
+        WireStats {
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            save_skipped_resident,
+            save_skipped_in_flight,
+            save_skipped_duplicate,
+            save_dropped,
+            saves_refused,
+            save_failed_blocks,
+            restored_blocks,
+            restore_failed_blocks,
+            evictions,
+            bytes_saved,
+            bytes_restored,
+            expired_leases,
+            live_leases,
+            oldest_lease_age_ms,
+            quarantined_slots,
+            pinned_slots,
+            ready_slots,
+            writing_slots,
+            free_slots,
+            capacity,
+            index_entries,
+        }
+    }
+}
+
+impl From<WireStats> for crate::TierStats {
+    fn from(w: WireStats) -> Self {
+        crate::TierStats {
+            queries: w.queries,
+            hit_blocks: w.hit_blocks,
+            miss_blocks: w.miss_blocks,
+            saved_blocks: w.saved_blocks,
+            save_skipped_resident: w.save_skipped_resident,
+            save_skipped_in_flight: w.save_skipped_in_flight,
+            save_skipped_duplicate: w.save_skipped_duplicate,
+            save_dropped: w.save_dropped,
+            saves_refused: w.saves_refused,
+            save_failed_blocks: w.save_failed_blocks,
+            restored_blocks: w.restored_blocks,
+            restore_failed_blocks: w.restore_failed_blocks,
+            evictions: w.evictions,
+            bytes_saved: w.bytes_saved,
+            bytes_restored: w.bytes_restored,
+            expired_leases: w.expired_leases,
+            live_leases: w.live_leases,
+            oldest_lease_age_ms: w.oldest_lease_age_ms,
+            quarantined_slots: w.quarantined_slots,
+            pinned_slots: w.pinned_slots,
+            ready_slots: w.ready_slots,
+            writing_slots: w.writing_slots,
+            free_slots: w.free_slots,
+            capacity: w.capacity,
+            index_entries: w.index_entries,
+        }
+    }
+}
+
+/// A [`TierError`] the daemon returns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub enum WireError {
+    CannotFit {
+        needed: u64,
+        available: u64,
+        capacity: u64,
+    },
+    PoolExhausted {
+        needed: u64,
+        got: u64,
+    },
+    LeaseSettled,
+    LeaseExpired,
+    LeaseTooShort {
+        asked: u64,
+        held: u64,
+    },
+    ForeignLease,
+    ShuttingDown,
+    TooManyPins {
+        slot: u32,
+    },
+    GeometryMismatch {
+        backend: String,
+        tier: String,
+    },
+    ProtocolMismatch {
+        daemon: u32,
+        client: u32,
+    },
+    /// A request the daemon could not serve (an unknown id, a malformed message), as text.
+    Other(String),
+}
+
+impl From<&TierError> for WireError {
+    fn from(e: &TierError) -> Self {
+        use TierError as T;
+        match e {
+            T::CannotFit { needed, available, capacity } => WireError::CannotFit {
+                needed: *needed as u64,
+                available: *available as u64,
+                capacity: *capacity as u64,
+            },
+            T::PoolExhausted { needed, got } => WireError::PoolExhausted { needed: *needed as u64, got: *got as u64 },
+            T::LeaseSettled => WireError::LeaseSettled,
+            T::LeaseExpired => WireError::LeaseExpired,
+            T::LeaseTooShort { asked, held } => WireError::LeaseTooShort { asked: *asked as u64, held: *held as u64 },
+            T::ForeignLease => WireError::ForeignLease,
+            T::ShuttingDown => WireError::ShuttingDown,
+            T::TooManyPins { slot } => WireError::TooManyPins { slot: *slot },
+            T::GeometryMismatch { backend, tier } => {
+                WireError::GeometryMismatch { backend: backend.clone(), tier: tier.clone() }
+            }
+            T::ProtocolMismatch { daemon, client } => WireError::ProtocolMismatch { daemon: *daemon, client: *client },
+            e => WireError::Other(e.to_string()),
+        }
+    }
+}
+
+impl From<WireError> for TierError {
+    fn from(w: WireError) -> Self {
+        match w {
+            WireError::CannotFit { needed, available, capacity } => TierError::CannotFit {
+                needed: needed as usize,
+                available: available as usize,
+                capacity: capacity as usize,
+            },
+            WireError::PoolExhausted { needed, got } => {
+                TierError::PoolExhausted { needed: needed as usize, got: got as usize }
+            }
+            WireError::LeaseSettled => TierError::LeaseSettled,
+            WireError::LeaseExpired => TierError::LeaseExpired,
+            WireError::LeaseTooShort { asked, held } => {
+                TierError::LeaseTooShort { asked: asked as usize, held: held as usize }
+            }
+            WireError::ForeignLease => TierError::ForeignLease,
+            WireError::ShuttingDown => TierError::ShuttingDown,
+            WireError::TooManyPins { slot } => TierError::TooManyPins { slot },
+            WireError::GeometryMismatch { backend, tier } => TierError::GeometryMismatch { backend, tier },
+            WireError::ProtocolMismatch { daemon, client } => TierError::ProtocolMismatch { daemon, client },
+            WireError::Other(m) => TierError::Disconnected { reason: format!("the daemon refused a request: {m}") },
+        }
+    }
+}
+
+/// The daemon's answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// The hello was accepted (the memfd came with the marker byte).
+    Welcome(Welcome),
+    /// The request failed.
+    Error(WireError),
+    /// Nothing to report.
+    Done,
+    /// A yes or no.
+    Bool(bool),
+    /// A count.
+    Count(u64),
+    /// A rank's id.
+    Attached {
+        /// The id (attach order over all processes, from 0).
+        rank: u32,
+    },
+    /// A lease (id 0: settled from birth, nothing leased).
+    Leased {
+        /// The lease.
+        lease: u64,
+        /// Its blocks, in key order.
+        blocks: Vec<WireBlock>,
+    },
+    /// A lease's state.
+    LeaseInfo {
+        /// Settled.
+        settled: bool,
+        /// Settled by expiry.
+        expired: bool,
+        /// Restores left (0 once settled).
+        uses_left: u32,
+    },
+    /// A prepared save: copy `keys[saving[i]]` into slot `slots[i]`, then finish it.
+    SavePrepared {
+        /// The save (0 when nothing is to copy).
+        save: u64,
+        /// Indices of the keys to copy.
+        saving: Vec<u32>,
+        /// Their slots (`WRITING`, owned by the save until it is finished).
+        slots: Vec<u32>,
+        /// Keys found resident.
+        resident: u32,
+        /// Keys another save holds.
+        in_flight: u32,
+        /// Keys repeated within the save.
+        duplicates: u32,
+        /// Keys dropped (`Fit::Prefix`).
+        dropped: u32,
+    },
+    /// A restore's pinned slots: copy slot `slots[i]` into the caller's page `i`, then finish it.
+    Restoring {
+        /// The restore.
+        restore: u64,
+        /// The pinned slots, in key order.
+        slots: Vec<u32>,
+    },
+    /// The counters.
+    Stats(WireStats),
+    /// The audit: slot counts, or the first violated invariant.
+    Audit(Result<WireAudit, String>),
+}
+
+/// Encodes `msg` as one frame (length prefix and payload) into `buf` (cleared first).
+///
+/// # Errors
+/// The encoder's error, or a payload larger than [`MAX_FRAME`].
+pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    buf.clear();
+    buf.extend_from_slice(&[0; 4]);
+    let mut buf2 = postcard::to_extend(msg, std::mem::take(buf)).map_err(invalid)?;
+    let len = buf2.len() - 4;
+    if len > MAX_FRAME {
+        return Err(invalid(format!("a {len} B frame is larger than {MAX_FRAME} B")));
+    }
+    buf2[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    *buf = buf2;
+    Ok(())
+}
+
+/// Writes `msg` as one frame with a single `write_all` (`buf` is scratch space).
+///
+/// # Errors
+/// Encoding or I/O errors.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    encode(msg, buf)?;
+    w.write_all(buf)
+}
+
+/// Reads one frame and decodes it (`buf` is scratch space). End of stream before the first byte
+/// is [`std::io::ErrorKind::UnexpectedEof`].
+///
+/// # Errors
+/// I/O errors, a frame larger than [`MAX_FRAME`], or a payload that does not decode.
+pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read, buf: &mut Vec<u8>) -> std::io::Result<T> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(invalid(format!("a {len} B frame is larger than {MAX_FRAME} B")));
+    }
+    buf.resize(len, 0);
+    r.read_exact(buf)?;
+    postcard::from_bytes(buf).map_err(invalid)
+}
+
+/// Writes to a socket with `MSG_NOSIGNAL`: a peer that is gone is an `EPIPE` error, never a
+/// `SIGPIPE` that would kill the process (an engine may not ignore it).
+#[derive(Debug)]
+pub struct NoSigPipe<'a>(pub &'a std::os::unix::net::UnixStream);
+
+impl Write for NoSigPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        nix::sys::socket::send(self.0.as_raw_fd(), buf, nix::sys::socket::MsgFlags::MSG_NOSIGNAL)
+            .map_err(std::io::Error::from)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn invalid(e: impl ToString) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_a_43_key_query_is_small() {
+        let keys: Vec<ContentKey> = (0..43u8).map(|i| ContentKey([i; 16])).collect();
+        let q = Request::Query { keys: keys.clone(), uses: 4 };
+        let mut buf = Vec::new();
+        encode(&q, &mut buf).unwrap();
+        // 4 B length + 1 B variant + 1 B key count + 43 x 16 B + 1 B uses.
+        assert_eq!(buf.len(), 4 + 1 + 1 + 43 * 16 + 1);
+        let mut scratch = Vec::new();
+        let back: Request = read_frame(&mut &buf[..], &mut scratch).unwrap();
+        assert_eq!(back, q);
+        let reply = Reply::Leased {
+            lease: 7,
+            blocks: keys.iter().map(|&key| WireBlock { key, slot: 3, generation: 1 << 39 }).collect(),
+        };
+        encode(&reply, &mut buf).unwrap();
+        let back: Reply = read_frame(&mut &buf[..], &mut scratch).unwrap();
+        assert_eq!(back, reply);
+    }
+
+    #[test]
+    fn oversized_and_truncated_frames_are_errors() {
+        let mut scratch = Vec::new();
+        let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
+        let e = read_frame::<Request>(&mut &huge[..], &mut scratch).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        let e = read_frame::<Request>(&mut &[5u8, 0, 0, 0, 1][..], &mut scratch).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        let e = read_frame::<Request>(&mut &[][..], &mut scratch).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        // A variant number no request has.
+        let e = read_frame::<Request>(&mut &[1u8, 0, 0, 0, 200][..], &mut scratch).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn errors_survive_the_wire() {
+        let e = TierError::CannotFit { needed: 5, available: 2, capacity: 4 };
+        let back = TierError::from(WireError::from(&e));
+        assert_eq!(back.to_string(), e.to_string());
+        assert!(matches!(TierError::from(WireError::LeaseExpired), TierError::LeaseExpired));
+    }
+}
