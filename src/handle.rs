@@ -183,7 +183,7 @@ impl CopyHandle {
     ///
     /// # Errors
     /// The copy's failure if it has already failed ([`TierError::Copy`]); a driver error from
-    /// `cuStreamWaitEvent` ([`crate::CopyError::Device`]). A copy that fails after the wait was queued
+    /// `cuStreamWaitEvent` (`CopyError::Cuda` under the `cuda` feature). A copy that fails after the wait was queued
     /// is reported by [`CopyHandle::wait`], not here.
     pub fn stream_wait(&self, stream: u64) -> Result<(), TierError> {
         match &self.shared.event {

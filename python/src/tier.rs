@@ -103,10 +103,13 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
             "staged_ctas" => o.staged_ctas = v.extract()?,
             "staged_piece_blocks" => o.staged_piece_blocks = v.extract()?,
             "high_priority" => o.high_priority = v.extract()?,
+            "reserved_sms" => o.reserved_sms = v.extract()?,
+            "save_head_bytes" => o.save_head_bytes = v.extract()?,
+            "restore_head_bytes" => o.restore_head_bytes = v.extract()?,
             _ => {
                 return Err(config_error(format!(
                     "unknown CUDA option `{k}` (mode, save_ctas, restore_ctas, staged_ctas, \
-                     staged_piece_blocks, high_priority)"
+                     staged_piece_blocks, high_priority, reserved_sms, save_head_bytes, restore_head_bytes)"
                 )))
             }
         }
@@ -220,7 +223,9 @@ impl PyTier {
     /// The rank holds references to the tensors until it is closed (`Rank.close`, or garbage
     /// collection), after draining its copies, so their memory outlives every copy.
     /// `cuda_options`: optional dict of copy tuning (`mode`: `auto` | `zero-copy` | `staged`,
-    /// `save_ctas`, `restore_ctas`, `staged_ctas`, `staged_piece_blocks`, `high_priority`).
+    /// `save_ctas`, `restore_ctas`, `staged_ctas`, `staged_piece_blocks`, `high_priority`,
+    /// `reserved_sms`: SMs reserved for the copy kernels in a green context, 0 = none;
+    /// `save_head_bytes`, `restore_head_bytes`: bytes moved zero-copy ahead of a staged batch).
     ///
     /// The kernels are compiled for the device at first use (about 0.2 s) and the host pool is
     /// registered with the driver. The binding loads libcuda at run time and links no CUDA library.
