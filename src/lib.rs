@@ -35,7 +35,7 @@ pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
 pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion};
 pub use slot::SlotId;
-pub use tier::{Fit, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
+pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
 /// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
 /// here may change in any release. Models and tests call these so that they exercise the very
@@ -49,6 +49,7 @@ pub mod testing {
     pub mod sync {
         pub use crate::sync::*;
     }
+    pub use crate::tier::chain::ChainClass;
     pub use crate::tier::core::{Core, KeyState, Reserved};
     pub use crate::tier::evictor::{Claims, Want};
     pub use crate::tier::save::SavePlan;

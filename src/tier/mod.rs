@@ -21,15 +21,18 @@
 //! - **restore** ([`Rank::restore`]): takes its own pins on the leased slots, then a use of the
 //!   lease, and submits the host -> GPU batch; its pins drop when the copy completes.
 
+pub(crate) mod chain;
 mod config;
 pub(crate) mod core;
 pub(crate) mod evictor;
 mod expiry;
+mod hints;
 mod rank;
 pub(crate) mod save;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
+pub use hints::{HintId, MAX_HINT_TTL};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, TierStats};
 
@@ -57,7 +60,8 @@ impl HostTier {
     /// [`TierError::Index`] if the index cannot be sized as asked.
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
-        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
+        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
+            .with_chain_aware(config.chain_aware);
         Ok(HostTier { core: Arc::new(core) })
     }
 
@@ -103,6 +107,29 @@ impl HostTier {
             let w = self.core.control().load(r.slot);
             w.state() == SlotState::Ready && w.generation() == r.generation
         })
+    }
+
+    /// Scheduler hint: the engine's queued requests will look up `keys` within `ttl`. Until the
+    /// hint is withdrawn ([`HostTier::withdraw_hint`]) or `ttl` has passed (capped at
+    /// [`MAX_HINT_TTL`]), eviction takes none of these keys' blocks while an unhinted block is
+    /// evictable; a hinted block is still evicted when nothing else can be (a hint never makes a
+    /// save fail). Keys not resident yet are protected from the moment a save stores them. Several
+    /// hints may name a key: it stays hinted until the last of them ends. Costs one lock and one
+    /// index lookup per key; victim selection reads one word per candidate while any hint is live.
+    pub fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> HintId {
+        self.core.hint(keys, ttl)
+    }
+
+    /// Withdraws a hint (the request was admitted or dropped). Returns false if it had already been
+    /// withdrawn or had expired.
+    pub fn withdraw_hint(&self, id: HintId) -> bool {
+        self.core.withdraw_hint(id)
+    }
+
+    /// Hints given and neither withdrawn nor found expired yet (expiry is noticed by the next
+    /// `hint` or `withdraw_hint`).
+    pub fn live_hints(&self) -> usize {
+        self.core.hints.live()
     }
 
     /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed.

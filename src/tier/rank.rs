@@ -342,7 +342,8 @@ impl Rank {
         let mut batch = Vec::with_capacity(slots.len());
         let mut lost = 0;
         for (&i, slot) in plan.missing().iter().zip(slots) {
-            if reservation.reserve(keys[i], slot, opts.depth_of(i).unwrap_or(u32::MAX)) {
+            let (depth, resumed) = (opts.depth_of(i).unwrap_or(u32::MAX), opts.prefix_depth.unwrap_or(u32::MAX));
+            if reservation.reserve_at(keys[i], slot, depth, resumed) {
                 saving.push(i);
                 batch.push(CopyPair::new(gpu_pages[i], slot.0));
             } else {
@@ -351,6 +352,10 @@ impl Rank {
             }
         }
         add(&c.save_skipped_in_flight, lost as u64);
+        if opts.is_chain() {
+            // While the plan pins the resident blocks and the reservation owns the new ones.
+            core.link_save(keys, &opts, &plan, &saving, reservation.entries());
+        }
         let (resident, in_flight, duplicates) = (plan.resident, plan.in_flight + lost, plan.duplicates);
         // The index entries are in place: the keys' save claims can go.
         drop(plan);
