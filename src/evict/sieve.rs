@@ -7,7 +7,7 @@ use crate::sync::{AtomicU8, Mutex, Ordering};
 
 /// SIEVE: one insertion-ordered queue, a visited byte per slot set by hits (lock-free), and a hand
 /// that walks from the oldest block towards the newest. Inserts go through the lock-free
-/// [`InsertLog`]; the queue and the hand are private to the selector. A proposed block stays in
+/// insert log; the queue and the hand are private to the selector. A proposed block stays in
 /// place (skipped by the hand) until the tier cancels the proposal (it is offered again from where
 /// it stands) or removes it (it is unlinked).
 pub struct Sieve {

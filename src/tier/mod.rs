@@ -7,10 +7,11 @@
 //!   any thread ----query-----------> HostTier --------------------------+     + EvictionPolicy + stats
 //! ```
 //!
-//! Files, bottom up: `core` (shared state and slot-level steps), `evictor` (two-phase eviction:
-//! claims), `save` (the save plan), `expiry` (lease time-to-live), `stats` (counters), `config`
-//! (options), `rank` (saves, restores, completion threads), this file (the facade). Leases
-//! ([`crate::lease`]) and guards ([`crate::guard`]) sit between the core and the facade.
+//! Files, bottom up: `core` (shared state, slot-level steps, victim classes), `chain` (parent links
+//! and children counts for chain-aware victims), `hints` (scheduler hints), `evictor` (two-phase
+//! eviction: claims), `save` (the save plan, chain links), `expiry` (lease time-to-live), `stats`
+//! (counters), `config` (options), `rank` (saves, restores, completion threads), this file (the
+//! facade). Leases ([`crate::lease`]) and guards (`guard`) sit between the core and the facade.
 //!
 //! Flows (see `docs/design.md` for the invariants):
 //! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then
