@@ -6,16 +6,24 @@
 //! policy exactly once (the policies' contract checks panic otherwise); and afterwards every
 //! resident, ready, unpinned block is still offered by the policy (liveness, invariant I8).
 //!
-//! Run with `ci/loom.sh`. Seeded bug this model must catch (see docs/invariants.md):
-//! `requeue-claimed-victim` (a claimed victim is handed back to the policy as if cancelled).
+//! A second model does the same with chain-aware ranking and a scheduler hint: a chain's head is
+//! pinned by the query while the save needs slots, and the only other candidates are the chain's
+//! tail and a hinted block. The hinted block must be taken only when nothing else can be, and taken
+//! then (a hint never makes a save fail).
+//!
+//! Run with `ci/loom.sh`. Seeded bugs these models must catch (see docs/invariants.md):
+//! `requeue-claimed-victim` (a claimed victim is handed back to the policy as if cancelled) and
+//! `hinted-never-evicted` (hinted blocks are withheld from the policy instead of ranked last).
 #![cfg(loom)]
 
 mod common;
 
 use common::*;
+use kvtier::testing::SlotState;
 use kvtier::testing::{query, Want};
 use kvtier::PolicyKind;
 use loom::thread;
+use std::time::Duration;
 
 /// Three ready blocks fill the pool; a save needs two slots while a query pins the oldest block.
 fn acquire_races_a_query_pin(policy: PolicyKind) {
@@ -81,6 +89,68 @@ fn acquire_races_a_query_pin_prefix_lfu() {
 #[test]
 fn acquire_races_a_query_pin_prefix_tinylfu() {
     acquire_races_a_query_pin(PolicyKind::PrefixTinyLfu);
+}
+
+#[test]
+fn acquire_races_a_query_pin_adaptive_lfu() {
+    acquire_races_a_query_pin(PolicyKind::AdaptiveLfu);
+}
+
+/// Chain-aware ranking with a hint: blocks 0 -> 1 form a chain, block 2 (saved first: the least
+/// recently used) is hinted. A query pins the chain's head while a save needs two slots.
+fn hinted_block_goes_only_when_nothing_else_can(policy: PolicyKind) {
+    loom::model(move || {
+        let core = chain_core_with(3, policy);
+        let k: Vec<_> = (0..3).map(key).collect();
+        // Block 2 first: the least recently used, the first victim of every policy but for its hint.
+        let r2 = save_ready(&core, k[2]);
+        let r: Vec<_> = vec![save_ready(&core, k[0]), save_ready(&core, k[1]), r2];
+        assert!(core.link_chain(r[1].slot, r[0]), "block 1 continues block 0");
+        let _hint = core.hint(&k[2..], Duration::from_secs(3600));
+        let c = core.clone();
+        let k0 = k[0];
+        // The lease (and its pin) lives until the reader is joined, after the acquisition.
+        let reader = thread::spawn(move || query(&c, &[k0], 1));
+        let got = core.acquire_slots(Want::Exactly(2));
+        // Right after the acquisition: a head still there must be pinned (a pin taken in time, and
+        // held until the join), else a hinted block was taken while the head was evictable.
+        let w = word(&core, r[0].slot);
+        if w.state() == SlotState::Ready && w.generation() == r[0].generation {
+            assert!(w.pins() > 0, "the hinted block went although the chain's head was evictable");
+        }
+        let lease = reader.join().unwrap();
+        let pinned_head = lease.len() == 1;
+        drop(lease);
+        let slots = got.expect("two unpinned blocks always exist: the save must get its slots");
+        assert_eq!(slots.len(), 2);
+        for s in slots {
+            core.pool().free(s);
+        }
+        let resident: Vec<bool> = k.iter().map(|key| core.index().get(key).is_some()).collect();
+        // A pin taken before the acquisition finished keeps the head, and then the hinted block must
+        // go (nothing else is left); otherwise the two unhinted blocks go and the hinted one stays.
+        if pinned_head {
+            assert_eq!(resident, [true, false, false], "the pinned head stays, the hinted block goes");
+        } else {
+            assert_eq!(resident, [false, false, true], "the hinted block went although unhinted ones were evictable");
+        }
+        let mut out = Vec::new();
+        assert_eq!(core.evict_into(3, &mut out), 1, "the survivor is offered ({policy})");
+        for s in out {
+            core.pool().free(s);
+        }
+        assert_quiescent(&core, &k);
+    });
+}
+
+#[test]
+fn hinted_block_goes_only_when_nothing_else_can_lru() {
+    hinted_block_goes_only_when_nothing_else_can(PolicyKind::Lru);
+}
+
+#[test]
+fn hinted_block_goes_only_when_nothing_else_can_adaptive_lfu() {
+    hinted_block_goes_only_when_nothing_else_can(PolicyKind::AdaptiveLfu);
 }
 
 /// Every built-in policy has a model above (the list cannot silently fall behind `PolicyKind`).

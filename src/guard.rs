@@ -97,7 +97,13 @@ impl WriteReservation {
     /// at prompt `depth` (`u32::MAX`: unknown) and adds it to this reservation. Returns false, with
     /// the slot back on the free list, if another save holds `key`'s index entry.
     pub fn reserve(&mut self, key: ContentKey, slot: SlotId, depth: u32) -> bool {
-        match self.core.reserve_slot(key, slot, depth) {
+        self.reserve_at(key, slot, depth, u32::MAX)
+    }
+
+    /// [`WriteReservation::reserve`] for a block of a save that began at prompt depth `resumed`
+    /// (`u32::MAX`: unknown; see [`crate::evict::InsertInfo::resumed_at`]).
+    pub fn reserve_at(&mut self, key: ContentKey, slot: SlotId, depth: u32, resumed: u32) -> bool {
+        match self.core.reserve_slot_at(key, slot, depth, resumed) {
             Some(r) => {
                 self.entries.push(r);
                 true

@@ -39,7 +39,7 @@ pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedP
 #[cfg(feature = "remote")]
 pub use remote::LeaseToken;
 pub use slot::SlotId;
-pub use tier::{Fit, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
+pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
 /// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
 /// here may change in any release. Models and tests call these so that they exercise the very
@@ -53,6 +53,7 @@ pub mod testing {
     pub mod sync {
         pub use crate::sync::*;
     }
+    pub use crate::tier::chain::ChainClass;
     pub use crate::tier::core::{Core, KeyState, Reserved};
     pub use crate::tier::evictor::{Claims, Want};
     pub use crate::tier::save::SavePlan;

@@ -28,6 +28,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..4).prop_map(|lease| Op::Drop { lease }),
         1 => (0u8..4).prop_map(|n| Op::Evict { n }),
         1 => (1..=MAX_CAPACITY).prop_map(|capacity| Op::Resize { capacity }),
+        2 => (0..KEYS, 1..=MAX_SPAN).prop_map(|(start, len)| Op::ChainSave { start, len }),
+        2 => (0..KEYS, 1..=MAX_SPAN).prop_map(|(start, len)| Op::Hint { start, len }),
+        1 => (0u8..4).prop_map(|hint| Op::Withdraw { hint }),
     ]
 }
 
@@ -61,6 +64,7 @@ machine_properties! {
     tier_matches_reference_model_s3fifo => PolicyKind::S3Fifo,
     tier_matches_reference_model_prefix_lfu => PolicyKind::PrefixLfu,
     tier_matches_reference_model_prefix_tinylfu => PolicyKind::PrefixTinyLfu,
+    tier_matches_reference_model_adaptive_lfu => PolicyKind::AdaptiveLfu,
 }
 
 /// Sequences found by the property above (or written to pin a scenario); each must keep passing.
@@ -143,6 +147,27 @@ mod regressions {
                 Op::Query { start: 0, len: 1, uses: 1 },
             ],
         );
+    }
+
+    /// Hinted blocks go last, for LRU exactly in LRU order after every unhinted block; a withdrawn
+    /// hint protects nothing; a hint never makes a save fail.
+    #[test]
+    fn hinted_blocks_go_after_unhinted_ones() {
+        for &p in PolicyKind::ALL {
+            Machine::run(
+                p,
+                3,
+                &[
+                    Op::ChainSave { start: 0, len: 3 },
+                    Op::Hint { start: 0, len: 2 },
+                    Op::Save { gated: false, start: 5, len: 2, prefix: false, dup: false },
+                    Op::Withdraw { hint: 0 },
+                    Op::Hint { start: 5, len: 2 },
+                    Op::Save { gated: false, start: 7, len: 3, prefix: false, dup: false },
+                    Op::Evict { n: 2 },
+                ],
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The `kvtier` command line.
 //!
 //! `kvtier simulate TRACE` compares eviction policies' hit ratios on a trace (no bytes moved).
+//! `kvtier synth TRACE` writes a synthetic trace whose parameters are measured on TRACE.
 //! `kvtier replay [TRACE]` replays a Mooncake-format trace (default: the bundled sample) through the
 //! host tier and prints a report (a table, or JSON with `--json`). Traces may be zstd-compressed.
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`). Any error exits with status 1 and its
@@ -14,6 +15,7 @@ use kvtier::{BackingChoice, Geometry};
 use kvtier_cli::replay::{self, ReplayConfig};
 use kvtier_cli::simulate::{self, SimConfig};
 use kvtier_cli::size::parse_bytes;
+use kvtier_cli::synth::{self, SynthOptions};
 use kvtier_cli::trace::{self, TraceRequest};
 use kvtier_cli::{Error, TraceError};
 use std::io::IsTerminal;
@@ -34,6 +36,37 @@ enum Command {
     /// Page hit ratio of every eviction policy (and the offline optimum) against pool size on a trace,
     /// through the real index, slab and policy code, moving no bytes.
     Simulate(SimulateArgs),
+    /// Write a synthetic conversation trace whose parameters (conversation return times, shared
+    /// system prefixes, lengths) are measured on a real trace.
+    Synth(SynthArgs),
+}
+
+#[derive(clap::Args)]
+struct SynthArgs {
+    /// The trace to measure (JSON Lines, Mooncake format; plain or zstd-compressed).
+    trace: PathBuf,
+    /// Measure only one half of the trace, split at the middle of its time span.
+    #[arg(long, value_enum)]
+    half: Option<HalfArg>,
+    /// Seed of the random numbers (same seed, same trace).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Requests to generate.
+    #[arg(long, default_value_t = 12_000)]
+    requests: usize,
+    /// Multiply every conversation return time by this.
+    #[arg(long, default_value_t = 1.0)]
+    gap_scale: f64,
+    /// Use N system prefixes (lengths drawn from the measured ones, Zipf popularity) instead of the
+    /// measured ones.
+    #[arg(long)]
+    system_prompts: Option<usize>,
+    /// Print what was measured on stderr.
+    #[arg(long)]
+    describe: bool,
+    /// Write the trace here instead of stdout.
+    #[arg(long, short = 'o')]
+    output: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -50,9 +83,17 @@ struct ReplayArgs {
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
     #[arg(long)]
     gpu_pages: Option<u64>,
-    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu.
-    #[arg(long, default_value = "lru", value_parser = str::parse::<PolicyKind>)]
+    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu
+    /// (default: the crate's default policy).
+    #[arg(long, default_value_t = PolicyKind::default(), value_parser = str::parse::<PolicyKind>)]
     policy: PolicyKind,
+    /// Chain-aware victims (orphaned chain blocks first, chains from their tail).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    chain: OnOff,
+    /// Also replay with scheduler hints for an engine queue of the next N requests (trace order),
+    /// and report both runs: without hints, then with them.
+    #[arg(long, default_value_t = 0)]
+    lookahead: usize,
     /// Copy backend: auto = cuda if built with feature `cuda` and a GPU is present, else host.
     #[arg(long, default_value = "auto", value_parser = str::parse::<BackendKind>)]
     backend: BackendKind,
@@ -82,10 +123,21 @@ struct SimulateArgs {
     #[arg(long, default_value = "8GiB,16GiB,32GiB,64GiB", value_delimiter = ',')]
     pool: Vec<String>,
     /// Policies to run, comma-separated (default: all of lru, clock, sieve, s3fifo, prefix-lfu,
-    /// prefix-tinylfu).
+    /// prefix-tinylfu, adaptive-lfu).
     #[arg(long, value_delimiter = ',', value_parser = |s: &str| s.trim().parse::<PolicyKind>())]
     policies: Vec<PolicyKind>,
-    /// Use only the first N requests.
+    /// Chain-aware victims: off (the classic policies), on (orphans, then chain leaves, then the
+    /// rest, in each policy's order), or both (each policy twice).
+    #[arg(long, value_enum, default_value_t = ChainArg::Both)]
+    chain: ChainArg,
+    /// Also run each policy with scheduler hints for an engine queue of the next N requests (trace
+    /// order): each queued request's keys are hinted until it is admitted.
+    #[arg(long, default_value_t = 0)]
+    lookahead: usize,
+    /// Use only the requests of one half of the trace, split at the middle of its time span.
+    #[arg(long, value_enum)]
+    half: Option<HalfArg>,
+    /// Use only the first N requests (of the half, with --half).
     #[arg(long)]
     requests: Option<usize>,
     /// Skip the offline optimum.
@@ -97,6 +149,25 @@ struct SimulateArgs {
     /// Write an SVG plot of hit ratio against pool size here.
     #[arg(long)]
     plot: Option<PathBuf>,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum ChainArg {
+    Off,
+    On,
+    Both,
+}
+
+#[derive(Copy, Clone, ValueEnum)]
+enum HalfArg {
+    First,
+    Second,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -164,6 +235,8 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
         gpu_pages: Some(gpu_pages),
         requests: None,
         concurrency,
+        chain_aware: matches!(args.chain, OnOff::On),
+        lookahead: 0,
     };
     tracing::info!(
         requests = requests.len(),
@@ -172,31 +245,83 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
         geometry = %args.geometry,
         "starting replay"
     );
-    let bar = progress_bar(requests.len() as u64, "requests", args.json);
+    let runs: Vec<ReplayConfig> = if args.lookahead > 0 {
+        vec![config.clone(), ReplayConfig { lookahead: args.lookahead, ..config }]
+    } else {
+        vec![config]
+    };
+    let bar = progress_bar(runs.len() as u64 * requests.len() as u64, "requests", args.json);
     let progress = |n: u64| {
         if let Some(b) = &bar {
             b.inc(n);
         }
     };
-    let result = replay::run(&requests, &config, arenas.as_ref(), &progress);
+    let mut reports = Vec::new();
+    for c in &runs {
+        match replay::run(&requests, c, arenas.as_ref(), &progress) {
+            Ok(r) => reports.push(r),
+            Err(e) => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                return Err(e);
+            }
+        }
+    }
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let report = result?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report).expect("a report serialises"));
+        let v = match reports.as_slice() {
+            [one] => serde_json::to_value(one),
+            [without, with] => {
+                serde_json::to_value(serde_json::json!({ "without_hints": without, "with_hints": with }))
+            }
+            _ => unreachable!("one or two runs"),
+        };
+        println!("{}", serde_json::to_string_pretty(&v.expect("a report serialises")).expect("a report serialises"));
+    } else if let [without, with] = reports.as_slice() {
+        println!("without hints:");
+        print!("{without}");
+        println!("\nwith hints for the next {} requests:", args.lookahead);
+        print!("{with}");
+        println!(
+            "\npage hit ratio {:.4} without hints, {:.4} with ({:+.1}%)",
+            without.page_hit_ratio,
+            with.page_hit_ratio,
+            100.0 * (with.page_hit_ratio / without.page_hit_ratio.max(f64::MIN_POSITIVE) - 1.0)
+        );
     } else {
-        print!("{report}");
+        print!("{}", reports[0]);
     }
     Ok(())
 }
 
 fn simulate(args: SimulateArgs) -> Result<(), Error> {
-    let (name, requests) = requests(Some(&args.trace), args.requests)?;
+    let (mut name, mut requests) = requests(Some(&args.trace), None)?;
+    if let Some(half) = args.half {
+        let (first, second) = trace::split_by_time(&requests);
+        let (which, part) = match half {
+            HalfArg::First => ("first", first),
+            HalfArg::Second => ("second", second),
+        };
+        requests = part;
+        name = format!("{name} ({which} half by time)");
+    }
+    requests.truncate(args.requests.unwrap_or(usize::MAX));
+    if requests.is_empty() {
+        return Err(TraceError::Empty { path: args.trace.clone() }.into());
+    }
     let config = SimConfig {
         geometry: args.geometry,
         pools: args.pool,
         policies: if args.policies.is_empty() { PolicyKind::ALL.to_vec() } else { args.policies },
+        chain: match args.chain {
+            ChainArg::Off => vec![false],
+            ChainArg::On => vec![true],
+            ChainArg::Both => vec![false, true],
+        },
+        lookahead: args.lookahead,
         optimum: !args.no_optimum,
     };
     let bar = progress_bar(config.steps(requests.len()), "requests over all runs", args.json);
@@ -224,6 +349,47 @@ fn simulate(args: SimulateArgs) -> Result<(), Error> {
     Ok(())
 }
 
+fn synth(args: SynthArgs) -> Result<(), Error> {
+    let (_, mut requests) = requests(Some(&args.trace), None)?;
+    if let Some(half) = args.half {
+        let (first, second) = trace::split_by_time(&requests);
+        requests = match half {
+            HalfArg::First => first,
+            HalfArg::Second => second,
+        };
+    }
+    if !(args.gap_scale > 0.0 && args.gap_scale.is_finite()) {
+        return Err(Error::Config(format!("--gap-scale must be a positive number, not {}", args.gap_scale)));
+    }
+    let params = synth::fit(&requests);
+    if args.describe {
+        eprintln!("{}", params.describe());
+    }
+    let opts = SynthOptions {
+        seed: args.seed,
+        requests: args.requests,
+        gap_scale: args.gap_scale,
+        system_prompts: args.system_prompts,
+    };
+    let out = synth::generate(&params, &opts);
+    if out.is_empty() {
+        return Err(TraceError::Empty { path: args.trace.clone() }.into());
+    }
+    match &args.output {
+        Some(p) => {
+            let f = std::fs::File::create(p).map_err(|source| Error::Output { path: p.clone(), source })?;
+            synth::write_jsonl(&out, std::io::BufWriter::new(f))
+                .map_err(|source| Error::Output { path: p.clone(), source })?;
+        }
+        None => {
+            let stdout = std::io::stdout();
+            synth::write_jsonl(&out, std::io::BufWriter::new(stdout.lock()))
+                .map_err(|source| Error::Output { path: "<stdout>".into(), source })?;
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -236,6 +402,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Replay(args) => replay(args),
         Command::Simulate(args) => simulate(args),
+        Command::Synth(args) => synth(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -21,6 +21,7 @@
 //! requests in file order and run them concurrently against one rank.
 
 use crate::error::{Error, ReplayError};
+use crate::simulate::HintQueue;
 use crate::trace::{pages_per_block, TraceRequest};
 use hdrhistogram::Histogram;
 use kvtier::copy::{EngineArenas, WaitFor};
@@ -49,18 +50,27 @@ pub struct ReplayConfig {
     pub requests: Option<usize>,
     /// Requests in flight (worker threads), >= 1.
     pub concurrency: usize,
+    /// Chain-aware victims ([`TierConfig::chain_aware`]).
+    pub chain_aware: bool,
+    /// Scheduler hints for an engine queue of this many requests (0: none): when request `i` is
+    /// taken (trace order), requests `i + 1 ..= i + lookahead` are waiting and hinted
+    /// ([`HostTier::hint`]), and request `i`'s hint is withdrawn.
+    pub lookahead: usize,
 }
 
 impl Default for ReplayConfig {
-    /// LRU, 4 GiB pool, automatic backing, all arena pages, all requests, one at a time.
+    /// The default policy with chain-aware victims (the tier's defaults), 4 GiB pool, automatic
+    /// backing, all arena pages, all requests, one at a time, no hints.
     fn default() -> Self {
         ReplayConfig {
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             pool_bytes: 4 << 30,
             backing: BackingChoice::Auto,
             gpu_pages: None,
             requests: None,
             concurrency: 1,
+            chain_aware: true,
+            lookahead: 0,
         }
     }
 }
@@ -98,6 +108,10 @@ pub struct ReplayReport {
     pub block_bytes: u64,
     /// Eviction policy.
     pub policy: String,
+    /// Chain-aware victims.
+    pub chain_aware: bool,
+    /// Requests hinted ahead (0: no hints).
+    pub lookahead: usize,
     /// Requests in flight.
     pub concurrency: usize,
     /// GPU pages used by the replay.
@@ -192,7 +206,19 @@ impl fmt::Display for ReplayReport {
         let rows: Vec<(&str, String)> = vec![
             ("backend", self.backend.clone()),
             ("model", format!("{} ({} B per block)", self.model, self.block_bytes)),
-            ("policy", self.policy.clone()),
+            (
+                "policy",
+                format!(
+                    "{}, chain-aware {}, {}",
+                    self.policy,
+                    if self.chain_aware { "on" } else { "off" },
+                    if self.lookahead > 0 {
+                        format!("hints for the next {} requests", self.lookahead)
+                    } else {
+                        "no hints".to_string()
+                    }
+                ),
+            ),
             ("concurrency", self.concurrency.to_string()),
             ("GPU pages", self.gpu_pages.to_string()),
             (
@@ -349,10 +375,12 @@ impl Drop for PageLease<'_> {
     }
 }
 
-/// Work queue shared by the workers: next request index, and a stop flag set by the first error.
+/// Work queue shared by the workers: next request index, a stop flag set by the first error, and
+/// the modelled engine queue's hints.
 struct Queue {
     next: usize,
     stop: bool,
+    hints: HintQueue,
 }
 
 /// Replays `requests` (the first `config.requests` of them) through a new [`HostTier`] over
@@ -399,14 +427,18 @@ pub fn run(
 
     // Prefault so copies are timed against resident memory, as an engine would set the pool up.
     let pool = kvtier::PoolConfig::new(config.pool_bytes).with_backing(config.backing).with_prefault(true);
-    let tier =
-        HostTier::new(TierConfig::new(geometry.clone(), config.pool_bytes).with_pool(pool).with_policy(config.policy))?;
+    let tier = HostTier::new(
+        TierConfig::new(geometry.clone(), config.pool_bytes)
+            .with_pool(pool)
+            .with_policy(config.policy)
+            .with_chain_aware(config.chain_aware),
+    )?;
     let backend = arenas.backend()?;
     let backend_name = backend.name().to_string();
     let rank = tier.attach(backend)?;
     let ns = geometry.namespace();
     let gpu = GpuPages::new(gpu_pages);
-    let queue = Mutex::new(Queue { next: 0, stop: false });
+    let queue = Mutex::new(Queue { next: 0, stop: false, hints: HintQueue::new(config.lookahead) });
     let workers = config.concurrency.min(requests.len());
 
     let start = Instant::now();
@@ -420,7 +452,9 @@ pub fn run(
                         return Ok(acc);
                     }
                     q.next += 1;
-                    q.next - 1
+                    let i = q.next - 1;
+                    q.hints.admit(&tier, i, requests.len(), |j| requests[j].page_keys(&ns, page_tokens));
+                    i
                 };
                 let keys = requests[i].page_keys(&ns, page_tokens);
                 if let Err(e) = one_request(&tier, &rank, arenas, &gpu, &keys, &mut acc) {
@@ -451,6 +485,8 @@ pub fn run(
         model: geometry.model().to_string(),
         block_bytes,
         policy: config.policy.name().to_string(),
+        chain_aware: config.chain_aware,
+        lookahead: config.lookahead,
         concurrency: config.concurrency,
         gpu_pages,
         pool_backing: tier.pool().backing().name().to_string(),
@@ -511,8 +547,12 @@ fn one_request(
     if h < n {
         arenas.fill(&pages[h..], &keys[h..])?;
         let t0 = Instant::now();
-        // keys[h] is page h of its prompt: prefix-aware policies use the depth.
-        let opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32);
+        // keys[h] is page h of its prompt, after keys[h - 1]: depth and parent for the policy and the
+        // chain links.
+        let mut opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32);
+        if h > 0 {
+            opts = opts.parent(keys[h - 1]);
+        }
         match rank.save_with(&keys[h..], &pages[h..], WaitFor::Nothing, opts) {
             Ok(ticket) => {
                 ticket.handle.wait()?;

@@ -23,12 +23,45 @@ use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
 use kvtier::copy::{Completion, CopyBackend, CopyPair, WaitFor};
 use kvtier::pool::BackingChoice;
-use kvtier::tier::{Fit, HostTier, SaveOptions, TierConfig};
+use kvtier::tier::{Fit, HintId, HostTier, SaveOptions, TierConfig};
 use kvtier::{ArenaSpec, ContentKey, CopyError, Geometry, HostPool, PolicyKind, TierError};
 use serde::Serialize;
 use std::collections::BinaryHeap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
+
+/// One tier configuration that [`run_policy`] drives: a policy, chain-aware victims on or off, and
+/// scheduler hints for a modelled engine queue.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Variant {
+    /// The eviction policy.
+    pub policy: PolicyKind,
+    /// Chain-aware victims ([`TierConfig::chain_aware`]): orphans, then chain leaves, then the rest.
+    pub chain: bool,
+    /// Hints for the next `lookahead` requests (0: no hints): before request `i` is queried, the
+    /// engine queue holds requests `i + 1 ..= i + lookahead` (trace order), each hinted with
+    /// [`HostTier::hint`] while it waits and withdrawn when it is admitted.
+    pub lookahead: usize,
+}
+
+impl Variant {
+    /// `policy` alone: no chain ranking, no hints (the classic policy).
+    pub fn plain(policy: PolicyKind) -> Self {
+        Variant { policy, chain: false, lookahead: 0 }
+    }
+
+    /// The row label: the policy's name, `+chain` if chain-aware, `+la{N}` with a lookahead of N.
+    pub fn label(&self) -> String {
+        let mut s = self.policy.name().to_string();
+        if self.chain {
+            s.push_str("+chain");
+        }
+        if self.lookahead > 0 {
+            let _ = write!(s, "+la{}", self.lookahead);
+        }
+        s
+    }
+}
 
 /// What to simulate (`kvtier simulate`'s options, parsed).
 #[derive(Clone, Debug, PartialEq)]
@@ -40,27 +73,49 @@ pub struct SimConfig {
     pub pools: Vec<String>,
     /// Policies to run, in this order.
     pub policies: Vec<PolicyKind>,
+    /// Chain-aware settings to run each policy with (`[false]`, `[true]` or both).
+    pub chain: Vec<bool>,
+    /// Also run each policy with hints for an engine queue of this many requests (0: not).
+    pub lookahead: usize,
     /// Also compute the offline optimum ([`belady`]) at each size.
     pub optimum: bool,
 }
 
 impl Default for SimConfig {
-    /// GLM-5.2, pools of 8, 16, 32 and 64 GiB, every built-in policy, with the optimum.
+    /// GLM-5.2, pools of 8, 16, 32 and 64 GiB, every built-in policy with and without chain-aware
+    /// victims, no hints, with the optimum.
     fn default() -> Self {
         SimConfig {
             geometry: "glm52".into(),
             pools: ["8GiB", "16GiB", "32GiB", "64GiB"].map(String::from).to_vec(),
             policies: PolicyKind::ALL.to_vec(),
+            chain: vec![false, true],
+            lookahead: 0,
             optimum: true,
         }
     }
 }
 
 impl SimConfig {
-    /// Requests the policy runs of [`run`] replay in all (`policies x pools x requests`): the
+    /// The variants run, in report order: each policy, with each chain setting, without hints and
+    /// (with a lookahead) with them.
+    pub fn variants(&self) -> Vec<Variant> {
+        let mut v = Vec::new();
+        let looks: &[usize] = if self.lookahead > 0 { &[0, self.lookahead] } else { &[0] };
+        for &policy in &self.policies {
+            for &chain in &self.chain {
+                for &lookahead in looks {
+                    v.push(Variant { policy, chain, lookahead });
+                }
+            }
+        }
+        v
+    }
+
+    /// Requests the policy runs of [`run`] replay in all (`variants x pools x requests`): the
     /// length of a progress bar fed by `run`'s `progress`.
     pub fn steps(&self, requests: usize) -> u64 {
-        (self.policies.len() * self.pools.len()) as u64 * requests as u64
+        (self.variants().len() * self.pools.len()) as u64 * requests as u64
     }
 }
 
@@ -124,8 +179,12 @@ impl CopyBackend for NullBackend {
 /// One policy at one pool size.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct PolicyRun {
-    /// Policy name (`optimum` for the offline bound).
+    /// The variant's label ([`Variant::label`]; `optimum` for the offline bound).
     pub policy: String,
+    /// Chain-aware victims.
+    pub chain: bool,
+    /// Requests hinted ahead (0: no hints).
+    pub lookahead: usize,
     /// Pool size in slots.
     pub slots: u32,
     /// Pages found by queries.
@@ -143,6 +202,9 @@ pub struct PolicyRun {
     /// Mean time of the save call (index probes, slot acquisition with eviction, submission) per
     /// request that saved, in ns (0 for the optimum).
     pub save_ns: f64,
+    /// Mean time per request of its hint calls (one `hint` as it joins the queue, one
+    /// `withdraw_hint` as it leaves), in ns (0 without hints).
+    pub hint_ns: f64,
 }
 
 /// The whole report.
@@ -176,14 +238,17 @@ fn proxy_geometry(geometry: &Geometry, pages: u64) -> Result<Geometry, Error> {
     Ok(g)
 }
 
-/// Runs `policy` on a pool of `slots` slots over `keys` (one key list per request) through a real
+/// How long a modelled hint lasts: longer than any run, so hints end by withdrawal only.
+pub const SIM_HINT_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Runs `variant` on a pool of `slots` slots over `keys` (one key list per request) through a real
 /// [`HostTier`] with a [`NullBackend`], calling `progress(1)` after each request.
 ///
 /// # Errors
 /// Pool mapping errors ([`kvtier::Error::Pool`]); tier errors other than a refused save.
 pub fn run_policy(
     keys: &[Vec<ContentKey>],
-    policy: PolicyKind,
+    variant: Variant,
     slots: u32,
     geometry: &Geometry,
     progress: &dyn Fn(u64),
@@ -191,7 +256,10 @@ pub fn run_policy(
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
     let proxy = proxy_geometry(geometry, max_pages)?;
     let bytes = slots as u64 * proxy.slot_bytes();
-    let cfg = TierConfig::new(proxy.clone(), bytes).with_backing(BackingChoice::Plain).with_policy(policy);
+    let cfg = TierConfig::new(proxy.clone(), bytes)
+        .with_backing(BackingChoice::Plain)
+        .with_policy(variant.policy)
+        .with_chain_aware(variant.chain);
     let tier = HostTier::new(cfg)?;
     if tier.capacity() != slots {
         return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
@@ -199,10 +267,14 @@ pub fn run_policy(
     let rank = tier.attach(Box::new(NullBackend::new(proxy)))?;
     let pages: Vec<u64> = (0..max_pages).collect();
     let (mut hits, mut dropped, mut saves) = (0u64, 0u64, 0u64);
-    let (mut qt, mut st) = (Duration::ZERO, Duration::ZERO);
+    let (mut qt, mut st, mut ht) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let mut queue = HintQueue::new(variant.lookahead);
     let t0 = Instant::now();
-    for k in keys {
+    for (i, k) in keys.iter().enumerate() {
         let n = k.len();
+        let h0 = Instant::now();
+        queue.admit(&tier, i, keys.len(), |j| keys[j].clone());
+        ht += h0.elapsed();
         let q0 = Instant::now();
         let lease = tier.query(k);
         qt += q0.elapsed();
@@ -214,12 +286,11 @@ pub fn run_policy(
         hits += h as u64;
         if h < n {
             let s0 = Instant::now();
-            let r = rank.save_with(
-                &k[h..],
-                &pages[h..n],
-                WaitFor::Nothing,
-                SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32),
-            );
+            let mut opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32);
+            if h > 0 {
+                opts = opts.parent(k[h - 1]);
+            }
+            let r = rank.save_with(&k[h..], &pages[h..n], WaitFor::Nothing, opts);
             st += s0.elapsed();
             saves += 1;
             match r {
@@ -238,7 +309,9 @@ pub fn run_policy(
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
     rank.shutdown(Duration::from_secs(10))?;
     Ok(PolicyRun {
-        policy: policy.name().to_string(),
+        policy: variant.label(),
+        chain: variant.chain,
+        lookahead: variant.lookahead,
         slots,
         hit_pages: hits,
         hit_ratio: ratio(hits, total),
@@ -247,7 +320,45 @@ pub fn run_policy(
         wall_s: wall.as_secs_f64(),
         query_ns: qt.as_nanos() as f64 / keys.len().max(1) as f64,
         save_ns: st.as_nanos() as f64 / saves.max(1) as f64,
+        hint_ns: if variant.lookahead > 0 { ht.as_nanos() as f64 / keys.len().max(1) as f64 } else { 0.0 },
     })
+}
+
+/// The modelled engine queue of [`Variant::lookahead`] requests and their hints.
+pub struct HintQueue {
+    lookahead: usize,
+    /// Hints of queued requests, by request index.
+    live: std::collections::VecDeque<(usize, HintId)>,
+    /// Next request index to enqueue.
+    next: usize,
+}
+
+impl HintQueue {
+    /// A queue of `lookahead` requests (0: no hints at all).
+    pub fn new(lookahead: usize) -> Self {
+        HintQueue { lookahead, live: Default::default(), next: 0 }
+    }
+
+    /// Request `i` of `total` is admitted: requests up to `i + lookahead` are queued (hinted with
+    /// their keys, `keys_of(j)`) and request `i`'s own hint is withdrawn. Call once per request, in
+    /// order.
+    pub fn admit(&mut self, tier: &HostTier, i: usize, total: usize, keys_of: impl Fn(usize) -> Vec<ContentKey>) {
+        if self.lookahead == 0 {
+            return;
+        }
+        let end = (i + self.lookahead + 1).min(total);
+        while self.next < end {
+            self.live.push_back((self.next, tier.hint(&keys_of(self.next), SIM_HINT_TTL)));
+            self.next += 1;
+        }
+        while let Some(&(j, id)) = self.live.front() {
+            if j > i {
+                break;
+            }
+            tier.withdraw_hint(id);
+            self.live.pop_front();
+        }
+    }
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -349,9 +460,9 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         .map(|s| parse_slots(s, geometry.slot_bytes()).map(|n| (s.trim().to_string(), n)))
         .collect::<Result<_, _>>()?;
     let mut runs = Vec::new();
-    for &p in &config.policies {
+    for v in config.variants() {
         for (_, slots) in &sizes {
-            runs.push(run_policy(&keys, p, *slots, &geometry, progress)?);
+            runs.push(run_policy(&keys, v, *slots, &geometry, progress)?);
         }
     }
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
@@ -361,6 +472,8 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
             let hits = belady(&keys, *slots);
             runs.push(PolicyRun {
                 policy: "optimum".into(),
+                chain: false,
+                lookahead: 0,
                 slots: *slots,
                 hit_pages: hits,
                 hit_ratio: ratio(hits, total),
@@ -369,6 +482,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
                 wall_s: t0.elapsed().as_secs_f64(),
                 query_ns: 0.0,
                 save_ns: 0.0,
+                hint_ns: 0.0,
             });
         }
     }
@@ -399,8 +513,9 @@ impl SimReport {
         self.runs.iter().find(|r| r.policy == policy && r.slots == slots)
     }
 
-    /// The report as a text table: page hit ratio per policy and size, then each policy's ratio
-    /// to LRU and to the optimum, then the per-request query and save cost.
+    /// The report as a text table: page hit ratio per variant and size, then each variant's ratio
+    /// to plain LRU and to the optimum, then the per-request query and save cost (and hint cost
+    /// with a lookahead).
     pub fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
@@ -413,8 +528,9 @@ impl SimReport {
             self.slot_bytes,
             self.peak_rss_kib / 1024
         );
+        let w = self.policies().iter().map(|p| p.len()).max().unwrap_or(0).max(16);
         let head = |s: &mut String, title: &str| {
-            let _ = write!(s, "\n{title:<16}");
+            let _ = write!(s, "\n{title:<w$}");
             for (label, slots) in &self.sizes {
                 let _ = write!(s, " {:>18}", format!("{label} ({slots})"));
             }
@@ -422,7 +538,7 @@ impl SimReport {
         };
         head(&mut s, "hit ratio");
         for p in self.policies() {
-            let _ = write!(s, "{p:<16}");
+            let _ = write!(s, "{p:<w$}");
             for (_, slots) in &self.sizes {
                 let v = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
                 let _ = write!(s, " {v:>18}");
@@ -431,7 +547,7 @@ impl SimReport {
         }
         head(&mut s, "x LRU / %opt");
         for p in self.policies() {
-            let _ = write!(s, "{p:<16}");
+            let _ = write!(s, "{p:<w$}");
             for (_, slots) in &self.sizes {
                 let r = self.get(p, *slots);
                 let l = self.get("lru", *slots);
@@ -448,13 +564,18 @@ impl SimReport {
             }
             let _ = writeln!(s);
         }
-        head(&mut s, "query/save us");
+        let hints = self.runs.iter().any(|r| r.lookahead > 0);
+        head(&mut s, if hints { "query/save/hint us" } else { "query/save us" });
         for p in self.policies().into_iter().filter(|p| *p != "optimum") {
-            let _ = write!(s, "{p:<16}");
+            let _ = write!(s, "{p:<w$}");
             for (_, slots) in &self.sizes {
-                let v = self
-                    .get(p, *slots)
-                    .map_or("-".into(), |r| format!("{:.1} / {:.1}", r.query_ns / 1e3, r.save_ns / 1e3));
+                let v = self.get(p, *slots).map_or("-".into(), |r| {
+                    let mut v = format!("{:.1} / {:.1}", r.query_ns / 1e3, r.save_ns / 1e3);
+                    if hints {
+                        let _ = write!(v, " / {:.1}", r.hint_ns / 1e3);
+                    }
+                    v
+                });
                 let _ = write!(s, " {v:>18}");
             }
             let _ = writeln!(s);
@@ -462,8 +583,31 @@ impl SimReport {
         s
     }
 
+    /// The variants the plot draws: all of them when there are at most 12; else plain `lru` (the
+    /// baseline), each policy's chain-aware variant with and without hints (its plain variant when
+    /// it has no chain-aware one), and the optimum.
+    fn plotted(&self) -> Vec<&str> {
+        let all = self.policies();
+        if all.len() <= 12 {
+            return all;
+        }
+        let chain_of = |p: &str| format!("{}+chain", p.split('+').next().unwrap_or(p));
+        all.iter()
+            .copied()
+            .filter(|p| {
+                let base = p.split('+').next().unwrap_or(p);
+                let has_chain = all.iter().any(|q| q.starts_with(&chain_of(p)));
+                *p == "optimum"
+                    || *p == "lru"
+                    || p.starts_with(&chain_of(p))
+                    || (!has_chain && (*p == base || p.strip_prefix(base).is_some_and(|r| r.starts_with("+la"))))
+            })
+            .collect()
+    }
+
     /// An SVG line plot (drawn with plotters) of page hit ratio (y) against pool size in slots
-    /// (x, log scale), one line per policy, the optimum dashed black.
+    /// (x, log scale), one line per variant (see [`SimReport::plotted`]: at most one chain setting
+    /// per policy when there are many), one colour per policy, hinted runs and the optimum dashed.
     ///
     /// # Errors
     /// [`Error::Plot`] if plotters fails to lay the chart out.
@@ -475,7 +619,8 @@ impl SimReport {
 
     fn draw(&self, out: &mut String) -> Result<(), Box<dyn std::error::Error + '_>> {
         use plotters::prelude::*;
-        let root = SVGBackend::with_string(out, (760, 460)).into_drawing_area();
+        let size = if self.plotted().len() > 8 { (980, 620) } else { (760, 460) };
+        let root = SVGBackend::with_string(out, size).into_drawing_area();
         root.fill(&WHITE)?;
         let slots: Vec<f64> = self.sizes.iter().map(|(_, n)| *n as f64).collect();
         let (lo, hi) = slots.iter().fold((f64::MAX, 1f64), |(a, b), &n| (a.min(n), b.max(n)));
@@ -503,15 +648,28 @@ impl SimReport {
             .x_label_formatter(&label)
             .y_label_formatter(&|y| format!("{y:.3}"))
             .draw()?;
-        for (i, p) in self.policies().into_iter().enumerate() {
+        // One colour per policy; hinted runs dashed; the optimum dashed black.
+        let mut bases: Vec<String> = Vec::new();
+        for p in self.plotted() {
             let points: Vec<(f64, f64)> =
                 self.sizes.iter().filter_map(|(_, n)| self.get(p, *n).map(|r| (*n as f64, r.hit_ratio))).collect();
+            let base = p.split('+').next().unwrap_or(p).to_string();
+            let i = bases.iter().position(|b| *b == base).unwrap_or_else(|| {
+                bases.push(base.clone());
+                bases.len() - 1
+            });
+            let hinted = self.runs.iter().any(|r| r.policy == p && r.lookahead > 0);
             let color = if p == "optimum" { BLACK.to_rgba() } else { Palette99::pick(i).to_rgba() };
             let line = color.stroke_width(2);
-            let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 24, y)], line);
-            if p == "optimum" {
+            if p == "optimum" || hinted {
+                let legend = move |(x, y): (i32, i32)| {
+                    EmptyElement::at((x, y))
+                        + PathElement::new(vec![(0, 0), (8, 0)], line)
+                        + PathElement::new(vec![(13, 0), (21, 0)], line)
+                };
                 chart.draw_series(DashedLineSeries::new(points.clone(), 6, 4, line))?.label(p).legend(legend);
             } else {
+                let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 24, y)], line);
                 chart.draw_series(LineSeries::new(points.clone(), line))?.label(p).legend(legend);
             }
             chart.draw_series(points.iter().map(|&xy| Circle::new(xy, 3, color.filled())))?;

@@ -98,6 +98,12 @@ fn sample() -> Vec<TraceRequest> {
 }
 
 fn replay_lru(requests: &[TraceRequest], slots: u64, concurrency: usize) -> ReplayReport {
+    replay_lru_hinted(requests, slots, concurrency, 0)
+}
+
+/// Plain LRU (no chain-aware ranking: the reference model is classic LRU), with hints for the next
+/// `lookahead` requests.
+fn replay_lru_hinted(requests: &[TraceRequest], slots: u64, concurrency: usize, lookahead: usize) -> ReplayReport {
     let pages = replay::gpu_pages_needed(requests, 64, concurrency).unwrap();
     let g = tiny_geometry(pages);
     let arenas = Arc::new(HostArenas::new(&g).unwrap());
@@ -108,8 +114,27 @@ fn replay_lru(requests: &[TraceRequest], slots: u64, concurrency: usize) -> Repl
         gpu_pages: None,
         requests: None,
         concurrency,
+        chain_aware: false,
+        lookahead,
     };
     replay::run(requests, &config, &arenas, &|_| {}).unwrap()
+}
+
+/// Requests A (8 pages), C (4), B (4), A on a 12-slot pool: B's save evicts A's first four pages
+/// under LRU, so A's return hits nothing; with the queue hinted (A waits while B saves), B's save
+/// evicts C instead and A's return hits all 8 pages.
+#[test]
+fn hints_for_the_queue_keep_a_waiting_request_s_prefix() {
+    let line = |id: u64, tokens: u64| {
+        format!("{{\"timestamp\":0,\"input_length\":{tokens},\"output_length\":1,\"hash_ids\":[{id}]}}\n")
+    };
+    let text = [line(1, 512), line(2, 256), line(3, 256), line(1, 512)].concat();
+    let reqs = trace::parse_str(&text).unwrap();
+    let without = replay_lru_hinted(&reqs, 12, 1, 0);
+    let with = replay_lru_hinted(&reqs, 12, 1, 3);
+    assert_eq!((without.pages, without.hit_pages), (24, 0));
+    assert_eq!((with.pages, with.hit_pages, with.lookahead), (24, 8, 3));
+    assert_eq!(with.verified_pages, 8);
 }
 
 fn model_for(requests: &[TraceRequest], slots: u64) -> u64 {
@@ -356,6 +381,28 @@ fn cli_replays_a_trace_file_and_prints_json() {
     assert_eq!(v["pool_backing"], "plain");
     assert_eq!(v["verification"], "passed");
     assert_eq!(v["evictions"], 0);
+}
+
+/// `--lookahead N` replays twice and reports both runs.
+#[test]
+fn cli_replay_with_lookahead_reports_with_and_without_hints() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny.jsonl");
+    std::fs::write(&p, TINY).unwrap();
+    let args = ["replay", p.to_str().unwrap(), "--geometry", "deepseek-v3", "--pool", "64MiB", "--backend", "host"];
+    let out = kvtier(&[&args[..], &["--backing", "plain", "--lookahead", "2", "--json"]].concat());
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["without_hints"]["lookahead"], 0);
+    assert_eq!(v["with_hints"]["lookahead"], 2);
+    for run in ["without_hints", "with_hints"] {
+        assert_eq!(v[run]["hit_pages"], 16, "{run}");
+        assert_eq!(v[run]["policy"], PolicyKind::default().name(), "{run}: the default policy");
+        assert_eq!(v[run]["chain_aware"], true, "{run}");
+    }
+    let out = kvtier(&[&args[..], &["--backing", "plain", "--lookahead", "2"]].concat());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("page hit ratio 0.6154 without hints, 0.6154 with (+0.0%)"), "{text}");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 mod support;
 
 use kvtier::{ContentKey, Geometry, PolicyKind};
-use kvtier_cli::simulate::{belady, page_keys, run_policy};
+use kvtier_cli::simulate::{belady, page_keys, run_policy, Variant};
 use kvtier_cli::trace::{parse_str, TraceRequest};
 use std::collections::HashMap;
 use std::process::Command;
@@ -87,7 +87,7 @@ fn lru_through_the_tier_equals_the_reference_model() {
     for (seed, cap) in [(1u64, 40u32), (2, 90), (3, 200)] {
         let keys = page_keys(&synthetic(seed, 300, 12), &g).unwrap();
         let want = reference_lru(&keys, cap as usize);
-        let got = run_policy(&keys, PolicyKind::Lru, cap, &g, &|_| {}).unwrap();
+        let got = run_policy(&keys, Variant::plain(PolicyKind::Lru), cap, &g, &|_| {}).unwrap();
         assert_eq!(got.hit_pages, want, "seed {seed}, {cap} slots");
         assert!(want > 0, "the trace must exercise hits");
     }
@@ -100,9 +100,13 @@ fn optimum_bounds_every_policy() {
         let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
         for cap in [24u32, 64, 150] {
             let opt = belady(&keys, cap);
-            for &p in PolicyKind::ALL {
-                let r = run_policy(&keys, p, cap, &g, &|_| {}).unwrap();
-                assert!(r.hit_pages <= opt, "{p} got {} > optimum {opt} (seed {seed}, {cap} slots)", r.hit_pages);
+            for &policy in PolicyKind::ALL {
+                for (chain, lookahead) in [(false, 0), (true, 0), (true, 8)] {
+                    let v = Variant { policy, chain, lookahead };
+                    let r = run_policy(&keys, v, cap, &g, &|_| {}).unwrap();
+                    let l = v.label();
+                    assert!(r.hit_pages <= opt, "{l} got {} > optimum {opt} (seed {seed}, {cap} slots)", r.hit_pages);
+                }
             }
         }
     }
@@ -120,7 +124,7 @@ fn optimum_is_exact_on_a_tiny_trace() {
     // 2 slots: keep block 1 throughout (3 bypasses, 2 bypasses): hits on requests 3 and 5.
     assert_eq!(belady(&keys, 2), 4);
     // LRU on 2 slots: 1, 2 (evicts 1), 1 (evicts 2), 3 (evicts 1), 1, 2: no hits.
-    assert_eq!(run_policy(&keys, PolicyKind::Lru, 2, &g, &|_| {}).unwrap().hit_pages, 0);
+    assert_eq!(run_policy(&keys, Variant::plain(PolicyKind::Lru), 2, &g, &|_| {}).unwrap().hit_pages, 0);
 }
 
 /// `kvtier simulate` on the shipped, zstd-compressed conversation trace: the JSON report and the
@@ -132,7 +136,7 @@ fn cli_simulates_the_shipped_trace() {
     let plot = dir.path().join("hit-ratio.svg");
     let out = Command::new(support::kvtier_bin())
         .args(["simulate", trace.to_str().unwrap(), "--requests", "300", "--pool", "300slots,1200slots"])
-        .args(["--policies", "lru,sieve", "--json", "--plot", plot.to_str().unwrap()])
+        .args(["--policies", "lru,sieve", "--chain", "off", "--json", "--plot", plot.to_str().unwrap()])
         .env_remove("RUST_LOG")
         .output()
         .unwrap();
@@ -156,4 +160,159 @@ fn cli_simulates_the_shipped_trace() {
     for label in ["lru", "sieve", "optimum", "page hit ratio", "300slots", "1200slots"] {
         assert!(texts.contains(&label), "the plot lacks `{label}`: {texts:?}");
     }
+}
+
+/// `kvtier synth` is deterministic per seed and writes a trace `simulate` reads; `simulate --half`
+/// and `--lookahead` run on it and on the shipped trace, reporting hinted runs beside the others.
+#[test]
+fn cli_synth_then_simulate_halves_and_lookahead() {
+    let trace = support::data_file("mooncake_conversation_trace.jsonl.zst");
+    let dir = tempfile::tempdir().unwrap();
+    let synth = |seed: &str, out: &std::path::Path| {
+        let o = Command::new(support::kvtier_bin())
+            .args(["synth", trace.to_str().unwrap(), "--requests", "150", "--seed", seed, "-o", out.to_str().unwrap()])
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(out).unwrap()
+    };
+    let (a, b, c) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"), dir.path().join("c.jsonl"));
+    let (ta, tb, tc) = (synth("3", &a), synth("3", &b), synth("4", &c));
+    assert_eq!(ta, tb, "same seed, same trace");
+    assert_ne!(ta, tc);
+    let reqs = parse_str(&ta).unwrap();
+    assert_eq!(reqs.len(), 150);
+    assert!(reqs.iter().all(|r| r.hash_ids[0] == 0), "the measured system prefix (block 0) starts every prompt");
+    for (path, extra) in [(a.to_str().unwrap(), None), (trace.to_str().unwrap(), Some("second"))] {
+        let mut cmd = Command::new(support::kvtier_bin());
+        cmd.args(["simulate", path, "--requests", "150", "--pool", "200slots", "--policies", "lru,adaptive-lfu"])
+            .args(["--lookahead", "4", "--json", "--no-optimum"]);
+        if let Some(h) = extra {
+            cmd.args(["--half", h]);
+        }
+        let out = cmd.env_remove("RUST_LOG").output().unwrap();
+        assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let names: Vec<&str> = v["runs"].as_array().unwrap().iter().map(|r| r["policy"].as_str().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "lru",
+                "lru+la4",
+                "lru+chain",
+                "lru+chain+la4",
+                "adaptive-lfu",
+                "adaptive-lfu+la4",
+                "adaptive-lfu+chain",
+                "adaptive-lfu+chain+la4"
+            ]
+        );
+        if extra.is_some() {
+            assert!(v["trace"].as_str().unwrap().ends_with("(second half by time)"), "{}", v["trace"]);
+        }
+    }
+}
+
+/// Chain-aware LRU through the tier equals an independent model: LRU where every block ranks by
+/// the newest tick of the resident blocks that continue it (deeper first on ties), orphans first.
+#[test]
+fn chain_aware_lru_through_the_tier_equals_its_model() {
+    let g = glm52();
+    for (seed, cap) in [(11u64, 40u32), (12, 90)] {
+        let keys = page_keys(&synthetic(seed, 200, 10), &g).unwrap();
+        let v = Variant { policy: PolicyKind::Lru, chain: true, lookahead: 0 };
+        let got = run_policy(&keys, v, cap, &g, &|_| {}).unwrap();
+        assert_eq!(got.hit_pages, reference_chain_lru(&keys, cap as usize), "seed {seed}, {cap} slots");
+        // The chain order changes what is evicted (1,227 against 1,250 and 1,952 against 1,912 hits).
+        assert_ne!(got.hit_pages, reference_lru(&keys, cap as usize), "seed {seed}: the chains must matter");
+    }
+}
+
+/// The model of `chain_aware_lru_through_the_tier_equals_its_model`: `reference_lru`'s semantics, with
+/// each resident page's parent (the page before it in the request that saved it or found it
+/// resident without a live parent) and eviction ordered by (orphan first, newest tick in the
+/// subtree, deeper first).
+fn reference_chain_lru(keys: &[Vec<ContentKey>], cap: usize) -> u64 {
+    #[derive(Clone, Copy)]
+    struct Page {
+        tick: u64,
+        depth: u32,
+        parent: Option<(ContentKey, u64)>,
+        incarnation: u64,
+    }
+    let mut tick = 0u64;
+    let mut born = 0u64;
+    let mut res: HashMap<ContentKey, Page> = HashMap::new();
+    let mut hits = 0;
+    let live = |res: &HashMap<ContentKey, Page>, p: Option<(ContentKey, u64)>| {
+        p.is_some_and(|(k, inc)| res.get(&k).is_some_and(|q| q.incarnation == inc))
+    };
+    for k in keys {
+        let h = k.iter().take_while(|key| res.contains_key(key)).count();
+        hits += h as u64;
+        for key in &k[..h] {
+            tick += 1;
+            res.get_mut(key).unwrap().tick = tick;
+        }
+        let mut missing = Vec::new();
+        let mut resident_here = Vec::new();
+        for (d, key) in k.iter().enumerate().skip(h) {
+            if let Some(p) = res.get_mut(key) {
+                tick += 1;
+                p.tick = tick;
+                resident_here.push(d);
+            } else {
+                missing.push(d);
+            }
+        }
+        let own = resident_here.len();
+        let take = missing.len().min(cap - own);
+        let free = cap - res.len();
+        if take > free {
+            // Eviction: the pinned pages of this save are not candidates.
+            let pinned: std::collections::HashSet<ContentKey> = resident_here.iter().map(|&d| k[d]).collect();
+            let mut eff: HashMap<ContentKey, u64> = res.iter().map(|(k, p)| (*k, p.tick)).collect();
+            let mut by_depth: Vec<(u32, ContentKey)> = res.iter().map(|(k, p)| (p.depth, *k)).collect();
+            by_depth.sort_by_key(|&(d, _)| std::cmp::Reverse(d));
+            for (_, c) in &by_depth {
+                let p = res[c];
+                if live(&res, p.parent) {
+                    let (pk, _) = p.parent.unwrap();
+                    let v = eff[c];
+                    let e = eff.get_mut(&pk).unwrap();
+                    *e = (*e).max(v);
+                }
+            }
+            let mut cands: Vec<(bool, u64, std::cmp::Reverse<u32>, ContentKey)> = res
+                .iter()
+                .filter(|(k, _)| !pinned.contains(*k))
+                .map(|(k, p)| (p.parent.is_none() || live(&res, p.parent), eff[k], std::cmp::Reverse(p.depth), *k))
+                .collect();
+            cands.sort();
+            for c in cands.into_iter().take(take - free) {
+                res.remove(&c.3);
+            }
+        }
+        // Saved pages, then links (each to the page before it, if that one is resident).
+        for &d in &missing[..take] {
+            tick += 1;
+            born += 1;
+            res.insert(k[d], Page { tick, depth: d as u32, parent: None, incarnation: born });
+        }
+        let saved: std::collections::HashSet<usize> = missing[..take].iter().copied().collect();
+        for d in h..k.len() {
+            if !saved.contains(&d) && !resident_here.contains(&d) {
+                continue;
+            }
+            let Some(parent) = d.checked_sub(1).and_then(|pd| res.get(&k[pd]).map(|p| (k[pd], p.incarnation))) else {
+                continue;
+            };
+            let cur = res[&k[d]].parent;
+            if !live(&res, cur) {
+                res.get_mut(&k[d]).unwrap().parent = Some(parent);
+            }
+        }
+    }
+    hits
 }

@@ -154,8 +154,10 @@ fn leases_are_foreign_across_tiers_and_tokens_open_on_other_connections() {
     assert!(matches!(local.open_lease(&token), Err(TierError::ForeignLease)));
     let opened = b.open_lease(&token).unwrap();
     assert_eq!(opened.len(), 3);
-    // The first handle goes; the lease lives on in the other connection.
+    // The first handle goes; the lease lives on in the other connection. (Its drop is a one-way
+    // message on connection `a`: a round trip there orders it before what `b` does next.)
     drop(lease);
+    let _ = a.stats();
     let rb = b.attach(arenas.backend().unwrap()).unwrap();
     rb.restore(&opened, &[5, 6, 7], WaitFor::Nothing).unwrap().wait_timeout(WAIT).unwrap().unwrap();
     arenas.verify(&[5, 6, 7], &k).unwrap();
@@ -210,4 +212,17 @@ fn a_hello_of_another_protocol_version_is_refused() {
             client: proto::PROTOCOL_VERSION + 1
         })
     );
+}
+
+#[test]
+fn hints_on_a_connected_tier_go_to_the_daemon() {
+    let (_dir, path) = serve(8);
+    let a = HostTier::connect(&path).unwrap();
+    let b = HostTier::connect(&path).unwrap();
+    let k: Vec<_> = (0..3).map(|i| a.namespace().trace_page_key(i, 0)).collect();
+    let id = a.hint(&k, std::time::Duration::from_secs(60));
+    assert_eq!((a.live_hints(), b.live_hints()), (1, 1), "one hint, held by the daemon's tier");
+    assert!(b.withdraw_hint(id), "any connection may withdraw it");
+    assert!(!a.withdraw_hint(id), "withdrawn once");
+    assert_eq!(a.live_hints(), 0);
 }

@@ -25,6 +25,14 @@ pub fn core_with(slots: u32, policy: PolicyKind) -> Arc<Core> {
     Arc::new(Core::new(g, pool, policy, Some(4), None).expect("core"))
 }
 
+/// A core with `slots` host slots evicting by `policy`, with chain-aware victim ranking.
+pub fn chain_core_with(slots: u32, policy: PolicyKind) -> Arc<Core> {
+    let g = Geometry::new("loom", 16, vec![ArenaSpec::packed("a", 16, 4)]).expect("valid geometry");
+    let cfg = PoolConfig::new(slots as u64 * g.slot_bytes()).with_backing(BackingChoice::Plain);
+    let pool = HostPool::new(g.slot_bytes(), &cfg).expect("pool");
+    Arc::new(Core::new(g, pool, policy, Some(4), None).expect("core").with_chain_aware(true))
+}
+
 /// Key number `i` (distinct keys for distinct `i`).
 pub fn key(i: u64) -> ContentKey {
     ContentKey::from_words(0x6b76_7469_6572_0000 + i, i.wrapping_mul(0x9e37_79b9_7f4a_7c15))

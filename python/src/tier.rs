@@ -44,7 +44,7 @@ fn config_error(message: String) -> PyErr {
 /// - `geometry`: the block layout (`Geometry`); every attached rank's tensors must match it.
 /// - `pool_bytes`: host memory for block slots, in bytes; capacity = `pool_bytes // geometry.slot_bytes`.
 /// - `policy`: eviction policy name: `lru`, `clock`, `sieve`, `s3fifo`, `prefix-lfu`,
-///   `prefix-tinylfu` (None: kvtier's default for a tier).
+///   `prefix-tinylfu`, `adaptive-lfu` (None: kvtier's default, `adaptive-lfu`).
 /// - `backing`: `auto` (hugetlb if reserved, else transparent hugepages), `hugetlb`, `thp`, `plain`.
 /// - `prefault`: touch every page now (slower start, no page faults on first saves).
 /// - `mlock`: lock the pool in memory. `numa_node`: bind the pool to this NUMA node.
@@ -325,6 +325,26 @@ impl PyTier {
     /// Evicts up to `n` unpinned blocks by the policy; returns how many were evicted.
     fn evict(&self, py: Python<'_>, n: usize) -> usize {
         py.detach(|| self.inner.evict(n))
+    }
+
+    /// Scheduler hint: `keys` (16-byte keys, a list) will be looked up by requests waiting in the
+    /// engine's queue, for at most `ttl_s` seconds (capped by kvtier). Eviction takes none of their
+    /// blocks while an unhinted block is evictable (a hint never makes a save fail). Returns the
+    /// hint's id (an int) for `withdraw_hint`.
+    ///
+    /// Raises: `KeyLengthError`, `ConfigError` (a negative or non-finite `ttl_s`).
+    #[pyo3(signature = (keys, ttl_s = 60.0))]
+    fn hint(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ttl_s: f64) -> PyResult<u64> {
+        let keys = keys_of(keys)?;
+        let ttl = std::time::Duration::try_from_secs_f64(ttl_s)
+            .map_err(|_| config_error(format!("ttl_s must be a non-negative number of seconds, not {ttl_s}")))?;
+        Ok(py.detach(|| self.inner.hint(&keys, ttl)).get())
+    }
+
+    /// Withdraws hint `id` (its request was admitted or dropped). Returns False if it had already
+    /// been withdrawn or had expired.
+    fn withdraw_hint(&self, py: Python<'_>, id: u64) -> bool {
+        py.detach(|| self.inner.withdraw_hint(kvtier::HintId::from_number(id)))
     }
 
     /// The tier's counters as a dict of ints: `queries`, `hit_blocks`, `miss_blocks`,

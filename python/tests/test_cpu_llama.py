@@ -18,6 +18,7 @@ def test_tiny_llama_restored_prefix_gives_bitwise_equal_logits():
         assert r["checks"] == {
             "logits_bitwise_equal": True,
             "greedy_tokens_equal": True,
+            "cold_greedy_tokens_repeatable": True,
             "restored_pages_byte_identical": True,
             "logits_finite": True,
             "torch_per_page_logits_equal": True,

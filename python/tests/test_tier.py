@@ -260,3 +260,17 @@ def test_tier_reports_its_configuration(tier):
     assert kvtier.Tier(tier.geometry, 4 * tier.geometry.slot_bytes, "s3fifo", backing="plain").policy == "s3fifo"
     assert isinstance(kvtier.cuda_available(), bool)
     assert kvtier.__version__ == "0.1.0"
+
+
+def test_hints_keep_queued_keys_from_eviction(geometry, arrays):
+    tier = kvtier.Tier(geometry, 4 * geometry.slot_bytes, "lru", backing="plain")
+    with tier.attach_host(arrays) as rank:
+        keys = tier.namespace.keys([b"a", b"b", b"c", b"d"])
+        rank.save(keys, [0, 1, 2, 3]).wait()
+        hint = tier.hint(keys[:1])  # the oldest block: LRU's first victim without the hint
+        more = tier.namespace.keys([b"e"])
+        rank.save(more, [4]).wait()
+        assert tier.contains(keys[0]) and not tier.contains(keys[1])
+        assert tier.withdraw_hint(hint) and not tier.withdraw_hint(hint)
+        with pytest.raises(kvtier.ConfigError):
+            tier.hint(keys, ttl_s=-1.0)

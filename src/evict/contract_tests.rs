@@ -3,7 +3,7 @@
 //! the resident slots it may take, whatever interleaving of insert, hit, select, cancel and remove
 //! came before.
 
-use super::{EvictionPolicy, InsertInfo, PolicyKind};
+use super::{ChainView, EvictionPolicy, InsertInfo, PolicyKind, Ranking};
 use crate::slot::SlotId;
 use std::collections::BTreeSet;
 
@@ -109,14 +109,27 @@ fn random_interleavings_keep_the_contract_and_liveness() {
                     2 => p.on_hit(SlotId(s as u32)),
                     3 => pinned[s] = !pinned[s],
                     4 | 5 => {
-                        // A selection; each proposal is claimed, or cancelled (its claim CAS found a
-                        // pin), as the tier does.
+                        // A selection (plain, or ranked as the tier calls it: random classes and,
+                        // half the time, a random forest of chains); each proposal is claimed, or
+                        // cancelled (its claim CAS found a pin), as the tier does.
                         let ok: Vec<bool> = (0..cap as usize).map(|t| st[t] == St::Resident && !pinned[t]).collect();
                         let evictable = |t: SlotId| ok[t.index()];
                         let k = ok.iter().filter(|&&e| e).count();
                         let n = rnd(cap as u64 + 2) as usize;
                         let mut out = vec![];
-                        p.select_victims(n, &evictable, &mut out);
+                        let ranked = rnd(2) == 0;
+                        let classes = 1 + rnd(4) as u8;
+                        let class: Vec<u8> = (0..cap).map(|_| rnd(classes as u64) as u8).collect();
+                        let forest = Forest::random(cap, &mut rnd);
+                        let class_of = |t: SlotId| ok[t.index()].then_some(class[t.index()]);
+                        if ranked {
+                            let chain = (rnd(2) == 0).then_some(&forest as &dyn ChainView);
+                            p.select_ranked(n, &Ranking { classes, class_of: &class_of, chain }, &mut out);
+                            let seq: Vec<u8> = out.iter().map(|v| class[v.index()]).collect();
+                            assert!(seq.windows(2).all(|w| w[0] <= w[1]), "{kind}: classes out of order: {seq:?}");
+                        } else {
+                            p.select_victims(n, &evictable, &mut out);
+                        }
                         assert_eq!(out.len(), n.min(k), "{kind} seed {seed} step {step}: liveness");
                         let distinct: BTreeSet<SlotId> = out.iter().copied().collect();
                         assert_eq!(distinct.len(), out.len(), "{kind}: a slot proposed twice");
@@ -163,13 +176,80 @@ fn random_interleavings_keep_the_contract_and_liveness() {
     }
 }
 
+/// Random parent links: slot `s` continues a lower slot or none; depth = parent's depth + 1.
+struct Forest {
+    parent: Vec<Option<u32>>,
+    depth: Vec<u32>,
+}
+
+impl Forest {
+    fn random(cap: u32, rnd: &mut impl FnMut(u64) -> u64) -> Self {
+        let mut parent = vec![None; cap as usize];
+        let mut depth = vec![0; cap as usize];
+        for s in 1..cap as usize {
+            if rnd(3) != 0 {
+                let p = rnd(s as u64) as usize;
+                parent[s] = Some(p as u32);
+                depth[s] = depth[p] + 1;
+            }
+        }
+        Forest { parent, depth }
+    }
+}
+
+impl ChainView for Forest {
+    fn parent(&self, slot: SlotId) -> Option<SlotId> {
+        self.parent[slot.index()].map(SlotId)
+    }
+    fn depth(&self, slot: SlotId) -> u32 {
+        self.depth[slot.index()]
+    }
+}
+
+/// LRU with chains: a block ranks by the newest tick of its subtree, deeper first on ties, so a
+/// chain goes from its tail and a chain used recently keeps its head however old the head's own
+/// tick is; classes still come first.
+#[test]
+fn lru_with_chains_takes_chains_whole_from_the_tail() {
+    let p = PolicyKind::Lru.build(6);
+    // Chain 0 -> 1 -> 2 inserted first (oldest), then 3, then chain 4 -> 5; then block 2 is hit.
+    for s in 0..6 {
+        p.on_insert(SlotId(s), InsertInfo::default());
+    }
+    p.on_hit(SlotId(2));
+    let forest = Forest { parent: vec![None, Some(0), Some(1), None, None, Some(4)], depth: vec![0, 1, 2, 0, 0, 1] };
+    let class_of = |_: SlotId| Some(0);
+    let mut out = vec![];
+    p.select_ranked(6, &Ranking { classes: 1, class_of: &class_of, chain: Some(&forest) }, &mut out);
+    // Subtree ticks: chain 0..2 = block 2's hit (newest), 3 = its own, chain 4..5 = block 5's.
+    assert_eq!(out, [3, 5, 4, 2, 1, 0].map(SlotId).to_vec());
+    for s in out {
+        p.on_cancel(s);
+    }
+    // Without the chain view: plain LRU order (block 2 last: it was hit).
+    let mut out = vec![];
+    p.select_ranked(6, &Ranking { classes: 1, class_of: &class_of, chain: None }, &mut out);
+    assert_eq!(out, [0, 1, 3, 4, 5, 2].map(SlotId).to_vec());
+    for s in out {
+        p.on_cancel(s);
+    }
+    // A class of its own for block 1 (an orphan, say) sends it first.
+    let class_of = |s: SlotId| Some(u8::from(s != SlotId(1)));
+    let mut out = vec![];
+    p.select_ranked(2, &Ranking { classes: 2, class_of: &class_of, chain: Some(&forest) }, &mut out);
+    assert_eq!(out, [1, 3].map(SlotId).to_vec());
+}
+
 #[test]
 fn names_parse_and_unknown_names_list_the_known_ones() {
     for p in PolicyKind::ALL {
         assert_eq!(p.name().parse::<PolicyKind>(), Ok(*p));
     }
     let e = "fifo".parse::<PolicyKind>().unwrap_err();
-    assert_eq!(e.to_string(), "unknown policy `fifo` (known: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu)");
+    assert_eq!(
+        e.to_string(),
+        "unknown policy `fifo` (known: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu)"
+    );
 }
 
 #[test]

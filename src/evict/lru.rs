@@ -1,6 +1,6 @@
 //! Exact LRU with lock-free recency updates (see [`super::PolicyKind::Lru`]).
 
-use super::{EvictionPolicy, InsertInfo, Residency};
+use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
 use crate::slot::SlotId;
 use crate::sync::{AtomicU64, Ordering};
 
@@ -42,6 +42,9 @@ impl EvictionPolicy for Lru {
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
         self.residency.propose_lowest(n, evictable, |s| self.ticks[s].load(Ordering::Relaxed), out);
+    }
+    fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
+        self.residency.propose_lowest_ranked(n, ranking, |s| self.ticks[s].load(Ordering::Relaxed), out);
     }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);

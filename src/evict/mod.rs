@@ -32,6 +32,11 @@
 //!   re-queued) or [`EvictionPolicy::on_remove`] (the block was evicted; the slot is `ABSENT`).
 //!   Several selections may run before the proposals of the first are settled (a save that needs
 //!   more victims after some claims failed).
+//! - [`EvictionPolicy::select_ranked`]: the selection the tier actually calls, with its preference
+//!   order ([`Ranking`]): classes that must go first (orphaned chain blocks) or last (blocks of
+//!   hinted keys), and the chains of resident blocks. The provided method turns it into
+//!   `select_victims` calls, one per class; the contract and liveness below hold for it as they do
+//!   for `select_victims`.
 //! - [`EvictionPolicy::admit`]: lock-free admission check on the save path.
 //!
 //! **Liveness** (invariant I8 in `docs/invariants.md`): whatever interleaving of insert, hit,
@@ -41,10 +46,11 @@
 //! out of reach. Every built-in policy is checked for it (unit tests below, the loom model
 //! `loom_policy`, the tier state machine).
 //!
-//! Per-slot policy state lives in atomics so `on_hit` (the query path) is lock-free.
+//! Per-slot policy state lives in atomics so `on_hit` (the query path) never waits.
 
 mod clock;
 mod lru;
+mod minisim;
 mod prefix_lfu;
 mod queue;
 mod residency;
@@ -75,6 +81,31 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     /// Appends up to `n` distinct victim candidates to `out`, best first, choosing only `RESIDENT`
     /// slots for which `evictable` returns true; each becomes `PROPOSED`.
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>);
+    /// [`EvictionPolicy::select_victims`] under the tier's preference order ([`Ranking`]): every
+    /// proposed slot of class `c` comes before any of class `c + 1`, in the policy's own order
+    /// within a class (chain-aware, see [`Ranking::chain`]). Liveness is the same as
+    /// `select_victims`': `min(n, k)` proposals, `k` being the `RESIDENT` slots with a class.
+    ///
+    /// The provided method asks `select_victims` once per class, lowest first, until `n` are
+    /// proposed (it does not use [`Ranking::chain`]); the scan-based policies override it with one
+    /// pass ranked by `(class, chain score)`.
+    fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
+        let (classes, class_of) = (ranking.classes, ranking.class_of);
+        let start = out.len();
+        if classes <= 1 {
+            self.select_victims(n, &|s| class_of(s).is_some(), out);
+            return;
+        }
+        for c in 0..classes {
+            let got = out.len() - start;
+            if got >= n {
+                break;
+            }
+            // The last pass takes every class left, so a class number out of range is still offered.
+            let last = c + 1 == classes;
+            self.select_victims(n - got, &|s| class_of(s).is_some_and(|k| k == c || (last && k > c)), out);
+        }
+    }
     /// A proposed slot was not evicted (`PROPOSED -> RESIDENT`): it must be offered again by later
     /// selections.
     fn on_cancel(&self, slot: SlotId);
@@ -91,6 +122,39 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     }
 }
 
+/// The tier's preference order for one selection ([`EvictionPolicy::select_ranked`]).
+#[derive(Copy, Clone)]
+pub struct Ranking<'a> {
+    /// Number of classes (`class_of` returns values below it).
+    pub classes: u8,
+    /// `None` for a slot that may not be taken now (pinned, not ready), else its class: lower
+    /// classes are evicted first.
+    pub class_of: &'a dyn Fn(SlotId) -> Option<u8>,
+    /// With chain-aware eviction, the chains of resident blocks. A policy that ranks by a score
+    /// then ranks each block by the best score in its subtree (itself and every resident block
+    /// that continues it) and, on ties, deeper blocks first: a chain goes from its tail, when its
+    /// most valuable block is the least valuable left, and a prefix shared by valuable chains is
+    /// kept with them.
+    pub chain: Option<&'a dyn ChainView>,
+}
+
+impl<'a> Ranking<'a> {
+    /// One class: every slot for which `evictable` is true; no chains.
+    pub fn plain(evictable: &'a dyn Fn(SlotId) -> Option<u8>) -> Self {
+        Ranking { classes: 1, class_of: evictable, chain: None }
+    }
+}
+
+/// What the tier knows of chains (see [`Ranking::chain`]).
+pub trait ChainView {
+    /// The block that `slot`'s block continues, if it is still resident (being written, ready or
+    /// being evicted).
+    fn parent(&self, slot: SlotId) -> Option<SlotId>;
+    /// The prompt depth of `slot`'s block (`u32::MAX` if unknown): a block is deeper than its
+    /// parent.
+    fn depth(&self, slot: SlotId) -> u32;
+}
+
 /// What a policy learns about a block when it becomes ready.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -100,25 +164,46 @@ pub struct InsertInfo {
     /// The block's position in its prompt (0 = the first page), if the saver passed
     /// [`crate::SaveOptions::prefix_depth`]. A prefix hit on page `d` needs pages `0..d` resident.
     pub depth: Option<u32>,
+    /// The prompt depth at which the save that stored this block began
+    /// ([`crate::SaveOptions::prefix_depth`]): the blocks before it were resident (an engine saves
+    /// what its query missed) or saved earlier. A later turn of a conversation resumes deeper.
+    pub resumed_at: Option<u32>,
+    /// The resident block this one continues in its prompt (the chain link the tier recorded, see
+    /// [`crate::TierConfig::chain_aware`]), if known when the block became ready.
+    pub parent: Option<SlotId>,
 }
 
 impl InsertInfo {
     /// Insert information for a block whose key hashes to `key_hash`, at prompt depth `depth`.
     pub fn new(key_hash: u64, depth: Option<u32>) -> Self {
-        InsertInfo { key_hash, depth }
+        InsertInfo { key_hash, depth, resumed_at: None, parent: None }
+    }
+
+    /// Sets [`InsertInfo::resumed_at`].
+    pub fn resumed_at(mut self, depth: Option<u32>) -> Self {
+        self.resumed_at = depth;
+        self
+    }
+
+    /// Sets [`InsertInfo::parent`].
+    pub fn parent(mut self, parent: Option<SlotId>) -> Self {
+        self.parent = parent;
+        self
     }
 }
 
-/// The built-in policies. [`PolicyKind::default`] is the one default of the crate: the tier
-/// configuration and the command line use it.
+/// The built-in policies. [`PolicyKind::default`] ([`PolicyKind::AdaptiveLfu`]) is the one default
+/// of the crate: the tier configuration and the command line use it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub enum PolicyKind {
     /// Least recently used, exact: every insert and hit takes a tick from one global counter, and
-    /// victims are the unpinned ready blocks with the smallest ticks. The default: it is never the
-    /// worst on any trace and size measured, and it has no parameters to mistune.
-    #[default]
+    /// victims are the unpinned ready blocks with the smallest ticks. With chain-aware eviction
+    /// ([`crate::TierConfig::chain_aware`]) a block ranks by the newest tick in its chain's resident
+    /// subtree, deeper blocks first on ties ([`Ranking::chain`]): a chain goes whole, from its tail,
+    /// in the order of its last use, instead of losing its head first. The baseline every other
+    /// policy is measured against (`docs/benchmarks.md`).
     Lru,
     /// CLOCK (second chance) over the slot array: a hit sets a reference bit; the hand clears set
     /// bits and proposes the first unpinned ready slot whose bit is clear.
@@ -144,6 +229,23 @@ pub enum PolicyKind {
     /// nothing past the gap). Ageing rounds the halved counters up, so a key once seen is never
     /// forgotten.
     PrefixTinyLfu,
+    /// [`PolicyKind::PrefixLfu`] whose frequency weight is not a constant but learned online from
+    /// the workload by miniature simulations (Waldspurger et al., *Cache Modeling and Optimization
+    /// using Miniature Simulations*, USENIX ATC'17): the references of a fixed sample of keys (by
+    /// key hash, about 512 blocks' worth) are replayed through eight small caches that rank with the
+    /// same score and weights of 0, 1, 2, 4, 8, 16, 32 and 64 capacities of ticks per reference;
+    /// after every `capacity` references the policy takes the weight of the mini cache with the
+    /// most hits recently (each period counting 7/8 of the next). Weight 0 is LRU order, so the
+    /// policy starts as LRU and returns to it on workloads where frequency does not pay. Costs one
+    /// try-lock and eight small-cache updates per reference of a sampled key (a reference that
+    /// finds the mini caches busy is skipped, so a query never waits).
+    ///
+    /// The default: on every trace and pool size of the validation table (`docs/benchmarks.md`:
+    /// both halves of the conversation trace, its sample, two synthetic workloads) it is never
+    /// below LRU, and it has the highest mean ratio to LRU of the policies that never are
+    /// (`docs/design.md` says why).
+    #[default]
+    AdaptiveLfu,
 }
 
 impl PolicyKind {
@@ -155,6 +257,7 @@ impl PolicyKind {
         PolicyKind::S3Fifo,
         PolicyKind::PrefixLfu,
         PolicyKind::PrefixTinyLfu,
+        PolicyKind::AdaptiveLfu,
     ];
 
     /// A policy instance for a pool of `capacity` slots.
@@ -166,6 +269,7 @@ impl PolicyKind {
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
             PolicyKind::PrefixLfu => Box::new(PrefixLfu::new(capacity)),
             PolicyKind::PrefixTinyLfu => Box::new(PrefixLfu::with_doorkeeper(capacity)),
+            PolicyKind::AdaptiveLfu => Box::new(PrefixLfu::adaptive(capacity)),
         }
     }
 
@@ -178,6 +282,7 @@ impl PolicyKind {
             PolicyKind::S3Fifo => "s3fifo",
             PolicyKind::PrefixLfu => "prefix-lfu",
             PolicyKind::PrefixTinyLfu => "prefix-tinylfu",
+            PolicyKind::AdaptiveLfu => "adaptive-lfu",
         }
     }
 }
@@ -205,6 +310,12 @@ impl FromStr for PolicyKind {
             name: s.to_string(),
             known: PolicyKind::ALL.iter().map(|p| p.name()).collect::<Vec<_>>().join(", "),
         })
+    }
+}
+
+impl std::fmt::Debug for Ranking<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranking").field("classes", &self.classes).field("chain", &self.chain.is_some()).finish()
     }
 }
 

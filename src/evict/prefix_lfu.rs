@@ -1,9 +1,10 @@
 //! Prefix-aware frequency-weighted recency (see [`super::PolicyKind::PrefixLfu`]) and its TinyLFU
 //! doorkeeper variant ([`super::PolicyKind::PrefixTinyLfu`]).
 
-use super::{EvictionPolicy, InsertInfo, Residency};
+use super::minisim::Tuner;
+use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
 use crate::slot::SlotId;
-use crate::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 
 /// Prefix-aware frequency-weighted recency (see [`super::PolicyKind::PrefixLfu`]). Inserts and hits take
 /// a tick (one `fetch_add`, as LRU) and bump the key's count in a count-min history (two 4-bit
@@ -12,19 +13,25 @@ use crate::sync::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 /// ([`PrefixLfu::with_doorkeeper`], [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
 /// history counters and, for a refused key, bumps them: also lock-free.
 pub struct PrefixLfu {
-    ticks: Box<[AtomicU64]>,
-    depth: Box<[AtomicU32]>,
+    /// Per slot, packed so a selection reads one word: last touch tick (high 44 bits), prompt depth
+    /// (16 bits, saturated) and the key's history count as of that touch (low 4 bits).
+    meta: Box<[AtomicU64]>,
     key_hash: Box<[AtomicU64]>,
-    /// The key's history count as of its last insert or hit (so selection reads no history).
-    count: Box<[AtomicU8]>,
     clock: AtomicU64,
     history: Box<[AtomicU8]>,
     history_mask: u64,
-    /// References counted since the history was last halved.
-    refs: AtomicU64,
+    /// Clock value at the last halving of the history (the clock counts references: one tick per
+    /// insert or hit).
+    aged_at: AtomicU64,
     age_period: u64,
-    /// Ticks one reference of history is worth.
-    weight: u64,
+    /// Ticks one reference of history is worth (tuned by `tuner` when there is one).
+    weight: AtomicU64,
+    /// Mini caches that tune `weight` ([`super::PolicyKind::AdaptiveLfu`]).
+    tuner: Option<Mutex<Tuner>>,
+    /// Keys sampled by the tuner (see [`Tuner::sampled`]).
+    sample_threshold: u64,
+    /// Clock value when the tuner last chose a weight.
+    tuned_at: AtomicU64,
     /// Refuse keys without history ([`super::PolicyKind::PrefixTinyLfu`]).
     doorkeeper: bool,
     residency: Residency,
@@ -44,16 +51,17 @@ impl PrefixLfu {
         let c = capacity.max(1) as u64;
         let hist = (Self::HISTORY_PER_SLOT * c).next_power_of_two();
         PrefixLfu {
-            ticks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            depth: (0..capacity).map(|_| AtomicU32::new(0)).collect(),
+            meta: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
             key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            count: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
             clock: AtomicU64::new(1),
             history: (0..hist).map(|_| AtomicU8::new(0)).collect(),
             history_mask: hist - 1,
-            refs: AtomicU64::new(0),
+            aged_at: AtomicU64::new(0),
             age_period: 64 * c,
-            weight: 8 * c,
+            weight: AtomicU64::new(8 * c),
+            tuner: None,
+            sample_threshold: 0,
+            tuned_at: AtomicU64::new(0),
             doorkeeper: false,
             residency: Residency::new(capacity),
         }
@@ -63,6 +71,35 @@ impl PrefixLfu {
     /// (see [`super::PolicyKind::PrefixTinyLfu`]).
     pub fn with_doorkeeper(capacity: u32) -> Self {
         PrefixLfu { doorkeeper: true, ..Self::new(capacity) }
+    }
+
+    /// A prefix-aware LFU for `capacity` slots whose weight is tuned online by miniature
+    /// simulations (see [`super::PolicyKind::AdaptiveLfu`]); it starts as LRU (weight 0).
+    pub fn adaptive(capacity: u32) -> Self {
+        let tuner = Tuner::new(capacity);
+        PrefixLfu {
+            weight: AtomicU64::new(0),
+            sample_threshold: tuner.threshold(),
+            tuner: Some(Mutex::new(tuner)),
+            ..Self::new(capacity)
+        }
+    }
+
+    /// The weight of one reference of history, in ticks.
+    pub fn weight(&self) -> u64 {
+        self.weight.load(Ordering::Relaxed)
+    }
+
+    /// Replays a reference of key hash `h`, whose history count is now `count`, through the
+    /// tuner's mini caches if the key is sampled. Never waits: a reference that finds the mini
+    /// caches busy is not replayed.
+    fn sample(&self, h: u64, count: u8) {
+        let Some(t) = &self.tuner else { return };
+        if Tuner::sampled(self.sample_threshold, h) {
+            if let Ok(mut t) = t.try_lock() {
+                t.reference(h, count);
+            }
+        }
     }
 
     fn cells(&self, h: u64) -> [usize; 2] {
@@ -79,7 +116,6 @@ impl PrefixLfu {
     /// Returns the key's new count.
     fn bump(&self, h: u64) -> u8 {
         let m = self.count(h);
-        self.refs.fetch_add(1, Ordering::Relaxed);
         if m >= Self::MAX_COUNT {
             return m;
         }
@@ -92,22 +128,32 @@ impl PrefixLfu {
         m + 1
     }
 
-    fn touch(&self, slot: SlotId) {
+    /// Records a touch of `slot` now: its depth (`None`: keep the recorded one) and count.
+    fn touch(&self, slot: SlotId, depth: Option<u32>, count: u8) {
         let t = self.clock.fetch_add(1, Ordering::Relaxed);
-        self.ticks[slot.index()].store(t, Ordering::Relaxed);
+        let cell = &self.meta[slot.index()];
+        let d = match depth {
+            Some(d) => d.min(0xffff) as u64,
+            None => (cell.load(Ordering::Relaxed) >> 4) & 0xffff,
+        };
+        // A concurrent touch of the same slot may win: either leaves a valid recent word.
+        cell.store(((t & ((1 << 44) - 1)) << 20) | (d << 4) | (count & 15) as u64, Ordering::Relaxed);
     }
 
     /// The eviction score: lower goes first.
-    fn score(&self, s: usize) -> i64 {
-        let t = self.ticks[s].load(Ordering::Relaxed) as i64;
-        let c = self.count[s].load(Ordering::Relaxed) as i64;
-        t + self.weight as i64 * c - 2 * self.depth[s].load(Ordering::Relaxed) as i64
+    #[inline]
+    fn score(&self, weight: i64, s: usize) -> i64 {
+        let m = self.meta[s].load(Ordering::Relaxed);
+        let (t, d, c) = ((m >> 20) as i64, ((m >> 4) & 0xffff) as i64, (m & 15) as i64);
+        t + weight * c - 2 * d
     }
 }
 
 impl EvictionPolicy for PrefixLfu {
     fn name(&self) -> &'static str {
-        if self.doorkeeper {
+        if self.tuner.is_some() {
+            "adaptive-lfu"
+        } else if self.doorkeeper {
             "prefix-tinylfu"
         } else {
             "prefix-lfu"
@@ -123,15 +169,16 @@ impl EvictionPolicy for PrefixLfu {
     }
     fn on_insert(&self, slot: SlotId, info: InsertInfo) {
         self.key_hash[slot.index()].store(info.key_hash, Ordering::Relaxed);
-        self.depth[slot.index()].store(info.depth.unwrap_or(0), Ordering::Relaxed);
-        self.count[slot.index()].store(self.bump(info.key_hash), Ordering::Relaxed);
-        self.touch(slot);
+        let count = self.bump(info.key_hash);
+        self.sample(info.key_hash, count);
+        self.touch(slot, Some(info.depth.unwrap_or(0)), count);
         self.residency.insert(slot);
     }
     fn on_hit(&self, slot: SlotId) {
-        let c = self.bump(self.key_hash[slot.index()].load(Ordering::Relaxed));
-        self.count[slot.index()].store(c, Ordering::Relaxed);
-        self.touch(slot);
+        let h = self.key_hash[slot.index()].load(Ordering::Relaxed);
+        let c = self.bump(h);
+        self.sample(h, c);
+        self.touch(slot, None, c);
     }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
@@ -140,12 +187,25 @@ impl EvictionPolicy for PrefixLfu {
         self.residency.remove(slot);
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
+        self.select_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), out);
+    }
+    fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
         if n == 0 {
             return;
         }
-        if self.refs.load(Ordering::Relaxed) >= self.age_period {
+        if let Some(t) = &self.tuner {
+            let cap = self.meta.len() as u64;
+            let now = self.clock.load(Ordering::Relaxed);
+            if now - self.tuned_at.load(Ordering::Relaxed) >= cap.max(1) {
+                self.tuned_at.store(now, Ordering::Relaxed);
+                let w = t.lock().expect("tuner").choose();
+                self.weight.store(w * cap, Ordering::Relaxed);
+            }
+        }
+        let now = self.clock.load(Ordering::Relaxed);
+        if now - self.aged_at.load(Ordering::Relaxed) >= self.age_period {
             // Ageing (one selector at a time): halve every counter so old popularity fades.
-            self.refs.store(0, Ordering::Relaxed);
+            self.aged_at.store(now, Ordering::Relaxed);
             // With the doorkeeper, halving rounds up: a key seen once stays seen (else a first
             // sighting just before an ageing would be refused again at its second).
             let up = self.doorkeeper as u8;
@@ -154,7 +214,11 @@ impl EvictionPolicy for PrefixLfu {
                 c.store(v / 2 + (v & up), Ordering::Relaxed);
             }
         }
-        self.residency.propose_lowest(n, evictable, |s| self.score(s), out);
+        // The score already puts a chain's deeper blocks first (its depth term), so the chain view
+        // is not used: only the tier's classes (orphans first, hinted blocks last) are.
+        let ranking = Ranking { chain: None, ..*ranking };
+        let weight = self.weight.load(Ordering::Relaxed) as i64;
+        self.residency.propose_lowest_ranked(n, &ranking, |s| self.score(weight, s), out);
     }
 }
 

@@ -3,6 +3,7 @@
 //! broken invariant of the tier (it called the policy out of order) and panics with the slot and
 //! both states, whichever policy it happened in.
 
+use super::Ranking;
 use crate::slot::SlotId;
 use crate::sync::{AtomicU8, Ordering};
 
@@ -100,22 +101,118 @@ impl Residency {
         score: impl Fn(usize) -> S,
         out: &mut Vec<SlotId>,
     ) {
+        self.propose_lowest_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), score, out);
+    }
+
+    /// [`Residency::propose_lowest`] under the tier's preference order
+    /// ([`super::EvictionPolicy::select_ranked`]): the `n` offerable slots with a class, lowest
+    /// `(class, score)` first (ties by slot id). With [`Ranking::chain`], a slot's score is the
+    /// highest score of its resident subtree, ties going to the deeper block. One pass over the
+    /// slots (two with chains), O(capacity).
+    pub fn propose_lowest_ranked<S: Ord + Copy>(
+        &self,
+        n: usize,
+        ranking: &Ranking<'_>,
+        score: impl Fn(usize) -> S,
+        out: &mut Vec<SlotId>,
+    ) {
         if n == 0 {
             return;
         }
-        // `evictable` first: its slot-word load acquires the commit that followed `on_insert`.
-        let mut cands: Vec<(S, u32)> = (0..self.capacity())
-            .filter(|&s| evictable(SlotId(s)) && self.offerable(SlotId(s)))
-            .map(|s| (score(s as usize), s))
+        let class_of = ranking.class_of;
+        let Some(chain) = ranking.chain else {
+            // `class_of` first: its slot-word load acquires the commit that followed `on_insert`.
+            let mut cands: Vec<(u8, S, u32)> = (0..self.capacity())
+                .filter_map(|s| {
+                    let c = class_of(SlotId(s))?;
+                    self.offerable(SlotId(s)).then(|| (c, score(s as usize), s))
+                })
+                .collect();
+            return self.propose_best(n, &mut cands, out);
+        };
+        // Every offerable slot's score (pinned ones included: they keep their prefix), then each
+        // score raised to the best of its subtree, deepest blocks first.
+        let cap = self.capacity() as usize;
+        let mut eff: Vec<Option<S>> = (0..cap).map(|s| self.offerable(SlotId(s as u32)).then(|| score(s))).collect();
+        let order =
+            deepest_first((0..cap as u32).filter(|&s| eff[s as usize].is_some()), |s| chain.depth(SlotId(s)), cap);
+        for &(_, s) in &order {
+            let Some(v) = eff[s as usize] else { continue };
+            if let Some(p) = chain.parent(SlotId(s)) {
+                if let Some(pv) = eff.get_mut(p.index()).and_then(|e| e.as_mut()) {
+                    if *pv < v {
+                        *pv = v;
+                    }
+                }
+            }
+        }
+        let mut cands: Vec<(u8, S, std::cmp::Reverse<u32>, u32)> = order
+            .iter()
+            .filter_map(|&(d, s)| {
+                let c = class_of(SlotId(s))?;
+                Some((c, eff[s as usize]?, std::cmp::Reverse(d), s))
+            })
             .collect();
+        self.propose_best(n, &mut cands, out);
+    }
+
+    /// Proposes the `n` smallest of `cands` (whose last field is the slot), smallest first.
+    fn propose_best<T: Ord + Copy + LastSlot>(&self, n: usize, cands: &mut Vec<T>, out: &mut Vec<SlotId>) {
         if cands.len() > n {
             cands.select_nth_unstable(n - 1);
             cands.truncate(n);
         }
         cands.sort_unstable();
-        for (_, s) in cands {
-            self.propose(SlotId(s));
-            out.push(SlotId(s));
+        for c in cands.iter() {
+            let s = SlotId(c.slot());
+            self.propose(s);
+            out.push(s);
         }
+    }
+}
+
+/// `(depth, slot)` of `slots`, deepest first (unknown depths, `u32::MAX`, first too; ties by slot
+/// id, highest first). A counting sort when the depths are below `4 x cap`, else a comparison sort.
+fn deepest_first(slots: impl Iterator<Item = u32>, depth: impl Fn(u32) -> u32, cap: usize) -> Vec<(u32, u32)> {
+    let mut v: Vec<(u32, u32)> = slots.map(|s| (depth(s), s)).collect();
+    let known_max = v.iter().map(|&(d, _)| d).filter(|&d| d != u32::MAX).max().unwrap_or(0) as usize;
+    if known_max >= 4 * cap.max(1) {
+        v.sort_unstable_by(|a, b| b.cmp(a));
+        return v;
+    }
+    // Bucket `known_max + 1` holds the unknown depths; buckets are emitted from the highest.
+    let key = |d: u32| if d == u32::MAX { known_max + 1 } else { d as usize };
+    let mut start = vec![0usize; known_max + 3];
+    for &(d, _) in &v {
+        start[known_max + 1 - key(d) + 1] += 1;
+    }
+    for i in 1..start.len() {
+        start[i] += start[i - 1];
+    }
+    let mut out = vec![(0, 0); v.len()];
+    // Slots were collected in increasing order; filling each bucket from its end keeps the highest
+    // slot first, as the comparison sort does.
+    for &(d, s) in v.iter().rev() {
+        let b = known_max + 1 - key(d);
+        out[start[b]] = (d, s);
+        start[b] += 1;
+    }
+    out
+}
+
+/// The slot of a selection candidate tuple (its last field).
+trait LastSlot {
+    fn slot(&self) -> u32;
+}
+
+impl<S> LastSlot for (u8, S, u32) {
+    fn slot(&self) -> u32 {
+        self.2
+    }
+}
+
+impl<S> LastSlot for (u8, S, std::cmp::Reverse<u32>, u32) {
+    fn slot(&self) -> u32 {
+        self.3
     }
 }

@@ -141,6 +141,22 @@ impl Conn {
         self.count(&Request::Evict { blocks: n as u64 }).map(|n| n as usize)
     }
 
+    pub(crate) fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> Result<u64, TierError> {
+        let ttl_ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        self.count(&Request::Hint { keys: keys.to_vec(), ttl_ms })
+    }
+
+    pub(crate) fn withdraw_hint(&self, id: u64) -> Result<bool, TierError> {
+        match self.call(&Request::WithdrawHint { id })? {
+            Reply::Bool(b) => Ok(b),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    pub(crate) fn live_hints(&self) -> Result<usize, TierError> {
+        self.count(&Request::LiveHints).map(|n| n as usize)
+    }
+
     pub(crate) fn expire_leases(&self) -> Result<usize, TierError> {
         self.count(&Request::ExpireLeases).map(|n| n as usize)
     }
@@ -302,8 +318,12 @@ pub(crate) fn save(
     wait: WaitFor,
     opts: SaveOptions,
 ) -> Result<SaveTicket, TierError> {
-    let req =
-        Request::PrepareSave { keys: keys.to_vec(), prefix: opts.fit == Fit::Prefix, prefix_depth: opts.prefix_depth };
+    let req = Request::PrepareSave {
+        keys: keys.to_vec(),
+        prefix: opts.fit == Fit::Prefix,
+        prefix_depth: opts.prefix_depth,
+        parent: opts.parent,
+    };
     let (save, saving, slots, resident, in_flight, duplicates, dropped) = match conn.call(&req)? {
         Reply::SavePrepared { save, saving, slots, resident, in_flight, duplicates, dropped } => {
             (save, saving, slots, resident as usize, in_flight as usize, duplicates as usize, dropped as usize)

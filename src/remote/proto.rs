@@ -22,7 +22,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// Marker byte before a welcome: the pool's memfd rides with it.
@@ -99,6 +99,8 @@ pub enum Request {
         prefix: bool,
         /// Prompt depth of the first key.
         prefix_depth: Option<u32>,
+        /// The key of the block before the first key in its prompt (chain-aware eviction).
+        parent: Option<ContentKey>,
     },
     /// The save's copy ended: commit, abort or quarantine its slots. -> [`Reply::Done`].
     FinishSave {
@@ -140,6 +142,21 @@ pub enum Request {
     },
     /// Settle leases past their time-to-live. -> [`Reply::Count`].
     ExpireLeases,
+    /// A scheduler hint on `keys` for `ttl_ms` milliseconds (`HostTier::hint`). -> [`Reply::Count`]
+    /// (the hint's id).
+    Hint {
+        /// Keys the engine's waiting requests will look up.
+        keys: Vec<ContentKey>,
+        /// Time to live, in milliseconds.
+        ttl_ms: u64,
+    },
+    /// Withdraw hint `id` (`HostTier::withdraw_hint`). -> [`Reply::Bool`].
+    WithdrawHint {
+        /// The hint's id.
+        id: u64,
+    },
+    /// Hints live in the daemon's tier. -> [`Reply::Count`].
+    LiveHints,
     /// The tier's counters. -> [`Reply::Stats`].
     Stats,
     /// The tier's structural audit over `keys` (tests, debugging). -> [`Reply::Audit`].

@@ -244,9 +244,10 @@ impl Session {
                 self.lease(lease)?.consume_without_copy();
                 Reply::Done
             }
-            Request::PrepareSave { keys, prefix, prefix_depth } => {
+            Request::PrepareSave { keys, prefix, prefix_depth, parent } => {
                 let mut opts = SaveOptions::new().fit(if prefix { Fit::Prefix } else { Fit::AllOrNothing });
                 opts.prefix_depth = prefix_depth;
+                opts.parent = parent;
                 let p = prepare_save(&core, &keys, &opts)?;
                 let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
                 let save = if slots.is_empty() {
@@ -327,6 +328,13 @@ impl Session {
             }
             Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),
             Request::Evict { blocks } => Reply::Count(self.shared.tier.evict(blocks as usize) as u64),
+            Request::Hint { keys, ttl_ms } => {
+                Reply::Count(self.shared.tier.hint(&keys, std::time::Duration::from_millis(ttl_ms)).get())
+            }
+            Request::WithdrawHint { id } => {
+                Reply::Bool(self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(id)))
+            }
+            Request::LiveHints => Reply::Count(self.shared.tier.live_hints() as u64),
             Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
             Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
             Request::Audit { keys } => Reply::Audit(core.audit(&keys).map(|a| WireAudit {

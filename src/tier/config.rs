@@ -2,6 +2,7 @@
 
 use crate::evict::PolicyKind;
 use crate::geometry::Geometry;
+use crate::key::ContentKey;
 use crate::pool::{BackingChoice, PoolConfig};
 use std::time::Duration;
 
@@ -15,6 +16,12 @@ pub struct TierConfig {
     pub pool: PoolConfig,
     /// Eviction policy (default: [`PolicyKind::default`]).
     pub policy: PolicyKind,
+    /// Chain-aware victims (default: on). Saves that say their keys form a chain
+    /// ([`SaveOptions::prefix_depth`], [`SaveOptions::parent`]) link each block to the one before it;
+    /// eviction then takes orphaned blocks (whose predecessor is gone: no query can reach them)
+    /// first, then the deepest block of each chain, then the rest, each class in the policy's order.
+    /// Off, the policy's order alone decides (the classic policies, e.g. plain LRU).
+    pub chain_aware: bool,
     /// Expected number of resident blocks for sizing the index (default: the pool's capacity).
     pub index_capacity: Option<usize>,
     /// Time after which an unsettled lease is settled by the tier itself (default: never). An
@@ -33,6 +40,7 @@ impl TierConfig {
             geometry,
             pool: PoolConfig::new(pool_bytes),
             policy: PolicyKind::default(),
+            chain_aware: true,
             index_capacity: None,
             lease_ttl: None,
         }
@@ -41,6 +49,12 @@ impl TierConfig {
     /// Sets the eviction policy.
     pub fn with_policy(mut self, policy: PolicyKind) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Turns chain-aware victims on or off (see [`TierConfig::chain_aware`]).
+    pub fn with_chain_aware(mut self, on: bool) -> Self {
+        self.chain_aware = on;
         self
     }
 
@@ -91,8 +105,14 @@ pub struct SaveOptions {
     pub fit: Fit,
     /// Depth of `keys[0]` in its prompt (0 = the prompt's first page), so `keys[i]` is at depth
     /// `prefix_depth + i`. A prefix-aware policy ([`PolicyKind::PrefixLfu`]) evicts a chain's tail
-    /// before its head. A hint for the eviction policy only; it never changes what is saved.
+    /// before its head. Setting it also says that the keys are consecutive blocks of one prompt,
+    /// so chain-aware eviction ([`TierConfig::chain_aware`]) links `keys[i]` to `keys[i - 1]`. A hint
+    /// for eviction only; it never changes what is saved.
     pub prefix_depth: Option<u32>,
+    /// The key of the block just before `keys[0]` in its prompt (the last block the engine found
+    /// resident or saved earlier), so chain-aware eviction links `keys[0]` to it; it also says the
+    /// keys form a chain, as [`SaveOptions::prefix_depth`] does. A hint for eviction only.
+    pub parent: Option<ContentKey>,
 }
 
 impl SaveOptions {
@@ -111,6 +131,17 @@ impl SaveOptions {
     pub fn prefix_depth(mut self, depth: u32) -> Self {
         self.prefix_depth = Some(depth);
         self
+    }
+
+    /// Sets the key of the block before the first key (see [`SaveOptions::parent`]).
+    pub fn parent(mut self, key: ContentKey) -> Self {
+        self.parent = Some(key);
+        self
+    }
+
+    /// True if the keys are consecutive blocks of one prompt (a depth or a parent was given).
+    pub(crate) fn is_chain(&self) -> bool {
+        self.prefix_depth.is_some() || self.parent.is_some()
     }
 
     /// The depth of `keys[i]`, if known (saturating below `u32::MAX`, which means unknown).

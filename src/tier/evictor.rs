@@ -16,6 +16,7 @@
 use super::core::Core;
 use super::stats::add;
 use crate::error::TierError;
+use crate::evict::{ChainView, Ranking};
 use crate::index::SlotRef;
 use crate::slot::SlotId;
 
@@ -46,7 +47,15 @@ impl<'a> Claims<'a> {
     pub fn claim(&mut self, n: usize) -> usize {
         let core = self.core;
         let mut cands = Vec::with_capacity(n);
-        core.policy.select_victims(n, &|s| core.evictable(s), &mut cands);
+        // The preference order: chain place and hints (see `Core::victim_class`).
+        let (hints, now) = (core.hints.any(), core.hints.now());
+        let class_of = |s| core.victim_class(s, hints, now);
+        let ranking = Ranking {
+            classes: core.victim_classes(hints),
+            class_of: &class_of,
+            chain: core.chain_aware().then_some(core as &dyn ChainView),
+        };
+        core.policy.select_ranked(n, &ranking, &mut cands);
         let before = self.victims.len();
         for s in cands {
             // The CAS refuses a slot that was pinned since the selection: never evict a pinned block.
@@ -83,6 +92,7 @@ impl<'a> Claims<'a> {
             let removed = core.index.remove_if(&key, SlotRef { slot: s, generation });
             debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
             core.policy.on_remove(s);
+            core.chains.unlink(s);
             core.control().release(s);
             add(&core.counters.evictions, 1);
             out.push(s);

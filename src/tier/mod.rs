@@ -7,10 +7,12 @@
 //!   any thread ----query-----------> HostTier --------------------------+     + EvictionPolicy + stats
 //! ```
 //!
-//! Files, bottom up: `core` (shared state and slot-level steps), `evictor` (two-phase eviction:
-//! claims), `save` (the save plan), `expiry` (lease time-to-live), `stats` (counters), `config`
-//! (options), `rank` (saves, restores, completion threads), this file (the facade). Leases
-//! ([`crate::lease`]) and guards (`src/guard.rs`) sit between the core and the facade.
+//! Files, bottom up: `core` (shared state, slot-level steps, victim classes), `chain` (parent links
+//! and children counts for chain-aware victims), `hints` (scheduler hints), `evictor` (two-phase
+//! eviction: claims), `save` (the save plan, chain links), `prepare` (a save's tier side: plan, fit,
+//! acquire, reserve), `expiry` (lease time-to-live), `stats` (counters), `config` (options), `rank`
+//! (saves, restores, completion threads), this file (the facade). Leases ([`crate::lease`]) and
+//! guards (`src/guard.rs`) sit between the core and the facade.
 //!
 //! Flows (see `docs/design.md` for the invariants):
 //! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then
@@ -21,16 +23,19 @@
 //! - **restore** ([`Rank::restore`]): takes its own pins on the leased slots, then a use of the
 //!   lease, and submits the host -> GPU batch; its pins drop when the copy completes.
 
+pub(crate) mod chain;
 mod config;
 pub(crate) mod core;
 pub(crate) mod evictor;
 mod expiry;
+mod hints;
 pub(crate) mod prepare;
 mod rank;
 pub(crate) mod save;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
+pub use hints::{HintId, MAX_HINT_TTL};
 #[cfg(feature = "remote")]
 pub(crate) use rank::{CopyOutcome, Settle};
 pub use rank::{Rank, RankLoad, SaveTicket};
@@ -65,7 +70,8 @@ impl HostTier {
     /// [`TierError::Index`] if the index cannot be sized as asked.
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
-        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
+        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
+            .with_chain_aware(config.chain_aware);
         Ok(HostTier::from_core(core))
     }
 
@@ -76,7 +82,8 @@ impl HostTier {
     /// As [`HostTier::new`].
     pub fn new_shared(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new_shared(config.geometry.slot_bytes(), &config.pool)?;
-        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?;
+        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
+            .with_chain_aware(config.chain_aware);
         Ok(HostTier::from_core(core))
     }
 
@@ -167,6 +174,44 @@ impl HostTier {
             let w = self.core.control().load(r.slot);
             w.state() == SlotState::Ready && w.generation() == r.generation
         })
+    }
+
+    /// Scheduler hint: the engine's queued requests will look up `keys` within `ttl`. Until the
+    /// hint is withdrawn ([`HostTier::withdraw_hint`]) or `ttl` has passed (capped at
+    /// [`MAX_HINT_TTL`]), eviction takes none of these keys' blocks while an unhinted block is
+    /// evictable; a hinted block is still evicted when nothing else can be (a hint never makes a
+    /// save fail). Keys not resident yet are protected from the moment a save stores them. Several
+    /// hints may name a key: it stays hinted until the last of them ends. Costs one lock and one
+    /// index lookup per key; victim selection reads one word per candidate while any hint is live.
+    ///
+    /// On a connected tier ([`HostTier::connect`]) the hint goes to the daemon's tier; if the daemon
+    /// is gone the hint is lost (a hint is advice, never an error) and its id withdraws nothing.
+    pub fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> HintId {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return HintId::from_number(conn.hint(keys, ttl).unwrap_or(0));
+        }
+        self.core.hint(keys, ttl)
+    }
+
+    /// Withdraws a hint (the request was admitted or dropped). Returns false if it had already been
+    /// withdrawn or had expired (or, on a connected tier, if the daemon is gone).
+    pub fn withdraw_hint(&self, id: HintId) -> bool {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.withdraw_hint(id.get()).unwrap_or(false);
+        }
+        self.core.withdraw_hint(id)
+    }
+
+    /// Hints given and neither withdrawn nor found expired yet (expiry is noticed by the next
+    /// `hint` or `withdraw_hint`).
+    pub fn live_hints(&self) -> usize {
+        #[cfg(feature = "remote")]
+        if let Some(conn) = &self.remote {
+            return conn.live_hints().unwrap_or(0);
+        }
+        self.core.hints.live()
     }
 
     /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed.

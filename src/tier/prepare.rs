@@ -75,7 +75,8 @@ pub(crate) fn prepare_save(
     let mut saving = Vec::with_capacity(slots.len());
     let mut lost = 0;
     for (&i, slot) in plan.missing().iter().zip(slots) {
-        if reservation.reserve(keys[i], slot, opts.depth_of(i).unwrap_or(u32::MAX)) {
+        let (depth, resumed) = (opts.depth_of(i).unwrap_or(u32::MAX), opts.prefix_depth.unwrap_or(u32::MAX));
+        if reservation.reserve_at(keys[i], slot, depth, resumed) {
             saving.push(i);
         } else {
             // Unreachable while the plan's claim is held; counted as in flight if it happens.
@@ -83,6 +84,10 @@ pub(crate) fn prepare_save(
         }
     }
     add(&c.save_skipped_in_flight, lost as u64);
+    if opts.is_chain() {
+        // While the plan pins the resident blocks and the reservation owns the new ones.
+        core.link_save(keys, opts, &plan, &saving, reservation.entries());
+    }
     let (resident, in_flight, duplicates) = (plan.resident, plan.in_flight + lost, plan.duplicates);
     // The index entries are in place: the keys' save claims can go.
     drop(plan);

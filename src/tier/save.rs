@@ -19,11 +19,11 @@
 //! The rank then fits the plan to the slots it can get and records the counters once, from the plan
 //! and the outcome.
 
-use super::core::{Core, KeyState};
+use super::core::{Core, KeyState, Reserved};
 use super::stats::add;
 use super::SaveOptions;
 use crate::evict::InsertInfo;
-use crate::index::IndexReader;
+use crate::index::{IndexReader, SlotRef};
 use crate::key::ContentKey;
 use crate::slot::{PinError, SlotId};
 use crate::sync::Mutex;
@@ -66,6 +66,8 @@ pub struct SavePlan<'a> {
     claimed: Vec<ContentKey>,
     /// Resident blocks of this save, pinned until the plan is dropped.
     pinned: Vec<SlotId>,
+    /// The pinned resident blocks by key position (first occurrences), for chain links.
+    resident_at: Vec<(usize, SlotRef)>,
     /// Keys found resident.
     pub resident: usize,
     /// Keys another save holds.
@@ -131,6 +133,7 @@ impl Core {
             missing: Vec::new(),
             claimed: Vec::new(),
             pinned: Vec::new(),
+            resident_at: Vec::new(),
             resident: 0,
             in_flight: 0,
             duplicates: 0,
@@ -174,6 +177,39 @@ impl Core {
         plan
     }
 
+    /// Links the blocks of a save whose keys form a chain ([`SaveOptions::is_chain`]): each block
+    /// this save reserved (`reserved[j]` holds key `saving[j]`) or found resident and pinned (in
+    /// `plan`) is linked to the block of the key before it (`opts.parent` for the first key), found
+    /// among those or in the index (another save's block in flight). A resident block is only
+    /// re-linked if its link is dead: its prefix was evicted and is being saved again. Call while the
+    /// plan (its pins) and the reservation are held.
+    pub(crate) fn link_save(
+        &self,
+        keys: &[ContentKey],
+        opts: &SaveOptions,
+        plan: &SavePlan<'_>,
+        saving: &[usize],
+        reserved: &[Reserved],
+    ) {
+        let mut at: Vec<Option<SlotRef>> = vec![None; keys.len()];
+        for (&i, r) in saving.iter().zip(reserved) {
+            at[i] = Some(SlotRef { slot: r.slot, generation: r.generation });
+        }
+        for &(i, r) in &plan.resident_at {
+            at[i] = Some(r);
+        }
+        for (i, child) in at.iter().enumerate() {
+            let Some(child) = child else { continue };
+            let parent = match i {
+                0 => opts.parent.and_then(|k| self.find_block(&k)),
+                _ => at[i - 1].or_else(|| self.find_block(&keys[i - 1])),
+            };
+            if let Some(p) = parent {
+                self.link_chain(child.slot, p);
+            }
+        }
+    }
+
     /// Classifies key `i` of a save into `plan` (or into `evicting`, to look again once the
     /// eviction lock is free).
     fn plan_key(
@@ -189,6 +225,7 @@ impl Core {
                 KeyState::Ready(r) => match self.pin(r.slot, r.generation) {
                     Ok(()) => {
                         plan.pinned.push(r.slot);
+                        plan.resident_at.push((i, r));
                         self.policy.on_hit(r.slot);
                         plan.resident += 1;
                         return;

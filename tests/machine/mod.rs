@@ -34,7 +34,8 @@ use kvtier::testing::SlotState;
 use kvtier::SlotId;
 use kvtier::{
     ArenaSpec, BackingChoice, Completion, ContentKey, CopyBackend, CopyError, CopyHandle, CopyPair, EngineArenas, Fit,
-    Geometry, HostPool, HostTier, Lease, PolicyKind, Rank, SaveOptions, TierConfig, TierError, TierStats, WaitFor,
+    Geometry, HintId, HostPool, HostTier, Lease, PolicyKind, Rank, SaveOptions, TierConfig, TierError, TierStats,
+    WaitFor,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -72,6 +73,13 @@ pub enum Op {
     Evict { n: u8 },
     /// Rebuilds the tier with `capacity` slots (see the module docs).
     Resize { capacity: u8 },
+    /// Saves keys `start..start + len` on rank B (waited for) as a chain: `prefix_depth(start)`,
+    /// with key `start - 1` as the parent, so the tier links them (chain-aware eviction).
+    ChainSave { start: u8, len: u8 },
+    /// Hints keys `start..start + len` ([`HostTier::hint`], a long time-to-live); the hint is kept.
+    Hint { start: u8, len: u8 },
+    /// Withdraws kept hint number `hint` (modulo the count).
+    Withdraw { hint: u8 },
 }
 
 impl Op {
@@ -81,7 +89,7 @@ impl Op {
         let (&arg, rest) = rest.split_first().unwrap_or((&0, rest));
         *data = rest;
         let bit = |i: u8| arg >> i & 1 == 1;
-        Some(match tag % 8 {
+        Some(match tag % 11 {
             0 => Op::Save {
                 gated: bit(0),
                 start: (arg >> 2) % KEYS,
@@ -95,7 +103,10 @@ impl Op {
             4 => Op::Release { lease: arg },
             5 => Op::Drop { lease: arg },
             6 => Op::Evict { n: arg % 4 },
-            _ => Op::Resize { capacity: 1 + arg % MAX_CAPACITY },
+            7 => Op::Resize { capacity: 1 + arg % MAX_CAPACITY },
+            8 => Op::ChainSave { start: (arg >> 2) % KEYS, len: 1 + (arg >> 6) % MAX_SPAN },
+            9 => Op::Hint { start: (arg >> 2) % KEYS, len: 1 + (arg >> 6) % MAX_SPAN },
+            _ => Op::Withdraw { hint: arg },
         })
     }
 }
@@ -224,6 +235,8 @@ struct ModelLease {
 #[derive(Clone, Debug, Default)]
 struct Model {
     capacity: usize,
+    /// Live hints per key (a key is hinted while any hint names it).
+    hinted: BTreeMap<u8, u32>,
     clock: u64,
     ready: BTreeMap<u8, ModelBlock>,
     writing: BTreeSet<u8>,
@@ -264,12 +277,16 @@ impl Model {
             }
         }
     }
-    /// The unpinned ready blocks (what eviction may take), least recently used first.
+    /// The unpinned ready blocks (what eviction may take), unhinted before hinted, least recently
+    /// used first within each.
     fn evictable(&self) -> Vec<u8> {
-        let mut cands: Vec<(u64, u8)> =
-            self.ready.iter().filter(|(_, b)| b.pins == 0).map(|(&k, b)| (b.tick, k)).collect();
+        let mut cands: Vec<(bool, u64, u8)> =
+            self.ready.iter().filter(|(_, b)| b.pins == 0).map(|(&k, b)| (self.is_hinted(k), b.tick, k)).collect();
         cands.sort_unstable();
-        cands.into_iter().map(|(_, k)| k).collect()
+        cands.into_iter().map(|(_, _, k)| k).collect()
+    }
+    fn is_hinted(&self, k: u8) -> bool {
+        self.hinted.get(&k).is_some_and(|&n| n > 0)
     }
     fn commit(&mut self, keys: &[u8], block_bytes: u64) {
         for &k in keys {
@@ -324,6 +341,8 @@ pub struct Machine {
     policy: PolicyKind,
     model: Model,
     leases: Vec<(Lease, ModelLease)>,
+    /// Kept hints and their keys.
+    hints: Vec<(HintId, Vec<u8>)>,
     /// Handles of rank A's pending saves / restores, oldest first.
     save_handles: VecDeque<CopyHandle>,
     restore_handles: VecDeque<(CopyHandle, Vec<u8>)>,
@@ -362,6 +381,7 @@ impl Machine {
             policy,
             model: Model::new(capacity as usize),
             leases: Vec::new(),
+            hints: Vec::new(),
             save_handles: VecDeque::new(),
             restore_handles: VecDeque::new(),
             arenas_a,
@@ -377,9 +397,12 @@ impl Machine {
         m
     }
 
+    /// LRU runs without chain-aware ranking, so the model predicts its victims exactly (with it,
+    /// chain saves reorder victims by their chains); every other policy runs with it.
     fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8) -> HostTier {
         let cfg = TierConfig::new(g.clone(), capacity as u64 * g.slot_bytes())
             .with_policy(policy)
+            .with_chain_aware(policy != PolicyKind::Lru)
             .with_backing(BackingChoice::Plain);
         HostTier::new(cfg).expect("tier")
     }
@@ -413,6 +436,27 @@ impl Machine {
                 self.observe_evictions(want, "evict", &[]);
             }
             Op::Resize { capacity } => self.resize(capacity.clamp(1, MAX_CAPACITY)),
+            Op::ChainSave { start, len } => self.save_with(false, start, len, false, false, true),
+            Op::Hint { start, len } => {
+                let ks: Vec<u8> = Self::span(start, len).collect();
+                let keys: Vec<ContentKey> = ks.iter().map(|&k| self.keys[k as usize]).collect();
+                let id = self.tier.hint(&keys, Duration::from_secs(3600));
+                let mut named = ks.clone();
+                named.dedup();
+                for &k in &named {
+                    *self.model.hinted.entry(k).or_insert(0) += 1;
+                }
+                self.hints.push((id, named));
+            }
+            Op::Withdraw { hint } => {
+                if !self.hints.is_empty() {
+                    let (id, ks) = self.hints.remove(hint as usize % self.hints.len());
+                    assert!(self.tier.withdraw_hint(id), "withdrawing live hint {id:?}");
+                    for k in ks {
+                        *self.model.hinted.get_mut(&k).expect("hinted key") -= 1;
+                    }
+                }
+            }
         }
         self.check();
     }
@@ -465,8 +509,9 @@ impl Machine {
         plan
     }
 
-    /// The tier evicted `n` blocks just now: checks that they were unpinned ready blocks (for LRU:
-    /// exactly the `n` least recently used) and removes them from the model.
+    /// The tier evicted `n` blocks just now: checks that they were unpinned ready blocks, that a
+    /// hinted block went only if every unhinted candidate went too (for LRU: exactly the `n` least
+    /// recently used, unhinted first) and removes them from the model.
     fn observe_evictions(&mut self, n: usize, what: &str, protect: &[u8]) {
         let cands: Vec<u8> = self.model.evictable().into_iter().filter(|k| !protect.contains(k)).collect();
         let gone: Vec<u8> =
@@ -474,6 +519,15 @@ impl Machine {
         assert_eq!(gone.len(), n, "{what} ({}): evicted {gone:?}, expected {n} blocks", self.policy);
         for k in &gone {
             assert!(cands.contains(k), "{what} ({}): evicted key {k}, which was pinned", self.policy);
+        }
+        if gone.iter().any(|&k| self.model.is_hinted(k)) {
+            for k in cands.iter().filter(|&&k| !self.model.is_hinted(k)) {
+                assert!(
+                    gone.contains(k),
+                    "{what} ({}): evicted hinted blocks ({gone:?}) while unhinted key {k} stayed evictable",
+                    self.policy
+                );
+            }
         }
         if self.policy == PolicyKind::Lru {
             let want: BTreeSet<u8> = cands[..n].iter().copied().collect();
@@ -486,6 +540,10 @@ impl Machine {
     }
 
     fn save(&mut self, gated: bool, start: u8, len: u8, prefix: bool, dup: bool) {
+        self.save_with(gated, start, len, prefix, dup, false)
+    }
+
+    fn save_with(&mut self, gated: bool, start: u8, len: u8, prefix: bool, dup: bool, chain: bool) {
         let mut ks: Vec<u8> = Self::span(start, len).collect();
         if ks.is_empty() {
             return;
@@ -497,7 +555,14 @@ impl Machine {
         let pages: Vec<u64> = ks.iter().map(|&k| k as u64).collect();
         let fit = if prefix { Fit::Prefix } else { Fit::AllOrNothing };
         let rank = if gated { self.rank_a.as_ref() } else { self.rank_b.as_ref() }.expect("attached");
-        let got = rank.save_with(&keys, &pages, WaitFor::Nothing, SaveOptions::new().fit(fit));
+        let mut opts = SaveOptions::new().fit(fit);
+        if chain {
+            opts = opts.prefix_depth(ks[0] as u32);
+            if ks[0] > 0 {
+                opts = opts.parent(self.keys[ks[0] as usize - 1]);
+            }
+        }
+        let got = rank.save_with(&keys, &pages, WaitFor::Nothing, opts);
         let plan = self.plan_save(&ks);
         let need = plan.missing.len();
         let t = match got {
@@ -721,6 +786,8 @@ impl Machine {
         resident.sort_unstable();
         self.rank_a = None;
         self.rank_b = None;
+        // Hints belong to the old tier.
+        self.hints.clear();
         self.tier = Self::build_tier(&self.geometry, self.policy, capacity);
         self.model = Model::new(capacity as usize);
         self.attach();
