@@ -37,11 +37,12 @@
 mod harness;
 
 use harness::{Args, Dist, Measured, Report, Rng, Row, Sampler};
-use kvtier::copy::{Completion, CopyBackend, CopyPair, WaitFor};
+use kvtier::copy::null::NullBackend;
+use kvtier::copy::WaitFor;
 use kvtier::pool::BackingChoice;
 use kvtier::testing::{self, Core, Want, WriteReservation};
 use kvtier::tier::{HostTier, Rank, SaveOptions, TierConfig};
-use kvtier::{ArenaSpec, ContentKey, CopyError, Geometry, HostPool, PolicyKind, TierError};
+use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,38 +51,6 @@ use std::time::Duration;
 const CHAIN: usize = 43;
 /// GPU pages of the (imaginary) engine arenas: one chain's worth.
 const PAGES: u64 = CHAIN as u64;
-
-/// A copy backend that moves nothing and whose batches are complete at once.
-struct NullBackend(Geometry);
-
-struct Done;
-
-impl Completion for Done {
-    fn poll(&mut self) -> Result<bool, CopyError> {
-        Ok(true)
-    }
-    fn wait(&mut self) -> Result<(), CopyError> {
-        Ok(())
-    }
-}
-
-impl CopyBackend for NullBackend {
-    fn name(&self) -> &'static str {
-        "null"
-    }
-    fn geometry(&self) -> &Geometry {
-        &self.0
-    }
-    fn bind_pool(&mut self, _pool: &HostPool) -> Result<(), CopyError> {
-        Ok(())
-    }
-    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Done))
-    }
-    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Done))
-    }
-}
 
 fn geometry() -> Geometry {
     Geometry::new("cpu-bench", 64, vec![ArenaSpec::packed("kv", 16, PAGES)]).expect("a valid geometry")
@@ -160,7 +129,7 @@ struct Worker {
 }
 
 fn worker(tier: &HostTier, args: &Args, t: usize, rank: bool, draws: u64, sampler: Option<&Sampler>) -> Worker {
-    let rank = rank.then(|| tier.attach(Box::new(NullBackend(geometry()))).expect("attach a rank"));
+    let rank = rank.then(|| tier.attach(Box::new(NullBackend::new(geometry()))).expect("attach a rank"));
     let draws = match sampler {
         Some(s) => {
             let mut rng = Rng::new(args.seed ^ harness::mix64(t as u64 + 7));

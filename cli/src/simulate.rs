@@ -21,10 +21,11 @@ use crate::error::Error;
 use crate::size::parse_slots;
 use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
-use kvtier::copy::{Completion, CopyBackend, CopyPair, WaitFor};
+use kvtier::copy::null::NullBackend;
+use kvtier::copy::WaitFor;
 use kvtier::pool::BackingChoice;
 use kvtier::tier::{Fit, HintId, HostTier, SaveOptions, TierConfig};
-use kvtier::{ArenaSpec, ContentKey, CopyError, Geometry, HostPool, PolicyKind, TierError};
+use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
 use serde::Serialize;
 use std::collections::BinaryHeap;
 use std::fmt::Write as _;
@@ -131,49 +132,6 @@ pub fn page_keys(reqs: &[TraceRequest], geometry: &Geometry) -> Result<Vec<Vec<C
     }
     let ns = geometry.namespace();
     Ok(reqs.iter().map(|r| r.page_keys(&ns, pt)).collect())
-}
-
-/// A copy backend that moves nothing: every batch completes at once.
-#[derive(Debug)]
-pub struct NullBackend {
-    geometry: Geometry,
-}
-
-impl NullBackend {
-    /// A backend for `geometry` (attach it to a tier of the same geometry).
-    pub fn new(geometry: Geometry) -> Self {
-        NullBackend { geometry }
-    }
-}
-
-/// The completion of a [`NullBackend`] batch: already complete.
-struct Finished;
-
-impl Completion for Finished {
-    fn poll(&mut self) -> Result<bool, CopyError> {
-        Ok(true)
-    }
-    fn wait(&mut self) -> Result<(), CopyError> {
-        Ok(())
-    }
-}
-
-impl CopyBackend for NullBackend {
-    fn name(&self) -> &'static str {
-        "null"
-    }
-    fn geometry(&self) -> &Geometry {
-        &self.geometry
-    }
-    fn bind_pool(&mut self, _pool: &HostPool) -> Result<(), CopyError> {
-        Ok(())
-    }
-    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Finished))
-    }
-    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Finished))
-    }
 }
 
 /// One policy at one pool size.

@@ -3,11 +3,12 @@
 //! A backend moves every arena of a batch of blocks between one rank's GPU arenas and the host pool
 //! in one submission. The tier calls it with a batch of [`CopyPair`]s (GPU page id, host slot) and
 //! gets back a [`Completion`] that it waits on (from the rank's completion thread) before it commits
-//! saved slots or drops the guards of a restore. Two implementations:
+//! saved slots or drops the guards of a restore. Three implementations:
 //!
 //! - [`host::HostBackend`]: "GPU arenas" in ordinary host memory, copies with `memcpy`. For machines
 //!   without a GPU, tests and the replay's host mode.
 //! - `cuda::CudaBackend` (feature `cuda`): the hand-written gather/scatter kernels in `cuda/`.
+//! - [`null::NullBackend`]: moves nothing; for measuring the tier's own bookkeeping.
 //!
 //! # Ordering
 //! [`WaitFor`] names what a copy must wait for before it reads or writes GPU pages: for a save, the
@@ -18,6 +19,7 @@
 
 pub mod fault;
 pub mod host;
+pub mod null;
 
 use crate::error::CopyError;
 use crate::geometry::Geometry;

@@ -184,7 +184,7 @@ impl HostTier {
     /// hints may name a key: it stays hinted until the last of them ends. Costs one lock and one
     /// index lookup per key; victim selection reads one word per candidate while any hint is live.
     ///
-    /// On a connected tier ([`HostTier::connect`]) the hint goes to the daemon's tier; if the daemon
+    /// On a connected tier (`HostTier::connect`, feature `remote`) the hint goes to the daemon's tier; if the daemon
     /// is gone the hint is lost (a hint is advice, never an error) and its id withdraws nothing.
     pub fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> HintId {
         #[cfg(feature = "remote")]
