@@ -635,7 +635,7 @@ fn green_context_fallback_when_the_split_is_impossible() {
 #[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
 fn a_failed_driver_call_keeps_its_cuda_result() {
     let g = Geometry::new("huge", 16, vec![ArenaSpec::packed("a", 1 << 20, 1 << 22)]).unwrap();
-    let e = CudaArenas::new(0, &g, CudaOptions::default()).err().expect("4 TiB cannot be allocated");
+    let e = CudaArenas::new(0, &g, CudaOptions::default()).expect_err("4 TiB cannot be allocated");
     match &e {
         kvtier::Error::Copy(CopyError::Cuda { call, source }) => {
             assert_eq!(*call, "cuMemAlloc");

@@ -347,7 +347,7 @@ mod tests {
         let one = Geometry::new("one", 4, vec![ArenaSpec::packed("k", 64, 8)]).unwrap();
         let b = ArenaBinding::new(&one, vec![0x1000]).unwrap();
         // SAFETY: rejected before anything could use the address.
-        let e = unsafe { HostArenas::from_binding(&g, b) }.err().expect("base count differs");
+        let e = unsafe { HostArenas::from_binding(&g, b) }.expect_err("base count differs");
         assert!(matches!(e, Error::Geometry(GeometryError::BaseCount { got: 1, want: 2 })), "{e:?}");
     }
 }
