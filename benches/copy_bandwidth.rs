@@ -33,7 +33,8 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
+    use criterion::measurement::WallTime;
+    use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
     use cudarc::driver::sys;
     use kvtier::cuda::raw::ck;
     use kvtier::cuda::{CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation};
@@ -119,6 +120,32 @@ mod imp {
             sync(self.end);
             drop(keep);
             Duration::from_secs_f64(secs(self.start, self.end))
+        }
+        /// One criterion benchmark `id`/`n` of `group`: each iteration is `f` timed on `stream`
+        /// with device events, also recorded under `group_name/id/n` for the ratio tables.
+        #[allow(clippy::too_many_arguments)]
+        fn bench(
+            &self,
+            group: &mut BenchmarkGroup<'_, WallTime>,
+            rec: &Record,
+            group_name: &str,
+            id: &str,
+            n: usize,
+            stream: u64,
+            f: &dyn Fn() -> Option<Box<dyn Completion>>,
+        ) {
+            let label = format!("{group_name}/{id}/{n}");
+            group.bench_function(BenchmarkId::new(id, n), |bch| {
+                bch.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| {
+                            let t = self.time(stream, stream, f);
+                            rec.add(&label, t.as_secs_f64());
+                            t
+                        })
+                        .sum()
+                })
+            });
         }
     }
 
@@ -313,18 +340,7 @@ mod imp {
                 let batch = s.batch(n);
                 group.throughput(Throughput::Bytes(n as u64 * block));
                 let mut timed = |id: &str, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
-                    let label = format!("{group_name}/{id}/{n}");
-                    group.bench_function(BenchmarkId::new(id, n), |bch| {
-                        bch.iter_custom(|iters| {
-                            (0..iters)
-                                .map(|_| {
-                                    let t = timer.time(stream, stream, f);
-                                    rec.add(&label, t.as_secs_f64());
-                                    t
-                                })
-                                .sum()
-                        })
-                    });
+                    timer.bench(&mut group, rec, &group_name, id, n, stream, f)
                 };
                 for (ctas, b) in &kvt {
                     timed(&format!("kvtier_{ctas}cta"), b.stream(dir), &|| run_backend(b, &batch, dir));
@@ -370,18 +386,7 @@ mod imp {
                 let batch = s.batch(n);
                 group.throughput(Throughput::Bytes(n as u64 * block));
                 let mut timed = |id: &str, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
-                    let label = format!("{group_name}/{id}/{n}");
-                    group.bench_function(BenchmarkId::new(id, n), |bch| {
-                        bch.iter_custom(|iters| {
-                            (0..iters)
-                                .map(|_| {
-                                    let t = timer.time(stream, stream, f);
-                                    rec.add(&label, t.as_secs_f64());
-                                    t
-                                })
-                                .sum()
-                        })
-                    });
+                    timer.bench(&mut group, rec, &group_name, id, n, stream, f)
                 };
                 timed("contiguous", s.stream, &|| {
                     contiguous(s, n, dir);
