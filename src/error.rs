@@ -384,6 +384,95 @@ pub enum TierError {
         /// This client's protocol version.
         client: u32,
     },
+    /// A request asked for more than a documented bound allows (keys in one request, a frame's
+    /// bytes, hints or leases held by one connection, connections to the daemon). Nothing was
+    /// done; the connection stays usable.
+    #[error("{limit} exceeded: asked for {asked}, the bound is {max}")]
+    LimitExceeded {
+        /// Which bound.
+        limit: Limit,
+        /// What the request asked for, in the bound's unit.
+        asked: u64,
+        /// The bound, in the same unit.
+        max: u64,
+    },
+    /// A request that the protocol does not allow at this point (a second hello, finishing a save
+    /// twice, an id this connection was never given). The connection stays usable.
+    #[error("protocol misuse: {reason}")]
+    Protocol {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The code serving a request panicked. The request failed and did nothing visible; every
+    /// slot and pin it may have touched was kept (quarantined where a copy may still use it), and
+    /// the tier stays usable for every caller.
+    #[error("internal fault while serving {request}: {message}; the request failed, the tier stays usable")]
+    Panicked {
+        /// The request (or call) that was being served.
+        request: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// A connected tier (`HostTier::connect`) was used from a process other than the one that
+    /// connected (a child forked after the connection was made). Connect again in the child.
+    #[error("this daemon connection belongs to process {owner}, not to process {current} (a forked child must connect again)")]
+    ForkedChild {
+        /// The process that connected.
+        owner: u32,
+        /// The process that made the call.
+        current: u32,
+    },
+    /// The process listening on the daemon's socket is not the expected user: it may be another
+    /// user's impostor. Nothing was sent to it beyond the hello's magic and version.
+    #[error("the daemon at this socket runs as uid {found}, expected uid {expected}")]
+    UntrustedDaemon {
+        /// The uid the client expects (its own, or the one configured).
+        expected: u32,
+        /// The uid the socket's peer runs as (`SO_PEERCRED`).
+        found: u32,
+    },
+}
+
+/// A bound on what one request or one connection may make the tier (or the tier daemon) hold.
+/// Each is documented with its default and flag in `docs/design.md` (trust model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub enum Limit {
+    /// Bytes of one protocol frame.
+    FrameBytes,
+    /// Keys named by one request (a query, save, hint or audit).
+    KeysPerRequest,
+    /// Blocks one call may evict.
+    EvictBlocks,
+    /// Scheduler hints one connection holds at once.
+    HintsPerConnection,
+    /// Keys over all the hints one connection holds.
+    HintKeysPerConnection,
+    /// Lease handles one connection holds at once.
+    LeasesPerConnection,
+    /// Saves and restores one connection has in flight at once.
+    CopiesPerConnection,
+    /// Connections the daemon serves at once.
+    Connections,
+    /// Restores a lease allows (`uses`).
+    LeaseUses,
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::FrameBytes => "frame size (bytes)",
+            Limit::KeysPerRequest => "keys per request",
+            Limit::EvictBlocks => "blocks per eviction call",
+            Limit::HintsPerConnection => "hints per connection",
+            Limit::HintKeysPerConnection => "hinted keys per connection",
+            Limit::LeasesPerConnection => "leases per connection",
+            Limit::CopiesPerConnection => "copies in flight per connection",
+            Limit::Connections => "daemon connections",
+            Limit::LeaseUses => "uses per lease",
+        })
+    }
 }
 
 /// Any kvtier error.

@@ -28,7 +28,7 @@ pub(crate) mod sync;
 pub mod tier;
 
 pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, WaitFor};
-pub use error::{CopyError, Error, GeometryError, IndexError, PoolError, TierError};
+pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
 pub use handle::CopyHandle;

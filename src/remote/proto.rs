@@ -401,6 +401,16 @@ pub enum WireError {
         daemon: u32,
         client: u32,
     },
+    LimitExceeded {
+        limit: crate::error::Limit,
+        asked: u64,
+        max: u64,
+    },
+    Protocol(String),
+    Panicked {
+        request: String,
+        message: String,
+    },
     /// A request the daemon could not serve (an unknown id, a malformed message), as text.
     Other(String),
 }
@@ -425,6 +435,11 @@ impl From<&TierError> for WireError {
                 WireError::GeometryMismatch { backend: backend.clone(), tier: tier.clone() }
             }
             T::ProtocolMismatch { daemon, client } => WireError::ProtocolMismatch { daemon: *daemon, client: *client },
+            T::LimitExceeded { limit, asked, max } => WireError::LimitExceeded { limit: *limit, asked: *asked, max: *max },
+            T::Protocol { reason } => WireError::Protocol(reason.clone()),
+            T::Panicked { request, message } => {
+                WireError::Panicked { request: request.clone(), message: message.clone() }
+            }
             e => WireError::Other(e.to_string()),
         }
     }
@@ -451,6 +466,9 @@ impl From<WireError> for TierError {
             WireError::TooManyPins { slot } => TierError::TooManyPins { slot },
             WireError::GeometryMismatch { backend, tier } => TierError::GeometryMismatch { backend, tier },
             WireError::ProtocolMismatch { daemon, client } => TierError::ProtocolMismatch { daemon, client },
+            WireError::LimitExceeded { limit, asked, max } => TierError::LimitExceeded { limit, asked, max },
+            WireError::Protocol(reason) => TierError::Protocol { reason },
+            WireError::Panicked { request, message } => TierError::Panicked { request, message },
             WireError::Other(m) => TierError::Disconnected { reason: format!("the daemon refused a request: {m}") },
         }
     }
