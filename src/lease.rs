@@ -5,7 +5,9 @@
 //! drops its pins:
 //!
 //! - **consumed**: every restore from the lease takes one use; the lease settles when the last
-//!   use is taken by a restore that was submitted. A lease has one use by default;
+//!   use is taken by a restore that was submitted *and no other restore's use is still pending*
+//!   (taken, not yet submitted: such a use comes back if its submission fails, and the rank's retry
+//!   is then served, as documented for backend errors). A lease has one use by default;
 //!   [`crate::HostTier::query_shared`] makes a lease with one use per rank, so several data-parallel
 //!   ranks can each restore the same blocks (one rank consuming the lease never makes another fail);
 //! - **released**: [`Lease::release`] settles at once, whatever uses are left;
@@ -15,6 +17,11 @@
 //!   it (a restore from it then fails with [`TierError::LeaseExpired`]).
 //!
 //! Whichever of these happens first settles; the others find it settled (one CAS decides).
+//!
+//! A lease holds **at most one pin per slot**: the query stops at the first key repeated in its
+//! keys (a content key is a lineage hash, so a repeat cannot continue the prefix), and leases
+//! together hold at most [`crate::testing::SlotWord::LEASE_PINS`] pins of a slot (the query stops
+//! at a slot that has them), so restores from leases already held always find pins left.
 //!
 //! A restore ([`crate::Rank::restore`]) first takes its **own pins** on the blocks it copies, then
 //! one use of the lease (`Lease::begin_restore`): while a use is left the lease is unsettled,
@@ -27,7 +34,7 @@ use crate::guard::SlotPins;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::slot::{PinError, SlotId};
-use crate::sync::{Arc, AtomicU32, AtomicU8, Ordering};
+use crate::sync::{Arc, AtomicU64, AtomicU8, Ordering};
 use crate::tier::core::Core;
 use crate::tier::stats::{add, sub};
 use std::fmt;
@@ -68,8 +75,19 @@ impl Settled {
 /// It holds no reference to the tier (the clock lives inside it).
 pub(crate) struct LeaseState {
     blocks: Vec<LeasedBlock>,
-    uses_left: AtomicU32,
+    /// `claimed << 32 | left`: uses not taken yet (`left`), and uses taken by restores whose copy
+    /// is not submitted yet (`claimed`; such a use may come back). The lease is consumed when both
+    /// reach 0, so a use given back always finds the lease unsettled (unless it was released,
+    /// dropped or expired, which no use can undo).
+    uses: AtomicU64,
     settled: AtomicU8,
+}
+
+/// One claimed use in [`LeaseState::uses`].
+const CLAIM: u64 = 1 << 32;
+
+fn uses_word(left: u32) -> AtomicU64 {
+    AtomicU64::new(left as u64)
 }
 
 impl LeaseState {
@@ -125,6 +143,27 @@ impl Drop for LeaseInner {
     }
 }
 
+/// Finds a key repeated in a query: a linear scan of the blocks leased so far while they are few, a
+/// hash set (one allocation per query) beyond.
+#[derive(Default)]
+struct RepeatCheck {
+    set: Option<std::collections::HashSet<ContentKey>>,
+}
+
+impl RepeatCheck {
+    const LINEAR: usize = 32;
+
+    /// True if `key` is among `blocks`, the blocks leased so far (each key of which went through
+    /// this call, so the set, once built, holds them all).
+    fn repeated(&mut self, key: &ContentKey, blocks: &[LeasedBlock]) -> bool {
+        if self.set.is_none() && blocks.len() < Self::LINEAR {
+            return blocks.iter().any(|b| b.key == *key);
+        }
+        let set = self.set.get_or_insert_with(|| blocks.iter().map(|b| b.key).collect());
+        !set.insert(*key)
+    }
+}
+
 /// A set of pinned ready blocks, in key order (see the module docs). Cloning shares the lease.
 #[derive(Clone)]
 pub struct Lease {
@@ -139,9 +178,18 @@ impl Lease {
         let mut blocks = Vec::new();
         {
             let reader = core.index().reader();
+            #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
+            let mut seen = RepeatCheck::default();
             for k in keys {
                 let Some(r) = reader.get(k) else { break };
-                if core.pin(r.slot, r.generation).is_err() {
+                // A content key is a lineage hash: a key repeated in one prompt is no longer its
+                // prefix. The lease stops at the first repeated key, so it holds at most one pin
+                // per slot (one query can never take a slot's pins from others).
+                #[cfg(not(kvtier_seeded_bug = "lease-pins-repeated-key"))]
+                if seen.repeated(k, &blocks) {
+                    break;
+                }
+                if core.pin_for_lease(r.slot, r.generation).is_err() {
                     break;
                 }
                 core.policy().on_hit(r.slot);
@@ -150,7 +198,7 @@ impl Lease {
         }
         core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
-        let state = Arc::new(LeaseState { blocks, uses_left: AtomicU32::new(uses), settled: AtomicU8::new(0) });
+        let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
         let lease = Lease {
             inner: Arc::new(LeaseInner {
@@ -175,7 +223,7 @@ impl Lease {
         blocks: Vec<LeasedBlock>,
         remote: crate::remote::client::RemoteLease,
     ) -> Lease {
-        let state = Arc::new(LeaseState { blocks, uses_left: AtomicU32::new(0), settled: AtomicU8::new(0) });
+        let state = Arc::new(LeaseState { blocks, uses: uses_word(0), settled: AtomicU8::new(0) });
         Lease { inner: Arc::new(LeaseInner { core: core.clone(), state, remote: Some(remote) }) }
     }
 
@@ -241,7 +289,7 @@ impl Lease {
         if self.is_settled() {
             0
         } else {
-            self.state().uses_left.load(Ordering::Acquire)
+            self.state().uses.load(Ordering::Acquire) as u32
         }
     }
 
@@ -296,15 +344,17 @@ impl Lease {
         Ok(RestoreClaim { lease: self.clone(), pins: Some(pins), submitted: false })
     }
 
-    /// Takes one use without settling: false if none is left or the lease is settled.
+    /// Takes one use without settling (`left - 1`, `claimed + 1`): false if none is left or the
+    /// lease is settled. The use is then either kept ([`Lease::keep_use`]) or given back
+    /// ([`Lease::give_back_use`]).
     fn take_use(&self) -> bool {
-        let uses = &self.state().uses_left;
+        let uses = &self.state().uses;
         let mut cur = uses.load(Ordering::Acquire);
         loop {
-            if cur == 0 || self.is_settled() {
+            if cur as u32 == 0 || self.is_settled() {
                 return false;
             }
-            match uses.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+            match uses.compare_exchange_weak(cur, cur - 1 + CLAIM, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(a) => {
                     cur = a;
@@ -314,20 +364,31 @@ impl Lease {
         }
     }
 
-    /// Settles the lease if its last use has been taken.
-    fn settle_if_used_up(&self) {
+    /// A taken use is kept (its copy was submitted): `claimed - 1`; the lease is consumed if that
+    /// was the last use and no other claimed use may still come back.
+    fn keep_use(&self) {
+        let after = self.state().uses.fetch_sub(CLAIM, Ordering::AcqRel) - CLAIM;
+        // Seeded bug (tests and model checking only): the old rule, consumed as soon as no use is
+        // left to take, although a claimed use may still come back.
+        #[cfg(kvtier_seeded_bug = "use-returned-to-settled-lease")]
+        let after = after as u32 as u64;
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
-        let last = self.state().uses_left.load(Ordering::Acquire) == 0
-            || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
+        let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
         if last {
             self.inner.state.settle(&self.inner.core, Settled::Consumed);
         }
     }
 
+    /// A taken use comes back (its restore was not submitted): `left + 1`, `claimed - 1`. The
+    /// lease cannot have been consumed meanwhile (a claimed use holds that off).
+    fn give_back_use(&self) {
+        self.state().uses.fetch_sub(CLAIM - 1, Ordering::AcqRel);
+    }
+
     /// Uses up one restore of the lease without copying anything (a zero-page restore).
     pub(crate) fn consume_without_copy(&self) {
         if self.take_use() {
-            self.settle_if_used_up();
+            self.keep_use();
         }
     }
 }
@@ -355,7 +416,7 @@ impl RestoreClaim {
     /// The copy was submitted: the use stays taken, and the lease settles if it was the last.
     pub(crate) fn submitted(mut self) {
         self.submitted = true;
-        self.lease.settle_if_used_up();
+        self.lease.keep_use();
     }
 }
 
@@ -364,7 +425,7 @@ impl Drop for RestoreClaim {
         if !self.submitted {
             // Not submitted: pins first, then the use goes back.
             drop(self.pins.take());
-            self.lease.state().uses_left.fetch_add(1, Ordering::AcqRel);
+            self.lease.give_back_use();
         }
     }
 }

@@ -64,6 +64,11 @@ impl SlotWord {
     const STATE_MASK: u64 = (1 << Self::STATE_BITS) - 1;
     /// Largest pin count a slot can hold (2^21 - 1).
     pub const MAX_PINS: u32 = (1 << Self::PIN_BITS) - 1;
+    /// The most pins leases may hold on one slot together (each lease holds at most one per slot):
+    /// the last quarter of [`SlotWord::MAX_PINS`] is kept for the restores' own pins and the saves'
+    /// plan pins, so no number of leases makes a restore from a lease already held fail
+    /// [`PinError::Overflow`] unless a quarter of a million restores of the slot are in flight.
+    pub const LEASE_PINS: u32 = Self::MAX_PINS - (Self::MAX_PINS >> 2);
     /// Generations wrap modulo 2^40.
     pub const GEN_MASK: u64 = (1 << (64 - Self::GEN_SHIFT)) - 1;
 
@@ -216,6 +221,17 @@ impl SlotControl {
     /// [`PinError::Stale`] if the generation differs, [`PinError::NotReady`] if the slot is not
     /// `READY`, [`PinError::Overflow`] at [`SlotWord::MAX_PINS`].
     pub fn pin(&self, slot: SlotId, generation: u64) -> Result<u32, PinError> {
+        self.pin_up_to(slot, generation, SlotWord::MAX_PINS)
+    }
+
+    /// [`SlotControl::pin`], refusing ([`PinError::Overflow`]) once the slot holds `limit` pins
+    /// (`limit <= MAX_PINS`): leases stop below the maximum so restores always find pins left
+    /// (see [`SlotWord::LEASE_PINS`]).
+    ///
+    /// # Errors
+    /// As [`SlotControl::pin`].
+    pub fn pin_up_to(&self, slot: SlotId, generation: u64, limit: u32) -> Result<u32, PinError> {
+        let limit = limit.min(SlotWord::MAX_PINS);
         let mut why = PinError::NotReady;
         let r = self.update(slot, Ordering::Acquire, |w| {
             let gen_ok = w.generation() == (generation & SlotWord::GEN_MASK);
@@ -234,7 +250,7 @@ impl SlotControl {
                 // whose save has not committed.)
                 why = PinError::NotReady;
                 None
-            } else if w.pins() == SlotWord::MAX_PINS {
+            } else if w.pins() >= limit {
                 why = PinError::Overflow;
                 None
             } else {

@@ -66,3 +66,14 @@ mod imp {
 }
 
 pub use imp::*;
+
+/// Locks `m`, recovering it if a thread panicked while holding it (a poisoned lock is not an error
+/// here). Every mutex of the tier guards state whose every update is either a single step that
+/// cannot fail half-way or is undone by a drop guard on unwind (eviction claims cancel, save claims
+/// and pins are released), so the state behind a lock whose holder panicked is sound: one thread's
+/// panic never turns into a panic of every later caller.
+#[inline]
+pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+

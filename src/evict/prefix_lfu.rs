@@ -198,7 +198,7 @@ impl EvictionPolicy for PrefixLfu {
             let now = self.clock.load(Ordering::Relaxed);
             if now - self.tuned_at.load(Ordering::Relaxed) >= cap.max(1) {
                 self.tuned_at.store(now, Ordering::Relaxed);
-                let w = t.lock().expect("tuner").choose();
+                let w = crate::sync::lock(t).choose();
                 self.weight.store(w * cap, Ordering::Relaxed);
             }
         }

@@ -37,6 +37,33 @@ impl InsertLog {
         self.ring[(p & self.mask) as usize].store(((p as u32 as u64) << 32) | slot.0 as u64, Ordering::Release);
     }
 
+    /// True if entries from `head` on have been claimed by producers: some may be written behind
+    /// one that is not yet (its producer is between its claim and its write), so [`InsertLog::drain`]
+    /// stopped short of them. The selector then recovers them from the policy's residency
+    /// ([`InsertLog::recover`]).
+    pub(crate) fn behind(&self, head: u64) -> bool {
+        self.tail.load(Ordering::Acquire) != head
+    }
+
+    /// Offers `f` every slot of `0..capacity` that `resident_unqueued` accepts: the recovery of a
+    /// selection that found too few victims while the log was [`InsertLog::behind`]. Each
+    /// insertion makes its slot resident *before* it is logged, and the slot's block becomes
+    /// evictable only after, so every committed block the drain could not reach is found here.
+    /// Entries drained later name slots already queued, which the drain's caller skips. O(capacity),
+    /// and only when a selection falls short.
+    pub(crate) fn recover(&self, capacity: u32, resident_unqueued: impl Fn(u32) -> bool, mut f: impl FnMut(u32)) {
+        // Seeded bug (model checking only): no recovery, a committed block written behind a
+        // producer that has not written yet is not offered.
+        if cfg!(kvtier_seeded_bug = "insert-log-hole") {
+            return;
+        }
+        for s in 0..capacity {
+            if resident_unqueued(s) {
+                f(s);
+            }
+        }
+    }
+
     /// Calls `f` for every entry from `*head` on that has been written, advancing `*head`
     /// (the selector only).
     pub(crate) fn drain(&self, head: &mut u64, mut f: impl FnMut(u32)) {

@@ -56,38 +56,22 @@ impl S3Fifo {
     }
 }
 
-impl EvictionPolicy for S3Fifo {
-    fn name(&self) -> &'static str {
-        "s3fifo"
-    }
-    fn on_insert(&self, slot: SlotId, info: InsertInfo) {
-        self.freq[slot.index()].store(0, Ordering::Relaxed);
-        self.key_hash[slot.index()].store(info.key_hash, Ordering::Relaxed);
-        self.residency.insert(slot);
-        self.log.push(slot);
-    }
-    fn on_hit(&self, slot: SlotId) {
-        // Racy saturating increment: a lost update only under-counts a concurrent hit.
-        let f = &self.freq[slot.index()];
-        let v = f.load(Ordering::Relaxed);
-        if v < 3 {
-            f.store(v + 1, Ordering::Relaxed);
+impl S3Fifo {
+    /// Queues a newly resident slot: in main if the ghost remembers its key, else in small.
+    fn enqueue(&self, st: &mut S3State, s: u32) {
+        let mask = st.ghost.len() - 1;
+        let tag = self.ghost_tag(s);
+        let g = &mut st.ghost[tag as usize & mask];
+        if *g == tag {
+            *g = 0;
+            st.main.push_newest(s);
+        } else {
+            st.small.push_newest(s);
         }
     }
-    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
-        let mut guard = self.state.lock().expect("s3fifo state");
-        let st = &mut *guard;
-        let mask = st.ghost.len() - 1;
-        self.log.drain(&mut st.log_head, |s| {
-            let tag = self.ghost_tag(s);
-            let g = &mut st.ghost[tag as usize & mask];
-            if *g == tag {
-                *g = 0;
-                st.main.push_newest(s);
-            } else {
-                st.small.push_newest(s);
-            }
-        });
+
+    /// The selection proper over the queued blocks; returns how many it proposed (at most `n`).
+    fn walk(&self, st: &mut S3State, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) -> usize {
         let mut found = 0;
         // Blocks passed over because they are pinned, per queue, since that queue last made
         // progress: once a queue has been walked round with no progress, the other one is served,
@@ -135,9 +119,59 @@ impl EvictionPolicy for S3Fifo {
             out.push(slot);
             found += 1;
         }
+        found
+    }
+}
+
+impl EvictionPolicy for S3Fifo {
+    fn name(&self) -> &'static str {
+        "s3fifo"
+    }
+    fn on_insert(&self, slot: SlotId, info: InsertInfo) {
+        self.freq[slot.index()].store(0, Ordering::Relaxed);
+        self.key_hash[slot.index()].store(info.key_hash, Ordering::Relaxed);
+        self.residency.insert(slot);
+        self.log.push(slot);
+    }
+    fn on_hit(&self, slot: SlotId) {
+        // Racy saturating increment: a lost update only under-counts a concurrent hit.
+        let f = &self.freq[slot.index()];
+        let v = f.load(Ordering::Relaxed);
+        if v < 3 {
+            f.store(v + 1, Ordering::Relaxed);
+        }
+    }
+    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
+        let mut guard = crate::sync::lock(&self.state);
+        let st = &mut *guard;
+        let residency = &self.residency;
+        // A logged slot is queued unless it already is (found by a recovery) or is no longer
+        // offerable (recovered, then proposed or evicted).
+        let unqueued = |st: &S3State, s: u32| {
+            residency.offerable(SlotId(s)) && !st.small.contains(s) && !st.main.contains(s)
+        };
+        let mut head = st.log_head;
+        self.log.drain(&mut head, |s| {
+            if unqueued(st, s) {
+                self.enqueue(st, s);
+            }
+        });
+        st.log_head = head;
+        let mut found = self.walk(st, n, evictable, out);
+        if found < n && self.log.behind(st.log_head) {
+            let mut missed = Vec::new();
+            self.log.recover(residency.capacity(), |s| unqueued(st, s), |s| missed.push(s));
+            if !missed.is_empty() {
+                for s in missed {
+                    self.enqueue(st, s);
+                }
+                found += self.walk(st, n - found, evictable, out);
+            }
+        }
+        let _ = found;
     }
     fn on_cancel(&self, slot: SlotId) {
-        let mut st = self.state.lock().expect("s3fifo state");
+        let mut st = crate::sync::lock(&self.state);
         self.residency.cancel(slot);
         if st.from_small[slot.index()] {
             st.small.push_newest(slot.0);
@@ -146,7 +180,7 @@ impl EvictionPolicy for S3Fifo {
         }
     }
     fn on_remove(&self, slot: SlotId) {
-        let mut st = self.state.lock().expect("s3fifo state");
+        let mut st = crate::sync::lock(&self.state);
         self.residency.remove(slot);
         if st.from_small[slot.index()] {
             let tag = self.ghost_tag(slot.0);

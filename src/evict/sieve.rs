@@ -35,28 +35,12 @@ impl Sieve {
     }
 }
 
-impl EvictionPolicy for Sieve {
-    fn name(&self) -> &'static str {
-        "sieve"
-    }
-    fn on_insert(&self, slot: SlotId, _info: InsertInfo) {
-        self.visited[slot.index()].store(0, Ordering::Relaxed);
-        self.residency.insert(slot);
-        self.log.push(slot);
-    }
-    fn on_hit(&self, slot: SlotId) {
-        let v = &self.visited[slot.index()];
-        if v.load(Ordering::Relaxed) == 0 {
-            v.store(1, Ordering::Relaxed);
-        }
-    }
-    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
-        let mut guard = self.state.lock().expect("sieve state");
-        let st = &mut *guard;
-        self.log.drain(&mut st.log_head, |s| st.queue.push_newest(s));
+impl Sieve {
+    /// Two laps from the hand: the first may only clear visited bytes, the second offers every
+    /// block still unvisited; proposed and pinned blocks are passed over in place. Returns how many
+    /// it proposed (at most `n`).
+    fn walk(&self, st: &mut SieveState, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) -> usize {
         let mut found = 0;
-        // Two laps from the hand: the first may only clear visited bytes, the second offers every
-        // block still unvisited; proposed and pinned blocks are passed over in place.
         let mut steps = 2 * st.queue.len;
         while found < n && steps > 0 {
             steps -= 1;
@@ -73,12 +57,56 @@ impl EvictionPolicy for Sieve {
             out.push(slot);
             found += 1;
         }
+        found
+    }
+}
+
+impl EvictionPolicy for Sieve {
+    fn name(&self) -> &'static str {
+        "sieve"
+    }
+    fn on_insert(&self, slot: SlotId, _info: InsertInfo) {
+        self.visited[slot.index()].store(0, Ordering::Relaxed);
+        self.residency.insert(slot);
+        self.log.push(slot);
+    }
+    fn on_hit(&self, slot: SlotId) {
+        let v = &self.visited[slot.index()];
+        if v.load(Ordering::Relaxed) == 0 {
+            v.store(1, Ordering::Relaxed);
+        }
+    }
+    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
+        let mut guard = crate::sync::lock(&self.state);
+        let st = &mut *guard;
+        let residency = &self.residency;
+        // A logged slot is queued unless it already is (found by a recovery) or is no longer
+        // resident (recovered, then evicted).
+        let unqueued = |q: &Fifo, s: u32| residency.offerable(SlotId(s)) && !q.contains(s);
+        self.log.drain(&mut st.log_head, |s| {
+            if unqueued(&st.queue, s) {
+                st.queue.push_newest(s);
+            }
+        });
+        let mut found = self.walk(st, n, evictable, out);
+        if found < n && self.log.behind(st.log_head) {
+            let queue = &mut st.queue;
+            let mut missed = Vec::new();
+            self.log.recover(residency.capacity(), |s| unqueued(queue, s), |s| missed.push(s));
+            if !missed.is_empty() {
+                for s in missed {
+                    queue.push_newest(s);
+                }
+                found += self.walk(st, n - found, evictable, out);
+            }
+        }
+        let _ = found;
     }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
     }
     fn on_remove(&self, slot: SlotId) {
-        let mut st = self.state.lock().expect("sieve state");
+        let mut st = crate::sync::lock(&self.state);
         self.residency.remove(slot);
         if st.hand == slot.0 {
             st.hand = st.queue.newer(slot.0);

@@ -274,6 +274,7 @@ pub struct WireStats {
     pub free_slots: u64,
     pub capacity: u64,
     pub index_entries: u64,
+    pub quarantined_pins: u64,
 }
 
 impl From<crate::TierStats> for WireStats {
@@ -306,6 +307,7 @@ impl From<crate::TierStats> for WireStats {
             free_slots,
             capacity,
             index_entries,
+            quarantined_pins,
         } = s;
         WireStats {
             queries,
@@ -333,6 +335,7 @@ impl From<crate::TierStats> for WireStats {
             free_slots,
             capacity,
             index_entries,
+            quarantined_pins,
         }
     }
 }
@@ -365,6 +368,7 @@ impl From<WireStats> for crate::TierStats {
             free_slots: w.free_slots,
             capacity: w.capacity,
             index_entries: w.index_entries,
+            quarantined_pins: w.quarantined_pins,
         }
     }
 }

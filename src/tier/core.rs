@@ -160,7 +160,7 @@ impl Core {
 
     /// Takes the eviction lock: no claim is outstanding while it is held by the caller.
     pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
-        self.evict_lock.lock().expect("evict lock")
+        crate::sync::lock(&self.evict_lock)
     }
 
     /// Pins `slot` if it is `READY` with `generation`.
@@ -169,6 +169,18 @@ impl Core {
     /// [`PinError`] (stale generation, not ready, pin count full).
     pub fn pin(&self, slot: SlotId, generation: u64) -> Result<(), PinError> {
         if self.control().pin(slot, generation)? == 1 {
+            add(&self.counters.pinned_slots, 1);
+        }
+        Ok(())
+    }
+
+    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`SlotWord::LEASE_PINS`]
+    /// pins on it (the rest are for restores).
+    ///
+    /// # Errors
+    /// As [`Core::pin`].
+    pub(crate) fn pin_for_lease(&self, slot: SlotId, generation: u64) -> Result<(), PinError> {
+        if self.control().pin_up_to(slot, generation, crate::slot::SlotWord::LEASE_PINS)? == 1 {
             add(&self.counters.pinned_slots, 1);
         }
         Ok(())
@@ -276,9 +288,10 @@ impl Core {
         add(&self.counters.quarantined_slots, 1);
     }
 
-    /// Records `n` slots whose pins are kept for good (a restore whose copy's outcome is unknown).
+    /// Records `n` pins kept for good (a restore whose copy's outcome is unknown), counted in
+    /// [`TierStats::quarantined_pins`].
     pub(crate) fn record_quarantined_pins(&self, n: usize) {
-        add(&self.counters.quarantined_slots, n as u64);
+        add(&self.counters.quarantined_pins, n as u64);
     }
 
     /// Returns a block quarantined by [`Core::quarantine_reserved`] to the free list once its copy
@@ -294,7 +307,7 @@ impl Core {
     /// (the tier daemon: the process whose copy held them is gone).
     #[cfg(feature = "remote")]
     pub(crate) fn release_quarantined_pins(&self, n: usize) {
-        sub(&self.counters.quarantined_slots, n as u64);
+        sub(&self.counters.quarantined_pins, n as u64);
     }
 
     /// True if `slot` is `READY` and unpinned now.
@@ -473,6 +486,7 @@ impl Core {
             free_slots: self.pool.free_count() as u64,
             capacity: self.pool.capacity() as u64,
             index_entries: self.index.len() as u64,
+            quarantined_pins: load(&c.quarantined_pins),
         }
     }
 }

@@ -46,6 +46,9 @@ impl<'a> Claims<'a> {
     /// claim fails is cancelled with the policy at once. Returns how many were claimed.
     pub fn claim(&mut self, n: usize) -> usize {
         let core = self.core;
+        // No more victims exist than slots: a larger `n` (any caller's argument) is clamped before
+        // anything is sized by it.
+        let n = n.min(core.pool.capacity() as usize);
         let mut cands = Vec::with_capacity(n);
         // The preference order: chain place and hints (see `Core::victim_class`).
         let (hints, now) = (core.hints.any(), core.hints.now());
@@ -128,8 +131,12 @@ impl Core {
     /// [`TierError::PoolExhausted`] for [`Want::Exactly`] when not enough slots could be had (free
     /// slots taken go back to the free list, claimed blocks stay resident: nothing is evicted).
     pub fn acquire_slots(&self, want: Want) -> Result<Vec<SlotId>, TierError> {
+        let cap = self.pool.capacity() as usize;
         let n = match want {
-            Want::Exactly(n) | Want::UpTo(n) => n,
+            Want::Exactly(n) if n > cap => return Err(TierError::PoolExhausted { needed: n, got: 0 }),
+            Want::Exactly(n) => n,
+            // More than the pool can never be had: ask for all of it.
+            Want::UpTo(n) => n.min(cap),
         };
         let mut got = Vec::with_capacity(n);
         let fill = |got: &mut Vec<SlotId>, target: usize| {
@@ -182,8 +189,10 @@ impl Core {
     }
 
     /// Evicts up to `n` unpinned ready blocks chosen by the policy and appends their (now free,
-    /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted.
+    /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted. An
+    /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
+        let n = n.min(self.pool.capacity() as usize);
         let _serialise = self.lock_eviction();
         let mut claims = Claims::new(self);
         let mut stalls = 0;

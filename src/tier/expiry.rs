@@ -25,7 +25,7 @@ impl LeaseClock {
         if self.ttl.is_none() {
             return;
         }
-        let mut q = self.live.lock().expect("lease clock");
+        let mut q = crate::sync::lock(&self.live);
         q.push_back((Instant::now(), lease.clone()));
         // Settled leases stay queued until they reach the front; drop them in bulk once they
         // outnumber the live ones, so the queue stays within twice the live leases.
@@ -39,7 +39,7 @@ impl LeaseClock {
         let Some(ttl) = self.ttl else { return 0 };
         let now = Instant::now();
         let mut expired = 0;
-        let mut q = self.live.lock().expect("lease clock");
+        let mut q = crate::sync::lock(&self.live);
         while let Some((created, lease)) = q.front() {
             if lease.is_settled() {
                 q.pop_front();
@@ -59,7 +59,7 @@ impl LeaseClock {
     /// Age of the oldest unsettled lease (only tracked with a TTL).
     pub(crate) fn oldest_age(&self) -> Option<Duration> {
         self.ttl?;
-        let mut q = self.live.lock().expect("lease clock");
+        let mut q = crate::sync::lock(&self.live);
         while q.front().is_some_and(|(_, l)| l.is_settled()) {
             q.pop_front();
         }

@@ -137,7 +137,9 @@ impl HostTier {
     }
 
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
-    /// them (see [`Lease`]). Hits refresh the blocks' recency.
+    /// them (see [`Lease`]). Hits refresh the blocks' recency. The run also ends at the first key
+    /// that repeats an earlier one (a lease pins each slot once), and at a block whose slot already
+    /// holds the most pins leases may take ([`crate::testing::SlotWord::LEASE_PINS`]).
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
         self.query_shared(keys, 1)
     }
@@ -214,13 +216,16 @@ impl HostTier {
         self.core.hints.live()
     }
 
-    /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed.
+    /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed (at most
+    /// the pool's capacity: a larger `n`, `usize::MAX` included, means "every evictable block" and
+    /// allocates nothing sized by `n`). Never panics; pinned and half-written blocks stay.
     pub fn evict(&self, n: usize) -> usize {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
             return conn.evict(n).unwrap_or(0);
         }
-        let mut slots = Vec::new();
+        let n = n.min(self.capacity() as usize);
+        let mut slots = Vec::with_capacity(n.min(1024));
         let freed = self.core.evict_into(n, &mut slots);
         for s in slots {
             self.core.pool().free(s);

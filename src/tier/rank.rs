@@ -54,23 +54,51 @@ pub(crate) enum CopyOutcome {
 /// daemon) fails the copy's handle even though the copy itself completed.
 pub(crate) type Settle = Box<dyn FnOnce(CopyOutcome) -> Result<(), TierError> + Send>;
 
+/// A submitted copy, until its completion thread has settled it. Once the backend has accepted a
+/// copy, only [`Job::finish`] may release its slots: a job dropped unfinished (an unwind between
+/// submission and completion, a channel that refused it) **quarantines** them instead
+/// (`CopyOutcome::Unknown`) and never drops the completion, which may own buffers the copy uses.
 struct Job {
-    completion: Box<dyn Completion>,
-    settle: Settle,
+    completion: Option<Box<dyn Completion>>,
+    settle: Option<Settle>,
     dir: Direction,
     blocks: u64,
     bytes: u64,
     handle: std::sync::Arc<HandleShared>,
 }
 
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Some(settle) = self.settle.take() {
+            // Seeded bug (tests only): the old behaviour, an unwind drops the reservation or the
+            // pins (frees the slots under a copy that may still run).
+            #[cfg(kvtier_seeded_bug = "submit-panic-releases")]
+            {
+                drop(settle);
+                return;
+            }
+            #[allow(unreachable_code)]
+            {
+                tracing::error!("a submitted {:?} of {} blocks was dropped unfinished; its host slots are quarantined", self.dir, self.blocks);
+                let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown)));
+                if let Some(c) = self.completion.take() {
+                    std::mem::forget(c);
+                }
+            }
+        }
+    }
+}
+
 impl Job {
     /// Waits for the copy and settles it (on a completion thread, or on the submitting thread
     /// when the completion threads are gone).
-    fn finish(self, core: &Core, inflight: &InFlight) {
-        let Job { mut completion, settle, dir, blocks, bytes, handle } = self;
+    fn finish(mut self, core: &Core, inflight: &InFlight) {
+        let (dir, blocks, bytes, handle) = (self.dir, self.blocks, self.bytes, self.handle.clone());
+        let mut completion = self.completion.take().expect("a job's completion is taken once");
         let waited = catch_unwind(AssertUnwindSafe(|| completion.wait()));
         let result = match waited {
             Ok(r) => {
+                let settle = self.settle.take().expect("a job is settled once");
                 let settled = settle(if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed });
                 if let Err(e) = &r {
                     tracing::warn!("{dir:?} of {blocks} blocks failed: {e}");
@@ -86,12 +114,15 @@ impl Job {
                     "the copy backend panicked while waiting for a {dir:?} of {blocks} blocks; \
                      its host slots are quarantined"
                 );
-                let _ = settle(CopyOutcome::Unknown);
+                if let Some(settle) = self.settle.take() {
+                    let _ = settle(CopyOutcome::Unknown);
+                }
                 // It may own buffers the copy still uses: never drop it.
                 std::mem::forget(completion);
                 Err(TierError::Copy(CopyError::BackendPanicked))
             }
         };
+        drop(self);
         core.counters.record_copy(dir, blocks, bytes, result.is_ok());
         inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
         // The batch leaves the rank's load before its handle completes, so a caller woken by the
@@ -119,10 +150,10 @@ impl InFlight {
         }
     }
     fn begin(&self) {
-        *self.batches.lock().expect("in-flight lock") += 1;
+        *lock_std(&self.batches) += 1;
     }
     fn end(&self) {
-        let mut b = self.batches.lock().expect("in-flight lock");
+        let mut b = lock_std(&self.batches);
         *b -= 1;
         if *b == 0 {
             self.idle.notify_all();
@@ -218,7 +249,7 @@ impl Rank {
         RankLoad {
             save_gpu_pages: self.inflight.save_gpu_pages.load(Ordering::Relaxed),
             restore_slots: self.inflight.restore_slots.load(Ordering::Relaxed),
-            batches: *self.inflight.batches.lock().expect("in-flight lock"),
+            batches: *lock_std(&self.inflight.batches),
         }
     }
 
@@ -249,25 +280,44 @@ impl Rank {
         let blocks = batch.len() as u64;
         let bytes = blocks * self.core.geometry().block_bytes();
         // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
-        let submitted = unsafe {
+        let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
             match dir {
                 Direction::Save => self.backend.save(batch, wait),
                 Direction::Restore => self.backend.restore(batch, wait),
             }
-        };
+        }));
         let completion = match submitted {
-            Ok(c) => c,
-            Err(e) => {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
                 self.core.counters.record_copy(dir, blocks, 0, false);
                 return Err(e.into());
             }
+            Err(panic) => {
+                // The backend may have queued the copy before it panicked: its outcome is unknown,
+                // so the slots are quarantined, never released (an unwind frees nothing).
+                #[cfg(kvtier_seeded_bug = "submit-panic-releases")]
+                std::panic::resume_unwind(panic);
+                #[allow(unreachable_code)]
+                {
+                    drop(panic);
+                    tracing::error!(
+                        "the copy backend panicked submitting a {dir:?} of {blocks} blocks; its host slots are quarantined"
+                    );
+                    let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown)));
+                    self.core.counters.record_copy(dir, blocks, 0, false);
+                    return Err(TierError::Copy(CopyError::BackendPanicked));
+                }
+            }
         };
-        let handle = HandleShared::with_event(batch.len(), bytes, completion.shared_event());
+        // From here on the copy is submitted: `job` owns the settle step, and an unwind that drops
+        // it unfinished quarantines the slots (see [`Job`]).
+        let shared = catch_unwind(AssertUnwindSafe(|| completion.shared_event())).unwrap_or(None);
+        let handle = HandleShared::with_event(batch.len(), bytes, shared);
+        let job = Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle: handle.clone() };
         self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
         self.inflight.begin();
-        let job = Job { completion, settle, dir, blocks, bytes, handle: handle.clone() };
         let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
-        let sent = match tx.lock().expect("rank sender lock").as_ref() {
+        let sent = match lock_std(tx).as_ref() {
             Some(tx) => tx.send(job).map_err(|e| e.0),
             None => Err(job),
         };
@@ -410,14 +460,21 @@ impl Rank {
     /// # Errors
     /// [`TierError::DrainTimeout`] with the batches still in flight.
     pub fn drain(&self, timeout: Duration) -> Result<(), TierError> {
-        let deadline = Instant::now() + timeout;
-        let mut b = self.inflight.batches.lock().expect("in-flight lock");
+        // A timeout too long to be represented (`Duration::MAX`) waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        let mut b = lock_std(&self.inflight.batches);
         while *b > 0 {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(TierError::DrainTimeout { in_flight: *b });
-            }
-            b = self.inflight.idle.wait_timeout(b, deadline - now).expect("in-flight lock").0;
+            let wait = match deadline {
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(TierError::DrainTimeout { in_flight: *b });
+                    }
+                    d - now
+                }
+                None => Duration::from_secs(3600),
+            };
+            b = self.inflight.idle.wait_timeout(b, wait).unwrap_or_else(|p| p.into_inner()).0;
         }
         Ok(())
     }
@@ -448,8 +505,8 @@ impl Rank {
     }
 
     fn close(&self) {
-        self.save_tx.lock().expect("rank sender lock").take();
-        self.restore_tx.lock().expect("rank sender lock").take();
+        lock_std(&self.save_tx).take();
+        lock_std(&self.restore_tx).take();
     }
 
     fn join(&mut self) {
@@ -470,4 +527,10 @@ impl std::fmt::Debug for Rank {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rank").field("id", &self.id).field("backend", &self.backend.name()).finish()
     }
+}
+
+/// Locks one of the rank's std mutexes, recovering it from poisoning (see [`crate::sync::lock`]):
+/// each guards a counter or a sender, updated in one step.
+fn lock_std<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

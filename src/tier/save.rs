@@ -49,11 +49,11 @@ impl SavingKeys {
 
     /// True if this call claimed `key` (no other save holds it).
     fn claim(&self, key: ContentKey) -> bool {
-        self.shard(&key).lock().expect("saving keys").insert(key)
+        crate::sync::lock(self.shard(&key)).insert(key)
     }
 
     fn release(&self, key: &ContentKey) {
-        let removed = self.shard(key).lock().expect("saving keys").remove(key);
+        let removed = crate::sync::lock(self.shard(key)).remove(key);
         debug_assert!(removed, "released a save claim that was not held");
     }
 }

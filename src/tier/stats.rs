@@ -49,9 +49,11 @@ pub struct TierStats {
     /// Age in milliseconds of the oldest unsettled lease (tracked only when
     /// [`crate::TierConfig::lease_ttl`] is set; 0 otherwise or when there is none).
     pub oldest_lease_age_ms: u64,
-    /// Slots withheld for good because a copy's outcome is unknown (its backend panicked while
-    /// waiting for it): never reused, since the copy may still be running. The tier daemon also
-    /// counts here the slots and pins of a disconnected engine process's copies, until it exits.
+    /// Slots withheld for good (kept `WRITING`, out of the index) because a save's copy outcome is
+    /// unknown (its backend panicked submitting or waiting for it): never reused, since the copy
+    /// may still be writing them. The tier daemon also counts here the slots of a disconnected
+    /// engine process's saves, until it exits. Counts slots, not pins (see
+    /// [`TierStats::quarantined_pins`]).
     pub quarantined_slots: u64,
     /// Slots with at least one pin (lease or restore guard).
     pub pinned_slots: u64,
@@ -65,6 +67,11 @@ pub struct TierStats {
     pub capacity: u64,
     /// Entries in the index.
     pub index_entries: u64,
+    /// Pins kept for good because a restore's copy outcome is unknown (its backend panicked
+    /// submitting or waiting for it): their slots stay pinned (`READY`, never evicted), since the
+    /// copy may still be reading them. One per slot per restore; the tier daemon also counts the
+    /// pins of a disconnected engine process's restores here, until it exits.
+    pub quarantined_pins: u64,
 }
 
 /// The live counters behind [`TierStats`].
@@ -87,6 +94,7 @@ pub(crate) struct Counters {
     pub bytes_restored: AtomicU64,
     pub expired_leases: AtomicU64,
     pub quarantined_slots: AtomicU64,
+    pub quarantined_pins: AtomicU64,
     // Gauges: updated with wrapping add/sub, read as signed and clamped (a +1 and a -1 of one slot
     // may publish in either order).
     pub live_leases: AtomicU64,
