@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvtier::copy::fault::FaultyBackend;
+use kvtier::copy::fault::{FaultyBackend, PanicSite, SubmitPanics};
 use kvtier::{
     CopyError, EngineArenas, Fit, HostTier, PolicyKind, SaveOptions, TierConfig, TierError, TierStats, WaitFor,
 };
@@ -189,7 +189,7 @@ fn a_panicking_completion_quarantines_its_slots_and_the_rank_keeps_working() {
     assert!(matches!(h.wait(), Err(TierError::Copy(CopyError::BackendPanicked))));
     drop(lease);
     let s = tier.stats();
-    assert_eq!((s.quarantined_slots, s.pinned_slots), (5, 1));
+    assert_eq!((s.quarantined_slots, s.quarantined_pins, s.pinned_slots), (4, 1, 1));
     assert_eq!(tier.evict(8), 3, "the quarantined block stays pinned");
     assert!(tier.contains(&k[0]));
 }
@@ -274,7 +274,10 @@ fn a_forgotten_lease_expires_under_pool_pressure() {
     let in_flight = slow.restore(&tier.query_shared(&k[..1], 1), &[20], WaitFor::Nothing).unwrap();
     let more = keys(&tier, 10..12);
     a.fill(&[4, 5], &more).unwrap();
-    assert!(matches!(rank.save(&more, &[4, 5], WaitFor::Nothing), Err(TierError::CannotFit { available: 0, .. })));
+    assert!(
+        matches!(rank.save(&more, &[4, 5], WaitFor::Nothing), Err(TierError::CannotFit { available: 0, .. })),
+        "a lease younger than the TTL was expired"
+    );
     assert!(tier.stats().oldest_lease_age_ms < ttl.as_millis() as u64);
     std::thread::sleep(ttl + Duration::from_millis(50));
     assert!(tier.stats().oldest_lease_age_ms >= ttl.as_millis() as u64);
@@ -312,4 +315,120 @@ fn without_a_ttl_leases_never_expire() {
 fn one_default_policy() {
     let g = small_geometry();
     assert_eq!(TierConfig::new(g, 1 << 20).policy, PolicyKind::default());
+}
+
+/// Issue 19 item 9(b): a backend that panics in `CopyBackend::save` after it queued its copy. The
+/// save fails with `BackendPanicked` (the caller does not unwind), its slot is quarantined (never
+/// freed: the queued copy lands later), and a later save never reuses it, so a restore of the later
+/// key returns that key's bytes, never the old copy's.
+#[test]
+fn a_backend_that_panics_in_save_after_queuing_quarantines_the_slot() {
+    let tier = tier(2, PolicyKind::Lru);
+    let a = arenas();
+    let (bad, late) = SubmitPanics::new(a.backend().unwrap(), PanicSite::Save);
+    let bad = tier.attach(Box::new(bad)).unwrap();
+    let k = keys(&tier, 0..3);
+    a.fill(&[0], &k[..1]).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bad.save(&k[..1], &[0], WaitFor::Nothing)));
+    let s = tier.stats();
+    assert_eq!(
+        (s.quarantined_slots, s.writing_slots, s.free_slots, s.index_entries),
+        (1, 0, 1, 0),
+        "the slot under the queued copy must be quarantined, not freed"
+    );
+    assert!(matches!(r, Ok(Err(TierError::Copy(CopyError::BackendPanicked)))), "a typed error, not an unwind: {r:?}");
+    assert!(!tier.contains(&k[0]));
+    // The next save gets the other slot; with that block leased, a further save finds no slot: the
+    // quarantined one is never offered.
+    let good = tier.attach(a.backend().unwrap()).unwrap();
+    save_filled(&good, &a, &k[1..2], &[1]);
+    let lease = tier.query(&k[1..2]);
+    a.fill(&[2], &k[2..3]).unwrap();
+    assert!(matches!(good.save(&k[2..3], &[2], WaitFor::Nothing), Err(TierError::CannotFit { available: 0, .. })));
+    // The old copy lands now; the later key's block is untouched.
+    assert_eq!(late.land().unwrap(), 1);
+    good.restore(&lease, &[5], WaitFor::Nothing).unwrap().wait().unwrap();
+    a.verify(&[5], &k[1..2]).expect("a restore returned the bytes of the copy that landed late");
+    bad.drain(Duration::from_secs(5)).unwrap();
+    kvtier::testing::core(&tier).audit(&k).unwrap();
+}
+
+/// Issue 19 item 9(b): a backend that panics in `CopyBackend::restore` after it queued its copy.
+/// The restore fails with `BackendPanicked`, the lease keeps its use (as for any backend error),
+/// and the copy's pins are kept for good (`quarantined_pins`): the block is never evicted under the
+/// late copy, which then reads the right bytes.
+#[test]
+fn a_backend_that_panics_in_restore_after_queuing_keeps_its_pins() {
+    let tier = tier(2, PolicyKind::Lru);
+    let a = arenas();
+    let good = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..1);
+    save_filled(&good, &a, &k, &[0]);
+    let b = arenas();
+    let (bad, late) = SubmitPanics::new(b.backend().unwrap(), PanicSite::Restore);
+    let bad = tier.attach(Box::new(bad)).unwrap();
+    let lease = tier.query(&k);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bad.restore(&lease, &[7], WaitFor::Nothing)));
+    drop(lease);
+    let s = tier.stats();
+    assert_eq!(
+        (s.quarantined_pins, s.quarantined_slots, s.pinned_slots),
+        (1, 0, 1),
+        "the pin under the queued copy must be kept, not dropped"
+    );
+    assert!(matches!(r, Ok(Err(TierError::Copy(CopyError::BackendPanicked)))), "a typed error, not an unwind");
+    assert_eq!(tier.evict(usize::MAX), 0, "the block under the late copy is never evicted");
+    assert_eq!(late.land().unwrap(), 1);
+    b.verify(&[7], &k).expect("the late restore read the block it was given");
+}
+
+/// Issue 19 item 9(a), with real threads: two ranks restore from one lease with a use each; one
+/// rank's first restore fails at submission (a page out of range), and its retry must be served,
+/// whatever the other rank did meanwhile (it may have taken the last use and submitted).
+#[test]
+fn a_shared_lease_serves_the_retry_of_a_restore_that_failed_at_submission() {
+    let rounds = 2000;
+    let tier = tier(2, PolicyKind::Lru);
+    let a = arenas();
+    let warm = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..1);
+    save_filled(&warm, &a, &k, &[0]);
+    let ranks: Vec<_> = (0..2)
+        .map(|_| {
+            let b = arenas();
+            (tier.attach(b.backend().unwrap()).unwrap(), b)
+        })
+        .collect();
+    let barrier = Barrier::new(2);
+    let lease = std::sync::Mutex::new(None);
+    std::thread::scope(|s| {
+        for (i, (rank, b)) in ranks.iter().enumerate() {
+            let (tier, barrier, lease, k) = (&tier, &barrier, &lease, &k);
+            s.spawn(move || {
+                for round in 0..rounds {
+                    if i == 0 {
+                        *lease.lock().unwrap() = Some(tier.query_shared(k, 2));
+                    }
+                    barrier.wait();
+                    let l = lease.lock().unwrap().clone().unwrap();
+                    if i == 0 {
+                        let e = rank.restore(&l, &[u64::MAX], WaitFor::Nothing).expect_err("page out of range");
+                        assert!(matches!(e, TierError::Copy(CopyError::PageOutOfRange { .. })), "{e}");
+                    }
+                    let h = rank.restore(&l, &[1 + i as u64], WaitFor::Nothing).unwrap_or_else(|e| {
+                        panic!("round {round}: rank {i} has a use of the lease, yet its restore failed: {e}")
+                    });
+                    h.wait().unwrap();
+                    b.verify(&[1 + i as u64], k).unwrap();
+                    drop(l);
+                    barrier.wait();
+                    if i == 0 {
+                        let l = lease.lock().unwrap().take().unwrap();
+                        assert!(l.is_settled(), "both uses were taken and submitted");
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(tier.stats().pinned_slots, 0);
 }

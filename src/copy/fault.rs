@@ -116,3 +116,117 @@ impl std::fmt::Debug for FaultyBackend {
         f.debug_struct("FaultyBackend").field("inner", &self.inner.name()).field("rate", &self.rate).finish()
     }
 }
+
+/// Which call of a [`SubmitPanics`] backend panics.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PanicSite {
+    /// `CopyBackend::save` panics after it queued its copy.
+    Save,
+    /// `CopyBackend::restore` panics after it queued its copy.
+    Restore,
+}
+
+struct SubmitPanicsShared {
+    inner: std::sync::Mutex<Box<dyn CopyBackend>>,
+    geometry: Geometry,
+    name: &'static str,
+    site: PanicSite,
+    /// Copies queued by a call that then panicked, not run yet: `(save?, batch)`.
+    queued: std::sync::Mutex<Vec<(bool, Vec<CopyPair>)>>,
+}
+
+/// A backend that **panics in `save` or `restore` after it queued the copy** (a buggy user
+/// backend): the copy is not lost, it runs later, when the test calls [`SubmitPanics::land`] (a DMA
+/// that lands after its submitter unwound). The other direction is forwarded unchanged. A tier must
+/// then keep the copy's slots (quarantine: never reuse a slot the late copy writes, never evict a
+/// slot it reads).
+pub struct SubmitPanics {
+    shared: std::sync::Arc<SubmitPanicsShared>,
+}
+
+/// The test's handle on a [`SubmitPanics`] backend attached to a tier.
+#[derive(Clone)]
+pub struct SubmitPanicsHandle {
+    shared: std::sync::Arc<SubmitPanicsShared>,
+}
+
+impl SubmitPanics {
+    /// Wraps `inner`; `site` says which call panics (every call of it).
+    pub fn new(inner: Box<dyn CopyBackend>, site: PanicSite) -> (Self, SubmitPanicsHandle) {
+        let shared = std::sync::Arc::new(SubmitPanicsShared {
+            geometry: inner.geometry().clone(),
+            name: inner.name(),
+            inner: std::sync::Mutex::new(inner),
+            site,
+            queued: std::sync::Mutex::new(Vec::new()),
+        });
+        (SubmitPanics { shared: shared.clone() }, SubmitPanicsHandle { shared })
+    }
+}
+
+impl SubmitPanicsHandle {
+    /// Runs every queued copy now (the late landing) and waits for it; returns how many batches
+    /// ran.
+    ///
+    /// # Errors
+    /// The inner backend's errors.
+    pub fn land(&self) -> Result<usize, CopyError> {
+        let queued = std::mem::take(&mut *self.shared.queued.lock().unwrap_or_else(|p| p.into_inner()));
+        let inner = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
+        for (save, batch) in &queued {
+            // SAFETY: the batch was valid when the tier submitted it (its GPU pages are the test's,
+            // in range; its slots are in the pool the inner backend is bound to, which the tier
+            // keeps mapped). Host memory only: a slot the tier wrongly reused is overwritten with
+            // the old key's bytes, which is exactly the fault this backend exposes.
+            let mut c = unsafe {
+                if *save {
+                    inner.save(batch, WaitFor::Nothing)
+                } else {
+                    inner.restore(batch, WaitFor::Nothing)
+                }
+            }?;
+            c.wait()?;
+        }
+        Ok(queued.len())
+    }
+}
+
+impl CopyBackend for SubmitPanics {
+    fn name(&self) -> &'static str {
+        self.shared.name
+    }
+    fn geometry(&self) -> &Geometry {
+        &self.shared.geometry
+    }
+    fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
+        self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).bind_pool(pool)
+    }
+    unsafe fn save(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        if self.shared.site == PanicSite::Save {
+            self.shared.queued.lock().unwrap_or_else(|p| p.into_inner()).push((true, batch.to_vec()));
+            panic!("injected panic in CopyBackend::save after queuing the copy");
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).save(batch, wait) }
+    }
+    unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
+        if self.shared.site == PanicSite::Restore {
+            self.shared.queued.lock().unwrap_or_else(|p| p.into_inner()).push((false, batch.to_vec()));
+            panic!("injected panic in CopyBackend::restore after queuing the copy");
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.shared.inner.lock().unwrap_or_else(|p| p.into_inner()).restore(batch, wait) }
+    }
+}
+
+impl std::fmt::Debug for SubmitPanicsHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubmitPanicsHandle").field("site", &self.shared.site).finish()
+    }
+}
+
+impl std::fmt::Debug for SubmitPanics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubmitPanics").field("inner", &self.shared.name).field("site", &self.shared.site).finish()
+    }
+}

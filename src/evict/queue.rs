@@ -30,6 +30,20 @@ impl InsertLog {
         InsertLog { ring, mask: len - 1, tail: AtomicU64::new(0) }
     }
 
+    /// Claims the next position without writing it: a producer stopped between its claim and its
+    /// write, for tests of the drain.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn claim_unwritten(&self) -> u64 {
+        self.tail.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Writes `slot` at position `p` claimed by [`InsertLog::claim_unwritten`] (the stopped
+    /// producer resumes), for tests.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn write_at(&self, p: u64, slot: SlotId) {
+        self.ring[(p & self.mask) as usize].store(((p as u32 as u64) << 32) | slot.0 as u64, Ordering::Release);
+    }
+
     /// Appends `slot` (lock-free; any thread).
     pub(crate) fn push(&self, slot: SlotId) {
         let p = self.tail.fetch_add(1, Ordering::Relaxed);

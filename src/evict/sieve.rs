@@ -158,4 +158,22 @@ mod tests {
         // The hand moved past 0; it wraps back to it after 1 and 2.
         assert_eq!(select_and_evict(&p, 3, &|_| true), vec![SlotId(1), SlotId(2), SlotId(0)]);
     }
+
+    /// Issue 19 item 10: a commit half-way into the insert log (its position claimed, not yet
+    /// written) must not hide a block committed after it: the selection recovers it. Seeded bug
+    /// `insert-log-hole`.
+    #[test]
+    fn a_commit_half_way_into_the_log_does_not_hide_a_later_one() {
+        let p = Sieve::new(4);
+        p.on_insert(SlotId(0), info(0));
+        // Another rank's commit of slot 1: resident, its log position claimed but not written.
+        p.residency.insert(SlotId(1));
+        let hole = p.log.claim_unwritten();
+        p.on_insert(SlotId(2), info(2));
+        let ready = |s: SlotId| s.0 != 1; // slot 1 is not ready yet
+        assert_eq!(select_and_evict(&p, 2, &ready), vec![SlotId(0), SlotId(2)], "the block behind the hole is offered");
+        // The late write lands: slot 1 is queued once, and nothing is queued twice.
+        p.log.write_at(hole, SlotId(1));
+        assert_eq!(select_and_evict(&p, 4, &|_| true), vec![SlotId(1)]);
+    }
 }

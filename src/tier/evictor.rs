@@ -165,7 +165,8 @@ impl Core {
             }
         }
         // Never evict while a slot is free: a slot freed since the last pop replaces a claim.
-        while !claims.is_empty() {
+        // (Seeded bug, tests only: `evict-while-free` skips this step.)
+        while !claims.is_empty() && !cfg!(kvtier_seeded_bug = "evict-while-free") {
             match self.pool.alloc() {
                 Some(s) => {
                     got.push(s);
@@ -177,6 +178,10 @@ impl Core {
         if got.len() + claims.len() < n {
             if let Want::Exactly(_) = want {
                 let have = got.len() + claims.len();
+                // Seeded bug (tests only): a save that cannot fit evicts what it claimed anyway.
+                #[cfg(kvtier_seeded_bug = "unfit-save-evicts")]
+                claims.finish(&mut got);
+                #[cfg(not(kvtier_seeded_bug = "unfit-save-evicts"))]
                 drop(claims);
                 for s in got {
                     self.pool.free(s);

@@ -45,7 +45,8 @@ impl LeaseClock {
                 q.pop_front();
                 continue;
             }
-            if now.saturating_duration_since(*created) < ttl {
+            // Seeded bug (tests only): `lease-expiry-ignores-age` expires leases of any age.
+            if now.saturating_duration_since(*created) < ttl && !cfg!(kvtier_seeded_bug = "lease-expiry-ignores-age") {
                 break;
             }
             if lease.settle(core, Settled::Expired) {

@@ -1,11 +1,12 @@
 //! Unit tests of the tier that need its internals (slot words, claims, the save plan).
 
 use super::evictor::Claims;
+use crate::error::CopyError;
+use crate::pool::HostPool;
 use super::*;
 use crate::copy::host::HostArenas;
 use crate::copy::{EngineArenas, WaitFor};
 use crate::geometry::ArenaSpec;
-use crate::index::SlotRef;
 use crate::pool::BackingChoice;
 use crate::slot::{SlotId, SlotWord};
 
@@ -106,30 +107,168 @@ fn a_second_plan_of_a_claimed_key_sees_it_in_flight() {
     assert_eq!(third.missing(), &[0, 1], "claims are released when the plan goes");
 }
 
-/// Reliability report, item 7: a slot freed while the evictor holds claims replaces a claim, so
-/// nothing is evicted while a slot is free.
+/// A policy around a built-in one that runs a test's hook at the start of each selection, under the
+/// eviction lock (another thread's action at the worst moment, made deterministic).
+struct Hooked {
+    inner: Box<dyn crate::evict::EvictionPolicy>,
+    hook: Hook,
+}
+
+type Hook = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>;
+
+impl std::fmt::Debug for Hooked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooked").field("inner", &self.inner).finish()
+    }
+}
+
+impl crate::evict::EvictionPolicy for Hooked {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn on_insert(&self, slot: SlotId, info: crate::evict::InsertInfo) {
+        self.inner.on_insert(slot, info)
+    }
+    fn on_hit(&self, slot: SlotId) {
+        self.inner.on_hit(slot)
+    }
+    fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
+        let hook = self.hook.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+        self.inner.select_victims(n, evictable, out)
+    }
+    fn on_cancel(&self, slot: SlotId) {
+        self.inner.on_cancel(slot)
+    }
+    fn on_remove(&self, slot: SlotId) {
+        self.inner.on_remove(slot)
+    }
+}
+
+/// [`small_tier`] whose policy runs the returned hook at its next selection.
+fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank, Hook) {
+    let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
+    let pool = HostPool::new(g.slot_bytes(), &crate::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain)).unwrap();
+    let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
+    let hook: Hook = Default::default();
+    let inner = std::mem::replace(&mut core.policy, policy.build(1));
+    core.policy = Box::new(Hooked { inner, hook: hook.clone() });
+    let tier = HostTier::from_core(core);
+    let arenas = std::sync::Arc::new(HostArenas::new(&g).unwrap());
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    (tier, arenas, rank, hook)
+}
+
+/// Invariant I9 through the production save path: a slot freed while the save's slot acquisition
+/// holds the eviction lock and has claimed a victim (another save gave its slot back) replaces
+/// the claim, so the save evicts nothing while a slot is free. Seeded bug `evict-while-free`.
 #[test]
 fn a_slot_freed_during_claiming_replaces_a_claim() {
-    let (tier, arenas, rank) = small_tier(3, crate::PolicyKind::Lru);
-    let k = keys(&tier, 0..3);
-    save_ready(&tier, &arenas, &rank, &k, &[0, 1, 2]);
-    let core = tier.core();
-    let _lock = core.lock_eviction();
-    let mut claims = Claims::new(core);
-    assert_eq!(claims.claim(1), 1);
-    // Another thread evicts key 2 by hand meanwhile and frees its slot.
-    let r = core.index().get(&k[2]).unwrap();
-    let g = core.control().begin_evict(r.slot).unwrap();
-    assert!(core.index().remove_if(&k[2], SlotRef { slot: r.slot, generation: g }));
-    core.control().release(r.slot);
-    core.pool().free(r.slot);
-    // What acquire_slots does before finishing: swap claims for free slots.
-    let s = core.pool().alloc().expect("the freed slot");
-    assert!(claims.cancel_one());
-    assert!(claims.is_empty());
-    drop(claims);
-    assert!(tier.contains(&k[0]), "the claimed block stays resident");
-    core.pool().free(s);
+    let (tier, arenas, rank, hook) = hooked_tier(4, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..4);
+    save_ready(&tier, &arenas, &rank, &k[..3], &[0, 1, 2]);
+    let core = tier.core().clone();
+    // Another save's slot (the pool's last free one), given back during this save's selection.
+    let held = core.pool().alloc().expect("the fourth slot is free");
+    let weak = std::sync::Arc::downgrade(&core);
+    *hook.lock().unwrap() = Some(Box::new(move || weak.upgrade().unwrap().pool().free(held)));
+    arenas.fill(&[3], &k[3..]).unwrap();
+    let t = rank.save(&k[3..], &[3], WaitFor::Nothing).unwrap();
+    t.handle.wait().unwrap();
+    assert!(hook.lock().unwrap().is_none(), "the selection ran (the hook fired)");
+    assert_eq!(tier.stats().evictions, 0, "a block was evicted while a slot was free");
+    assert!(k.iter().all(|k| tier.contains(k)), "every block is resident");
+    assert_eq!(slot_of(&tier, &k[3]), held, "the save took the freed slot");
+    core.audit(&k).unwrap();
+}
+
+/// Issue 19 item 1: a panic under the eviction lock (here a policy that panics inside its selection)
+/// does not poison the lock: later saves that need eviction still work, for every caller.
+#[test]
+fn a_panic_under_the_eviction_lock_does_not_poison_it() {
+    let (tier, arenas, rank, hook) = hooked_tier(2, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..4);
+    save_ready(&tier, &arenas, &rank, &k[..2], &[0, 1]);
+    *hook.lock().unwrap() = Some(Box::new(|| panic!("a policy bug under the eviction lock")));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tier.evict(1)));
+    assert!(r.is_err(), "the hook panicked");
+    assert!(k[..2].iter().all(|k| tier.contains(k)), "the unwind evicted nothing");
+    save_ready(&tier, &arenas, &rank, &k[2..], &[2, 3]);
+    assert_eq!(tier.stats().evictions, 2, "the save evicted after the panic");
+    tier.core().audit(&k).unwrap();
+}
+
+/// Issue 19 item 9(a), deterministic: rank A takes a use of a two-use lease; rank B takes the last
+/// use and submits; A's submission fails and its use comes back. A's retry is served (the lease
+/// was not consumed while A's use could come back), then the lease settles. Seeded bug
+/// `use-returned-to-settled-lease`.
+#[test]
+fn a_use_given_back_after_another_rank_took_the_last_is_served() {
+    let (tier, arenas, rank) = small_tier(2, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..1);
+    save_ready(&tier, &arenas, &rank, &k, &[0]);
+    let lease = tier.query_shared(&k, 2);
+    // Rank A: the lease side of `Rank::restore`, up to a submission that will fail.
+    let claim_a = lease.begin_restore(1).unwrap();
+    // Rank B: a whole restore, the last use.
+    rank.restore(&lease, &[1], WaitFor::Nothing).unwrap().wait().unwrap();
+    assert!(!lease.is_settled(), "a claimed use may still come back: the lease stays");
+    drop(claim_a); // A's submission failed: the use comes back
+    assert_eq!(lease.uses_left(), 1);
+    // A's retry, through the real path.
+    let e = rank.restore(&lease, &[u64::MAX], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(e, TierError::Copy(CopyError::PageOutOfRange { .. })), "{e}");
+    rank.restore(&lease, &[2], WaitFor::Nothing).expect("the retry of a failed submission is served").wait().unwrap();
+    arenas.verify(&[1, 2], &[k[0], k[0]]).unwrap();
+    assert!(lease.is_settled());
+    assert_eq!(tier.stats().pinned_slots, 0);
+}
+
+/// Issue 19 item 4 (core): one query naming one key 2^21 times takes one pin of its slot (the lease
+/// stops at the first repeated key), so other engines' leases and restores still work. Seeded bug
+/// `lease-pins-repeated-key`.
+#[test]
+fn a_lease_holds_at_most_one_pin_per_slot() {
+    let (tier, arenas, rank) = small_tier(2, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..2);
+    save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
+    let r = tier.core().index().get(&k[0]).unwrap();
+    let many = vec![k[0]; 1 << 21];
+    let hog = tier.query(&many);
+    assert_eq!(hog.len(), 1, "the lease stops at the first repeated key");
+    assert_eq!(tier.core().control().load(r.slot).pins(), 1, "one pin per slot per lease");
+    // A repeat further in: the prefix ends there too.
+    let hog2 = tier.query(&[k[0], k[1], k[0], k[1]]);
+    assert_eq!(hog2.len(), 2);
+    let other = tier.query(&k[..1]);
+    rank.restore(&other, &[3], WaitFor::Nothing).expect("another engine's restore").wait().unwrap();
+    arenas.verify(&[3], &k[..1]).unwrap();
+    drop((hog, hog2));
+    assert_eq!(tier.stats().pinned_slots, 0);
+}
+
+/// Leases together stop at `LEASE_PINS` pins of a slot: a query then finds the block unleasable,
+/// and a restore from a lease already held still gets its own pin (the reserve).
+#[test]
+fn leases_leave_a_reserve_of_pins_for_restores() {
+    let (tier, arenas, rank) = small_tier(2, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..1);
+    save_ready(&tier, &arenas, &rank, &k, &[0]);
+    let held = tier.query(&k);
+    let r = held.blocks()[0].slot;
+    // Stand-ins for other leases' pins, up to the leases' share.
+    for _ in 1..SlotWord::LEASE_PINS {
+        tier.core().pin_for_lease(r.slot, r.generation).unwrap();
+    }
+    assert!(tier.query(&k).is_empty(), "no lease pin is left");
+    rank.restore(&held, &[1], WaitFor::Nothing).expect("a restore from a held lease finds a pin").wait().unwrap();
+    arenas.verify(&[1], &k).unwrap();
+    for _ in 1..SlotWord::LEASE_PINS {
+        tier.core().unpin(r.slot);
+    }
+    assert_eq!(tier.stats().pinned_slots, 0);
 }
 
 fn save_chain(rank: &Rank, arenas: &std::sync::Arc<HostArenas>, k: &[ContentKey], pages: &[u64], opts: SaveOptions) {
