@@ -6,14 +6,15 @@
 //! Run with `ci/loom.sh` (cfgs `loom`, `crossbeam_loom`, `crossbeam_sanitize`, feature `loom`,
 //! `LOOM_MAX_PREEMPTIONS=2`, release). Seeded bugs each model must catch (see docs/invariants.md):
 //! `evict-pinned` (query_pin_holds_off_eviction), `lease-double-settle` (settle_exactly_once),
-//! `lease-first-consume-settles` and `restore-use-before-pin` (shared_lease_serves_every_rank).
+//! `lease-first-consume-settles` and `restore-use-before-pin` (shared_lease_serves_every_rank),
+//! `use-returned-to-settled-lease` (a_failed_submission_keeps_the_use).
 #![cfg(loom)]
 
 mod common;
 
 use common::*;
 use kvtier::testing::sync::Arc;
-use kvtier::testing::{query, restore_with};
+use kvtier::testing::{query, restore_failing_submission, restore_with};
 use loom::thread;
 
 /// A query pins the ready block; an evictor racing it either evicts first (the query then finds
@@ -98,6 +99,33 @@ fn shared_lease_serves_every_rank() {
             r.join().unwrap();
         }
         let _ = evict_one(&core);
+        assert_quiescent(&core, &[k]);
+    });
+}
+
+/// A lease with one use per rank; rank A's first restore fails at submission (its claim is dropped
+/// unsubmitted: a page out of range, a backend error) and it retries, while rank B restores. In
+/// every interleaving (B may take the last use and submit between A's claim and A's failure) A's
+/// retry is served: a use is given back only to a lease that is not settled.
+#[test]
+fn a_failed_submission_keeps_the_use() {
+    loom::model(|| {
+        let core = core(1);
+        let k = key(0);
+        save_ready(&core, k);
+        let lease = query(&core, &[k], 2);
+        let l = lease.clone();
+        let rank_b = thread::spawn(move || {
+            restore_with(&l, 1, |_| ()).unwrap_or_else(|e| panic!("rank B has a use, yet its restore failed: {e}"))
+        });
+        restore_failing_submission(&lease, 1)
+            .unwrap_or_else(|e| panic!("rank A has a use, yet its restore was refused before submission: {e}"));
+        restore_with(&lease, 1, |_| ())
+            .unwrap_or_else(|e| panic!("the retry of a restore whose submission failed was refused: {e}"));
+        rank_b.join().unwrap();
+        assert!(lease.is_settled(), "both uses were submitted: the lease is consumed");
+        assert_eq!(word(&core, lease.blocks()[0].slot.slot).pins(), 0, "every pin dropped");
+        drop(lease);
         assert_quiescent(&core, &[k]);
     });
 }

@@ -13,7 +13,14 @@
 //!
 //! Run with `ci/loom.sh`. Seeded bugs these models must catch (see docs/invariants.md):
 //! `requeue-claimed-victim` (a claimed victim is handed back to the policy as if cancelled) and
-//! `hinted-never-evicted` (hinted blocks are withheld from the policy instead of ranked last).
+//! `hinted-never-evicted` (hinted blocks are withheld from the policy instead of ranked last),
+//! `insert-log-hole` (SIEVE and S3-FIFO do not offer a block committed behind another rank's
+//! commit that is half-way into their insert log) and `hint-race` (a hint given while its key's
+//! save is reserving is lost).
+//!
+//! A third model races two commits (two ranks' saves completing) against a selection, for every
+//! policy: a save that runs after its own block was committed must get a slot, whatever the other
+//! commit is doing. A fourth races a hint against the reservation of its key.
 #![cfg(loom)]
 
 mod common;
@@ -153,12 +160,99 @@ fn hinted_block_goes_only_when_nothing_else_can_adaptive_lfu() {
     hinted_block_goes_only_when_nothing_else_can(PolicyKind::AdaptiveLfu);
 }
 
+/// Two ranks' saves complete at once (each commits its reserved block: the policy learns of it,
+/// then it becomes ready); right after its own commit, rank 1 needs a slot. Its own block is
+/// committed and unpinned, so the acquisition must succeed in every interleaving of the other
+/// rank's commit (its insert may be half-way into the policy's log).
+fn commit_races_a_selection(policy: PolicyKind) {
+    loom::model(move || {
+        let core = core_with(2, policy);
+        let k = [key(0), key(1)];
+        let r0 = reserve(&core, k[0]);
+        let r1 = reserve(&core, k[1]);
+        let rank0 = thread::spawn(move || r0.commit());
+        r1.commit();
+        let got = core
+            .acquire_slots(Want::Exactly(1))
+            .unwrap_or_else(|e| panic!("a committed, unpinned block exists, yet the save got no slot ({policy}): {e}"));
+        rank0.join().unwrap();
+        for s in got {
+            core.pool().free(s);
+        }
+        let mut out = Vec::new();
+        assert_eq!(core.evict_into(2, &mut out), 1, "the other committed block is offered ({policy})");
+        for s in out {
+            core.pool().free(s);
+        }
+        assert_quiescent(&core, &k);
+    });
+}
+
+#[test]
+fn commit_races_a_selection_lru() {
+    commit_races_a_selection(PolicyKind::Lru);
+}
+
+#[test]
+fn commit_races_a_selection_clock() {
+    commit_races_a_selection(PolicyKind::Clock);
+}
+
+#[test]
+fn commit_races_a_selection_sieve() {
+    commit_races_a_selection(PolicyKind::Sieve);
+}
+
+#[test]
+fn commit_races_a_selection_s3fifo() {
+    commit_races_a_selection(PolicyKind::S3Fifo);
+}
+
+#[test]
+fn commit_races_a_selection_prefix_lfu() {
+    commit_races_a_selection(PolicyKind::PrefixLfu);
+}
+
+#[test]
+fn commit_races_a_selection_prefix_tinylfu() {
+    commit_races_a_selection(PolicyKind::PrefixTinyLfu);
+}
+
+#[test]
+fn commit_races_a_selection_adaptive_lfu() {
+    commit_races_a_selection(PolicyKind::AdaptiveLfu);
+}
+
+/// A hint on key H races the save that reserves H's slot (LRU: H's block, saved first, is the first
+/// victim but for its hint). Once both are done and an unhinted block U is ready too, an eviction
+/// must take U: the hint is never lost, whichever of the two came first.
+#[test]
+fn a_hint_racing_its_keys_reservation_is_kept() {
+    loom::model(|| {
+        let core = core_with(2, PolicyKind::Lru);
+        let (h, u) = (key(0), key(1));
+        let c = core.clone();
+        let hinter = thread::spawn(move || c.hint(&[h], Duration::from_secs(3600)));
+        let r = reserve(&core, h);
+        r.commit();
+        let _id = hinter.join().unwrap();
+        save_ready(&core, u);
+        let evicted = evict_one(&core);
+        assert!(evicted.is_some(), "an unpinned block was evictable");
+        assert!(core.index().get(&h).is_some(), "the hinted block was evicted first although an unhinted one was evictable");
+        assert!(core.index().get(&u).is_none());
+        assert_quiescent(&core, &[h, u]);
+    });
+}
+
 /// Every built-in policy has a model above (the list cannot silently fall behind `PolicyKind`).
 #[test]
 fn every_policy_is_modelled() {
     let source = include_str!("policy.rs");
     for p in PolicyKind::ALL {
-        let name = format!("fn acquire_races_a_query_pin_{}()", p.name().replace('-', "_"));
-        assert!(source.contains(&name), "no loom model for policy {p}");
+        for model in ["acquire_races_a_query_pin", "commit_races_a_selection"] {
+            let name = format!("fn {model}_{}()", p.name().replace('-', "_"));
+            assert!(source.contains(&name), "no loom model {model} for policy {p}");
+        }
     }
 }

@@ -87,6 +87,19 @@ pub mod testing {
         tier.remote().ok_or(TierError::ForeignLease)?.audit(keys)
     }
 
+    /// The lease side of a restore of `n` blocks whose submission fails (a page out of range, a
+    /// backend error), as [`crate::Rank::restore`] runs it: the restore's own pins, a use of the
+    /// lease, then the claim is dropped unsubmitted (pins dropped, the use given back).
+    ///
+    /// # Errors
+    /// As [`crate::Rank::restore`]'s lease errors (before the submission).
+    pub fn restore_failing_submission(lease: &Lease, n: usize) -> Result<(), TierError> {
+        let claim = lease.begin_restore(n)?;
+        // The backend refused the batch: the claim is dropped unsubmitted, as in `Rank::restore`.
+        drop(claim);
+        Ok(())
+    }
+
     /// The lease side of a restore of `n` blocks, in the order [`crate::Rank::restore`] runs it:
     /// take the restore's own pins, then a use of the lease; submit (settling the lease if that was
     /// its last use); then the copy (`copy`, given the pinned slots) runs while the pins are held,

@@ -423,3 +423,27 @@ fn a_restore_takes_its_use_before_it_copies_and_gives_it_back_on_failure() {
     b.verify(&[5, 6], &k).unwrap();
     assert_eq!(tier.stats().pinned_slots, 0);
 }
+
+/// Issue 19 item 1: no argument of `evict` panics or over-allocates: `usize::MAX` and `1 << 40`
+/// mean "every evictable block" (at most the pool's capacity), and a later save that needs
+/// eviction still works (the eviction lock was not poisoned).
+#[test]
+fn an_evict_of_any_size_returns_sanely_and_later_saves_still_evict() {
+    let tier = tier(4, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..12);
+    save_filled(&rank, &a, &k[..4], &[0, 1, 2, 3]);
+    let lease = tier.query(&k[..1]);
+    assert_eq!(tier.evict(usize::MAX), 3, "every unpinned block, never the pinned one");
+    save_filled(&rank, &a, &k[4..7], &[4, 5, 6]);
+    assert_eq!(tier.evict(1 << 40), 3);
+    assert_eq!(tier.evict(usize::MAX), 0);
+    drop(lease);
+    save_filled(&rank, &a, &k[7..11], &[7, 8, 9, 10]);
+    // The pool is full: this save must evict, through the eviction lock.
+    let t = save_filled(&rank, &a, &k[11..12], &[11]);
+    assert_eq!(t.saving.len(), 1);
+    assert_eq!(tier.stats().evictions, 3 + 3 + 1 + 1);
+    kvtier::testing::core(&tier).audit(&k).unwrap();
+}
