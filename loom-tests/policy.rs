@@ -239,7 +239,10 @@ fn a_hint_racing_its_keys_reservation_is_kept() {
         save_ready(&core, u);
         let evicted = evict_one(&core);
         assert!(evicted.is_some(), "an unpinned block was evictable");
-        assert!(core.index().get(&h).is_some(), "the hinted block was evicted first although an unhinted one was evictable");
+        assert!(
+            core.index().get(&h).is_some(),
+            "the hinted block was evicted first although an unhinted one was evictable"
+        );
         assert!(core.index().get(&u).is_none());
         assert_quiescent(&core, &[h, u]);
     });

@@ -60,7 +60,7 @@ impl HandleShared {
     pub(crate) fn complete(&self, result: &Result<(), TierError>) {
         let r = result.clone();
         let (wakers, callbacks) = {
-            let mut st = self.state.lock().expect("handle lock");
+            let mut st = relock(self.state.lock());
             debug_assert!(st.result.is_none(), "handle completed twice");
             st.result = Some(r.clone());
             st.completed_at = Some(Instant::now());
@@ -117,12 +117,12 @@ impl CopyHandle {
 
     /// True once the copy has completed and been finalised; never blocks.
     pub fn is_done(&self) -> bool {
-        self.shared.state.lock().expect("handle lock").result.is_some()
+        relock(self.shared.state.lock()).result.is_some()
     }
 
     /// The outcome if complete, without blocking.
     pub fn try_result(&self) -> Option<Result<(), TierError>> {
-        self.shared.state.lock().expect("handle lock").result.as_ref().map(to_tier)
+        relock(self.shared.state.lock()).result.as_ref().map(to_tier)
     }
 
     /// Blocks until complete.
@@ -130,23 +130,24 @@ impl CopyHandle {
     /// # Errors
     /// The copy's failure ([`TierError::Copy`]); a failed save's blocks were never made visible.
     pub fn wait(&self) -> Result<(), TierError> {
-        let mut st = self.shared.state.lock().expect("handle lock");
+        let mut st = relock(self.shared.state.lock());
         while st.result.is_none() {
-            st = self.shared.cv.wait(st).expect("handle lock");
+            st = self.shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         to_tier(st.result.as_ref().expect("set"))
     }
 
     /// Blocks until complete or `timeout` passes; `None` on timeout (nothing is cancelled or freed).
+    /// A `timeout` too long to be represented as a deadline (`Duration::MAX`) waits as [`CopyHandle::wait`].
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<(), TierError>> {
-        let deadline = Instant::now() + timeout;
-        let mut st = self.shared.state.lock().expect("handle lock");
+        let Some(deadline) = Instant::now().checked_add(timeout) else { return Some(self.wait()) };
+        let mut st = relock(self.shared.state.lock());
         while st.result.is_none() {
             let now = Instant::now();
             if now >= deadline {
                 return None;
             }
-            st = self.shared.cv.wait_timeout(st, deadline - now).expect("handle lock").0;
+            st = self.shared.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
         st.result.as_ref().map(to_tier)
     }
@@ -155,7 +156,7 @@ impl CopyHandle {
     /// has; otherwise on the rank's completion thread, which `f` must not block for long). A panic
     /// in `f` on the completion thread is caught and logged; it does not stop that thread.
     pub fn on_complete(&self, f: impl FnOnce(Result<(), TierError>) + Send + 'static) {
-        let mut st = self.shared.state.lock().expect("handle lock");
+        let mut st = relock(self.shared.state.lock());
         if let Some(r) = st.result.clone() {
             drop(st);
             f(to_tier(&r));
@@ -199,7 +200,7 @@ impl CopyHandle {
 
     /// Time from submission to completion, once complete.
     pub fn latency(&self) -> Option<Duration> {
-        let st = self.shared.state.lock().expect("handle lock");
+        let st = relock(self.shared.state.lock());
         st.completed_at.map(|t| t.saturating_duration_since(self.shared.submitted_at))
     }
 }
@@ -209,7 +210,7 @@ impl CopyHandle {
 impl Future for CopyHandle {
     type Output = Result<(), TierError>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut st = self.shared.state.lock().expect("handle lock");
+        let mut st = relock(self.shared.state.lock());
         match &st.result {
             Some(r) => Poll::Ready(to_tier(r)),
             None => {
@@ -316,4 +317,10 @@ mod tests {
         t.join().unwrap();
         assert_eq!(CopyHandle::ready().cuda_event(), None);
     }
+}
+
+/// A handle's lock, recovered if a thread panicked holding it (the state is one result and a list
+/// of callbacks, each updated in one step; see [`crate::sync::lock`]).
+fn relock<T>(r: std::sync::LockResult<std::sync::MutexGuard<'_, T>>) -> std::sync::MutexGuard<'_, T> {
+    r.unwrap_or_else(|p| p.into_inner())
 }

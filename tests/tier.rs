@@ -447,3 +447,18 @@ fn an_evict_of_any_size_returns_sanely_and_later_saves_still_evict() {
     assert_eq!(tier.stats().evictions, 3 + 3 + 1 + 1);
     kvtier::testing::core(&tier).audit(&k).unwrap();
 }
+
+/// Issue 19 item 1 (the audit): a deadline that cannot be represented (`Duration::MAX`) waits
+/// without one instead of panicking on `Instant + Duration` overflow.
+#[test]
+fn timeouts_too_long_for_a_deadline_wait_without_one() {
+    let tier = tier(2, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..1);
+    a.fill(&[0], &k).unwrap();
+    let t = rank.save(&k, &[0], WaitFor::Nothing).unwrap();
+    assert!(matches!(t.handle.wait_timeout(Duration::MAX), Some(Ok(()))));
+    rank.drain(Duration::MAX).unwrap();
+    rank.shutdown(Duration::MAX).unwrap();
+}

@@ -147,9 +147,8 @@ impl EvictionPolicy for S3Fifo {
         let residency = &self.residency;
         // A logged slot is queued unless it already is (found by a recovery) or is no longer
         // offerable (recovered, then proposed or evicted).
-        let unqueued = |st: &S3State, s: u32| {
-            residency.offerable(SlotId(s)) && !st.small.contains(s) && !st.main.contains(s)
-        };
+        let unqueued =
+            |st: &S3State, s: u32| residency.offerable(SlotId(s)) && !st.small.contains(s) && !st.main.contains(s);
         let mut head = st.log_head;
         self.log.drain(&mut head, |s| {
             if unqueued(st, s) {

@@ -48,7 +48,8 @@ impl<'a> Claims<'a> {
         let core = self.core;
         // No more victims exist than slots: a larger `n` (any caller's argument) is clamped before
         // anything is sized by it.
-        let n = n.min(core.pool.capacity() as usize);
+        // (Seeded bug, tests only: `evict-unclamped` sizes the candidates by the caller's `n`.)
+        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(core.pool.capacity() as usize) };
         let mut cands = Vec::with_capacity(n);
         // The preference order: chain place and hints (see `Core::victim_class`).
         let (hints, now) = (core.hints.any(), core.hints.now());
@@ -197,7 +198,7 @@ impl Core {
     /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted. An
     /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
-        let n = n.min(self.pool.capacity() as usize);
+        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
         let _serialise = self.lock_eviction();
         let mut claims = Claims::new(self);
         let mut stalls = 0;

@@ -224,7 +224,7 @@ impl HostTier {
         if let Some(conn) = &self.remote {
             return conn.evict(n).unwrap_or(0);
         }
-        let n = n.min(self.capacity() as usize);
+        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(self.capacity() as usize) };
         let mut slots = Vec::with_capacity(n.min(1024));
         let freed = self.core.evict_into(n, &mut slots);
         for s in slots {

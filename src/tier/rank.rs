@@ -4,9 +4,12 @@
 //! Each rank runs two completion threads (save, restore). They wait on the backend's completions in
 //! submission order and *settle* each copy: commit or abort a save's reservation, drop a restore's
 //! pins; then they record the counters and complete the handle. A backend that **panics** while
-//! waiting leaves the copy's outcome unknown: the thread survives, the handle fails with
-//! [`CopyError::BackendPanicked`], and the copy's host slots are quarantined (never reused, since
-//! the copy may still be running) instead of being freed.
+//! submitting a copy (`CopyBackend::save` / `restore`, which may have queued it) or while waiting
+//! for it leaves the copy's outcome unknown: the caller gets (or the handle fails with)
+//! [`CopyError::BackendPanicked`], the completion thread survives, and the copy's host slots are
+//! quarantined (a save's slots stay `WRITING`, a restore's pins are kept; never reused, since the
+//! copy may still be running) instead of being freed. No unwind between submission and completion
+//! releases a slot or a pin: a submitted job dropped unfinished quarantines too.
 
 use super::config::SaveOptions;
 use super::core::Core;
@@ -79,7 +82,11 @@ impl Drop for Job {
             }
             #[allow(unreachable_code)]
             {
-                tracing::error!("a submitted {:?} of {} blocks was dropped unfinished; its host slots are quarantined", self.dir, self.blocks);
+                tracing::error!(
+                    "a submitted {:?} of {} blocks was dropped unfinished; its host slots are quarantined",
+                    self.dir,
+                    self.blocks
+                );
                 let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown)));
                 if let Some(c) = self.completion.take() {
                     std::mem::forget(c);
@@ -313,7 +320,8 @@ impl Rank {
         // it unfinished quarantines the slots (see [`Job`]).
         let shared = catch_unwind(AssertUnwindSafe(|| completion.shared_event())).unwrap_or(None);
         let handle = HandleShared::with_event(batch.len(), bytes, shared);
-        let job = Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle: handle.clone() };
+        let job =
+            Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle: handle.clone() };
         self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
         self.inflight.begin();
         let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
@@ -351,7 +359,8 @@ impl Rank {
     /// page id outside the arenas (nothing saved); [`TierError::CannotFit`] ([`crate::Fit::AllOrNothing`]:
     /// nothing evicted) or [`TierError::PoolExhausted`] (the slots were pinned meanwhile; nothing
     /// evicted); [`TierError::ShuttingDown`]; backend errors (the reserved slots are released,
-    /// nothing becomes visible).
+    /// nothing becomes visible); [`CopyError::BackendPanicked`] if the backend panicked submitting
+    /// the copy (the slots are quarantined: the copy may have been queued).
     pub fn save_with(
         &self,
         keys: &[ContentKey],
@@ -413,8 +422,10 @@ impl Rank {
     /// [`TierError::ForeignLease`]; [`TierError::LeaseTooShort`]; [`TierError::LeaseSettled`] if the
     /// lease has no use left; [`TierError::LeaseExpired`] if the tier expired it;
     /// [`TierError::TooManyPins`] if a slot's pin count is full; [`TierError::Copy`] for out-of-range
-    /// or repeated GPU pages and backend errors (nothing copied, the lease keeps its use);
-    /// [`TierError::ShuttingDown`].
+    /// or repeated GPU pages and backend errors (nothing copied, the lease keeps its use, and a
+    /// retry is served even if another rank took the lease's last use meanwhile);
+    /// [`CopyError::BackendPanicked`] if the backend panicked submitting the copy (its pins are
+    /// kept for good, the lease keeps its use); [`TierError::ShuttingDown`].
     pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {
@@ -455,7 +466,8 @@ impl Rank {
         Ok(handle)
     }
 
-    /// Blocks until this rank has nothing in flight, or `timeout` passes.
+    /// Blocks until this rank has nothing in flight, or `timeout` passes (a `timeout` too long to
+    /// be represented as a deadline, `Duration::MAX` included, waits without one).
     ///
     /// # Errors
     /// [`TierError::DrainTimeout`] with the batches still in flight.

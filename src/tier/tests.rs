@@ -1,13 +1,13 @@
 //! Unit tests of the tier that need its internals (slot words, claims, the save plan).
 
 use super::evictor::Claims;
-use crate::error::CopyError;
-use crate::pool::HostPool;
 use super::*;
 use crate::copy::host::HostArenas;
 use crate::copy::{EngineArenas, WaitFor};
+use crate::error::CopyError;
 use crate::geometry::ArenaSpec;
 use crate::pool::BackingChoice;
+use crate::pool::HostPool;
 use crate::slot::{SlotId, SlotWord};
 
 fn small_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank) {
@@ -150,7 +150,11 @@ impl crate::evict::EvictionPolicy for Hooked {
 /// [`small_tier`] whose policy runs the returned hook at its next selection.
 fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank, Hook) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
-    let pool = HostPool::new(g.slot_bytes(), &crate::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain)).unwrap();
+    let pool = HostPool::new(
+        g.slot_bytes(),
+        &crate::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain),
+    )
+    .unwrap();
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
     let hook: Hook = Default::default();
     let inner = std::mem::replace(&mut core.policy, policy.build(1));
