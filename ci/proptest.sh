@@ -7,8 +7,9 @@
 #        ci/proptest.sh bites [CASES] show the state machine catches the seeded bugs reachable
 #                                    without concurrency (each must make it fail; default 2000 cases),
 #                                    then run the test bites below
-#        ci/proptest.sh test-bites    only the test bites: each seeded bug must make its (non-proptest)
-#                                    regression test fail with the expected panic message
+#        ci/proptest.sh test-bites [BUG...]  only the test bites (or those of the seeded bugs named): each
+#                                    seeded bug must make its (non-proptest) regression test fail with
+#                                    the expected panic message
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,7 @@ test_bites=(
     "evict-while-free|lib|a_slot_freed_during_claiming_replaces_a_claim|a block was evicted while a slot was free"
     "lease-pins-repeated-key|lib|a_lease_holds_at_most_one_pin_per_slot|the lease stops at the first repeated key"
     "evict-unclamped|tier|an_evict_of_any_size_returns_sanely_and_later_saves_still_evict|capacity overflow"
+    "lock-poisons|lib|a_panic_under_the_eviction_lock_does_not_poison_it|a tier lock was poisoned by an earlier panic"
     "insert-log-hole|lib|sieve::tests::a_commit_half_way_into_the_log_does_not_hide_a_later_one|the block behind the hole is offered"
     "insert-log-hole|lib|s3fifo::tests::a_commit_half_way_into_the_log_does_not_hide_a_later_one|the block behind the hole is offered"
 )
@@ -29,9 +31,10 @@ test_bites=(
 # Release builds (the tests' dependencies are built once in target/release); one rebuild of kvtier
 # and the test target per seeded bug.
 run_test_bites() {
-    local fail=0
+    local fail=0 only=" $* "
     for b in "${test_bites[@]}"; do
         IFS='|' read -r bug target name expect <<<"$b"
+        if [[ $only != "  " && $only != *" $bug "* ]]; then continue; fi
         local sel=(--test "$target")
         [[ $target == lib ]] && sel=(--lib)
         if ! KVTIER_SEEDED_BUG="$bug" cargo test -p kvtier -q --release "${sel[@]}" --no-run 2>/dev/null; then
@@ -64,7 +67,8 @@ run_test_bites() {
 }
 
 if [[ ${1:-} == test-bites ]]; then
-    run_test_bites
+    shift
+    run_test_bites "$@"
     exit $?
 fi
 if [[ ${1:-} == bites ]]; then

@@ -369,8 +369,11 @@ impl Lease {
     fn keep_use(&self) {
         let after = self.state().uses.fetch_sub(CLAIM, Ordering::AcqRel) - CLAIM;
         // Seeded bug (tests and model checking only): the old rule, consumed as soon as no use is
-        // left to take, although a claimed use may still come back.
-        #[cfg(kvtier_seeded_bug = "use-returned-to-settled-lease")]
+        // left to take, although a claimed use may still come back. `restore-use-before-pin`
+        // plants the old code whole (that order and this rule): with the rule above alone, a use
+        // taken before the pins is no longer a fault, since the claimed use keeps the lease (and
+        // its pins) until the claim is submitted or given back.
+        #[cfg(any(kvtier_seeded_bug = "use-returned-to-settled-lease", kvtier_seeded_bug = "restore-use-before-pin"))]
         let after = after as u32 as u64;
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
         let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");

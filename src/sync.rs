@@ -74,5 +74,9 @@ pub use imp::*;
 /// panic never turns into a panic of every later caller.
 #[inline]
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Seeded bug (tests only): `lock-poisons`, the old `lock().expect(..)`.
+    #[cfg(kvtier_seeded_bug = "lock-poisons")]
+    return m.lock().expect("a tier lock was poisoned by an earlier panic");
+    #[allow(unreachable_code)]
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -13,6 +13,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+/// Opens the gate when dropped: a test that fails while a gated copy is in flight unwinds instead
+/// of waiting for it forever (its rank drains on drop).
+struct OpenOnDrop(Gate);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 /// Sets the flag when dropped: background threads of a test stop even if the test fails.
 struct StopOnDrop<'a>(&'a AtomicBool);
 
@@ -271,6 +281,9 @@ fn a_forgotten_lease_expires_under_pool_pressure() {
     let b = arenas();
     let gate = Gate::default();
     let slow = tier.attach(TestBackend::gated(&b, &gate)).unwrap();
+    // Declared after the rank, so dropped first: a failing assertion opens the gate before the
+    // rank drains.
+    let _open = OpenOnDrop(gate.clone());
     let in_flight = slow.restore(&tier.query_shared(&k[..1], 1), &[20], WaitFor::Nothing).unwrap();
     let more = keys(&tier, 10..12);
     a.fill(&[4, 5], &more).unwrap();
