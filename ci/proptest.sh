@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 test_bites=(
     "submit-panic-releases|reliability|a_backend_that_panics_in_save_after_queuing_quarantines_the_slot|the slot under the queued copy must be quarantined, not freed"
     "submit-panic-releases|reliability|a_backend_that_panics_in_restore_after_queuing_keeps_its_pins|the pin under the queued copy must be kept, not dropped"
+    "wait-panic-releases|reliability|a_panicking_completion_quarantines_its_slots_and_the_rank_keeps_working|a copy whose outcome is unknown must keep its slots"
     "use-returned-to-settled-lease|lib|a_use_given_back_after_another_rank_took_the_last_is_served|a claimed use may still come back"
     "unfit-save-evicts|tier|slot_acquisition_that_cannot_be_satisfied_evicts_nothing|every block is still resident"
     "lease-expiry-ignores-age|reliability|a_forgotten_lease_expires_under_pool_pressure|a lease younger than the TTL was expired"

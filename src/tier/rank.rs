@@ -122,7 +122,14 @@ impl Job {
                      its host slots are quarantined"
                 );
                 if let Some(settle) = self.settle.take() {
-                    let _ = settle(CopyOutcome::Unknown);
+                    // Seeded bug (tests only): `wait-panic-releases` settles the copy as failed
+                    // (its slots freed, its pins dropped) although it may still be running.
+                    let outcome = if cfg!(kvtier_seeded_bug = "wait-panic-releases") {
+                        CopyOutcome::Failed
+                    } else {
+                        CopyOutcome::Unknown
+                    };
+                    let _ = settle(outcome);
                 }
                 // It may own buffers the copy still uses: never drop it.
                 std::mem::forget(completion);
