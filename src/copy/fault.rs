@@ -136,7 +136,7 @@ struct SubmitPanicsShared {
 }
 
 /// A backend that **panics in `save` or `restore` after it queued the copy** (a buggy user
-/// backend): the copy is not lost, it runs later, when the test calls [`SubmitPanics::land`] (a DMA
+/// backend): the copy is not lost, it runs later, when the test calls [`SubmitPanicsHandle::land`] (a DMA
 /// that lands after its submitter unwound). The other direction is forwarded unchanged. A tier must
 /// then keep the copy's slots (quarantine: never reuse a slot the late copy writes, never evict a
 /// slot it reads).

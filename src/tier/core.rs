@@ -174,7 +174,7 @@ impl Core {
         Ok(())
     }
 
-    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`SlotWord::LEASE_PINS`]
+    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`crate::slot::SlotWord::LEASE_PINS`]
     /// pins on it (the rest are for restores).
     ///
     /// # Errors
