@@ -145,9 +145,10 @@ impl Drop for LeaseInner {
 
 /// Finds a key repeated in a query: a linear scan of the blocks leased so far while they are few, a
 /// hash set (one allocation per query) beyond.
-#[derive(Default)]
 struct RepeatCheck {
     set: Option<std::collections::HashSet<ContentKey>>,
+    /// The most entries the set can need: the query's keys, at most the pool's slots.
+    room: usize,
 }
 
 impl RepeatCheck {
@@ -159,7 +160,12 @@ impl RepeatCheck {
         if self.set.is_none() && blocks.len() < Self::LINEAR {
             return blocks.iter().any(|b| b.key == *key);
         }
-        let set = self.set.get_or_insert_with(|| blocks.iter().map(|b| b.key).collect());
+        let set = self.set.get_or_insert_with(|| {
+            // Sized once for the rest of the query (at most one entry per slot of the pool).
+            let mut set = std::collections::HashSet::with_capacity(self.room);
+            set.extend(blocks.iter().map(|b| b.key));
+            set
+        });
         !set.insert(*key)
     }
 }
@@ -179,7 +185,7 @@ impl Lease {
         {
             let reader = core.index().reader();
             #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
-            let mut seen = RepeatCheck::default();
+            let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
             for k in keys {
                 let Some(r) = reader.get(k) else { break };
                 // A content key is a lineage hash: a key repeated in one prompt is no longer its

@@ -253,6 +253,23 @@ fn a_lease_holds_at_most_one_pin_per_slot() {
     assert_eq!(tier.stats().pinned_slots, 0);
 }
 
+/// The repeat check of a long query (past its linear scan, a hash set): a repeat after 40 distinct
+/// keys ends the lease there.
+#[test]
+fn a_long_query_stops_at_its_first_repeated_key() {
+    let (tier, arenas, rank) = small_tier(48, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..40);
+    for chunk in k.chunks(10) {
+        save_ready(&tier, &arenas, &rank, chunk, &(0..10).collect::<Vec<u64>>());
+    }
+    let mut q = k.clone();
+    q.push(k[5]);
+    q.extend_from_slice(&k[..3]);
+    let lease = tier.query(&q);
+    assert_eq!(lease.len(), 40, "the lease stops at the repeated key");
+    assert!(lease.slots().all(|s| tier.core().control().load(s).pins() == 1));
+}
+
 /// Leases together stop at `LEASE_PINS` pins of a slot: a query then finds the block unleasable,
 /// and a restore from a lease already held still gets its own pin (the reserve).
 #[test]
