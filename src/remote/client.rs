@@ -794,6 +794,7 @@ mod tests {
             Reply::Error(limit),
             Reply::Error(panicked),
             Reply::Error(proto::WireError::LeaseSettled),
+            Reply::Error(proto::WireError::Other("no save 9 on this connection".into())),
             Reply::Count(7),
         ]);
         let e = conn.call(&Request::Stats).unwrap_err();
@@ -804,6 +805,8 @@ mod tests {
         assert!(matches!(&e, TierError::Panicked { request, message } if request == "Evict" && message == "boom"));
         let e = conn.call(&Request::ReleaseLease { lease: 3 }).unwrap_err();
         assert!(matches!(e, TierError::LeaseSettled), "{e}");
+        let e = conn.call(&Request::FinishSave { save: 9, outcome: Outcome::Done }).unwrap_err();
+        assert!(matches!(&e, TierError::Protocol { reason } if reason.ends_with("no save 9 on this connection")), "{e}");
         assert_eq!(conn.count(&Request::LiveHints).map_err(|e| e.to_string()), Ok(7));
     }
 
