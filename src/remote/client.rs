@@ -63,23 +63,58 @@ fn name(req: &Request) -> String {
     h.0
 }
 
-/// Refuses a request whose frame would be larger than [`proto::MAX_FRAME`], before anything is
-/// encoded or sent (the size is computed without allocating).
+/// The bounds a request is checked against before it is sent.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct RequestLimits {
+    /// Largest request frame payload, bytes ([`Limit::FrameBytes`]).
+    frame_bytes: usize,
+    /// Keys one query, save, hint or audit may name ([`Limit::KeysPerRequest`]).
+    keys_per_request: u64,
+}
+
+impl RequestLimits {
+    /// The protocol's own bound: [`proto::MAX_FRAME`] bytes, keys bounded by the frame alone.
+    const PROTOCOL: RequestLimits = RequestLimits { frame_bytes: proto::MAX_FRAME, keys_per_request: u64::MAX };
+}
+
+/// Keys the request names (queries, saves, hints, audits).
+fn key_count(req: &Request) -> Option<usize> {
+    match req {
+        Request::Query { keys, .. }
+        | Request::PrepareSave { keys, .. }
+        | Request::Hint { keys, .. }
+        | Request::Audit { keys } => Some(keys.len()),
+        _ => None,
+    }
+}
+
+/// Refuses a request over `limits` before anything is encoded or sent (the size is computed
+/// without allocating).
 ///
 /// # Errors
-/// [`TierError::LimitExceeded`] with [`Limit::FrameBytes`] (`asked`: the payload's bytes);
-/// [`TierError::Protocol`] if the request cannot be encoded at all.
-fn check_frame_size(req: &Request) -> Result<(), TierError> {
+/// [`TierError::LimitExceeded`] with [`Limit::KeysPerRequest`] (`asked`: keys) or
+/// [`Limit::FrameBytes`] (`asked`: the payload's bytes); [`TierError::Protocol`] if the request
+/// cannot be encoded at all.
+fn check_request_size(req: &Request, limits: RequestLimits) -> Result<(), TierError> {
     if cfg!(kvtier_seeded_bug = "client-sends-oversized") {
         return Ok(());
     }
+    if let Some(n) = key_count(req) {
+        if n as u64 > limits.keys_per_request {
+            return Err(TierError::LimitExceeded {
+                limit: Limit::KeysPerRequest,
+                asked: n as u64,
+                max: limits.keys_per_request,
+            });
+        }
+    }
     let bytes = postcard::experimental::serialized_size(req)
         .map_err(|e| TierError::Protocol { reason: format!("encoding {}: {e}", name(req)) })?;
-    if bytes > proto::MAX_FRAME {
+    if bytes > limits.frame_bytes {
         return Err(TierError::LimitExceeded {
             limit: Limit::FrameBytes,
             asked: bytes as u64,
-            max: proto::MAX_FRAME as u64,
+            max: limits.frame_bytes as u64,
         });
     }
     Ok(())
@@ -100,6 +135,8 @@ pub(crate) struct Conn {
     instance: u64,
     /// The process that connected (a forked child must connect again).
     pid: u32,
+    /// What a request may hold (checked before it is sent).
+    limits: RequestLimits,
 }
 
 fn lost(reason: impl Into<String>) -> TierError {
@@ -139,12 +176,13 @@ impl Conn {
     /// decode, marks the connection lost.
     ///
     /// Checked before anything is sent, leaving the connection usable: the calling process
-    /// ([`TierError::ForkedChild`]) and the request's encoded size ([`TierError::LimitExceeded`]
-    /// with [`Limit::FrameBytes`], over [`proto::MAX_FRAME`] bytes: a query, save, hint or audit of
-    /// more than about 4.19 M keys).
+    /// ([`TierError::ForkedChild`]) and the request's size ([`TierError::LimitExceeded`]:
+    /// [`Limit::KeysPerRequest`] over the connection's key bound, [`Limit::FrameBytes`] over its
+    /// frame bound, at most [`proto::MAX_FRAME`] bytes: a query, save, hint or audit of more than
+    /// about 4.19 M keys).
     pub(crate) fn call(&self, req: &Request) -> Result<Reply, TierError> {
         self.check_owner()?;
-        check_frame_size(req)?;
+        check_request_size(req, self.limits)?;
         let mut guard = self.io.lock().unwrap_or_else(|p| p.into_inner());
         let Io { reader, writer, buf, lost: why } = &mut *guard;
         if let Some(r) = why {
@@ -642,6 +680,7 @@ fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
         io: Mutex::new(Io { reader, writer: stream, buf, lost: None }),
         instance: w.instance,
         pid: std::process::id(),
+        limits: RequestLimits::PROTOCOL,
     };
     Ok(HostTier::from_remote(core, Arc::new(conn)))
 }
@@ -744,7 +783,7 @@ mod tests {
             }
         });
         let io = Io { reader: BufReader::new(ours.try_clone().unwrap()), writer: ours, buf: Vec::new(), lost: None };
-        (Conn { io: Mutex::new(io), instance: 1, pid: std::process::id() }, rx)
+        (Conn { io: Mutex::new(io), instance: 1, pid: std::process::id(), limits: RequestLimits::PROTOCOL }, rx)
     }
 
     fn keys(n: usize) -> Vec<ContentKey> {
@@ -783,6 +822,20 @@ mod tests {
         assert_eq!(recv(&rx), Request::Query { keys: fits, uses: 1 });
         assert_eq!(conn.count(&Request::ExpireLeases).map_err(|e| e.to_string()), Ok(5));
         assert_eq!(recv(&rx), Request::ExpireLeases);
+    }
+
+    #[test]
+    fn a_request_over_the_connections_bounds_is_refused_before_anything_is_sent() {
+        let (mut conn, rx) = scripted(vec![Reply::Count(1)]);
+        conn.limits = RequestLimits { frame_bytes: 100, keys_per_request: 8 };
+        let e = conn.call(&Request::Hint { keys: keys(9), ttl_ms: 1 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::KeysPerRequest, asked: 9, max: 8 }), "{e}");
+        // 1 B variant + 1 B count + 8 x 16 B + 1 B uses = 131 B.
+        let e = conn.call(&Request::Query { keys: keys(8), uses: 1 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, asked: 131, max: 100 }), "{e}");
+        let audit = Request::Audit { keys: keys(5) };
+        assert_eq!(conn.count(&audit).map_err(|e| e.to_string()), Ok(1));
+        assert_eq!(recv(&rx), audit, "the refused requests sent nothing");
     }
 
     #[test]
@@ -829,7 +882,7 @@ mod tests {
     fn a_garbled_reply_is_a_typed_error() {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let io = Io { reader: BufReader::new(ours.try_clone().unwrap()), writer: ours, buf: Vec::new(), lost: None };
-        let conn = Conn { io: Mutex::new(io), instance: 1, pid: std::process::id() };
+        let conn = Conn { io: Mutex::new(io), instance: 1, pid: std::process::id(), limits: RequestLimits::PROTOCOL };
         std::thread::spawn(move || {
             let mut r = BufReader::new(theirs.try_clone().unwrap());
             let mut buf = Vec::new();
