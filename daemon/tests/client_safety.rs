@@ -7,9 +7,7 @@
 mod support;
 
 use kvtier::copy::BackendKind;
-use kvtier::{
-    ConnectOptions, ContentKey, EngineArenas, Error, HostTier, Limit, Rank, TierError, WaitFor,
-};
+use kvtier::{ConnectOptions, ContentKey, EngineArenas, Error, HostTier, Limit, Rank, TierError, WaitFor};
 use nix::libc;
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -87,7 +85,9 @@ impl Pipe {
     /// The next `n` bytes the child wrote; panics past [`DEADLINE`] or if the child closed the pipe.
     fn read(&self, n: usize, what: &str) -> Vec<u8> {
         (0..n)
-            .map(|_| self.bytes.recv_timeout(DEADLINE).unwrap_or_else(|e| panic!("{what}: no report from the child ({e})")))
+            .map(|_| {
+                self.bytes.recv_timeout(DEADLINE).unwrap_or_else(|e| panic!("{what}: no report from the child ({e})"))
+            })
             .collect()
     }
 }
@@ -182,7 +182,8 @@ fn a_forked_child_is_refused_before_it_sends_anything() {
         // Only calls that allocate nothing before they are refused (this process had threads).
         // SAFETY: getpid has no preconditions.
         let me = unsafe { libc::getpid() } as u32;
-        let forked = |e: &TierError| matches!(*e, TierError::ForkedChild { owner, current } if owner == parent && current == me);
+        let forked =
+            |e: &TierError| matches!(*e, TierError::ForkedChild { owner, current } if owner == parent && current == me);
         let mut report = 0u8;
         if tier.try_stats().as_ref().is_err_and(forked) {
             report |= 1;

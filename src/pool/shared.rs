@@ -337,7 +337,8 @@ mod tests {
     fn attach_refuses_an_unsealed_or_short_file() {
         use nix::fcntl::{fcntl, FcntlArg, SealFlag};
         use nix::sys::memfd::{memfd_create, MemFdCreateFlag as F};
-        let layout = SharedPoolLayout { slot_bytes: 4096, capacity: 4, mapped_bytes: 4 * 4096, backing: Backing::Plain };
+        let layout =
+            SharedPoolLayout { slot_bytes: 4096, capacity: 4, mapped_bytes: 4 * 4096, backing: Backing::Plain };
         let sized = |flags: F, len: i64| {
             let fd = memfd_create(c"test", flags).unwrap();
             nix::unistd::ftruncate(&fd, len).unwrap();
@@ -345,7 +346,10 @@ mod tests {
         };
         // Made without MFD_ALLOW_SEALING: the kernel reports F_SEAL_SEAL alone.
         let e = HostPool::attach_shared(sized(F::MFD_CLOEXEC, 4 * 4096), layout).unwrap_err();
-        assert!(matches!(e, PoolError::UnsealedSharedPool { seals, required: POOL_SEALS } if seals == libc::F_SEAL_SEAL as u32), "{e}");
+        assert!(
+            matches!(e, PoolError::UnsealedSharedPool { seals, required: POOL_SEALS } if seals == libc::F_SEAL_SEAL as u32),
+            "{e}"
+        );
         // Sealable, no seals.
         let open = F::MFD_CLOEXEC | F::MFD_ALLOW_SEALING;
         let e = HostPool::attach_shared(sized(open, 4 * 4096), layout).unwrap_err();

@@ -859,7 +859,10 @@ mod tests {
         let e = conn.call(&Request::ReleaseLease { lease: 3 }).unwrap_err();
         assert!(matches!(e, TierError::LeaseSettled), "{e}");
         let e = conn.call(&Request::FinishSave { save: 9, outcome: Outcome::Done }).unwrap_err();
-        assert!(matches!(&e, TierError::Protocol { reason } if reason.ends_with("no save 9 on this connection")), "{e}");
+        assert!(
+            matches!(&e, TierError::Protocol { reason } if reason.ends_with("no save 9 on this connection")),
+            "{e}"
+        );
         assert_eq!(conn.count(&Request::LiveHints).map_err(|e| e.to_string()), Ok(7));
     }
 
