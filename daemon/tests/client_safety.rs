@@ -72,7 +72,7 @@ impl Pipe {
         let (read, write) = unsafe { (std::fs::File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let (tx, bytes) = channel();
         std::thread::spawn(move || {
-            for b in read.bytes() {
+            for b in std::io::BufReader::new(read).bytes() {
                 let Ok(b) = b else { break };
                 if tx.send(b).is_err() {
                     break;
