@@ -176,6 +176,27 @@ pub enum PoolError {
         /// Slots in the pool.
         capacity: u32,
     },
+    /// The memfd of a shared pool is not sealed against resizing
+    /// (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`): any process holding it could truncate it and
+    /// kill every process that maps it with `SIGBUS`. Nothing was mapped.
+    #[error(
+        "the shared pool's memfd has seals {seals:#x}, without all of {required:#x} \
+         (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL); refusing to map a file another process can resize"
+    )]
+    UnsealedSharedPool {
+        /// The file's seals (`fcntl(F_GET_SEALS)`; 0 for a file that cannot be sealed).
+        seals: u32,
+        /// The seals required.
+        required: u32,
+    },
+    /// The memfd of a shared pool is shorter than the layout says it maps. Nothing was mapped.
+    #[error("the shared pool's memfd holds {size} B, less than the {needed} B to map")]
+    SharedPoolTooShort {
+        /// The file's size (`fstat`), bytes.
+        size: u64,
+        /// Bytes the layout maps, bytes.
+        needed: u64,
+    },
 }
 
 /// A copy backend refused or failed a batch.

@@ -37,7 +37,7 @@ pub use key::{ContentKey, Namespace};
 pub use lease::Lease;
 pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
 #[cfg(feature = "remote")]
-pub use remote::LeaseToken;
+pub use remote::{ConnectOptions, LeaseToken};
 pub use slot::SlotId;
 pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 

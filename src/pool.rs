@@ -57,7 +57,7 @@ use std::path::Path;
 use std::ptr::NonNull;
 
 mod shared;
-pub use shared::SharedPoolLayout;
+pub use shared::{SharedPoolLayout, POOL_SEALS};
 
 /// Bytes in one hugetlb / THP page (2 MiB).
 pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
@@ -662,7 +662,7 @@ impl std::fmt::Debug for HostPool {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sync::{AtomicU32, Ordering};
     use std::collections::HashSet;
@@ -672,7 +672,7 @@ mod tests {
     const GLM_SLOT: u64 = 3_452_160;
 
     /// Serializes the tests that read or change the hugetlb reservation.
-    static HUGETLB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    pub(crate) static HUGETLB: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn plain(bytes: u64) -> PoolConfig {
         PoolConfig { bytes, backing: BackingChoice::Plain, ..Default::default() }
@@ -688,12 +688,12 @@ mod tests {
     }
 
     /// Sets `nr_hugepages` to `n` (root only) and restores the old value when dropped.
-    struct Reserve {
+    pub(crate) struct Reserve {
         old: u64,
     }
     const NR: &str = "/proc/sys/vm/nr_hugepages";
     impl Reserve {
-        fn set(n: u64) -> Option<Reserve> {
+        pub(crate) fn set(n: u64) -> Option<Reserve> {
             let old: u64 = std::fs::read_to_string(NR).ok()?.trim().parse().ok()?;
             // SAFETY: geteuid has no preconditions.
             if unsafe { libc::geteuid() } != 0 {

@@ -18,7 +18,7 @@ use super::{
 use crate::error::PoolError;
 use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags};
 use std::num::NonZeroUsize;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 /// What a process needs besides the memfd to map a shared pool another process made (sent with the
 /// fd by the tier daemon).
@@ -34,13 +34,54 @@ pub struct SharedPoolLayout {
     pub backing: Backing,
 }
 
+/// The seals a shared pool's memfd carries before any other process sees it
+/// (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`): its size is fixed for good, so no process that
+/// holds the fd can truncate it under another's mapping (a `SIGBUS` on the next copy), grow it, or
+/// add a seal (`F_SEAL_FUTURE_WRITE` would make every later writable mapping fail).
+pub const POOL_SEALS: u32 = (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) as u32;
+
 fn memfd(huge: bool) -> Result<OwnedFd, std::io::Error> {
     use nix::sys::memfd::{memfd_create, MemFdCreateFlag as F};
-    let mut flags = F::MFD_CLOEXEC;
+    // Sealing is allowed for hugetlb memfds too (Linux 4.16 and later).
+    let mut flags = F::MFD_CLOEXEC | F::MFD_ALLOW_SEALING;
     if huge {
         flags |= F::MFD_HUGETLB | F::MFD_HUGE_2MB;
     }
     memfd_create(c"kvtier-pool", flags).map_err(std::io::Error::from)
+}
+
+/// Sizes the memfd to `len` bytes and seals its size ([`POOL_SEALS`]).
+fn size_and_seal(fd: &OwnedFd, len: usize) -> Result<(), std::io::Error> {
+    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+    nix::unistd::ftruncate(fd, len as i64)?;
+    if cfg!(kvtier_seeded_bug = "unsealed-pool") {
+        return Ok(());
+    }
+    let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+    fcntl(fd.as_raw_fd(), FcntlArg::F_ADD_SEALS(seals))?;
+    Ok(())
+}
+
+/// Checks a shared pool's memfd before it is mapped: its size is sealed ([`POOL_SEALS`]) and it
+/// holds at least `needed` bytes.
+///
+/// # Errors
+/// [`PoolError::UnsealedSharedPool`] (also for a file that cannot be sealed, reported with seals
+/// 0), [`PoolError::SharedPoolTooShort`], [`PoolError::Map`] if `fstat` fails.
+fn check_sealed(fd: BorrowedFd<'_>, needed: u64, backing: Backing) -> Result<(), PoolError> {
+    use nix::fcntl::{fcntl, FcntlArg};
+    // A file that cannot carry seals (not a memfd, or made without MFD_ALLOW_SEALING) has none.
+    let seals = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS).map_or(0, |s| s as u32);
+    if seals & POOL_SEALS != POOL_SEALS && !cfg!(kvtier_seeded_bug = "attach-unsealed") {
+        return Err(PoolError::UnsealedSharedPool { seals, required: POOL_SEALS });
+    }
+    let size = nix::sys::stat::fstat(fd.as_raw_fd())
+        .map_err(|e| PoolError::Map { bytes: needed, backing: backing.name(), source: e.into() })?
+        .st_size as u64;
+    if size < needed {
+        return Err(PoolError::SharedPoolTooShort { size, needed });
+    }
+    Ok(())
 }
 
 fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping, std::io::Error> {
@@ -67,7 +108,7 @@ fn plain_memfd(data: u64, want_thp: bool) -> Result<(Mapping, Backing, OwnedFd),
     let len = map_len(data, backing_try)?;
     let err = |e: std::io::Error| PoolError::Map { bytes: len as u64, backing: "memfd", source: e };
     let fd = memfd(false).map_err(err)?;
-    nix::unistd::ftruncate(&fd, len as i64).map_err(|e| err(e.into()))?;
+    size_and_seal(&fd, len).map_err(err)?;
     let map = map_shared(fd.as_fd(), len).map_err(err)?;
     let mut backing = Backing::Plain;
     if want_thp && shmem_thp_allowed() {
@@ -90,7 +131,7 @@ fn hugetlb_memfd(data: u64, node: Option<u32>) -> Result<(Mapping, OwnedFd), (u6
     }
     let err = |e: std::io::Error| PoolError::Map { bytes: len as u64, backing: "hugetlb memfd", source: e };
     let fd = memfd(true).map_err(|e| (needed, free, Some(err(e))))?;
-    nix::unistd::ftruncate(&fd, len as i64).map_err(|e| (needed, free, Some(err(e.into()))))?;
+    size_and_seal(&fd, len).map_err(|e| (needed, free, Some(err(e))))?;
     match map_shared(fd.as_fd(), len) {
         Ok(map) => Ok((map, fd)),
         Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => Err((needed, hugetlb_free_pages(node), None)),
@@ -109,8 +150,12 @@ impl HostPool {
     /// [`BackingChoice::Plain`] does not. NUMA binding, prefault and `mlock` as for
     /// [`HostPool::new`].
     ///
+    /// The memfd's size is sealed ([`POOL_SEALS`]) before this returns, so no process it is sent
+    /// to can resize it.
+    ///
     /// # Errors
-    /// As [`HostPool::new`]; [`PoolError::Map`] also when `memfd_create` or `ftruncate` fails.
+    /// As [`HostPool::new`]; [`PoolError::Map`] also when `memfd_create`, `ftruncate` or the
+    /// sealing `fcntl` fails.
     pub fn new_shared(slot_bytes: u64, config: &PoolConfig) -> Result<Self, PoolError> {
         let capacity = slot_count(slot_bytes, config)?;
         let data = capacity as u64 * slot_bytes;
@@ -133,12 +178,15 @@ impl HostPool {
 
     /// Maps a shared pool made by another process ([`HostPool::new_shared`]) from its memfd and
     /// layout. The slot bytes are shared; this pool's slot words and free list are its own and
-    /// unused (the owner's state machine decides which slots a process may touch).
+    /// unused (the owner's state machine decides which slots a process may touch). The file must
+    /// be size-sealed ([`POOL_SEALS`]) and hold `mapped_bytes`, checked before it is mapped: a
+    /// file another process could truncate would kill this one with `SIGBUS` on its next copy.
     ///
     /// # Errors
-    /// [`PoolError::BadSlotSize`]; [`PoolError::Map`] if the layout does not fit in the file
-    /// (`capacity * slot_bytes > mapped_bytes`, or the file is shorter than `mapped_bytes`), or if
-    /// `fstat` or `mmap` fails.
+    /// [`PoolError::BadSlotSize`]; [`PoolError::Map`] if the layout does not fit in itself
+    /// (`capacity * slot_bytes > mapped_bytes`), or if `fstat` or `mmap` fails;
+    /// [`PoolError::UnsealedSharedPool`] if the file's size is not sealed;
+    /// [`PoolError::SharedPoolTooShort`] if the file is shorter than `mapped_bytes`.
     pub fn attach_shared(fd: OwnedFd, layout: SharedPoolLayout) -> Result<Self, PoolError> {
         let SharedPoolLayout { slot_bytes, capacity, mapped_bytes, backing } = layout;
         if slot_bytes == 0 || slot_bytes % 16 != 0 {
@@ -153,12 +201,7 @@ impl HostPool {
         if capacity == 0 || data > mapped_bytes {
             return Err(bad(format!("{capacity} slots of {slot_bytes} B do not fit in {mapped_bytes} B")));
         }
-        let size = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd))
-            .map_err(|e| PoolError::Map { bytes: mapped_bytes, backing: backing.name(), source: e.into() })?
-            .st_size as u64;
-        if size < mapped_bytes {
-            return Err(bad(format!("the pool's memfd holds {size} B, less than the {mapped_bytes} B to map")));
-        }
+        check_sealed(fd.as_fd(), mapped_bytes, backing)?;
         let len = usize::try_from(mapped_bytes).map_err(|_| too_big(mapped_bytes, backing))?;
         let map = map_shared(fd.as_fd(), len).map_err(|e| PoolError::Map {
             bytes: mapped_bytes,
@@ -220,10 +263,8 @@ mod tests {
         assert!(matches!(e, PoolError::Map { .. }), "{e}");
         let e = HostPool::attach_shared(fd(), SharedPoolLayout { capacity: 9, mapped_bytes: 9 * 4096, ..layout })
             .unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "mapping 36864 B (plain) failed: the pool's memfd holds 16384 B, less than the 36864 B to map"
-        );
+        assert!(matches!(e, PoolError::SharedPoolTooShort { size: 16384, needed: 36864 }), "{e}");
+        assert_eq!(e.to_string(), "the shared pool's memfd holds 16384 B, less than the 36864 B to map");
         let e = HostPool::attach_shared(fd(), SharedPoolLayout { slot_bytes: 24, ..layout }).unwrap_err();
         assert!(matches!(e, PoolError::BadSlotSize { slot_bytes: 24 }));
     }
@@ -237,5 +278,106 @@ mod tests {
         assert!(p.shared_fd().is_some());
         let private = HostPool::new(4096, &PoolConfig::new(1 << 20)).unwrap();
         assert!(private.shared_fd().is_none());
+    }
+
+    /// Seals of `fd` (`F_GET_SEALS`).
+    fn seals(fd: BorrowedFd<'_>) -> u32 {
+        nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).unwrap() as u32
+    }
+
+    /// Every way a holder of the fd could change the file's size, or add a seal, fails `EPERM`, and
+    /// the pool's bytes stay mapped and readable.
+    fn assert_size_sealed(pool: &HostPool) {
+        use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+        let fd = pool.shared_fd().unwrap();
+        assert_eq!(seals(fd), POOL_SEALS);
+        let len = pool.mapped_bytes() as i64;
+        // (Sizes a multiple of 2 MiB, which hugetlbfs needs before it looks at the seals.)
+        assert_eq!(nix::unistd::ftruncate(fd, 0), Err(nix::errno::Errno::EPERM), "shrink to 0");
+        assert_eq!(nix::unistd::ftruncate(fd, len * 2), Err(nix::errno::Errno::EPERM), "grow");
+        let add = fcntl(fd.as_raw_fd(), FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_FUTURE_WRITE));
+        assert_eq!(add, Err(nix::errno::Errno::EPERM), "a further seal");
+        assert_eq!(nix::sys::stat::fstat(fd.as_raw_fd()).unwrap().st_size, len);
+        // SAFETY: the last byte of the last slot lies inside the mapping.
+        unsafe {
+            let last = pool.slot_ptr(SlotId(pool.capacity() - 1)).add(pool.slot_bytes() as usize - 1);
+            last.write_volatile(9);
+            assert_eq!(last.read_volatile(), 9);
+        }
+    }
+
+    #[test]
+    fn a_shared_pool_is_size_sealed_before_it_is_shared() {
+        for backing in [BackingChoice::Plain, BackingChoice::TransparentHuge] {
+            let p = HostPool::new_shared(4096, &PoolConfig::new(8 * 4096).with_backing(backing)).unwrap();
+            assert_size_sealed(&p);
+        }
+    }
+
+    /// Hugetlb memfds accept the seals too (root reserves the 2 MiB pages for the test).
+    #[test]
+    fn a_hugetlb_shared_pool_is_size_sealed() {
+        let _g = crate::pool::tests::HUGETLB.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(_r) = crate::pool::tests::Reserve::set(2) else { return };
+        if hugetlb_free_pages(None) < 1 {
+            eprintln!("skipping: no hugepage could be reserved");
+            return;
+        }
+        let cfg = PoolConfig::new(HUGE_PAGE_BYTES).with_backing(BackingChoice::HugeTlb);
+        let p = HostPool::new_shared(4096, &cfg).unwrap();
+        assert_eq!(p.backing(), Backing::HugeTlb);
+        assert_size_sealed(&p);
+        let attached = HostPool::attach_shared(p.shared_fd().unwrap().try_clone_to_owned().unwrap(), p.shared_layout());
+        assert_eq!(attached.unwrap().backing(), Backing::HugeTlb);
+    }
+
+    /// A memfd of the right size whose size is not sealed is refused before it is mapped; so is a
+    /// sealed one that is too short, and a file that cannot be sealed at all.
+    #[test]
+    fn attach_refuses_an_unsealed_or_short_file() {
+        use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+        use nix::sys::memfd::{memfd_create, MemFdCreateFlag as F};
+        let layout =
+            SharedPoolLayout { slot_bytes: 4096, capacity: 4, mapped_bytes: 4 * 4096, backing: Backing::Plain };
+        let sized = |flags: F, len: i64| {
+            let fd = memfd_create(c"test", flags).unwrap();
+            nix::unistd::ftruncate(&fd, len).unwrap();
+            fd
+        };
+        // Made without MFD_ALLOW_SEALING: the kernel reports F_SEAL_SEAL alone.
+        let e = HostPool::attach_shared(sized(F::MFD_CLOEXEC, 4 * 4096), layout).unwrap_err();
+        assert!(
+            matches!(e, PoolError::UnsealedSharedPool { seals, required: POOL_SEALS } if seals == libc::F_SEAL_SEAL as u32),
+            "{e}"
+        );
+        // Sealable, no seals.
+        let open = F::MFD_CLOEXEC | F::MFD_ALLOW_SEALING;
+        let e = HostPool::attach_shared(sized(open, 4 * 4096), layout).unwrap_err();
+        assert!(matches!(e, PoolError::UnsealedSharedPool { seals: 0, .. }), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "the shared pool's memfd has seals 0x0, without all of 0x7 (F_SEAL_SHRINK | F_SEAL_GROW | \
+             F_SEAL_SEAL); refusing to map a file another process can resize"
+        );
+        // Shrink and grow sealed, but further seals allowed: refused too.
+        let fd = sized(open, 4 * 4096);
+        fcntl(fd.as_raw_fd(), FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW)).unwrap();
+        let e = HostPool::attach_shared(fd, layout).unwrap_err();
+        assert!(matches!(e, PoolError::UnsealedSharedPool { seals: 0x6, .. }), "{e}");
+        // Fully sealed, but shorter than the layout.
+        let fd = sized(open, 3 * 4096);
+        let all = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+        fcntl(fd.as_raw_fd(), FcntlArg::F_ADD_SEALS(all)).unwrap();
+        let e = HostPool::attach_shared(fd, layout).unwrap_err();
+        assert!(matches!(e, PoolError::SharedPoolTooShort { size: 12288, needed: 16384 }), "{e}");
+        // A regular file cannot carry seals.
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(4 * 4096).unwrap();
+        let e = HostPool::attach_shared(OwnedFd::from(file), layout).unwrap_err();
+        assert!(matches!(e, PoolError::UnsealedSharedPool { seals: 0, .. }), "{e}");
+        // The same file, sealed and long enough, maps.
+        let fd = sized(open, 4 * 4096);
+        fcntl(fd.as_raw_fd(), FcntlArg::F_ADD_SEALS(all)).unwrap();
+        assert_eq!(HostPool::attach_shared(fd, layout).unwrap().capacity(), 4);
     }
 }

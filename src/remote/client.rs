@@ -17,7 +17,7 @@
 
 use super::proto::{self, Outcome, Reply, Request, WireBlock};
 use crate::copy::{CopyPair, Direction, WaitFor};
-use crate::error::{Error, TierError};
+use crate::error::{Error, Limit, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry, Placement};
 use crate::handle::CopyHandle;
@@ -28,7 +28,7 @@ use crate::pool::{Backing, HostPool, SharedPoolLayout};
 use crate::slot::SlotId;
 use crate::tier::core::Core;
 use crate::tier::{CopyOutcome, Fit, HostTier, Rank, SaveOptions, SaveTicket, Settle};
-use std::io::{BufReader, IoSliceMut};
+use std::io::{BufReader, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -37,6 +37,88 @@ use std::time::Duration;
 
 /// How long a call waits for the daemon's reply before it gives the connection up.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Scratch buffer capacity a connection keeps between calls, bytes (a larger one, left by a big
+/// request or reply, is freed after its call).
+const KEEP_BUF_BYTES: usize = 1 << 20;
+
+/// The request's variant name, for errors (formats only the first few bytes of its `Debug`
+/// output, never a whole multi-megabyte key list).
+fn name(req: &Request) -> String {
+    struct Head(String);
+    impl std::fmt::Write for Head {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.0.push_str(s);
+            if self.0.len() >= 24 {
+                Err(std::fmt::Error)
+            } else {
+                Ok(())
+            }
+        }
+    }
+    let mut h = Head(String::new());
+    let _ = std::fmt::Write::write_fmt(&mut h, format_args!("{req:?}"));
+    let end = h.0.find([' ', '{', '(']).unwrap_or(h.0.len());
+    h.0.truncate(end);
+    h.0
+}
+
+/// The bounds a request is checked against before it is sent.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct RequestLimits {
+    /// Largest request frame payload, bytes ([`Limit::FrameBytes`]).
+    frame_bytes: usize,
+    /// Keys one query, save, hint or audit may name ([`Limit::KeysPerRequest`]).
+    keys_per_request: u64,
+}
+
+impl RequestLimits {
+    /// The protocol's own bound: [`proto::MAX_FRAME`] bytes, keys bounded by the frame alone.
+    const PROTOCOL: RequestLimits = RequestLimits { frame_bytes: proto::MAX_FRAME, keys_per_request: u64::MAX };
+}
+
+/// Keys the request names (queries, saves, hints, audits).
+fn key_count(req: &Request) -> Option<usize> {
+    match req {
+        Request::Query { keys, .. }
+        | Request::PrepareSave { keys, .. }
+        | Request::Hint { keys, .. }
+        | Request::Audit { keys } => Some(keys.len()),
+        _ => None,
+    }
+}
+
+/// Refuses a request over `limits` before anything is encoded or sent (the size is computed
+/// without allocating).
+///
+/// # Errors
+/// [`TierError::LimitExceeded`] with [`Limit::KeysPerRequest`] (`asked`: keys) or
+/// [`Limit::FrameBytes`] (`asked`: the payload's bytes); [`TierError::Protocol`] if the request
+/// cannot be encoded at all.
+fn check_request_size(req: &Request, limits: RequestLimits) -> Result<(), TierError> {
+    if cfg!(kvtier_seeded_bug = "client-sends-oversized") {
+        return Ok(());
+    }
+    if let Some(n) = key_count(req) {
+        if n as u64 > limits.keys_per_request {
+            return Err(TierError::LimitExceeded {
+                limit: Limit::KeysPerRequest,
+                asked: n as u64,
+                max: limits.keys_per_request,
+            });
+        }
+    }
+    let bytes = postcard::experimental::serialized_size(req)
+        .map_err(|e| TierError::Protocol { reason: format!("encoding {}: {e}", name(req)) })?;
+    if bytes > limits.frame_bytes {
+        return Err(TierError::LimitExceeded {
+            limit: Limit::FrameBytes,
+            asked: bytes as u64,
+            max: limits.frame_bytes as u64,
+        });
+    }
+    Ok(())
+}
 
 struct Io {
     reader: BufReader<UnixStream>,
@@ -53,6 +135,8 @@ pub(crate) struct Conn {
     instance: u64,
     /// The process that connected (a forked child must connect again).
     pid: u32,
+    /// What a request may hold (checked before it is sent).
+    limits: RequestLimits,
 }
 
 fn lost(reason: impl Into<String>) -> TierError {
@@ -76,27 +160,47 @@ fn describe(e: &std::io::Error) -> String {
 }
 
 impl Conn {
-    /// Sends `req` and, unless it is one-way, waits for its reply. A daemon error comes back as
-    /// its [`TierError`]; an I/O or protocol failure marks the connection lost.
-    pub(crate) fn call(&self, req: &Request) -> Result<Reply, TierError> {
-        if std::process::id() != self.pid {
-            return Err(lost(format!(
-                "this connection belongs to process {} (a forked child must connect again)",
-                self.pid
-            )));
+    /// Fails with [`TierError::ForkedChild`] unless the calling process is the one that connected:
+    /// a forked child shares the parent's socket, and a message from it would interleave with the
+    /// parent's on one session. Nothing is sent.
+    fn check_owner(&self) -> Result<(), TierError> {
+        let current = std::process::id();
+        if current != self.pid && !cfg!(kvtier_seeded_bug = "forked-child-unchecked") {
+            return Err(TierError::ForkedChild { owner: self.pid, current });
         }
+        Ok(())
+    }
+
+    /// Sends `req` and, unless it is one-way, waits for its reply. A daemon error comes back as
+    /// its [`TierError`] and leaves the connection usable; an I/O failure, or a reply that does not
+    /// decode, marks the connection lost.
+    ///
+    /// Checked before anything is sent, leaving the connection usable: the calling process
+    /// ([`TierError::ForkedChild`]) and the request's size ([`TierError::LimitExceeded`]:
+    /// [`Limit::KeysPerRequest`] over the connection's key bound, [`Limit::FrameBytes`] over its
+    /// frame bound, at most [`proto::MAX_FRAME`] bytes: a query, save, hint or audit of more than
+    /// about 4.19 M keys).
+    pub(crate) fn call(&self, req: &Request) -> Result<Reply, TierError> {
+        self.check_owner()?;
+        check_request_size(req, self.limits)?;
         let mut guard = self.io.lock().unwrap_or_else(|p| p.into_inner());
         let Io { reader, writer, buf, lost: why } = &mut *guard;
         if let Some(r) = why {
             return Err(lost(r.clone()));
         }
-        let r = proto::write_frame(&mut proto::NoSigPipe(writer), req, buf).and_then(|()| {
+        // Encoding writes nothing to the socket: its failure is this request's alone.
+        proto::encode(req, buf).map_err(|e| TierError::Protocol { reason: format!("encoding {}: {e}", name(req)) })?;
+        let r = proto::NoSigPipe(writer).write_all(buf).and_then(|()| {
             if req.is_one_way() {
                 Ok(Reply::Done)
             } else {
                 proto::read_frame(reader, buf)
             }
         });
+        // A reply frame of up to MAX_FRAME bytes is not worth keeping allocated.
+        if buf.capacity() > KEEP_BUF_BYTES {
+            *buf = Vec::new();
+        }
         match r {
             Ok(Reply::Error(e)) => Err(e.into()),
             Ok(reply) => Ok(reply),
@@ -458,10 +562,86 @@ fn geometry_of(w: &proto::Welcome) -> Result<Geometry, TierError> {
     Ok(g)
 }
 
-fn connect_impl(path: &Path, expect: Option<&Geometry>) -> Result<HostTier, Error> {
+/// How [`HostTier::connect_with`] connects: the namespace to check and the uid the daemon must
+/// run as.
+///
+/// ```
+/// # use kvtier::ConnectOptions;
+/// // A daemon run by the service account with uid 990 (engines in its group reach the socket).
+/// let opts = ConnectOptions::new().expected_uid(990);
+/// # let _ = opts;
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct ConnectOptions {
+    geometry: Option<Geometry>,
+    expected_uid: Option<u32>,
+}
+
+impl ConnectOptions {
+    /// The defaults: adopt the daemon's geometry; trust a daemon running as this process's
+    /// effective uid, or as root.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Checks that the daemon serves `geometry`'s namespace (model, page size, arenas and shard),
+    /// as [`HostTier::connect_as`] does.
+    pub fn geometry(mut self, geometry: &Geometry) -> Self {
+        self.geometry = Some(geometry.clone());
+        self
+    }
+
+    /// Trusts a daemon running as `uid` (or as root) instead of one running as this process's
+    /// effective uid: for a daemon run by a service account whose socket engines reach through
+    /// its group.
+    pub fn expected_uid(mut self, uid: u32) -> Self {
+        self.expected_uid = Some(uid);
+        self
+    }
+
+    /// The uid the daemon must run as: the one configured, else this process's effective uid.
+    pub fn trusted_uid(&self) -> u32 {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        self.expected_uid.unwrap_or_else(|| unsafe { libc::geteuid() })
+    }
+}
+
+/// Refuses a socket whose peer (the process that listens on it, `SO_PEERCRED`) runs as neither
+/// `expected` nor root: a process of another uid that took the socket's path would otherwise
+/// receive the hello's namespace and every later request's keys. Root is always trusted: it can
+/// read any process's memory anyway.
+///
+/// # Errors
+/// [`TierError::UntrustedDaemon`]; [`TierError::Disconnected`] if the credentials cannot be read.
+fn check_peer(stream: &UnixStream, expected: u32) -> Result<(), TierError> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let cred = getsockopt(stream, PeerCredentials)
+        .map_err(|e| lost(format!("reading the tier daemon's credentials (SO_PEERCRED): {e}")))?;
+    let found = cred.uid();
+    if found != expected && found != 0 && !cfg!(kvtier_seeded_bug = "daemon-uid-unchecked") {
+        return Err(TierError::UntrustedDaemon { expected, found });
+    }
+    Ok(())
+}
+
+/// Sets `FD_CLOEXEC` on `fd` (the standard library already opens sockets with `SOCK_CLOEXEC`;
+/// this keeps it so whatever opened them): an `exec`'d program never inherits the session.
+fn keep_cloexec(fd: &impl AsRawFd) -> std::io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    let flags = FdFlag::from_bits_retain(fcntl(fd.as_raw_fd(), FcntlArg::F_GETFD)?);
+    if !flags.contains(FdFlag::FD_CLOEXEC) {
+        fcntl(fd.as_raw_fd(), FcntlArg::F_SETFD(flags | FdFlag::FD_CLOEXEC))?;
+    }
+    Ok(())
+}
+
+fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
+    let expect = opts.geometry.as_ref();
     let stream = UnixStream::connect(path)
         .map_err(|e| lost(format!("connecting to the tier daemon at {}: {e}", path.display())))?;
     let io_err = |e: std::io::Error| Error::Tier(lost(describe(&e)));
+    keep_cloexec(&stream).map_err(io_err)?;
+    check_peer(&stream, opts.trusted_uid())?;
     stream.set_read_timeout(Some(REPLY_TIMEOUT)).map_err(io_err)?;
     let mut buf = Vec::new();
     let hello = Request::Hello {
@@ -471,7 +651,9 @@ fn connect_impl(path: &Path, expect: Option<&Geometry>) -> Result<HostTier, Erro
     };
     proto::write_frame(&mut proto::NoSigPipe(&stream), &hello, &mut buf).map_err(io_err)?;
     let (marker, fd) = recv_marker(&stream).map_err(io_err)?;
-    let mut reader = BufReader::new(stream.try_clone().map_err(io_err)?);
+    let reader_stream = stream.try_clone().map_err(io_err)?;
+    keep_cloexec(&reader_stream).map_err(io_err)?;
+    let mut reader = BufReader::new(reader_stream);
     let reply: Reply = proto::read_frame(&mut reader, &mut buf).map_err(io_err)?;
     let welcome = match (marker, reply, fd) {
         (proto::MARKER_POOL, Reply::Welcome(w), Some(fd)) => (w, fd),
@@ -498,6 +680,7 @@ fn connect_impl(path: &Path, expect: Option<&Geometry>) -> Result<HostTier, Erro
         io: Mutex::new(Io { reader, writer: stream, buf, lost: None }),
         instance: w.instance,
         pid: std::process::id(),
+        limits: RequestLimits::PROTOCOL,
     };
     Ok(HostTier::from_remote(core, Arc::new(conn)))
 }
@@ -510,14 +693,23 @@ impl HostTier {
     /// process connects on its own; they share the daemon's blocks. The tier's geometry is the
     /// daemon's (with the daemon's page count: give each rank's backend its own).
     ///
-    /// Connect after forking: a connection serves the process that made it.
+    /// Before the hello is sent, the daemon's uid (`SO_PEERCRED` of the socket) must be this
+    /// process's effective uid or root ([`HostTier::connect_with`] configures another). The pool's
+    /// memfd must be size-sealed and as long as the welcome says before it is mapped.
+    ///
+    /// Connect after forking: a connection serves the process that made it. Its sockets are
+    /// close-on-exec, and every call from another process (a child forked after the connection
+    /// was made) fails with [`TierError::ForkedChild`] before anything is sent.
     ///
     /// # Errors
     /// [`Error::Tier`] with [`TierError::Disconnected`] (no daemon at `path`, or it hung up),
-    /// [`TierError::ProtocolMismatch`]; [`Error::Pool`] if the pool cannot be mapped; [`Error::Tier`]
-    /// with [`TierError::Index`] (never for the one-entry local index).
+    /// [`TierError::UntrustedDaemon`] (the socket's peer runs as another uid),
+    /// [`TierError::ProtocolMismatch`]; [`Error::Pool`] if the pool cannot be mapped
+    /// ([`crate::PoolError::UnsealedSharedPool`], [`crate::PoolError::SharedPoolTooShort`],
+    /// [`crate::PoolError::Map`]); [`Error::Tier`] with [`TierError::Index`] (never for the
+    /// one-entry local index).
     pub fn connect(path: impl AsRef<Path>) -> Result<HostTier, Error> {
-        connect_impl(path.as_ref(), None)
+        connect_impl(path.as_ref(), &ConnectOptions::new())
     }
 
     /// [`HostTier::connect`], checking that the daemon serves `geometry`'s namespace (model, page
@@ -526,7 +718,16 @@ impl HostTier {
     /// # Errors
     /// As [`HostTier::connect`]; [`TierError::GeometryMismatch`] if the daemon's namespace differs.
     pub fn connect_as(path: impl AsRef<Path>, geometry: &Geometry) -> Result<HostTier, Error> {
-        connect_impl(path.as_ref(), Some(geometry))
+        connect_impl(path.as_ref(), &ConnectOptions::new().geometry(geometry))
+    }
+
+    /// [`HostTier::connect`] with options: the namespace to check ([`ConnectOptions::geometry`])
+    /// and the uid the daemon must run as ([`ConnectOptions::expected_uid`]).
+    ///
+    /// # Errors
+    /// As [`HostTier::connect_as`].
+    pub fn connect_with(path: impl AsRef<Path>, options: &ConnectOptions) -> Result<HostTier, Error> {
+        connect_impl(path.as_ref(), options)
     }
 
     /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
@@ -554,5 +755,157 @@ impl HostTier {
             }
             r => Err(unexpected(&r)),
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::{channel, Receiver};
+
+    /// A connection to a scripted daemon on the other end of a socket pair: the daemon answers
+    /// each request that wants a reply with the next of `replies` (then hangs up) and hands every
+    /// request it received to the returned channel.
+    fn scripted(replies: Vec<Reply>) -> (Conn, Receiver<Request>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            let mut replies = replies.into_iter();
+            let mut r = BufReader::new(theirs.try_clone().unwrap());
+            let mut buf = Vec::new();
+            while let Ok(req) = proto::read_frame::<Request>(&mut r, &mut buf) {
+                let one_way = req.is_one_way();
+                let _ = tx.send(req);
+                if !one_way {
+                    let Some(reply) = replies.next() else { break };
+                    proto::write_frame(&mut proto::NoSigPipe(&theirs), &reply, &mut buf).unwrap();
+                }
+            }
+        });
+        let io = Io { reader: BufReader::new(ours.try_clone().unwrap()), writer: ours, buf: Vec::new(), lost: None };
+        (Conn { io: Mutex::new(io), instance: 1, pid: std::process::id(), limits: RequestLimits::PROTOCOL }, rx)
+    }
+
+    fn keys(n: usize) -> Vec<ContentKey> {
+        (0..n as u64).map(|i| ContentKey(u128::from(i).to_le_bytes())).collect()
+    }
+
+    fn recv(rx: &Receiver<Request>) -> Request {
+        rx.recv_timeout(Duration::from_secs(120)).expect("the scripted daemon received a request")
+    }
+
+    /// The largest query that fits in one frame: 1 B variant + 4 B key count + 16 B a key + 1 B
+    /// uses <= MAX_FRAME.
+    const MAX_QUERY_KEYS: usize = (proto::MAX_FRAME - 6) / 16;
+
+    #[test]
+    fn a_request_over_the_frame_limit_is_refused_before_anything_is_sent() {
+        let (conn, rx) = scripted(vec![Reply::Count(3), Reply::Count(4), Reply::Count(5)]);
+        let over = keys(MAX_QUERY_KEYS + 1);
+        let e = conn.call(&Request::Query { keys: over.clone(), uses: 1 }).unwrap_err();
+        let asked = 6 + 16 * over.len() as u64;
+        assert!(
+            matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, asked: a, max } if a == asked && max == proto::MAX_FRAME as u64),
+            "{e}"
+        );
+        let e = conn.call(&Request::Hint { keys: over.clone(), ttl_ms: 10 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, .. }), "{e}");
+        let save = Request::PrepareSave { keys: over, prefix: false, prefix_depth: None, parent: None };
+        let e = conn.call(&save).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, .. }), "{e}");
+        // Nothing was sent, and the connection serves the next call.
+        assert_eq!(conn.count(&Request::LiveHints).map_err(|e| e.to_string()), Ok(3));
+        assert_eq!(recv(&rx), Request::LiveHints);
+        // The largest query that fits goes out whole.
+        let fits = keys(MAX_QUERY_KEYS);
+        assert_eq!(conn.count(&Request::Query { keys: fits.clone(), uses: 1 }).map_err(|e| e.to_string()), Ok(4));
+        assert_eq!(recv(&rx), Request::Query { keys: fits, uses: 1 });
+        assert_eq!(conn.count(&Request::ExpireLeases).map_err(|e| e.to_string()), Ok(5));
+        assert_eq!(recv(&rx), Request::ExpireLeases);
+    }
+
+    #[test]
+    fn a_request_over_the_connections_bounds_is_refused_before_anything_is_sent() {
+        let (mut conn, rx) = scripted(vec![Reply::Count(1)]);
+        conn.limits = RequestLimits { frame_bytes: 100, keys_per_request: 8 };
+        let e = conn.call(&Request::Hint { keys: keys(9), ttl_ms: 1 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::KeysPerRequest, asked: 9, max: 8 }), "{e}");
+        // 1 B variant + 1 B count + 8 x 16 B + 1 B uses = 131 B.
+        let e = conn.call(&Request::Query { keys: keys(8), uses: 1 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, asked: 131, max: 100 }), "{e}");
+        let audit = Request::Audit { keys: keys(5) };
+        assert_eq!(conn.count(&audit).map_err(|e| e.to_string()), Ok(1));
+        assert_eq!(recv(&rx), audit, "the refused requests sent nothing");
+    }
+
+    #[test]
+    fn daemon_errors_reach_the_caller_typed_and_keep_the_connection() {
+        let limit = proto::WireError::LimitExceeded { limit: Limit::KeysPerRequest, asked: 9, max: 8 };
+        let panicked = proto::WireError::Panicked { request: "Evict".into(), message: "boom".into() };
+        let (conn, _rx) = scripted(vec![
+            Reply::Error(proto::WireError::Protocol("a second hello".into())),
+            Reply::Error(limit),
+            Reply::Error(panicked),
+            Reply::Error(proto::WireError::LeaseSettled),
+            Reply::Error(proto::WireError::Other("no save 9 on this connection".into())),
+            Reply::Count(7),
+        ]);
+        let e = conn.call(&Request::Stats).unwrap_err();
+        assert!(matches!(&e, TierError::Protocol { reason } if reason == "a second hello"), "{e}");
+        let e = conn.call(&Request::Query { keys: keys(9), uses: 1 }).unwrap_err();
+        assert!(matches!(e, TierError::LimitExceeded { limit: Limit::KeysPerRequest, asked: 9, max: 8 }), "{e}");
+        let e = conn.call(&Request::Evict { blocks: 1 }).unwrap_err();
+        assert!(matches!(&e, TierError::Panicked { request, message } if request == "Evict" && message == "boom"));
+        let e = conn.call(&Request::ReleaseLease { lease: 3 }).unwrap_err();
+        assert!(matches!(e, TierError::LeaseSettled), "{e}");
+        let e = conn.call(&Request::FinishSave { save: 9, outcome: Outcome::Done }).unwrap_err();
+        assert!(
+            matches!(&e, TierError::Protocol { reason } if reason.ends_with("no save 9 on this connection")),
+            "{e}"
+        );
+        assert_eq!(conn.count(&Request::LiveHints).map_err(|e| e.to_string()), Ok(7));
+    }
+
+    #[test]
+    fn a_call_from_another_process_is_refused_before_anything_is_sent() {
+        let (mut conn, rx) = scripted(vec![Reply::Count(1)]);
+        let me = std::process::id();
+        conn.pid = me + 1;
+        let e = conn.call(&Request::Stats).unwrap_err();
+        assert!(matches!(e, TierError::ForkedChild { owner, current } if owner == me + 1 && current == me), "{e}");
+        // One-way messages (a lease dropped in the child) are refused too.
+        let e = conn.call(&Request::DropLease { lease: 5 }).unwrap_err();
+        assert!(matches!(e, TierError::ForkedChild { .. }), "{e}");
+        conn.pid = me;
+        assert_eq!(conn.count(&Request::LiveHints).map_err(|e| e.to_string()), Ok(1));
+        assert_eq!(recv(&rx), Request::LiveHints, "the refused calls sent nothing");
+    }
+
+    #[test]
+    fn a_garbled_reply_is_a_typed_error() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let io = Io { reader: BufReader::new(ours.try_clone().unwrap()), writer: ours, buf: Vec::new(), lost: None };
+        let conn = Conn { io: Mutex::new(io), instance: 1, pid: std::process::id(), limits: RequestLimits::PROTOCOL };
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(theirs.try_clone().unwrap());
+            let mut buf = Vec::new();
+            let _ = proto::read_frame::<Request>(&mut r, &mut buf);
+            // A frame whose payload is no reply (an unknown variant), then a length past the limit.
+            let mut w = proto::NoSigPipe(&theirs);
+            w.write_all(&[1, 0, 0, 0, 250]).unwrap();
+            let _ = proto::read_frame::<Request>(&mut r, &mut buf);
+        });
+        let e = conn.call(&Request::Stats).unwrap_err();
+        assert!(matches!(e, TierError::Disconnected { .. }), "{e}");
+        // The stream is out of step: every later call says so, without touching the socket.
+        let e = conn.call(&Request::Stats).unwrap_err();
+        assert!(matches!(e, TierError::Disconnected { .. }), "{e}");
+    }
+
+    #[test]
+    fn request_names_are_short() {
+        assert_eq!(name(&Request::Query { keys: keys(100_000), uses: 1 }), "Query");
+        assert_eq!(name(&Request::Stats), "Stats");
+        assert_eq!(name(&Request::Evict { blocks: 3 }), "Evict");
     }
 }

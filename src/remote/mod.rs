@@ -10,12 +10,12 @@
 //! memory crosses processes. The connected tier has the in-process tier's API.
 //!
 //! - [`proto`]: the wire protocol (versioned frames, postcard);
-//! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`LeaseToken`]);
+//! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`ConnectOptions`], [`LeaseToken`]);
 //! - [`server`]: the daemon's side ([`Server`]), including what happens when an engine dies.
 
 pub(crate) mod client;
 pub mod proto;
 pub mod server;
 
-pub use client::LeaseToken;
+pub use client::{ConnectOptions, LeaseToken};
 pub use server::Server;

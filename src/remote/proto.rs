@@ -415,7 +415,8 @@ pub enum WireError {
         request: String,
         message: String,
     },
-    /// A request the daemon could not serve (an unknown id, a malformed message), as text.
+    /// A request the daemon could not serve (an unknown id, a malformed message), as text; a
+    /// client reports it as [`TierError::Protocol`] (the connection stays usable).
     Other(String),
 }
 
@@ -473,7 +474,8 @@ impl From<WireError> for TierError {
             WireError::LimitExceeded { limit, asked, max } => TierError::LimitExceeded { limit, asked, max },
             WireError::Protocol(reason) => TierError::Protocol { reason },
             WireError::Panicked { request, message } => TierError::Panicked { request, message },
-            WireError::Other(m) => TierError::Disconnected { reason: format!("the daemon refused a request: {m}") },
+            // Answered on a working connection: the connection stays usable, so never Disconnected.
+            WireError::Other(m) => TierError::Protocol { reason: format!("the daemon refused the request: {m}") },
         }
     }
 }
