@@ -347,3 +347,15 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
     out.push(Raised::from(&Error::Config(s("bad"))));
     out.into_iter().map(|r| (r.class, r)).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bound_has_its_own_python_name() {
+        let names: std::collections::HashSet<&str> = LIMITS.iter().map(limit_name).collect();
+        assert_eq!(names.len(), LIMITS.len(), "two bounds share a name");
+        assert!(!names.contains("other"), "a bound falls back to `other`: {names:?}");
+    }
+}

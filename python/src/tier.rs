@@ -12,8 +12,8 @@
 
 use crate::convert::{count_of, handle_of, ints_of, key_of, keys_of, to_py, wait_for};
 use crate::errors::{IntoPyResult, Raised};
-use crate::reaper;
 use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
+use crate::reaper;
 use kvtier::copy::host::{HostArenas, HostBackend};
 use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
 use kvtier::pool::BackingChoice;
@@ -345,6 +345,10 @@ impl PyTier {
     /// Raises: `KeyLengthError`.
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let key = key_of(key)?;
+        // Seeded bug (tests only): the round trip with the GIL held.
+        #[cfg(kvtier_py_seeded_bug = "round-trip-holds-gil")]
+        return Ok(self.inner.contains(&key));
+        #[cfg(not(kvtier_py_seeded_bug = "round-trip-holds-gil"))]
         Ok(py.detach(|| self.inner.contains(&key)))
     }
 
@@ -353,6 +357,10 @@ impl PyTier {
     ///
     /// Raises: `ValueError` (negative `n`), `TypeError` (not an int).
     fn evict(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        // Seeded bug (tests only): a count that must fit usize (2**64 raises OverflowError).
+        #[cfg(kvtier_py_seeded_bug = "evict-count-usize")]
+        let n = n.extract::<usize>()?;
+        #[cfg(not(kvtier_py_seeded_bug = "evict-count-usize"))]
         let n = count_of(n)?.min(self.inner.capacity() as usize);
         Ok(py.detach(|| self.inner.evict(n)))
     }
@@ -556,7 +564,12 @@ impl PyRank {
 
     /// Raises `ArenaChangedError` if a tensor was resized or its storage replaced since attach.
     fn check_arenas(&self, py: Python<'_>) -> PyResult<()> {
+        // Seeded bug (tests only): no check, so a rank copies into whatever the tensor's old
+        // address is now.
+        #[cfg(not(kvtier_py_seeded_bug = "no-arena-check"))]
         self.watch.bind(py).call_method0("check")?;
+        #[cfg(kvtier_py_seeded_bug = "no-arena-check")]
+        let _ = py;
         Ok(())
     }
 }
@@ -716,7 +729,13 @@ impl PyRank {
     #[pyo3(signature = (timeout = None))]
     fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = seconds(timeout)?;
-        match py.detach(|| self.cell.close(timeout)) {
+        // Seeded bug (tests only): waiting for the calls in progress with the GIL held, which a
+        // call in progress needs to return.
+        #[cfg(kvtier_py_seeded_bug = "close-waits-holding-gil")]
+        let closed = self.cell.close(timeout);
+        #[cfg(not(kvtier_py_seeded_bug = "close-waits-holding-gil"))]
+        let closed = py.detach(|| self.cell.close(timeout));
+        match closed {
             Closed::Already => Ok(()),
             Closed::Done => {
                 self.watch.bind(py).call_method0("release")?;
@@ -789,6 +808,10 @@ impl Drop for PyLease {
     fn drop(&mut self) {
         // SAFETY: `inner` is taken once, here, and never used afterwards (self is being dropped).
         let lease = unsafe { ManuallyDrop::take(&mut self.inner) };
+        // Seeded bug (tests only): dropped here, waiting for the daemon connection with the GIL.
+        #[cfg(kvtier_py_seeded_bug = "lease-drop-inline")]
+        drop(lease);
+        #[cfg(not(kvtier_py_seeded_bug = "lease-drop-inline"))]
         reaper::drop_lease(lease);
     }
 }
