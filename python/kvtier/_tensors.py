@@ -246,7 +246,7 @@ class _ArrayProbe:
     ordinary ``ndarray.resize`` is refused by numpy while this probe holds a reference; the check
     sees ``resize(..., refcheck=False)`` of the array or of its owner."""
 
-    __slots__ = ("index", "objs", "marks")
+    __slots__ = ("index", "objs", "marks", "sizes")
 
     def __init__(self, index: int, obj: Any) -> None:
         self.index = index
@@ -258,22 +258,34 @@ class _ArrayProbe:
         # The array itself and its memory's owner (the same object when it owns its memory).
         self.objs = (obj, chain[-1]) if len(chain) > 1 else (obj,)
         self.marks = tuple(self._mark(o) for o in self.objs)
+        self.sizes = tuple(self._size(o) for o in self.objs)
 
     @staticmethod
-    def _mark(obj: Any) -> Tuple[int, int]:
+    def _mark(obj: Any) -> Tuple[Any, ...]:
+        """Address, shape and strides as the interface gives them (cheap to compare)."""
         iface = _interface(obj)
         if iface is None:
-            return (0, 0)
-        return (int(iface["data"][0]), _interface_bytes(iface))
+            return (None, None, None)
+        return (iface["data"][0], iface["shape"], iface.get("strides"))
+
+    @staticmethod
+    def _size(obj: Any) -> int:
+        iface = _interface(obj)
+        return 0 if iface is None else _interface_bytes(iface)
 
     def check(self) -> None:
-        for obj, (ptr, size) in zip(self.objs, self.marks):
-            found_ptr, found_size = self._mark(obj)
+        for obj, mark, size in zip(self.objs, self.marks, self.sizes):
+            found = self._mark(obj)
+            if found == mark:
+                continue
             what = "it" if obj is self.objs[0] else "the array that owns its memory"
+            ptr, found_ptr = int(mark[0] or 0), int(found[0] or 0)
             if found_ptr != ptr:
                 raise _changed(self.index, "address", ptr, found_ptr, f"{what} was reallocated")
+            found_size = self._size(obj)
             if found_size != size:
                 raise _changed(self.index, "bytes", size, found_size, f"{what} was resized")
+            # Reshaped in place over the same bytes: the memory is still the one attached.
 
 
 def _changed(index: int, field: str, attached: int, found: int, why: str) -> ArenaChangedError:
