@@ -5,8 +5,14 @@
 //! variable (not kvtier's `KVTIER_SEEDED_BUG`) so that only this crate is rebuilt for each bug.
 //! Never set it outside that script.
 
-const BUGS: &[&str] =
-    &["close-waits-holding-gil", "lease-drop-inline", "round-trip-holds-gil", "no-arena-check", "evict-count-usize"];
+const BUGS: &[&str] = &[
+    "close-waits-holding-gil",
+    "close-timeout-releases-tensors",
+    "lease-drop-inline",
+    "round-trip-holds-gil",
+    "no-arena-check",
+    "evict-count-usize",
+];
 
 fn main() {
     println!("cargo::rerun-if-env-changed=KVTIER_PY_SEEDED_BUG");

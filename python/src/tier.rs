@@ -744,6 +744,9 @@ impl PyRank {
             Closed::Stuck(e) => {
                 // Copies may still use the tensors' memory: keep them alive for good.
                 std::mem::forget(self.watch.clone_ref(py));
+                // Seeded bug (tests only): the tensors released under the calls still in progress.
+                #[cfg(kvtier_py_seeded_bug = "close-timeout-releases-tensors")]
+                self.watch.bind(py).call_method0("release")?;
                 Err(e).py()
             }
         }

@@ -281,3 +281,38 @@ def test_a_lease_collected_while_another_thread_holds_the_connection(tmp_path):
         assert s["live_leases"] == 0 and s["pinned_slots"] == 0, s
         """,
     )
+
+
+def test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good(tmp_path):
+    # A save held inside its round trip cannot let go of the rank before the relay lets it: a
+    # close with a deadline gives up then (DrainTimeoutError), keeps the rank and its tensors
+    # (never freed under the call or its copy), and the save still completes.
+    run_scenario(
+        tmp_path,
+        """
+        import weakref
+        arrs = host_arrays(32, arenas=2)
+        g = kvtier.Geometry.from_tensors(arrs, model="close-timeout")
+        relay, tier = served(g, 8)
+        rank = tier.attach_host(arrs)
+        keys = keys_of(tier, 2)
+        relay.hold()
+        t, box = in_thread(lambda: rank.save(keys, [1, 2]).wait(60))
+        assert relay.held.wait(60), "the request never reached the relay"
+        try:
+            rank.close(timeout=0.2)
+            raise AssertionError("close() returned while a save held the rank")
+        except kvtier.DrainTimeoutError as e:
+            assert e.in_flight >= 1, e.in_flight
+        assert rank.closed
+        with_refs = [weakref.ref(a) for a in arrs]
+        del arrs
+        gc.collect()
+        assert all(w() is not None for w in with_refs), "a timed-out close released the tensors"
+        relay.let_go()
+        joined(t, "save()")
+        assert box == [True], box
+        assert all(tier.contains(k) for k in keys)
+        rank.close()  # already closed: returns at once
+        """,
+    )
