@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The Python package: builds the abi3 wheel with maturin, checks it (size, tags, no torch or CUDA
 # dependency), installs it into a fresh virtual environment with pinned test dependencies, and runs
-# the CPU pytest suite (python/tests: the host backend, every error kind, the GIL test, and the
-# tiny-Llama end-to-end test with torch + transformers). GPU tests skip without CUDA.
+# the CPU pytest suite (python/tests: the host backend, every error kind, the GIL tests, the
+# thread-deadlock scenarios, the arena storage checks, and the tiny-Llama end-to-end test with
+# torch + transformers). GPU tests skip without CUDA.
 #
-# Usage: ci/python.sh [--no-torch]    --no-torch: skip installing torch and transformers (about
-#                                     3.5 GB, 1.5 min); the end-to-end test then skips.
+# Usage: ci/python.sh [--no-torch] [bites]
+#   --no-torch: skip installing torch and transformers (about 3.5 GB, 1.5 min); the end-to-end test
+#               and the torch storage tests then skip.
+#   bites:      instead of the suite, show that each seeded bug of the binding (the private cfg
+#               `kvtier_py_seeded_bug`, set by python/build.rs from KVTIER_PY_SEEDED_BUG) makes its
+#               tests FAIL with the expected message: one wheel build per bug (about 1 min each).
 # Environment: PYTHON (default python3), CARGO_TARGET_DIR (cargo's), WHEEL_DIR (default
 # target/wheels: the wheel is left there).
 set -euo pipefail
@@ -17,7 +22,17 @@ torch_pins=(torch==2.11.0 transformers==5.17.0)
 test_pins=(pytest==9.2.0 numpy==2.4.6)
 maturin_pin=maturin==1.16.0
 with_torch=1
-[[ ${1:-} == --no-torch ]] && with_torch=0
+bites=0
+for arg in "$@"; do
+    case $arg in
+    --no-torch) with_torch=0 ;;
+    bites) bites=1 ;;
+    *)
+        echo "usage: ci/python.sh [--no-torch] [bites]"
+        exit 2
+        ;;
+    esac
+done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -75,6 +90,49 @@ g = kvtier.Geometry.preset("llama3-8b", 1024)
 tier = kvtier.Tier(g, 4 << 30)
 print(f"import + 4 GiB tier: {time.perf_counter() - t0:.3f} s ({tier})")
 EOF
+
+if ((bites)); then
+    # seeded bug | tests (under python/tests) | text the failure must show
+    # A deadlock scenario fails when its child process hangs (faulthandler's "Timeout (" dump);
+    # KVTIER_TEST_HANG_S shortens that bound.
+    bites_table=(
+        "close-waits-holding-gil|test_threads.py -k close_while|Timeout ("
+        "close-timeout-releases-tensors|test_threads.py::test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good|a timed-out close released the tensors"
+        "lease-drop-inline|test_threads.py::test_a_lease_collected_while_another_thread_holds_the_connection|no reply from the daemon within"
+        "round-trip-holds-gil|test_threads.py::test_every_daemon_round_trip_releases_the_gil|kept the GIL across its round trip"
+        "no-arena-check|test_arenas.py|DID NOT RAISE"
+        "evict-count-usize|test_remote.py::test_evict_takes_any_count_and_clamps_it|OverflowError"
+    )
+    failed=0
+    for row in "${bites_table[@]}"; do
+        IFS='|' read -r bug tests expect <<<"$row"
+        step "seeded bug $bug: $tests must fail with \"$expect\""
+        rm -rf "$work/bite-wheel"
+        if ! KVTIER_PY_SEEDED_BUG="$bug" "$work/build/bin/maturin" build --release -m "$repo/python/Cargo.toml" \
+            -o "$work/bite-wheel" >"$work/bite-build.log" 2>&1; then
+            tail -20 "$work/bite-build.log"
+            echo "FAIL: the wheel does not build with seeded bug $bug"
+            failed=1
+            continue
+        fi
+        "${pip[@]}" --force-reinstall --no-deps "$work"/bite-wheel/kvtier-*.whl
+        read -r -a selection <<<"$tests"
+        selection[0]="$repo/python/tests/${selection[0]}"
+        if KVTIER_TEST_HANG_S=60 "$work/test/bin/python" -m pytest -q -p no:cacheprovider "${selection[@]}" \
+            >"$work/bite.log" 2>&1; then
+            echo "FAIL: seeded bug $bug did NOT make $tests fail"
+            failed=1
+        elif ! grep -qF -- "$expect" "$work/bite.log"; then
+            tail -40 "$work/bite.log"
+            echo "FAIL: $tests failed with seeded bug $bug, but not with \"$expect\""
+            failed=1
+        else
+            echo "ok: $(tail -1 "$work/bite.log")"
+        fi
+    done
+    "${pip[@]}" --force-reinstall --no-deps "$wheel"
+    exit "$failed"
+fi
 
 step "pytest (CPU)"
 "$work/test/bin/python" -m pytest -q -p no:cacheprovider "$repo/python/tests"

@@ -9,15 +9,21 @@ device of whatever the engine passes, through the protocols those libraries expo
 
 Called by the native module (``Geometry.from_tensors``, ``Tier.attach_cuda``, ``Tier.attach_host``)
 on the caller's thread.
+
+A rank copies into its tensors' memory from its own threads, so that memory must stay the
+tensors' for as long as the rank is open. :class:`ArenaWatch` holds each tensor and whatever owns
+its memory (a torch tensor's untyped storage, the numpy array at the root of a view's ``base``
+chain) and, before each save or restore, checks that none of them was resized or replaced since
+the rank was attached (``ArenaChangedError`` otherwise).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
-from .errors import ConfigError, DeviceMismatchError, NotContiguousError, TensorError
+from .errors import ArenaChangedError, ConfigError, DeviceMismatchError, NotContiguousError, TensorError
 
-__all__ = ["TensorInfo", "describe", "arena_views"]
+__all__ = ["TensorInfo", "describe", "arena_views", "ArenaWatch"]
 
 
 class TensorInfo(NamedTuple):
@@ -179,3 +185,146 @@ def arena_views(
             page_stride = t.strides[0] if pages > 1 else bytes_per_page
         out.append((t.ptr, bytes_per_page, page_stride, pages))
     return out
+
+
+def _is_torch(obj: Any) -> bool:
+    return callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "untyped_storage", None))
+
+
+def _interface(obj: Any) -> Optional[dict]:
+    iface = getattr(obj, "__cuda_array_interface__", None)
+    if iface is None:
+        iface = getattr(obj, "__array_interface__", None)
+    return iface if isinstance(iface, dict) else None
+
+
+def _interface_bytes(iface: dict) -> int:
+    """The bytes an array interface spans from its address: the extent of its last element."""
+    shape = tuple(int(n) for n in iface["shape"])
+    itemsize = int(str(iface["typestr"])[2:])
+    if any(n == 0 for n in shape):
+        return 0
+    strides = iface.get("strides")
+    strides = _c_strides(shape, itemsize) if strides is None else tuple(int(s) for s in strides)
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
+
+
+class _TorchProbe:
+    """A torch tensor and its untyped storage, as attached. Holding the storage keeps its memory
+    alive if the tensor is given another one (``set_``); the check sees the storage reallocated
+    (``resize_``) or freed (``untyped_storage().resize_(0)``)."""
+
+    __slots__ = ("index", "tensor", "storage", "ptr", "storage_ptr", "storage_bytes")
+
+    def __init__(self, index: int, tensor: Any, ptr: int, extent: int) -> None:
+        self.index = index
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
+        self.ptr = int(tensor.data_ptr())
+        self.storage_ptr = int(self.storage.data_ptr())
+        self.storage_bytes = int(self.storage.nbytes())
+        if ptr != self.ptr or not (self.storage_ptr <= ptr and ptr + extent <= self.storage_ptr + self.storage_bytes):
+            raise TensorError(f"tensor {index}: its arena is not inside its storage")
+
+    def check(self) -> None:
+        i = self.index
+        found = int(self.tensor.data_ptr())
+        if found != self.ptr:
+            raise _changed(i, "address", self.ptr, found, "its data_ptr() moved (set_, or a resize_ that reallocated)")
+        storage = self.tensor.untyped_storage()
+        found = int(storage.data_ptr())
+        if found != self.storage_ptr:
+            raise _changed(i, "address", self.storage_ptr, found, "its storage was reallocated or freed")
+        found = int(storage.nbytes())
+        if found != self.storage_bytes:
+            raise _changed(i, "bytes", self.storage_bytes, found, "its storage was resized")
+
+
+class _ArrayProbe:
+    """An array-interface object (numpy, ``__cuda_array_interface__``) and the object that owns
+    its memory (the root of its ``base`` chain), each with its address and extent as attached. An
+    ordinary ``ndarray.resize`` is refused by numpy while this probe holds a reference; the check
+    sees ``resize(..., refcheck=False)`` of the array or of its owner."""
+
+    __slots__ = ("index", "objs", "marks", "sizes")
+
+    def __init__(self, index: int, obj: Any) -> None:
+        self.index = index
+        chain = [obj]
+        base = getattr(obj, "base", None)
+        while base is not None and _interface(base) is not None and len(chain) < 64:
+            chain.append(base)
+            base = getattr(base, "base", None)
+        # The array itself and its memory's owner (the same object when it owns its memory).
+        self.objs = (obj, chain[-1]) if len(chain) > 1 else (obj,)
+        self.marks = tuple(self._mark(o) for o in self.objs)
+        self.sizes = tuple(self._size(o) for o in self.objs)
+
+    @staticmethod
+    def _mark(obj: Any) -> Tuple[Any, ...]:
+        """Address, shape and strides as the interface gives them (cheap to compare)."""
+        iface = _interface(obj)
+        if iface is None:
+            return (None, None, None)
+        return (iface["data"][0], iface["shape"], iface.get("strides"))
+
+    @staticmethod
+    def _size(obj: Any) -> int:
+        iface = _interface(obj)
+        return 0 if iface is None else _interface_bytes(iface)
+
+    def check(self) -> None:
+        for obj, mark, size in zip(self.objs, self.marks, self.sizes):
+            found = self._mark(obj)
+            if found == mark:
+                continue
+            what = "it" if obj is self.objs[0] else "the array that owns its memory"
+            ptr, found_ptr = int(mark[0] or 0), int(found[0] or 0)
+            if found_ptr != ptr:
+                raise _changed(self.index, "address", ptr, found_ptr, f"{what} was reallocated")
+            found_size = self._size(obj)
+            if found_size != size:
+                raise _changed(self.index, "bytes", size, found_size, f"{what} was resized")
+            # Reshaped in place over the same bytes: the memory is still the one attached.
+
+
+def _changed(index: int, field: str, attached: int, found: int, why: str) -> ArenaChangedError:
+    return ArenaChangedError(
+        f"tensor {index} changed since the rank was attached: {why} ({field} {attached:#x} then, {found:#x} now); "
+        "the rank's copies would use memory the tensor no longer owns, so nothing was copied. "
+        "Close the rank and attach the tensors as they are now",
+        index=index,
+        field=field,
+        attached=attached,
+        found=found,
+    )
+
+
+class ArenaWatch:
+    """The tensors of one rank, held from attach to close, with what owns their memory.
+
+    ``ArenaWatch(tensors, views)``: ``tensors`` as given to ``attach_cuda`` / ``attach_host``;
+    ``views``: their ``(ptr, bytes_per_page, page_stride, pages)`` from :func:`arena_views`.
+
+    ``check()``: raises ``ArenaChangedError`` if a tensor was resized or its storage replaced or
+    freed since (called before every save and restore, with the GIL held). ``release()`` drops
+    the references (after the rank's copies have drained).
+    """
+
+    __slots__ = ("tensors", "probes")
+
+    def __init__(self, tensors: Sequence[Any], views: Sequence[Tuple[int, int, int, int]]) -> None:
+        self.tensors = tuple(tensors)
+        probes = []
+        for i, (t, (ptr, bytes_per_page, page_stride, pages)) in enumerate(zip(self.tensors, views)):
+            extent = (int(pages) - 1) * int(page_stride) + int(bytes_per_page)
+            probes.append(_TorchProbe(i, t, int(ptr), extent) if _is_torch(t) else _ArrayProbe(i, t))
+        self.probes = tuple(probes)
+
+    def check(self) -> None:
+        for p in self.probes:
+            p.check()
+
+    def release(self) -> None:
+        self.tensors = ()
+        self.probes = ()

@@ -38,6 +38,7 @@ __all__ = [
     "TensorError",
     "DeviceMismatchError",
     "NotContiguousError",
+    "ArenaChangedError",
     # pool
     "PoolError",
     "PoolTooSmallError",
@@ -74,6 +75,11 @@ __all__ = [
     "BackendPanickedError",
     "DisconnectedError",
     "ProtocolMismatchError",
+    "LimitExceededError",
+    "ProtocolError",
+    "PanickedError",
+    "ForkedChildError",
+    "UntrustedDaemonError",
 ]
 
 
@@ -171,6 +177,18 @@ class DeviceMismatchError(TensorError):
 class NotContiguousError(TensorError):
     """A page's bytes are not contiguous in a tensor. Attributes: ``index`` (the tensor's
     position), ``shape``, ``strides`` (bytes)."""
+
+
+class ArenaChangedError(TensorError):
+    """A rank's arena tensor was resized, or its storage replaced or freed, after the rank was
+    attached (torch ``resize_``, ``set_``, ``untyped_storage().resize_(0)``; numpy
+    ``resize(..., refcheck=False)`` of the array or of the array that owns its memory). The rank's
+    copies would use memory the tensor no longer owns, so the save or restore is refused before
+    anything is copied or taken (a lease keeps its use). Close the rank and attach the tensors as
+    they are now. Attributes: ``index`` (the tensor's position), ``field`` (``address``: the
+    tensor's, its storage's or its owning array's address moved; ``bytes``: that memory grew or
+    shrank), ``attached`` and ``found`` (the field's values then and now, ints: an address or a
+    byte count)."""
 
 
 # --- pool -----------------------------------------------------------------------------------
@@ -324,3 +342,39 @@ class DisconnectedError(TierError, ConnectionError):
 class ProtocolMismatchError(TierError):
     """The tier daemon speaks another protocol version than this kvtier. Attributes: ``daemon``,
     ``client``."""
+
+
+class LimitExceededError(TierError, ValueError):
+    """A request over one of the tier's bounds on what one request or one connection may make it
+    hold; nothing was done and the connection stays usable (split the request, or release what the
+    connection holds). Attributes: ``limit`` (the bound's name: ``frame_bytes``,
+    ``keys_per_request``, ``evict_blocks``, ``hints_per_connection``, ``hint_keys_per_connection``,
+    ``leases_per_connection``, ``copies_per_connection``, ``connections``, ``lease_uses``),
+    ``asked`` and ``max`` (in the bound's unit: bytes, keys, blocks, hints, leases, copies,
+    connections or uses)."""
+
+
+class ProtocolError(TierError):
+    """A request the daemon protocol does not allow at this point (a second hello, a save finished
+    twice, an id this connection was never given); the connection stays usable. Attribute:
+    ``reason``."""
+
+
+class PanickedError(TierError):
+    """The code serving a request panicked: the request failed and did nothing visible, every slot
+    and pin it may have touched was kept (quarantined where a copy may still use it), and the tier
+    stays usable for every caller. Attributes: ``request`` (what was being served) and
+    ``panic_message``."""
+
+
+class ForkedChildError(TierError):
+    """A tier from :func:`kvtier.connect` (or its rank or lease) was used in a process forked after
+    the connection was made; the connection belongs to the process that connected. Call
+    :func:`kvtier.connect` again in the child. Attributes: ``owner`` (the pid that connected) and
+    ``current`` (the pid that made the call)."""
+
+
+class UntrustedDaemonError(TierError, PermissionError):
+    """The process listening on the daemon's socket runs as another user than expected (possibly
+    an impostor squatting the socket path); nothing but the hello was sent to it. Attributes:
+    ``expected`` and ``found`` (uids)."""

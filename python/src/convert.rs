@@ -120,3 +120,18 @@ pub fn to_py<'py>(py: Python<'py>, v: &impl serde::Serialize) -> PyResult<Bound<
     let j = serde_json::to_value(v).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
     json_to_py(py, &j)
 }
+
+/// A count given as a Python int (or any object with `__index__`), clamped to `usize::MAX`: a
+/// count beyond every pool asks for everything, and never overflows.
+///
+/// Raises: `TypeError` (not an int), `ValueError` (negative).
+pub fn count_of(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if let Ok(n) = obj.extract::<usize>() {
+        return Ok(n);
+    }
+    let int = obj.py().import("operator")?.call_method1("index", (obj,))?;
+    if int.lt(0)? {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("a count must be non-negative, got {int}")));
+    }
+    Ok(usize::MAX)
+}

@@ -4,7 +4,7 @@
 //! The classes are defined in Python (readable docstrings, ordinary subclassing) and looked up by
 //! name when an error is raised, on the thread that called into kvtier with the GIL held.
 
-use kvtier::{CopyError, Error, GeometryError, IndexError, PoolError, TierError};
+use kvtier::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -64,6 +64,36 @@ impl From<Raised> for PyErr {
 fn usize_(v: usize) -> u64 {
     v as u64
 }
+
+/// The Python name of a bound (`LimitExceededError.limit`): the variant's name in snake case.
+/// A bound added to kvtier after this binding is `other` (its message still names it).
+pub fn limit_name(l: &Limit) -> &'static str {
+    match l {
+        Limit::FrameBytes => "frame_bytes",
+        Limit::KeysPerRequest => "keys_per_request",
+        Limit::EvictBlocks => "evict_blocks",
+        Limit::HintsPerConnection => "hints_per_connection",
+        Limit::HintKeysPerConnection => "hint_keys_per_connection",
+        Limit::LeasesPerConnection => "leases_per_connection",
+        Limit::CopiesPerConnection => "copies_per_connection",
+        Limit::Connections => "connections",
+        Limit::LeaseUses => "lease_uses",
+        _ => "other",
+    }
+}
+
+/// Every bound this binding names, in declaration order (for `examples` and the tests).
+const LIMITS: [Limit; 9] = [
+    Limit::FrameBytes,
+    Limit::KeysPerRequest,
+    Limit::EvictBlocks,
+    Limit::HintsPerConnection,
+    Limit::HintKeysPerConnection,
+    Limit::LeasesPerConnection,
+    Limit::CopiesPerConnection,
+    Limit::Connections,
+    Limit::LeaseUses,
+];
 
 impl From<&GeometryError> for Raised {
     fn from(e: &GeometryError) -> Self {
@@ -186,7 +216,19 @@ impl From<&TierError> for Raised {
             T::ProtocolMismatch { daemon, client } => {
                 r("ProtocolMismatchError").int("daemon", *daemon).int("client", *client)
             }
+            T::LimitExceeded { limit, asked, max } => {
+                r("LimitExceededError").str("limit", limit_name(limit)).int("asked", *asked).int("max", *max)
+            }
+            T::Protocol { reason } => r("ProtocolError").str("reason", reason),
+            T::Panicked { request, message } => {
+                r("PanickedError").str("request", request).str("panic_message", message)
+            }
+            T::ForkedChild { owner, current } => r("ForkedChildError").int("owner", *owner).int("current", *current),
+            T::UntrustedDaemon { expected, found } => {
+                r("UntrustedDaemonError").int("expected", *expected).int("found", *found)
+            }
             T::Copy(c) => c.into(),
+            // A variant added to kvtier after this binding: its base class.
             _ => r("TierError"),
         }
     }
@@ -285,15 +327,35 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
         TierError::Index(IndexError::CapacityTooLarge { requested: 1 << 60, max: 1 << 56 }),
         TierError::Disconnected { reason: s("the daemon closed the connection (it stopped or restarted)") },
         TierError::ProtocolMismatch { daemon: 2, client: 1 },
+        TierError::Protocol { reason: s("a second hello on one connection") },
+        TierError::Panicked { request: s("evict"), message: s("capacity overflow") },
+        TierError::ForkedChild { owner: 100, current: 101 },
+        TierError::UntrustedDaemon { expected: 1000, found: 0 },
+        // One per bound; the last (lease_uses) is the one a by-class lookup reads.
+        TierError::LimitExceeded { limit: Limit::FrameBytes, asked: 1 << 30, max: 1 << 26 },
     ];
+    let limits = LIMITS.map(|limit| TierError::LimitExceeded { limit, asked: 70_000, max: 65_536 });
     let mut out: Vec<Raised> = Vec::new();
     out.extend(geometry.iter().map(Raised::from));
     out.extend(pool.iter().map(Raised::from));
     out.extend(copy().iter().map(Raised::from));
     out.extend(tier.iter().map(Raised::from));
+    out.extend(limits.iter().map(Raised::from));
     // Wrapped variants map to the inner error's class.
     out.extend(copy().into_iter().map(|c| Raised::from(&TierError::Copy(c))));
     out.push(Raised::from(&Error::Verification(s("page 3 differs"))));
     out.push(Raised::from(&Error::Config(s("bad"))));
     out.into_iter().map(|r| (r.class, r)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bound_has_its_own_python_name() {
+        let names: std::collections::HashSet<&str> = LIMITS.iter().map(limit_name).collect();
+        assert_eq!(names.len(), LIMITS.len(), "two bounds share a name");
+        assert!(!names.contains("other"), "a bound falls back to `other`: {names:?}");
+    }
 }

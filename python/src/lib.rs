@@ -8,6 +8,7 @@
 mod convert;
 mod errors;
 mod geometry;
+mod reaper;
 mod tier;
 
 use pyo3::prelude::*;
@@ -18,6 +19,14 @@ use pyo3::prelude::*;
 #[pyfunction]
 fn _error_examples(py: Python<'_>) -> PyResult<Vec<(&'static str, Bound<'_, PyAny>)>> {
     errors::examples().into_iter().map(|(name, r)| Ok((name, r.to_exception(py)?))).collect()
+}
+
+/// Blocks (GIL released) until every connected-tier lease that Python garbage-collected before
+/// this call has been dropped at the daemon (collection hands them to a thread, so it never
+/// waits for the connection). For tests; not a stable API.
+#[pyfunction]
+fn _settle_dropped_leases(py: Python<'_>) {
+    py.detach(reaper::settle)
 }
 
 /// True if this machine can run CUDA ranks: the driver and NVRTC libraries load and a device is
@@ -41,5 +50,6 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tier::connect, m)?)?;
     m.add_function(wrap_pyfunction!(tier::_serve, m)?)?;
     m.add_function(wrap_pyfunction!(_error_examples, m)?)?;
+    m.add_function(wrap_pyfunction!(_settle_dropped_leases, m)?)?;
     Ok(())
 }

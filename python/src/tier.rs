@@ -1,12 +1,19 @@
 //! `kvtier.Tier`, `kvtier.Rank`, `kvtier.Lease`, `kvtier.CopyHandle`, `kvtier.SaveTicket`.
 //!
-//! Threads: every call runs on the caller's thread; waits release the GIL. kvtier's completion
-//! threads never call into Python (no callbacks are registered), so nothing here can deadlock on
-//! the GIL.
+//! Threads: every call runs on the caller's thread. kvtier's completion threads never call into
+//! Python (no callbacks are registered). The rule that keeps the GIL and kvtier's locks from
+//! deadlocking: **no thread waits while it holds the GIL**. Every call that can wait (a copy, a
+//! drain, a daemon round trip, a lock that such a wait may hold) releases the GIL first
+//! (`Python::detach`). The only locks taken with the GIL held are the binding's own short ones
+//! (`RankCell::state`), which no thread holds across a wait or while it waits for the GIL. A
+//! rank's calls in progress hold an `Arc` of it, not a lock across their GIL-released section;
+//! `Rank.close` waits for them with the GIL released. A connected tier's lease collected by Python
+//! is dropped on another thread (`crate::reaper`), since its destructor cannot release the GIL.
 
-use crate::convert::{handle_of, ints_of, key_of, keys_of, to_py, wait_for};
+use crate::convert::{count_of, handle_of, ints_of, key_of, keys_of, to_py, wait_for};
 use crate::errors::{IntoPyResult, Raised};
 use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
+use crate::reaper;
 use kvtier::copy::host::{HostArenas, HostBackend};
 use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
 use kvtier::pool::BackingChoice;
@@ -15,8 +22,9 @@ use kvtier::{
     SaveOptions, TierConfig, TierError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
-use std::sync::{Arc, Mutex, RwLock};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a GIL-released wait blocks before it checks for Ctrl-C.
@@ -163,12 +171,16 @@ pub fn _serve(
     Ok(())
 }
 
-impl PyTier {
-    fn rank(&self, py: Python<'_>, rank: Rank, tensors: &Bound<'_, PyAny>, device: Option<u32>) -> PyResult<PyRank> {
-        // Hold every tensor (not the caller's list, which it may change) until the rank is closed.
-        let held = PyTuple::new(py, tensors.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-        Ok(PyRank { rank: RwLock::new(Some(rank)), tensors: Mutex::new(Some(held.into_any().unbind())), device })
-    }
+/// A `kvtier._tensors.ArenaWatch` over `tensors` (every tensor, not the caller's list, which it
+/// may change), built before the rank so a tensor that cannot be watched attaches nothing.
+fn arena_watch(py: Python<'_>, tensors: &Bound<'_, PyAny>, views: &[ArenaView]) -> PyResult<Py<PyAny>> {
+    let held = PyTuple::new(py, tensors.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+    let views = PyList::new(py, views.iter().map(|v| (v.ptr, v.bytes_per_page, v.page_stride, v.pages)))?;
+    Ok(py.import("kvtier._tensors")?.getattr("ArenaWatch")?.call1((held, views))?.unbind())
+}
+
+fn new_rank(rank: Rank, watch: Py<PyAny>, device: Option<u32>) -> PyRank {
+    PyRank { cell: RankCell { state: Mutex::new(Some(Arc::new(rank))), released: Condvar::new() }, watch, device }
 }
 
 #[pymethods]
@@ -220,8 +232,10 @@ impl PyTier {
     /// layer 0, K and V of layer 1, ...), CUDA tensors on `device` (torch tensors or
     /// `__cuda_array_interface__` objects); `layout` as in `Geometry.from_tensors`. Each tensor must
     /// hold the geometry's bytes per page; page strides and page counts are the tensors' own.
-    /// The rank holds references to the tensors until it is closed (`Rank.close`, or garbage
-    /// collection), after draining its copies, so their memory outlives every copy.
+    /// The rank holds references to the tensors and their storages until it is closed
+    /// (`Rank.close`, or garbage collection), after draining its copies, so their memory outlives
+    /// every copy; each save and restore first checks that no tensor was resized or given another
+    /// storage since (`ArenaChangedError`).
     /// `cuda_options`: optional dict of copy tuning (`mode`: `auto` | `zero-copy` | `staged`,
     /// `save_ctas`, `restore_ctas`, `staged_ctas`, `staged_piece_blocks`, `high_priority`,
     /// `reserved_sms`: SMs reserved for the copy kernels in a green context, 0 = none;
@@ -248,6 +262,7 @@ impl PyTier {
         let rg = rank_geometry(g, &views)?;
         let binding = ArenaBinding::new(&rg, views.iter().map(|v| v.ptr).collect()).py()?;
         let options = parse_cuda_options(cuda_options)?;
+        let watch = arena_watch(py, tensors, &views)?;
         let tier = &self.inner;
         let rank = py
             .detach(|| -> Result<Rank, TierError> {
@@ -255,19 +270,21 @@ impl PyTier {
                 tier.attach(Box::new(backend))
             })
             .py()?;
-        self.rank(py, rank, tensors, Some(device))
+        Ok(new_rank(rank, watch, Some(device)))
     }
 
     /// Attaches paged KV arrays in host memory as a rank (the host backend: copies are `memcpy`
     /// on the rank's completion thread). For CPU inference and for testing without a GPU.
     ///
     /// `tensors`: one per arena, in the geometry's order: numpy arrays or CPU torch tensors,
-    /// writable; `layout` as in `Geometry.from_tensors`. The rank holds references to them until it
-    /// is closed, after draining its copies.
+    /// writable; `layout` as in `Geometry.from_tensors`. The rank holds references to them (and to
+    /// a torch tensor's storage, a numpy view's owning array) until it is closed, after draining
+    /// its copies; each save and restore first checks that none was resized or replaced since
+    /// (`ArenaChangedError`).
     ///
     /// Raises: `DeviceMismatchError` (not CPU memory), `NotContiguousError`, `TensorError`
     /// (read-only array, shape), `MisalignedError`, `OverlapError`, `BackendMismatchError`,
-    /// `ShuttingDownError`.
+    /// `ShuttingDownError`; `DisconnectedError` (a connected tier whose daemon is gone).
     #[pyo3(signature = (tensors, *, layout = "tokens"))]
     fn attach_host(&self, py: Python<'_>, tensors: &Bound<'_, PyAny>, layout: &str) -> PyResult<PyRank> {
         let g = self.inner.geometry();
@@ -275,13 +292,18 @@ impl PyTier {
         let rg = rank_geometry(g, &views)?;
         let binding = ArenaBinding::new(&rg, views.iter().map(|v| v.ptr).collect()).py()?;
         // SAFETY: the arenas are the tensors' memory (checked writable, CPU, inside each tensor by
-        // the view helper). The returned PyRank holds references to the tensors and releases them
-        // only after the Rank (which owns the backend and these arenas) has been dropped, which
-        // joins its completion threads, so every copy has finished; a drain that times out leaks
-        // the references instead (PyRank::close).
+        // the view helper). The returned PyRank holds references to the tensors (and to what owns
+        // their memory, in its ArenaWatch) and releases them only after the Rank (which owns the
+        // backend and these arenas) has been dropped, which joins its completion threads, so every
+        // copy has finished; a drain that times out leaks the references instead (PyRank::close).
+        // A tensor resized or given another storage is caught by the watch before each copy is
+        // submitted (the rank's documented contract: not while its copies are in flight).
         let arenas = unsafe { HostArenas::from_binding(&rg, binding) }.py()?;
-        let rank = self.inner.attach(Box::new(HostBackend::new(Arc::new(arenas)))).py()?;
-        self.rank(py, rank, tensors, None)
+        let watch = arena_watch(py, tensors, &views)?;
+        let backend = Box::new(HostBackend::new(Arc::new(arenas)));
+        // A connected tier's attach is a daemon round trip.
+        let rank = py.detach(|| self.inner.attach(backend)).py()?;
+        Ok(new_rank(rank, watch, None))
     }
 
     /// Pins the longest run of leading `keys` whose blocks are resident and returns a `Lease` on
@@ -296,7 +318,7 @@ impl PyTier {
     fn query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
         let keys = keys_of(keys)?;
         let inner = py.detach(|| self.inner.try_query_shared(&keys, uses)).py()?;
-        Ok(PyLease { inner })
+        Ok(PyLease::new(inner))
     }
 
     /// Opens a lease another process shared (`Lease.token`), for a tier from `kvtier.connect`:
@@ -308,7 +330,7 @@ impl PyTier {
     fn open_lease(&self, py: Python<'_>, token: &[u8]) -> PyResult<PyLease> {
         let token = LeaseToken::from_bytes(token).py()?;
         let inner = py.detach(|| self.inner.open_lease(&token)).py()?;
-        Ok(PyLease { inner })
+        Ok(PyLease::new(inner))
     }
 
     /// True for a tier from `kvtier.connect` (its state lives in the tier daemon).
@@ -317,14 +339,30 @@ impl PyTier {
         self.inner.is_connected_tier()
     }
 
-    /// True if the block of `key` is resident (does not pin or refresh it).
-    fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.contains(&key_of(key)?))
+    /// True if the block of `key` is resident (does not pin or refresh it). On a connected tier
+    /// a daemon round trip (GIL released); False if the daemon is gone.
+    ///
+    /// Raises: `KeyLengthError`.
+    fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = key_of(key)?;
+        // Seeded bug (tests only): the round trip with the GIL held.
+        #[cfg(kvtier_py_seeded_bug = "round-trip-holds-gil")]
+        return Ok(self.inner.contains(&key));
+        #[cfg(not(kvtier_py_seeded_bug = "round-trip-holds-gil"))]
+        Ok(py.detach(|| self.inner.contains(&key)))
     }
 
-    /// Evicts up to `n` unpinned blocks by the policy; returns how many were evicted.
-    fn evict(&self, py: Python<'_>, n: usize) -> usize {
-        py.detach(|| self.inner.evict(n))
+    /// Evicts up to `n` unpinned blocks by the policy; returns how many were evicted (at most
+    /// `capacity`). `n`: any non-negative int (larger than the pool: every evictable block).
+    ///
+    /// Raises: `ValueError` (negative `n`), `TypeError` (not an int).
+    fn evict(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        // Seeded bug (tests only): a count that must fit usize (2**64 raises OverflowError).
+        #[cfg(kvtier_py_seeded_bug = "evict-count-usize")]
+        let n = n.extract::<usize>()?;
+        #[cfg(not(kvtier_py_seeded_bug = "evict-count-usize"))]
+        let n = count_of(n)?.min(self.inner.capacity() as usize);
+        Ok(py.detach(|| self.inner.evict(n)))
     }
 
     /// Scheduler hint: `keys` (16-byte keys, a list) will be looked up by requests waiting in the
@@ -401,19 +439,139 @@ impl PyTier {
 /// One GPU (or host) rank of a `Tier`: saves its pages to the pool and restores blocks into them.
 /// Returned by `Tier.attach_cuda` / `Tier.attach_host`; holds the tensors until closed.
 ///
-/// Use it as a context manager, or call `close()`: closing drains the rank's in-flight copies
-/// (with the GIL released), then releases the tensors. A rank that is garbage-collected drains
-/// too (blocking, holding the GIL; kvtier's threads never need it).
+/// Use it as a context manager, or call `close()`: closing waits for the rank's calls in progress
+/// on other threads and drains its in-flight copies (with the GIL released), then releases the
+/// tensors. A rank that is garbage-collected unclosed drains too (blocking, holding the GIL;
+/// kvtier's threads never need it). Any method may be called from any thread, at the same time
+/// as any other.
 #[pyclass(module = "kvtier", name = "Rank", frozen)]
 pub struct PyRank {
-    // Declared (and so dropped) before `tensors`: dropping the Rank drains its copies first.
-    rank: RwLock<Option<Rank>>,
-    tensors: Mutex<Option<Py<PyAny>>>,
+    // Declared (and so dropped) before `watch`: dropping the Rank drains its copies first.
+    cell: RankCell,
+    /// `kvtier._tensors.ArenaWatch`: the tensors, what owns their memory, and the check that
+    /// neither changed.
+    watch: Py<PyAny>,
     device: Option<u32>,
+}
+
+/// The rank of a `PyRank`: shared by the calls in progress on it (each holds an `Arc` for its
+/// whole call, GIL-released sections included) and taken out by `close`, which waits for the
+/// last of them to let go with the GIL released.
+///
+/// `state` is held only for a few instructions (never across a wait for the GIL, a copy or a
+/// daemon round trip; `Condvar::wait` releases it), so taking it with the GIL held cannot
+/// deadlock, and no lock is held across a GIL-released section.
+struct RankCell {
+    state: Mutex<Option<Arc<Rank>>>,
+    /// Signalled whenever a call in progress lets go of the rank.
+    released: Condvar,
+}
+
+/// A call in progress on a rank: keeps the rank open (and `close` waiting) until dropped.
+struct RankUse<'a> {
+    cell: &'a RankCell,
+    rank: Option<Arc<Rank>>,
+}
+
+impl std::ops::Deref for RankUse<'_> {
+    type Target = Rank;
+    fn deref(&self) -> &Rank {
+        self.rank.as_deref().expect("taken only by drop")
+    }
+}
+
+impl Drop for RankUse<'_> {
+    fn drop(&mut self) {
+        drop(self.rank.take());
+        // Under the lock, so a `close` between its count check and its wait cannot miss this.
+        let _state = self.cell.lock();
+        self.cell.released.notify_all();
+    }
+}
+
+/// How `RankCell::close` ended.
+enum Closed {
+    /// It was closed already (or being closed by another thread).
+    Already,
+    /// Detached and drained: the tensors may be released.
+    Done,
+    /// Calls or copies still in progress at the deadline: the rank (its backend, its arenas) and
+    /// the tensors are leaked for good, never freed under a copy.
+    Stuck(TierError),
+}
+
+impl RankCell {
+    fn lock(&self) -> MutexGuard<'_, Option<Arc<Rank>>> {
+        // Nothing can panic while the lock is held; a poisoned lock still holds a sound value.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The rank for one call, or None once closed.
+    fn get(&self) -> Option<RankUse<'_>> {
+        let rank = self.lock().clone()?;
+        Some(RankUse { cell: self, rank: Some(rank) })
+    }
+
+    /// Takes the rank out (later calls find it closed), waits until no call in progress holds it,
+    /// then drains and drops it. Blocks: call it with the GIL released. `timeout` bounds the whole
+    /// wait; None waits for good.
+    fn close(&self, timeout: Option<Duration>) -> Closed {
+        let deadline = deadline_after(timeout);
+        let mut state = self.lock();
+        let Some(rank) = state.take() else { return Closed::Already };
+        while Arc::strong_count(&rank) > 1 {
+            state = match deadline {
+                None => self.released.wait(state).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        let calls = Arc::strong_count(&rank) as u64 - 1;
+                        let in_flight = rank.load().batches + calls;
+                        // The calls in progress still use the rank: it must never be dropped.
+                        std::mem::forget(rank);
+                        return Closed::Stuck(TierError::DrainTimeout { in_flight });
+                    }
+                    self.released.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0
+                }
+            };
+        }
+        drop(state);
+        let Ok(rank) = Arc::try_unwrap(rank) else {
+            unreachable!("no call holds the rank: its count was 1 under the lock that `get` takes")
+        };
+        match deadline {
+            Some(d) => match rank.shutdown(d.saturating_duration_since(Instant::now())) {
+                Ok(()) => Closed::Done,
+                Err(e) => Closed::Stuck(e),
+            },
+            None => {
+                drop(rank); // drains: joins the completion threads after their queues are empty
+                Closed::Done
+            }
+        }
+    }
 }
 
 fn closed() -> PyErr {
     Raised::custom("ShuttingDownError", "the rank is closed").into()
+}
+
+impl PyRank {
+    /// The rank for one call (`ShuttingDownError` once closed).
+    fn rank(&self) -> PyResult<RankUse<'_>> {
+        self.cell.get().ok_or_else(closed)
+    }
+
+    /// Raises `ArenaChangedError` if a tensor was resized or its storage replaced since attach.
+    fn check_arenas(&self, py: Python<'_>) -> PyResult<()> {
+        // Seeded bug (tests only): no check, so a rank copies into whatever the tensor's old
+        // address is now.
+        #[cfg(not(kvtier_py_seeded_bug = "no-arena-check"))]
+        self.watch.bind(py).call_method0("check")?;
+        #[cfg(kvtier_py_seeded_bug = "no-arena-check")]
+        let _ = py;
+        Ok(())
+    }
 }
 
 fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
@@ -457,7 +615,9 @@ impl PyRank {
     ///
     /// Returns: `SaveTicket` (`saving`, `resident`, `in_flight`, `dropped`, `handle`, `wait()`).
     /// Raises: `LengthMismatchError`, `PageOutOfRangeError`, `CannotFitError`, `PoolExhaustedError`,
-    /// `KeyLengthError`, `ShuttingDownError`, `DeviceError`.
+    /// `KeyLengthError`, `ShuttingDownError`, `DeviceError`, `ArenaChangedError` (a tensor resized
+    /// or replaced since attach: nothing was saved); on a connected tier also `DisconnectedError`,
+    /// `LimitExceededError`, `ForkedChildError`.
     #[pyo3(signature = (keys, pages, after_stream = None, *, after_event = None, fit = "all", prefix_depth = None))]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     fn save(
@@ -478,8 +638,9 @@ impl PyRank {
             "prefix" => Fit::Prefix,
             f => return Err(config_error(format!("unknown fit `{f}` (all, prefix)"))),
         };
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        let rank = guard.as_ref().ok_or_else(closed)?;
+        let rank = self.rank()?;
+        self.check_arenas(py)?;
+        let rank: &Rank = &rank;
         let ticket = py
             .detach(|| {
                 rank.save_with(&keys, &pages, wait, {
@@ -513,7 +674,9 @@ impl PyRank {
     /// Returns: `CopyHandle`.
     /// Raises: `LeaseTooShortError`, `LeaseSettledError`, `ForeignLeaseError`,
     /// `PageOutOfRangeError`, `DuplicateDestinationError`, `TooManyPinsError`,
-    /// `ShuttingDownError`, `DeviceError`.
+    /// `ShuttingDownError`, `DeviceError`, `ArenaChangedError` (a tensor resized or replaced since
+    /// attach: nothing was restored, the lease keeps its use); on a connected tier also
+    /// `DisconnectedError`, `ForkedChildError`.
     #[pyo3(signature = (lease, pages, after_stream = None, *, after_event = None))]
     fn restore(
         &self,
@@ -525,9 +688,10 @@ impl PyRank {
     ) -> PyResult<PyCopyHandle> {
         let pages = ints_of(pages)?;
         let wait = wait_for(after_stream, after_event)?;
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        let rank = guard.as_ref().ok_or_else(closed)?;
-        let lease = &lease.inner;
+        let rank = self.rank()?;
+        self.check_arenas(py)?;
+        let rank: &Rank = &rank;
+        let lease: &Lease = &lease.inner;
         let handle = py.detach(|| rank.restore(lease, &pages, wait)).py()?;
         Ok(PyCopyHandle { inner: handle })
     }
@@ -535,8 +699,7 @@ impl PyRank {
     /// What this rank has in flight, as a dict: `save_gpu_pages` (pages that saves still read:
     /// do not reuse them yet), `restore_slots`, `batches`.
     fn load<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        to_py(py, &guard.as_ref().ok_or_else(closed)?.load())
+        to_py(py, &self.rank()?.load())
     }
 
     /// Blocks (GIL released) until nothing is in flight, or `timeout` seconds pass.
@@ -545,8 +708,8 @@ impl PyRank {
     #[pyo3(signature = (timeout = None))]
     fn drain(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let deadline = deadline_after(seconds(timeout)?);
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        let rank = guard.as_ref().ok_or_else(closed)?;
+        let rank = self.rank()?;
+        let rank: &Rank = &rank;
         loop {
             match py.detach(|| rank.drain(slice_until(deadline))) {
                 Ok(()) => return Ok(()),
@@ -556,49 +719,53 @@ impl PyRank {
         }
     }
 
-    /// Drains in-flight copies (GIL released), detaches the rank and releases its tensors.
-    /// Idempotent. With `timeout` (seconds) and copies still running then, the tensors are kept
-    /// referenced forever (never freed under a copy) and `DrainTimeoutError` is raised.
+    /// Closes the rank: later calls raise `ShuttingDownError`; then waits, with the GIL released,
+    /// for the calls in progress on other threads (a save, restore or drain) to return and for the
+    /// in-flight copies to drain, detaches the rank and releases its tensors. Idempotent (a second
+    /// call, also one made while the first is waiting, returns at once). With `timeout` (seconds)
+    /// and calls or copies still running then, the rank and its tensors are kept for good (never
+    /// freed under a copy) and `DrainTimeoutError` is raised (`in_flight`: batches in flight plus
+    /// calls in progress).
     #[pyo3(signature = (timeout = None))]
     fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = seconds(timeout)?;
-        let taken = self.rank.write().unwrap_or_else(|p| p.into_inner()).take();
-        let Some(rank) = taken else { return Ok(()) };
-        let result = py.detach(|| match timeout {
-            Some(t) => rank.shutdown(t),
-            None => {
-                drop(rank); // drains: joins the completion threads after their queues are empty
+        // Seeded bug (tests only): waiting for the calls in progress with the GIL held, which a
+        // call in progress needs to return.
+        #[cfg(kvtier_py_seeded_bug = "close-waits-holding-gil")]
+        let closed = self.cell.close(timeout);
+        #[cfg(not(kvtier_py_seeded_bug = "close-waits-holding-gil"))]
+        let closed = py.detach(|| self.cell.close(timeout));
+        match closed {
+            Closed::Already => Ok(()),
+            Closed::Done => {
+                self.watch.bind(py).call_method0("release")?;
                 Ok(())
             }
-        });
-        let tensors = self.tensors.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match result {
-            Ok(()) => {
-                drop(tensors);
-                Ok(())
-            }
-            Err(e) => {
+            Closed::Stuck(e) => {
                 // Copies may still use the tensors' memory: keep them alive for good.
-                std::mem::forget(tensors);
+                std::mem::forget(self.watch.clone_ref(py));
+                // Seeded bug (tests only): the tensors released under the calls still in progress.
+                #[cfg(kvtier_py_seeded_bug = "close-timeout-releases-tensors")]
+                self.watch.bind(py).call_method0("release")?;
                 Err(e).py()
             }
         }
     }
 
-    /// True once `close()` has run.
+    /// True once `close()` has been called.
     #[getter]
     fn closed(&self) -> bool {
-        self.rank.read().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.cell.lock().is_none()
     }
     /// The rank's id within its tier (attach order, from 0).
     #[getter]
     fn id(&self) -> PyResult<u32> {
-        Ok(self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref().ok_or_else(closed)?.id())
+        Ok(self.rank()?.id())
     }
     /// The copy backend: `cuda` or `host`.
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
-        Ok(self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref().ok_or_else(closed)?.backend_name())
+        Ok(self.rank()?.backend_name())
     }
     /// The CUDA device ordinal, or None for a host rank.
     #[getter]
@@ -614,7 +781,7 @@ impl PyRank {
         Ok(false)
     }
     fn __repr__(&self) -> String {
-        match self.rank.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        match self.cell.get() {
             Some(r) => format!("Rank(id={}, backend={}, device={:?})", r.id(), r.backend_name(), self.device),
             None => "Rank(closed)".into(),
         }
@@ -624,9 +791,32 @@ impl PyRank {
 /// Pins on the blocks a query found, in key order, settled exactly once: by the restores it
 /// allows (`uses`), by `release()`, by leaving its `with` block, or by garbage collection.
 /// `len(lease)` is the number of leading keys found (0: nothing to restore; the lease is falsy).
+///
+/// On a tier from `kvtier.connect`, `settled`, `uses_left`, `release()`, `__exit__` and `repr`
+/// ask the daemon (GIL released); garbage collection never waits (the daemon is told from
+/// another thread).
 #[pyclass(module = "kvtier", name = "Lease", frozen)]
 pub struct PyLease {
-    inner: Lease,
+    /// Taken only by `Drop`, which hands it to `reaper::drop_lease`.
+    inner: ManuallyDrop<Lease>,
+}
+
+impl PyLease {
+    fn new(inner: Lease) -> Self {
+        PyLease { inner: ManuallyDrop::new(inner) }
+    }
+}
+
+impl Drop for PyLease {
+    fn drop(&mut self) {
+        // SAFETY: `inner` is taken once, here, and never used afterwards (self is being dropped).
+        let lease = unsafe { ManuallyDrop::take(&mut self.inner) };
+        // Seeded bug (tests only): dropped here, waiting for the daemon connection with the GIL.
+        #[cfg(kvtier_py_seeded_bug = "lease-drop-inline")]
+        drop(lease);
+        #[cfg(not(kvtier_py_seeded_bug = "lease-drop-inline"))]
+        reaper::drop_lease(lease);
+    }
 }
 
 #[pymethods]
@@ -639,15 +829,19 @@ impl PyLease {
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         self.inner.blocks().iter().map(|b| PyBytes::new(py, &b.key.0)).collect()
     }
-    /// True once the lease has settled (its pins are gone).
+    /// True once the lease has settled (its pins are gone). A connected tier's lease asks the
+    /// daemon (GIL released); a lost connection counts as settled.
     #[getter]
-    fn settled(&self) -> bool {
-        self.inner.is_settled()
+    fn settled(&self, py: Python<'_>) -> bool {
+        let lease: &Lease = &self.inner;
+        py.detach(|| lease.is_settled())
     }
-    /// Restores this lease still allows (0 once settled).
+    /// Restores this lease still allows (0 once settled). A connected tier's lease asks the
+    /// daemon (GIL released).
     #[getter]
-    fn uses_left(&self) -> u32 {
-        self.inner.uses_left()
+    fn uses_left(&self, py: Python<'_>) -> u32 {
+        let lease: &Lease = &self.inner;
+        py.detach(|| lease.uses_left())
     }
     /// For a lease of a tier from `kvtier.connect`: 16 bytes that another process connected to the
     /// same daemon passes to `Tier.open_lease` to restore from this lease. None for an in-process
@@ -657,25 +851,23 @@ impl PyLease {
         self.inner.token().map(|t| PyBytes::new(py, &t.to_bytes()))
     }
     /// Settles now, dropping the pins (restores already submitted complete normally). Returns True
-    /// if this call settled it.
-    fn release(&self) -> bool {
-        self.inner.clone().release()
+    /// if this call settled it. GIL released (a daemon round trip on a connected tier).
+    fn release(&self, py: Python<'_>) -> bool {
+        let lease: &Lease = &self.inner;
+        py.detach(|| lease.clone().release())
     }
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.inner.clone().release();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.release(py);
         false
     }
-    fn __repr__(&self) -> String {
-        format!(
-            "Lease(blocks={}, uses_left={}, settled={})",
-            self.inner.len(),
-            self.uses_left(),
-            py_bool(self.settled())
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let lease: &Lease = &self.inner;
+        let (uses_left, settled) = py.detach(|| (lease.uses_left(), lease.is_settled()));
+        format!("Lease(blocks={}, uses_left={}, settled={})", lease.len(), uses_left, py_bool(settled))
     }
 }
 

@@ -11,9 +11,9 @@ from conftest import PAGES, make_arrays
 def test_every_rust_error_variant_maps_to_its_class_with_fields():
     examples = kvtier._kvtier._error_examples()
     names = {name for name, _ in examples}
-    # One class per variant of GeometryError (12), PoolError (8), CopyError (8), TierError (14,
+    # One class per variant of GeometryError (12), PoolError (8), CopyError (8), TierError (19,
     # Copy aside), plus kvtier::Error's Verification and Config.
-    assert len(names) == 12 + 8 + 8 + 14 + 2
+    assert len(names) == 12 + 8 + 8 + 19 + 2
     for name, exc in examples:
         cls = getattr(errors, name)
         assert type(exc) is cls, (name, type(exc))
@@ -40,6 +40,40 @@ def test_every_rust_error_variant_maps_to_its_class_with_fields():
     assert isinstance(by["DisconnectedError"], kvtier.TierError) and isinstance(by["DisconnectedError"], ConnectionError)
     assert "restarted" in by["DisconnectedError"].reason
     assert (by["ProtocolMismatchError"].daemon, by["ProtocolMismatchError"].client) == (2, 1)
+
+
+def test_the_bounded_protocol_errors_map_to_their_classes_with_fields():
+    examples = kvtier._kvtier._error_examples()
+    by = {n: e for n, e in examples}
+    # Every bound (kvtier::Limit) has its own name; none falls back to "other".
+    limits = [e for n, e in examples if n == "LimitExceededError"]
+    assert sorted(e.limit for e in limits) == sorted(
+        [
+            "frame_bytes",
+            "keys_per_request",
+            "evict_blocks",
+            "hints_per_connection",
+            "hint_keys_per_connection",
+            "leases_per_connection",
+            "copies_per_connection",
+            "connections",
+            "lease_uses",
+            "frame_bytes",
+        ]
+    )
+    first = limits[0]
+    assert (first.limit, first.asked, first.max) == ("frame_bytes", 1 << 30, 1 << 26)
+    assert "frame size" in str(first)
+    assert isinstance(first, kvtier.TierError) and isinstance(first, ValueError)
+    assert by["ProtocolError"].reason == "a second hello on one connection"
+    assert not isinstance(by["ProtocolError"], kvtier.DisconnectedError)
+    p = by["PanickedError"]
+    assert (p.request, p.panic_message) == ("evict", "capacity overflow") and str(p) == p.message
+    assert (by["ForkedChildError"].owner, by["ForkedChildError"].current) == (100, 101)
+    u = by["UntrustedDaemonError"]
+    assert (u.expected, u.found) == (1000, 0) and isinstance(u, PermissionError)
+    for name in ("LimitExceededError", "ProtocolError", "PanickedError", "ForkedChildError", "UntrustedDaemonError"):
+        assert issubclass(getattr(kvtier, name), kvtier.TierError)
 
 
 def test_every_exception_class_is_exported_and_documented():

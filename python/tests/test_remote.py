@@ -88,3 +88,86 @@ def test_no_daemon_is_a_typed_error(tmp_path, geometry):
     with pytest.raises(kvtier.ForeignLeaseError):
         kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain").open_lease(bytes(16))
     assert kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain").query([]).token is None
+
+
+def test_evict_takes_any_count_and_clamps_it(socket_path, geometry, arrays):
+    # 2**64 - 1 blocks once panicked under the eviction lock; 2**64 and more overflowed the
+    # conversion. Any count beyond the pool means "every evictable block"; the tier stays usable.
+    local = kvtier.Tier(geometry, 8 * geometry.slot_bytes, "lru", backing="plain")
+    for tier in (local, kvtier.connect(socket_path, geometry)):
+        with tier.attach_host(make_arrays()) as rank:
+            keys = tier.namespace.keys([bytes([i]) for i in range(8)])
+            assert rank.save(keys[:3], [0, 1, 2]).wait(60)
+            assert tier.evict(2**64) == 3  # beyond usize
+            assert rank.save(keys[:3], [0, 1, 2]).wait(60)
+            assert tier.evict(2**64 - 1) == 3  # usize::MAX
+            assert tier.evict(10**30) == 0 and tier.evict(0) == 0
+            with pytest.raises(ValueError):
+                tier.evict(-1)
+            with pytest.raises(TypeError):
+                tier.evict(1.5)
+            # A full pool, then a save that must evict: the eviction path still works.
+            assert rank.save(keys, range(8)).wait(60)
+            more = tier.namespace.keys([b"more"])
+            assert rank.save(more, [9], fit="prefix").wait(60)
+            assert tier.evict(2**63) == 8 and tier.stats()["ready_slots"] == 0
+
+
+def test_a_forked_child_gets_forked_child_error(socket_path, geometry, arrays):
+    # The connection belongs to the process that connected: a child forked after connect (a
+    # multiprocessing worker with the fork start method) gets ForkedChildError from every call,
+    # with both pids, and can connect on its own.
+    import json
+    import os
+
+    tier = kvtier.connect(socket_path, geometry)
+    rank = tier.attach_host(arrays)
+    keys = tier.namespace.keys([b"f0", b"f1"])
+    assert rank.save(keys, [1, 2]).wait(60)
+    lease = tier.query(keys)
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what each call raised, then leave without cleanup
+        os.close(r)
+        out = {}
+        try:
+            calls = {
+                "stats": tier.stats,
+                "query": lambda: tier.query(keys),
+                "contains": lambda: tier.contains(keys[0]),
+                "save": lambda: rank.save(tier.namespace.keys([b"child"]), [3]),
+                "restore": lambda: rank.restore(lease, [4]),
+                "release": lease.release,
+            }
+            for name, call in calls.items():
+                try:
+                    call()
+                    out[name] = "returned"
+                except kvtier.ForkedChildError as e:
+                    out[name] = ["ForkedChildError", e.owner, e.current]
+                except BaseException as e:  # noqa: B036 (reported to the parent)
+                    out[name] = [type(e).__name__, str(e)]
+            try:
+                own = kvtier.connect(socket_path, geometry)
+                out["reconnect"] = own.contains(keys[0])
+            except BaseException as e:  # noqa: B036
+                out["reconnect"] = [type(e).__name__, str(e)]
+        finally:
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = json.loads(f.read())
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    # Calls that reach the daemon raise ForkedChildError with both pids. (`release` of a lease
+    # is a bool: it returns False in a child whose connection is not its own.)
+    for name in ("stats", "query", "save", "restore"):
+        assert got[name] == ["ForkedChildError", parent, pid], (name, got)
+    assert got["contains"] in (["ForkedChildError", parent, pid], "returned"), got
+    assert got["reconnect"] is True, got
+    # The parent's connection is untouched.
+    assert tier.contains(keys[0]) and len(lease) == 2 and lease.uses_left == 1
+    assert rank.restore(lease, [5]).wait(60)
+    rank.close()
