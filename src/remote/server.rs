@@ -1318,3 +1318,100 @@ pub fn drive_session(tier: HostTier, limits: Limits, mut bytes: &[u8]) -> Result
     drop(session);
     Ok(replies)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ArenaSpec, BackingChoice, Geometry, PoolConfig, TierConfig};
+
+    fn shared(slots: u64) -> Arc<Shared> {
+        let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
+        let bytes = slots * g.slot_bytes();
+        let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+        Arc::new(Shared::new(HostTier::new_shared(cfg).unwrap(), Limits::default()))
+    }
+
+    fn keys(shared: &Shared, r: std::ops::Range<u64>) -> Vec<ContentKey> {
+        r.map(|i| shared.tier.namespace().trace_page_key(i, 0)).collect()
+    }
+
+    fn prepare(keys: &[ContentKey]) -> Request {
+        Request::PrepareSave { keys: keys.to_vec(), prefix: false, prefix_depth: None, parent: None }
+    }
+
+    /// A pidfd of this (live) process.
+    fn own_pidfd() -> OwnedFd {
+        // SAFETY: pidfd_open of our own pid returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
+        assert!(fd >= 0, "pidfd_open: {}", std::io::Error::last_os_error());
+        // SAFETY: a new fd nobody else owns.
+        unsafe { OwnedFd::from_raw_fd(fd as i32) }
+    }
+
+    #[test]
+    fn a_session_dropped_by_an_unwinding_thread_withholds_its_writes_and_drops_its_leases() {
+        let sh = shared(16);
+        let ready = keys(&sh, 0..2);
+        let pending = keys(&sh, 10..13);
+        let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
+        let (sh2, ready2, pending2) = (sh.clone(), ready.clone(), pending.clone());
+        let t = std::thread::spawn(move || {
+            let Reply::SavePrepared { save, .. } = s.run(prepare(&ready2)) else { panic!("prepare") };
+            assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+            assert!(matches!(s.run(Request::Query { keys: ready2, uses: 1 }), Reply::Leased { .. }));
+            let Reply::SavePrepared { slots, .. } = s.run(prepare(&pending2)) else { panic!("prepare") };
+            assert_eq!(slots.len(), 3);
+            assert_eq!(sh2.core.audit(&[]).unwrap().pinned, 2);
+            // The thread unwinds with the session (a bug anywhere outside a request's catch_unwind).
+            panic!("the connection's thread unwinds");
+        });
+        assert!(t.join().is_err());
+        let a = sh.core.audit(&ready).unwrap();
+        assert_eq!(a.writing, 3, "the live writer's slots are withheld, not freed under its copy: {a:?}");
+        assert_eq!(a.pinned, 0, "the session's lease was settled: {a:?}");
+        assert!(sh.leases.lock().unwrap().is_empty());
+        assert_eq!(sh.parked.lock().unwrap().len(), 1, "withheld until the process is gone");
+        // A save by another session gets other slots.
+        let others = keys(&sh, 20..33);
+        let r = drive(&sh, prepare(&others));
+        assert!(matches!(r, Reply::SavePrepared { ref slots, .. } if slots.len() == 13), "{r:?}");
+    }
+
+    fn drive(sh: &Arc<Shared>, req: Request) -> Reply {
+        let mut s = Session::new(sh.clone(), None, None);
+        s.gone_at_end = true;
+        s.run(req)
+    }
+
+    #[test]
+    fn a_panicking_request_is_a_typed_error_and_the_session_goes_on() {
+        let sh = shared(8);
+        let _ = sh.panic_hook.set(Box::new(|r| matches!(r, Request::Stats)));
+        let k = keys(&sh, 0..2);
+        let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
+        let Reply::SavePrepared { save, .. } = s.run(prepare(&k)) else { panic!("prepare") };
+        match s.run(Request::Stats) {
+            Reply::Error(WireError::Panicked { request, .. }) => assert_eq!(request, "Stats"),
+            r => panic!("{r:?}"),
+        }
+        assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+        assert!(sh.tier.contains(&k[0]));
+        drop(s);
+        assert!(sh.parked.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn drive_session_runs_encoded_requests_and_releases_everything() {
+        let sh = shared(8);
+        let k = keys(&sh, 0..3);
+        let mut bytes = Vec::new();
+        for r in [prepare(&k), Request::FinishSave { save: 1, outcome: Outcome::Done }, Request::Query { keys: k.clone(), uses: 2 }, Request::Restore { lease: 0, blocks: 2 }, prepare(&keys(&sh, 5..7))] {
+            bytes.extend(postcard::to_stdvec(&r).unwrap());
+        }
+        let replies = drive_session(sh.tier.clone(), Limits::default(), &bytes).unwrap();
+        assert_eq!(replies.len(), 5);
+        assert!(matches!(replies[3], Reply::Restoring { ref slots, .. } if slots.len() == 2), "{:?}", replies[3]);
+        let a = sh.core.audit(&k).unwrap();
+        assert_eq!((a.writing, a.pinned, a.ready), (0, 0, 3), "{a:?}");
+    }
+}
