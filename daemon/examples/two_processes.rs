@@ -16,8 +16,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let socket = std::env::var_os("KVTIERD_SOCKET")
-        .map_or_else(kvtier::remote::default_socket_path, std::path::PathBuf::from);
+    let socket =
+        std::env::var_os("KVTIERD_SOCKET").map_or_else(kvtier::remote::default_socket_path, std::path::PathBuf::from);
     let args: Vec<String> = std::env::args().collect();
     let tier = HostTier::connect(&socket)?;
     let geometry = tier.geometry().with_pages(64)?; // this process's pages per arena

@@ -502,7 +502,9 @@ impl From<&TierError> for WireError {
                 WireError::GeometryMismatch { backend: backend.clone(), tier: tier.clone() }
             }
             T::ProtocolMismatch { daemon, client } => WireError::ProtocolMismatch { daemon: *daemon, client: *client },
-            T::LimitExceeded { limit, asked, max } => WireError::LimitExceeded { limit: *limit, asked: *asked, max: *max },
+            T::LimitExceeded { limit, asked, max } => {
+                WireError::LimitExceeded { limit: *limit, asked: *asked, max: *max }
+            }
             T::Protocol { reason } => WireError::Protocol(reason.clone()),
             T::Panicked { request, message } => {
                 WireError::Panicked { request: request.clone(), message: message.clone() }
@@ -664,7 +666,10 @@ pub fn read_len(r: &mut impl Read) -> std::io::Result<usize> {
 pub fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> std::io::Result<()> {
     buf.clear();
     #[cfg(kvtier_seeded_bug = "frame-prealloc")]
-    buf.reserve(len);
+    {
+        buf.resize(len, 0);
+        buf.clear();
+    }
     while buf.len() < len {
         let at = buf.len();
         buf.resize(at + (len - at).min(READ_CHUNK), 0);

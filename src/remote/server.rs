@@ -174,6 +174,9 @@ fn limit(limit: Limit, asked: usize, max: usize) -> TierError {
 }
 
 fn misuse(reason: impl Into<String>) -> TierError {
+    if cfg!(kvtier_seeded_bug = "misuse-untyped") {
+        return TierError::Disconnected { reason: reason.into() };
+    }
     TierError::Protocol { reason: reason.into() }
 }
 
@@ -863,6 +866,10 @@ fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
 /// Clears the way for a socket at `path`: nothing there, or a stale socket (nobody accepts on it:
 /// a connect is refused), which is removed. Anything else is an error and is left alone.
 fn clear_stale_socket(path: &Path) -> Result<(), Error> {
+    #[cfg(kvtier_seeded_bug = "bind-deletes-anything")]
+    if UnixStream::connect(path).is_err() {
+        let _ = std::fs::remove_file(path);
+    }
     let m = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
@@ -995,7 +1002,7 @@ impl Server {
             let live = self.shared.live.fetch_add(1, Ordering::AcqRel) + 1;
             let slot = ConnSlot(self.shared.clone());
             let stream = Arc::new(stream);
-            if live > limits.connections {
+            if live > limits.connections && !cfg!(kvtier_seeded_bug = "no-connection-limit") {
                 tracing::warn!("refusing a connection: {} are open, the limit is {}", live - 1, limits.connections);
                 let e = WireError::LimitExceeded {
                     limit: Limit::Connections,
@@ -1013,6 +1020,8 @@ impl Server {
                 .stack_size(limits.thread_stack_bytes)
                 .spawn(move || serve(shared, &s, slot));
             if let Err(e) = spawned {
+                #[cfg(kvtier_seeded_bug = "spawn-failure-stops-daemon")]
+                return Err(e);
                 tracing::warn!("refusing a connection: its thread cannot start: {e}");
                 let e = WireError::Other(format!("the daemon could not start a thread for this connection: {e}"));
                 refuse(&self.shared, stream, e);
@@ -1172,8 +1181,8 @@ fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     let limits = shared.limits;
     let (peer, pidfd) = peer_process(stream);
     let pid = peer.pid;
-    if stream.set_read_timeout(Some(limits.hello_timeout)).is_err()
-        || stream.set_write_timeout(Some(limits.write_timeout)).is_err()
+    let write_timeout = (!cfg!(kvtier_seeded_bug = "no-write-timeout")).then_some(limits.write_timeout);
+    if stream.set_read_timeout(Some(limits.hello_timeout)).is_err() || stream.set_write_timeout(write_timeout).is_err()
     {
         return;
     }
@@ -1187,7 +1196,8 @@ fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                 return Ok(Incoming::Oversized { len: len as u64 });
             }
             proto::read_payload(&mut r, len, &mut buf)?;
-            Ok(proto::decode(&buf).map_or_else(|e: std::io::Error| Incoming::Undecodable(e.to_string()), Incoming::Request))
+            Ok(proto::decode(&buf)
+                .map_or_else(|e: std::io::Error| Incoming::Undecodable(e.to_string()), Incoming::Request))
         });
         match read {
             Ok(h) => h,
@@ -1237,6 +1247,8 @@ fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                     Some(reply)
                 }
             }
+            #[cfg(kvtier_seeded_bug = "oversized-frame-closes")]
+            Ok(Incoming::Oversized { .. }) => break,
             Ok(Incoming::Oversized { len }) => Some(Reply::Error(WireError::LimitExceeded {
                 limit: Limit::FrameBytes,
                 asked: len,
@@ -1405,7 +1417,13 @@ mod tests {
         let sh = shared(8);
         let k = keys(&sh, 0..3);
         let mut bytes = Vec::new();
-        for r in [prepare(&k), Request::FinishSave { save: 1, outcome: Outcome::Done }, Request::Query { keys: k.clone(), uses: 2 }, Request::Restore { lease: 0, blocks: 2 }, prepare(&keys(&sh, 5..7))] {
+        for r in [
+            prepare(&k),
+            Request::FinishSave { save: 1, outcome: Outcome::Done },
+            Request::Query { keys: k.clone(), uses: 2 },
+            Request::Restore { lease: 0, blocks: 2 },
+            prepare(&keys(&sh, 5..7)),
+        ] {
             bytes.extend(postcard::to_stdvec(&r).unwrap());
         }
         let replies = drive_session(sh.tier.clone(), Limits::default(), &bytes).unwrap();
