@@ -4,15 +4,18 @@
 # then fail with the expected message.
 #
 # Usage: ci/daemon.sh          the hostile-client suite and the daemon's unit tests
-#        ci/daemon.sh bites    each seeded daemon bug makes its test fail
+#        ci/daemon.sh bites [BUG...]   each seeded daemon bug (or the ones named) makes its test fail
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=0
 if [[ ${1:-} == bites ]]; then
+    shift
+    only=" $* "
     fail=0
     # bug | test target (lib or a daemon test file) | test name | expected message
     while IFS='|' read -r bug target test msg; do
         [[ -z $bug ]] && continue
+        [[ $# -gt 0 && $only != *" $bug "* ]] && continue
         if [[ $target == lib ]]; then
             cmd=(cargo test --release -p kvtier --features remote --lib "$test" -- --exact "remote::$test")
         else
@@ -38,12 +41,12 @@ frame-prealloc|lib|proto::tests::a_length_prefix_alone_allocates_nothing_near_it
 session-outlives-process|hostile|connect_then_fork_then_kill_9_of_the_parent_ends_its_session|the session of the killed parent ends
 hints-outlive-connection|hostile|hints_leases_and_copies_are_bounded_per_connection_and_go_with_it|the connection's hints and leases are gone
 frame-prealloc|hostile|a_length_prefix_alone_makes_the_daemon_hold_no_memory|16 length prefixes grew the daemon
-bind-deletes-anything|hostile|bind_replaces_only_a_stale_socket_and_makes_it_private|not a socket
-spawn-failure-stops-daemon|hostile|a_connection_whose_thread_cannot_start_is_refused_and_the_daemon_goes_on|could not start a thread
-misuse-untyped|hostile|garbage_truncated_and_out_of_order_frames_get_typed_answers|Protocol
+bind-deletes-anything|hostile|bind_replaces_only_a_stale_socket_and_makes_it_private|bind took the path of a regular file
+spawn-failure-stops-daemon|hostile|a_connection_whose_thread_cannot_start_is_refused_and_the_daemon_goes_on|the refusal does not say a thread could not start
+misuse-untyped|hostile|garbage_truncated_and_out_of_order_frames_get_typed_answers|misuse not answered Protocol
 oversized-frame-closes|hostile|oversized_frames_and_requests_over_a_bound_are_refused_and_the_connection_kept|a reply
 no-connection-limit|hostile|connections_over_the_limit_are_refused_and_silent_ones_closed_at_the_hello_deadline|a fourth connection was served
-no-write-timeout|hostile|a_client_that_never_reads_its_replies_is_dropped_with_everything_it_held|the daemon kept a connection that never reads
+no-write-timeout|hostile|a_client_that_never_reads_its_replies_is_dropped_with_everything_it_held|the lease and the hint are gone
 BITES
     # Build the normal crate again so later steps do not pick up a seeded build.
     cargo build --release -p kvtierd -q
