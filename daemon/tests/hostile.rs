@@ -466,23 +466,32 @@ fn lease_ids_cannot_be_guessed_and_another_runs_token_is_refused() {
     nothing_left_over(&obs, &k);
 }
 
+/// The process a client forked for a test (by its id), killed when the test ends, however it ends.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill of the one process the client forked for this test, by its id.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
 #[test]
 fn connect_then_fork_then_kill_9_of_the_parent_ends_its_session() {
     let d = Daemon::start(64);
     engine_is_served(&d.socket, 0..4);
     let obs = observer(&d.socket);
     let mut c = Client::start(&d.socket, "fork-and-hold", &[]);
-    let child: i32 = c.expect("FORKED").parse().unwrap();
+    let child = KillOnDrop(c.expect("FORKED").parse().unwrap());
     assert_eq!(obs.stats().live_leases, 1);
     assert_eq!(obs.live_hints(), 1);
     c.kill9();
     soon("the session of the killed parent ends although its forked child holds the socket", || {
         obs.stats().live_leases == 0 && obs.stats().pinned_slots == 0 && obs.live_hints() == 0
     });
-    // SAFETY: signal 0 only checks that `child` (our client's child) exists.
-    let alive = unsafe { libc::kill(child, 0) } == 0;
-    // SAFETY: kill of the process the client forked for this test (by its id).
-    unsafe { libc::kill(child, libc::SIGKILL) };
+    // SAFETY: signal 0 only checks that the client's forked child exists.
+    let alive = unsafe { libc::kill(child.0, 0) } == 0;
+    drop(child);
     assert!(alive, "the forked child was alive while the session ended");
     nothing_left_over(&obs, &keys(&obs, 0..4));
     served_and_clean(&d.socket, 8..16);
@@ -654,6 +663,17 @@ fn bind_replaces_only_a_stale_socket_and_makes_it_private() {
     assert_eq!(mode(sock.parent().unwrap()), 0o700);
     assert_eq!(mode(stale.path()), 0o600);
     drop(live);
+    // With a group: 0660 and that group (our own group here, which any process may give its files).
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: getegid takes nothing and cannot fail.
+    let gid = unsafe { libc::getegid() };
+    let grouped = dir.path().join("grouped.sock");
+    let server =
+        Server::bind_with(&grouped, test_tier(4), ServerConfig { limits: Limits::default(), group: Some(gid) })
+            .expect("a socket for a group");
+    assert_eq!(mode(&grouped), 0o660);
+    assert_eq!(std::fs::metadata(&grouped).unwrap().gid(), gid);
+    drop(server);
     // The default path is in a private runtime directory.
     let p = kvtier::remote::default_socket_path();
     assert!(p.ends_with("kvtierd.sock"));
