@@ -548,11 +548,14 @@ fn client_role() {
             let (_save, slots) = r.prepare(&keys(&obs, 200..203));
             assert_eq!(slots.len(), 3);
             let lease = r.query(&keys(&obs, 0..4), 1);
-            match r.call(&Request::Restore { lease, blocks: 4 }) {
-                Reply::Restoring { slots, .. } => assert_eq!(slots.len(), 4),
+            let restore = match r.call(&Request::Restore { lease, blocks: 4 }) {
+                Reply::Restoring { restore, slots } => {
+                    assert_eq!(slots.len(), 4);
+                    restore
+                }
                 other => panic!("{other:?}"),
-            }
-            r.send(&Request::RestoreSubmitted { restore: 1 });
+            };
+            r.send(&Request::RestoreSubmitted { restore });
             assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
             say("HOLDING");
             while hear().is_some() {}
