@@ -3,7 +3,7 @@
 //! and restores the blocks into its own arenas, checking every byte.
 //!
 //! ```sh
-//! cargo run --release -p kvtierd -- --geometry llama3-8b --pool 1GiB &    # listens on /tmp/kvtierd.sock
+//! cargo run --release -p kvtierd -- --geometry llama3-8b --pool 1GiB &    # default_socket_path()
 //! cargo run --release -p kvtierd --example two_processes
 //! ```
 //! Host arenas stand in for GPU memory, so it runs anywhere; with `kvtier::cuda::CudaArenas` (or an
@@ -16,7 +16,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let socket = std::env::var("KVTIERD_SOCKET").unwrap_or_else(|_| "/tmp/kvtierd.sock".into());
+    let socket =
+        std::env::var_os("KVTIERD_SOCKET").map_or_else(kvtier::remote::default_socket_path, std::path::PathBuf::from);
     let args: Vec<String> = std::env::args().collect();
     let tier = HostTier::connect(&socket)?;
     let geometry = tier.geometry().with_pages(64)?; // this process's pages per arena

@@ -3,7 +3,7 @@
 //! daemon") for the protocol and what happens when an engine dies.
 
 use clap::Parser;
-use kvtier::remote::Server;
+use kvtier::remote::{Limits, Server, ServerConfig};
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -12,9 +12,51 @@ use std::time::{Duration, Instant};
 #[derive(Parser, Debug)]
 #[command(name = "kvtierd", version)]
 struct Args {
-    /// Unix socket to listen on.
-    #[arg(long, default_value = "/tmp/kvtierd.sock")]
-    socket: PathBuf,
+    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/kvtierd.sock; as root
+    /// /run/kvtierd/kvtierd.sock; else /tmp/kvtierd-$UID/kvtierd.sock]. Its directory is created
+    /// (0700) if missing; a stale socket there is replaced, anything else is left alone (an error).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Let members of group NAME connect too: the socket becomes 0660 of that group (default: 0600,
+    /// the daemon's own uid only). The socket's directory must let the group reach it.
+    #[arg(long, value_name = "NAME")]
+    group: Option<String>,
+    /// Connections served at once; one more is refused with a typed error.
+    #[arg(long, default_value_t = Limits::default().connections)]
+    max_connections: usize,
+    /// Seconds from accept to a complete hello.
+    #[arg(long, default_value_t = Limits::default().hello_timeout.as_secs_f64())]
+    hello_timeout: f64,
+    /// Seconds a request frame may take to arrive once it has begun.
+    #[arg(long, default_value_t = Limits::default().frame_timeout.as_secs_f64())]
+    frame_timeout: f64,
+    /// Seconds a reply may wait for its client to read it; past it the connection is closed.
+    #[arg(long, default_value_t = Limits::default().write_timeout.as_secs_f64())]
+    write_timeout: f64,
+    /// Largest request frame, bytes (at most 64 MiB).
+    #[arg(long, default_value_t = Limits::default().frame_bytes)]
+    max_frame_bytes: usize,
+    /// Keys one query, save, hint or audit may name.
+    #[arg(long, default_value_t = Limits::default().keys_per_request)]
+    max_keys_per_request: usize,
+    /// Hints one connection holds at once.
+    #[arg(long, default_value_t = Limits::default().hints_per_connection)]
+    max_hints: usize,
+    /// Distinct keys over one connection's hints.
+    #[arg(long, default_value_t = Limits::default().hint_keys_per_connection)]
+    max_hint_keys: usize,
+    /// Lease handles one connection holds at once.
+    #[arg(long, default_value_t = Limits::default().leases_per_connection)]
+    max_leases: usize,
+    /// Saves and restores one connection has in flight at once.
+    #[arg(long, default_value_t = Limits::default().copies_per_connection)]
+    max_copies: usize,
+    /// Uses one lease may have.
+    #[arg(long, default_value_t = Limits::default().lease_uses)]
+    max_lease_uses: u32,
+    /// Stack size of a connection's thread, bytes.
+    #[arg(long, default_value_t = Limits::default().thread_stack_bytes)]
+    thread_stack: usize,
     /// Block layout preset: glm52, qwen3-4b, deepseek-v3, deepseek-v3-bf16, llama3-8b.
     #[arg(long, conflicts_with_all = ["model", "arena"])]
     geometry: Option<String>,
@@ -104,6 +146,36 @@ fn config(a: &Args) -> Result<TierConfig, String> {
     Ok(cfg)
 }
 
+fn seconds(flag: &str, s: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(s).map_err(|_| format!("--{flag} {s}: not a number of seconds"))
+}
+
+fn server_config(a: &Args) -> Result<ServerConfig, String> {
+    let limits = Limits {
+        connections: a.max_connections,
+        hello_timeout: seconds("hello-timeout", a.hello_timeout)?,
+        frame_timeout: seconds("frame-timeout", a.frame_timeout)?,
+        write_timeout: seconds("write-timeout", a.write_timeout)?,
+        frame_bytes: a.max_frame_bytes,
+        keys_per_request: a.max_keys_per_request,
+        hints_per_connection: a.max_hints,
+        hint_keys_per_connection: a.max_hint_keys,
+        leases_per_connection: a.max_leases,
+        copies_per_connection: a.max_copies,
+        lease_uses: a.max_lease_uses,
+        thread_stack_bytes: a.thread_stack,
+    };
+    let group = match &a.group {
+        None => None,
+        Some(name) => match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => Some(g.gid.as_raw()),
+            Ok(None) => return Err(format!("--group {name}: no such group")),
+            Err(e) => return Err(format!("--group {name}: {e}")),
+        },
+    };
+    Ok(ServerConfig { limits, group })
+}
+
 fn main() {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -112,7 +184,8 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvtier=info,kvtierd=info".into()),
         )
         .init();
-    let cfg = match config(&args) {
+    let socket = args.socket.clone().unwrap_or_else(kvtier::remote::default_socket_path);
+    let (cfg, server_cfg) = match config(&args).and_then(|c| Ok((c, server_config(&args)?))) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvtierd: {e}");
@@ -136,7 +209,7 @@ fn main() {
         }
     };
     let setup = t0.elapsed();
-    let server = match Server::bind(&args.socket, tier) {
+    let server = match Server::bind_with(&socket, tier, server_cfg) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("kvtierd: {e}");
@@ -150,7 +223,7 @@ fn main() {
          pool set up in {:.1} ms, pid {}",
         g.model(),
         g.namespace(),
-        args.socket.display(),
+        socket.display(),
         t.capacity(),
         g.slot_bytes(),
         t.pool().mapped_bytes() as f64 / (1u64 << 30) as f64,

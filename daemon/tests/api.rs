@@ -222,7 +222,17 @@ fn hints_on_a_connected_tier_go_to_the_daemon() {
     let k: Vec<_> = (0..3).map(|i| a.namespace().trace_page_key(i, 0)).collect();
     let id = a.hint(&k, std::time::Duration::from_secs(60));
     assert_eq!((a.live_hints(), b.live_hints()), (1, 1), "one hint, held by the daemon's tier");
-    assert!(b.withdraw_hint(id), "any connection may withdraw it");
+    assert!(!b.withdraw_hint(id), "a hint belongs to the connection that gave it");
+    assert!(a.withdraw_hint(id), "its own connection withdraws it");
     assert!(!a.withdraw_hint(id), "withdrawn once");
     assert_eq!(a.live_hints(), 0);
+    // A hint goes with the connection that gave it.
+    a.hint(&k, std::time::Duration::from_secs(3600));
+    assert_eq!(b.live_hints(), 1);
+    drop(a);
+    let t0 = std::time::Instant::now();
+    while b.live_hints() != 0 {
+        assert!(t0.elapsed() < WAIT, "the hint outlived its connection");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }

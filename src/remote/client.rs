@@ -747,7 +747,7 @@ impl HostTier {
         if token.instance != conn.instance {
             return Err(TierError::ForeignLease);
         }
-        match conn.call(&Request::OpenLease { lease: token.lease })? {
+        match conn.call(&Request::OpenLease { instance: token.instance, lease: token.lease })? {
             Reply::Leased { lease, blocks } => {
                 let core = self.core();
                 let blocks = blocks_of(None, blocks, core.pool().capacity())?;

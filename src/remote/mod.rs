@@ -11,11 +11,47 @@
 //!
 //! - [`proto`]: the wire protocol (versioned frames, postcard);
 //! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`ConnectOptions`], [`LeaseToken`]);
-//! - [`server`]: the daemon's side ([`Server`]), including what happens when an engine dies.
+//! - [`server`]: the daemon's side ([`Server`], [`Limits`]), including what happens when an engine
+//!   dies.
 
 pub(crate) mod client;
 pub mod proto;
 pub mod server;
 
 pub use client::{ConnectOptions, LeaseToken};
-pub use server::Server;
+pub use server::{Limits, Server, ServerConfig};
+
+use std::path::{Path, PathBuf};
+
+/// The socket path `kvtierd` listens on, and clients connect to, when none is given: a directory
+/// only this user can reach, so no other uid can take the name first.
+///
+/// - `$XDG_RUNTIME_DIR/kvtierd.sock` when `XDG_RUNTIME_DIR` is set to an absolute path (the
+///   per-user runtime directory, `0700`, made by the login manager);
+/// - else `/run/kvtierd/kvtierd.sock` for root;
+/// - else `/tmp/kvtierd-$UID/kvtierd.sock` (the daemon creates the directory `0700` and refuses to
+///   use one it does not own or that others can write).
+///
+/// Pure: creates nothing (the daemon's [`Server::bind`] makes the directory).
+pub fn default_socket_path() -> PathBuf {
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_absolute()) {
+        return dir.join("kvtierd.sock");
+    }
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        PathBuf::from("/run/kvtierd/kvtierd.sock")
+    } else {
+        per_user_tmp_dir(uid).join("kvtierd.sock")
+    }
+}
+
+fn per_user_tmp_dir(uid: u32) -> PathBuf {
+    PathBuf::from(format!("/tmp/kvtierd-{uid}"))
+}
+
+/// True if `dir` is the per-user fallback directory of this euid in `/tmp`.
+pub(crate) fn is_per_user_tmp_dir(dir: &Path) -> bool {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    dir == per_user_tmp_dir(unsafe { libc::geteuid() })
+}

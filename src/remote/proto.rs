@@ -2,7 +2,10 @@
 //!
 //! A connection is a Unix stream socket. Every message is one **frame**: a 4-byte little-endian
 //! payload length, then the payload, a [`Request`] or a [`Reply`] encoded with `postcard` (serde's
-//! compact varint format). A frame is at most [`MAX_FRAME`] bytes.
+//! compact varint format). A frame is at most [`MAX_FRAME`] bytes; a daemon may set a smaller bound
+//! (its [`WireLimits::frame_bytes`], sent in the welcome). A reader never allocates a frame's
+//! announced length up front: the buffer grows by at most [`READ_CHUNK`] bytes ahead of the bytes
+//! that have arrived, so a length prefix alone costs nothing.
 //!
 //! The client speaks first: [`Request::Hello`] with [`MAGIC`], [`PROTOCOL_VERSION`] and, optionally,
 //! the namespace it expects. The daemon answers with one **marker byte** sent with `sendmsg`:
@@ -22,9 +25,13 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
+/// The most a frame reader grows its buffer ahead of the bytes that have arrived.
+pub const READ_CHUNK: usize = 64 << 10;
+/// Largest hello frame payload the daemon reads, in bytes (a hello is about 30 B).
+pub const MAX_HELLO: usize = 4096;
 /// Marker byte before a welcome: the pool's memfd rides with it.
 pub const MARKER_POOL: u8 = b'F';
 /// Marker byte before a refusal: no fd.
@@ -67,6 +74,9 @@ pub enum Request {
     },
     /// Take a handle on a lease another connection made (its token). -> [`Reply::Leased`].
     OpenLease {
+        /// The daemon run the token names ([`Welcome::instance`]); another run's token is refused
+        /// ([`WireError::ForeignLease`]).
+        instance: u64,
         /// The lease.
         lease: u64,
     },
@@ -171,6 +181,61 @@ impl Request {
     pub fn is_one_way(&self) -> bool {
         matches!(self, Request::DropLease { .. } | Request::RestoreSubmitted { .. })
     }
+
+    /// The request's name, for logs and [`WireError::Panicked`].
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "Hello",
+            Request::Attach => "Attach",
+            Request::Query { .. } => "Query",
+            Request::OpenLease { .. } => "OpenLease",
+            Request::LeaseInfo { .. } => "LeaseInfo",
+            Request::ReleaseLease { .. } => "ReleaseLease",
+            Request::DropLease { .. } => "DropLease",
+            Request::ConsumeUse { .. } => "ConsumeUse",
+            Request::PrepareSave { .. } => "PrepareSave",
+            Request::FinishSave { .. } => "FinishSave",
+            Request::Restore { .. } => "Restore",
+            Request::RestoreSubmitted { .. } => "RestoreSubmitted",
+            Request::FinishRestore { .. } => "FinishRestore",
+            Request::Contains { .. } => "Contains",
+            Request::Evict { .. } => "Evict",
+            Request::ExpireLeases => "ExpireLeases",
+            Request::Hint { .. } => "Hint",
+            Request::WithdrawHint { .. } => "WithdrawHint",
+            Request::LiveHints => "LiveHints",
+            Request::Stats => "Stats",
+            Request::Audit { .. } => "Audit",
+        }
+    }
+}
+
+/// The bounds a daemon holds every connection to (its `Limits`), as its welcome states them, so a
+/// client can refuse an oversized request before sending it. A request over a bound is answered
+/// [`WireError::LimitExceeded`] and does nothing.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLimits {
+    /// Largest request frame payload, bytes ([`crate::error::Limit::FrameBytes`]).
+    pub frame_bytes: u64,
+    /// Keys one query, save, hint or audit may name ([`crate::error::Limit::KeysPerRequest`]).
+    pub keys_per_request: u64,
+    /// Hints one connection holds at once ([`crate::error::Limit::HintsPerConnection`]).
+    pub hints_per_connection: u64,
+    /// Keys over one connection's live hints ([`crate::error::Limit::HintKeysPerConnection`]).
+    pub hint_keys_per_connection: u64,
+    /// Lease handles one connection holds at once ([`crate::error::Limit::LeasesPerConnection`]).
+    pub leases_per_connection: u64,
+    /// Saves and restores one connection has in flight (or withheld) at once
+    /// ([`crate::error::Limit::CopiesPerConnection`]).
+    pub copies_per_connection: u64,
+    /// Uses one lease may have ([`crate::error::Limit::LeaseUses`]).
+    pub lease_uses: u64,
+    /// Connections the daemon serves at once ([`crate::error::Limit::Connections`]).
+    pub connections: u64,
+    /// Milliseconds a frame may take to arrive once its first byte has.
+    pub frame_timeout_ms: u64,
+    /// Milliseconds the daemon waits for a reply to be taken before it drops the connection.
+    pub write_timeout_ms: u64,
 }
 
 /// One leased block.
@@ -228,6 +293,8 @@ pub struct Welcome {
     pub backing: String,
     /// The eviction policy's name.
     pub policy: String,
+    /// The bounds every connection is held to.
+    pub limits: WireLimits,
 }
 
 /// The audit's slot counts.
@@ -440,7 +507,9 @@ impl From<&TierError> for WireError {
                 WireError::GeometryMismatch { backend: backend.clone(), tier: tier.clone() }
             }
             T::ProtocolMismatch { daemon, client } => WireError::ProtocolMismatch { daemon: *daemon, client: *client },
-            T::LimitExceeded { limit, asked, max } => WireError::LimitExceeded { limit: *limit, asked: *asked, max: *max },
+            T::LimitExceeded { limit, asked, max } => {
+                WireError::LimitExceeded { limit: *limit, asked: *asked, max: *max }
+            }
             T::Protocol { reason } => WireError::Protocol(reason.clone()),
             T::Panicked { request, message } => {
                 WireError::Panicked { request: request.clone(), message: message.clone() }
@@ -576,15 +645,117 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T, buf: &mut Vec<u8>)
 /// # Errors
 /// I/O errors, a frame larger than [`MAX_FRAME`], or a payload that does not decode.
 pub fn read_frame<T: for<'de> Deserialize<'de>>(r: &mut impl Read, buf: &mut Vec<u8>) -> std::io::Result<T> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
+    let len = read_len(r)?;
     if len > MAX_FRAME {
         return Err(invalid(format!("a {len} B frame is larger than {MAX_FRAME} B")));
     }
-    buf.resize(len, 0);
-    r.read_exact(buf)?;
-    postcard::from_bytes(buf).map_err(invalid)
+    read_payload(r, len, buf)?;
+    decode(buf)
+}
+
+/// Reads a frame's 4-byte length prefix: the payload's length, bytes.
+///
+/// # Errors
+/// I/O errors ([`std::io::ErrorKind::UnexpectedEof`] at end of stream).
+pub fn read_len(r: &mut impl Read) -> std::io::Result<usize> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    Ok(u32::from_le_bytes(len) as usize)
+}
+
+/// Reads a payload of `len` bytes into `buf` (cleared first), growing it by at most [`READ_CHUNK`]
+/// bytes ahead of what has arrived: a peer that announces 4 GiB and sends 10 bytes makes this
+/// hold about 64 KiB, not 4 GiB.
+///
+/// # Errors
+/// I/O errors; [`std::io::ErrorKind::UnexpectedEof`] if the stream ends first.
+pub fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    buf.clear();
+    #[cfg(kvtier_seeded_bug = "frame-prealloc")]
+    {
+        buf.resize(len, 0);
+        buf.clear();
+    }
+    while buf.len() < len {
+        let at = buf.len();
+        buf.resize(at + (len - at).min(READ_CHUNK), 0);
+        match r.read(&mut buf[at..]) {
+            Ok(0) => {
+                buf.truncate(at);
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(n) => buf.truncate(at + n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => buf.truncate(at),
+            Err(e) => {
+                buf.truncate(at);
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards a payload of `len` bytes, [`READ_CHUNK`] at a time (an oversized frame the
+/// reader answers without keeping).
+///
+/// # Errors
+/// I/O errors; [`std::io::ErrorKind::UnexpectedEof`] if the stream ends first.
+pub fn skip_payload(r: &mut impl Read, mut len: usize) -> std::io::Result<()> {
+    let mut scratch = [0u8; 4096];
+    while len > 0 {
+        let want = len.min(scratch.len());
+        match r.read(&mut scratch[..want]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => len -= n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// One frame a daemon read from a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Incoming {
+    /// A request.
+    Request(Request),
+    /// A frame over the reader's bound, `len` payload bytes: read and discarded.
+    Oversized {
+        /// Its payload's length, bytes.
+        len: u64,
+    },
+    /// A frame within the bound whose payload is no request (the reason).
+    Undecodable(String),
+}
+
+/// Reads the next frame of a connection: a request, or an oversized or undecodable frame that was
+/// read whole, so the connection stays in step. Memory: at most `max_frame` bytes (plus
+/// [`READ_CHUNK`]) in `buf`, whatever the length prefix says.
+///
+/// # Errors
+/// I/O errors ([`std::io::ErrorKind::UnexpectedEof`] at end of stream, also mid-frame).
+pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>, max_frame: usize) -> std::io::Result<Incoming> {
+    let len = read_len(r)?;
+    if len > max_frame {
+        skip_payload(r, len)?;
+        return Ok(Incoming::Oversized { len: len as u64 });
+    }
+    read_payload(r, len, buf)?;
+    Ok(match decode(buf) {
+        Ok(req) => Incoming::Request(req),
+        Err(e) => Incoming::Undecodable(e.to_string()),
+    })
+}
+
+/// Decodes one payload. postcard never allocates more than the payload can hold: a sequence's
+/// length prefix only bounds how many elements are read from the payload's bytes (serde caps the
+/// up-front reservation at 1 MiB), so a huge prefix on a short payload is an error, not an
+/// allocation.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidData`] for a payload that does not decode.
+pub fn decode<T: for<'de> Deserialize<'de>>(payload: &[u8]) -> std::io::Result<T> {
+    postcard::from_bytes(payload).map_err(invalid)
 }
 
 /// Writes to a socket with `MSG_NOSIGNAL`: a peer that is gone is an `EPIPE` error, never a
@@ -644,6 +815,41 @@ mod tests {
         // A variant number no request has.
         let e = read_frame::<Request>(&mut &[1u8, 0, 0, 0, 200][..], &mut scratch).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn a_length_prefix_alone_allocates_nothing_near_its_length() {
+        // The daemon's reader before any hello: a 64 MiB announcement followed by 60 bytes.
+        let mut frame = (MAX_FRAME as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&[7u8; 60]);
+        let mut r = &frame[..];
+        let len = read_len(&mut r).unwrap();
+        let mut buf = Vec::new();
+        let e = read_payload(&mut r, len, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert!(buf.capacity() <= 2 * READ_CHUNK, "{} B reserved for 60 B that arrived", buf.capacity());
+        let e = read_frame::<Request>(&mut &frame[..], &mut buf).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert!(buf.capacity() <= 2 * READ_CHUNK, "{} B reserved for 60 B that arrived", buf.capacity());
+        // Skipping reads the bytes without keeping them.
+        let mut r = &[1u8; 10_000][..];
+        skip_payload(&mut r, 9_000).unwrap();
+        assert_eq!(r.len(), 1_000);
+    }
+
+    #[test]
+    fn a_huge_sequence_length_on_a_short_payload_is_an_error_not_an_allocation() {
+        // Query (variant 2) whose key count says 2^63: postcard reads elements from the payload's
+        // bytes only, so this fails at once (an up-front reservation of 2^63 x 16 B would abort).
+        let mut payload = vec![2u8];
+        payload.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
+        payload.extend_from_slice(&[0u8; 40]);
+        assert!(decode::<Request>(&payload).is_err());
+        // The same for a hint and an audit.
+        for variant in [16u8, 20] {
+            payload[0] = variant;
+            assert!(decode::<Request>(&payload).is_err());
+        }
     }
 
     #[test]

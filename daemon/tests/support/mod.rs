@@ -88,6 +88,11 @@ impl Daemon {
     /// Starts `kvtierd` with `slots` slots, `policy`, at `socket` (default: a new temporary
     /// directory's `kvtierd.sock`), and waits until it accepts connections.
     pub fn start_with(slots: u64, policy: &str, socket: Option<PathBuf>) -> Daemon {
+        Self::start_args(slots, policy, socket, &[])
+    }
+
+    /// [`Daemon::start_with`] with extra command-line arguments (limits: `--max-connections 4`).
+    pub fn start_args(slots: u64, policy: &str, socket: Option<PathBuf>, extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = socket.unwrap_or_else(|| dir.path().join("kvtierd.sock"));
         let mut cmd = Command::new(kvtierd_bin());
@@ -96,6 +101,7 @@ impl Daemon {
             cmd.arg("--arena").arg(format!("{name}:{bytes}"));
         }
         cmd.args(["--pool", &(slots * SLOT_BYTES).to_string(), "--backing", "plain", "--policy", policy]);
+        cmd.args(extra);
         cmd.env("RUST_LOG", "kvtier=warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawning kvtierd");
         // The daemon prints one line once it listens.
@@ -106,6 +112,14 @@ impl Daemon {
         });
         assert!(line.starts_with("kvtierd: serving test-model"), "{line}");
         Daemon { child, socket, dir, slots, policy: policy.into() }
+    }
+
+    /// The daemon's resident set, bytes (`VmRSS` of `/proc/PID/status`).
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("the daemon's status");
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+        let kib: u64 = line.split_whitespace().nth(1).expect("a number").parse().expect("a number");
+        kib * 1024
     }
 
     /// `kill -9` and wait.

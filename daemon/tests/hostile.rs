@@ -1,0 +1,684 @@
+//! Hostile and clumsy clients against `kvtierd`: a raw protocol client (frames written by hand over
+//! a `UnixStream`) that sends garbage, truncated, oversized and out-of-order frames, never reads
+//! its replies, opens too many connections, holds more than its bounds, guesses lease ids, forks
+//! and dies mid-save and mid-restore; and a daemon whose request handling panics. After each case a
+//! correct engine (`HostTier::connect`) saves and restores with every byte verified, the daemon's
+//! audit balances, and no slot, pin, lease or hint is left over. Every wait is bounded.
+
+mod support;
+
+use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::remote::proto::{self, Outcome, Reply, Request, Welcome, WireError};
+use kvtier::remote::{Limits, Server, ServerConfig};
+use kvtier::{
+    ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, Limit, PoolConfig, TierConfig, TierError,
+    WaitFor,
+};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{Client, Daemon, DEADLINE};
+
+/// How long a session's end may take to show (a killed process noticed, a timeout passed).
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// Polls `cond` for at most [`SETTLE`]; panics with `what` past that.
+fn soon(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < SETTLE, "{what}: not true within {SETTLE:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn say(line: impl std::fmt::Display) {
+    println!("{}{line}", support::ROLE_MARK);
+}
+
+fn hear() -> Option<String> {
+    let mut s = String::new();
+    match std::io::stdin().read_line(&mut s) {
+        Ok(0) | Err(_) => None,
+        Ok(_) => Some(s.trim().to_string()),
+    }
+}
+
+/// A client that speaks frames by hand.
+struct Raw {
+    s: UnixStream,
+    buf: Vec<u8>,
+    welcome: Option<Welcome>,
+}
+
+impl Raw {
+    fn connect(path: &Path) -> Raw {
+        let s = UnixStream::connect(path).expect("connecting");
+        s.set_read_timeout(Some(DEADLINE)).unwrap();
+        Raw { s, buf: Vec::new(), welcome: None }
+    }
+
+    /// Says hello and reads the welcome (the memfd that rides with the marker byte is dropped by
+    /// the kernel: a plain read takes no ancillary data).
+    fn hello(path: &Path) -> Raw {
+        let mut r = Raw::connect(path);
+        r.send(&Request::Hello { magic: proto::MAGIC, version: proto::PROTOCOL_VERSION, namespace: None });
+        let (marker, reply) = r.answer();
+        assert_eq!(marker, proto::MARKER_POOL, "{reply:?}");
+        match reply {
+            Reply::Welcome(w) => r.welcome = Some(w),
+            r => panic!("expected a welcome, got {r:?}"),
+        }
+        r
+    }
+
+    /// The hello's answer: the marker byte and the reply.
+    fn answer(&mut self) -> (u8, Reply) {
+        let mut m = [0u8];
+        self.s.read_exact(&mut m).expect("the marker byte");
+        (m[0], self.recv())
+    }
+
+    fn send(&mut self, req: &Request) {
+        proto::write_frame(&mut self.s, req, &mut self.buf).expect("sending a frame");
+    }
+
+    fn recv(&mut self) -> Reply {
+        proto::read_frame(&mut self.s, &mut self.buf).expect("a reply")
+    }
+
+    fn call(&mut self, req: &Request) -> Reply {
+        self.send(req);
+        self.recv()
+    }
+
+    fn error(&mut self, req: &Request) -> WireError {
+        match self.call(req) {
+            Reply::Error(e) => e,
+            r => panic!("{req:?}: expected an error, got {r:?}"),
+        }
+    }
+
+    /// True once the daemon has closed the connection (end of stream or reset).
+    fn closed_by_daemon(&mut self) -> bool {
+        let mut b = [0u8; 256];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    fn query(&mut self, keys: &[ContentKey], uses: u32) -> u64 {
+        match self.call(&Request::Query { keys: keys.to_vec(), uses }) {
+            Reply::Leased { lease, blocks } => {
+                assert_eq!(blocks.len(), keys.len(), "every key is resident");
+                lease
+            }
+            r => panic!("query: {r:?}"),
+        }
+    }
+
+    fn prepare(&mut self, keys: &[ContentKey]) -> (u64, Vec<u32>) {
+        let req = Request::PrepareSave { keys: keys.to_vec(), prefix: false, prefix_depth: None, parent: None };
+        match self.call(&req) {
+            Reply::SavePrepared { save, slots, .. } => (save, slots),
+            r => panic!("prepare: {r:?}"),
+        }
+    }
+}
+
+fn keys(tier: &HostTier, range: std::ops::Range<u64>) -> Vec<ContentKey> {
+    range.map(|i| tier.namespace().trace_page_key(i, 0)).collect()
+}
+
+fn observer(socket: &Path) -> HostTier {
+    HostTier::connect(socket).expect("connecting the observer")
+}
+
+/// A correct engine saves `range`'s keys, restores them from a lease and verifies every byte; the
+/// daemon's audit balances afterwards (what other clients legitimately hold aside).
+fn engine_is_served(socket: &Path, range: std::ops::Range<u64>) {
+    let tier = HostTier::connect(socket).expect("a correct engine connects");
+    let k = keys(&tier, range);
+    let g = tier.geometry().with_pages(2 * k.len() as u64).unwrap();
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let rank = tier.attach(Box::new(HostBackend::new(arenas.clone()))).unwrap();
+    let src: Vec<u64> = (0..k.len() as u64).collect();
+    arenas.fill(&src, &k).unwrap();
+    let t = rank.save(&k, &src, WaitFor::Nothing).expect("the engine's save");
+    t.handle.wait_timeout(DEADLINE).expect("save in time").unwrap();
+    let lease = tier.query(&k);
+    assert_eq!(lease.len(), k.len(), "the engine's blocks are resident");
+    let dst: Vec<u64> = (k.len() as u64..2 * k.len() as u64).collect();
+    rank.restore(&lease, &dst, WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).expect("restore in time").unwrap();
+    arenas.verify(&dst, &k).expect("the engine restores its own bytes");
+    drop(lease);
+    rank.shutdown(DEADLINE).unwrap();
+    let a = kvtier::testing::remote_audit(&tier, &k).unwrap().expect("the audit balances");
+    assert_eq!(a.evicting, 0, "{a:?}");
+    assert_eq!((a.free + a.ready + a.writing) as u64, tier.capacity() as u64, "{a:?}");
+}
+
+/// [`engine_is_served`], then nothing is left over: no lease, pin, hint or `WRITING` slot.
+fn served_and_clean(socket: &Path, range: std::ops::Range<u64>) {
+    engine_is_served(socket, range.clone());
+    let obs = observer(socket);
+    nothing_left_over(&obs, &keys(&obs, range));
+}
+
+fn nothing_left_over(tier: &HostTier, k: &[ContentKey]) {
+    soon("no lease, pin, hint or WRITING slot is left over", || {
+        let s = tier.stats();
+        s.live_leases == 0
+            && s.pinned_slots == 0
+            && s.writing_slots == 0
+            && s.quarantined_slots == 0
+            && tier.live_hints() == 0
+    });
+    let a = kvtier::testing::remote_audit(tier, k).unwrap().expect("the audit balances");
+    assert_eq!(a.writing + a.evicting + a.pinned, 0, "{a:?}");
+    assert_eq!((a.free + a.ready) as u64, tier.capacity() as u64, "{a:?}");
+}
+
+#[test]
+fn garbage_truncated_and_out_of_order_frames_get_typed_answers() {
+    let d = Daemon::start(64);
+    // Garbage before any hello: its "length" (an HTTP request's first bytes) is far over a hello's.
+    let mut r = Raw::connect(&d.socket);
+    r.s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (m, reply) = r.answer();
+    assert_eq!(m, proto::MARKER_REFUSED);
+    assert!(matches!(reply, Reply::Error(WireError::LimitExceeded { limit: Limit::FrameBytes, .. })), "{reply:?}");
+    assert!(r.closed_by_daemon());
+    // A first message that is not a hello.
+    let mut r = Raw::connect(&d.socket);
+    r.send(&Request::Stats);
+    let (m, reply) = r.answer();
+    assert_eq!(m, proto::MARKER_REFUSED);
+    assert!(matches!(reply, Reply::Error(WireError::Protocol(_))), "{reply:?}");
+    // Truncated: a frame's first bytes, then the client goes.
+    let mut r = Raw::hello(&d.socket);
+    r.s.write_all(&[100, 0, 0, 0, 1, 2, 3]).unwrap();
+    drop(r);
+    // A frame that is no request: answered, and the connection goes on.
+    let mut r = Raw::hello(&d.socket);
+    r.s.write_all(&[3, 0, 0, 0, 250, 251, 252]).unwrap();
+    assert!(matches!(r.recv(), Reply::Error(WireError::Protocol(_))));
+    assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
+    // Out of order: each is protocol misuse, answered on a connection that stays usable.
+    let hello = Request::Hello { magic: proto::MAGIC, version: proto::PROTOCOL_VERSION, namespace: None };
+    for req in [
+        hello,
+        Request::FinishSave { save: 7, outcome: Outcome::Done },
+        Request::FinishRestore { restore: 7, outcome: Outcome::Done },
+    ] {
+        assert!(matches!(r.error(&req), WireError::Protocol(_)), "misuse not answered Protocol: {req:?}");
+    }
+    // A double finish.
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 1000..1002);
+    let (save, slots) = r.prepare(&k);
+    assert_eq!(slots.len(), 2);
+    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Failed }), Reply::Done);
+    assert!(matches!(r.error(&Request::FinishSave { save, outcome: Outcome::Failed }), WireError::Protocol(_)));
+    // Leases it was never given.
+    assert_eq!(r.error(&Request::Restore { lease: 1, blocks: 1 }), WireError::ForeignLease);
+    assert_eq!(r.error(&Request::ReleaseLease { lease: 2 }), WireError::ForeignLease);
+    // The client reads the misuse as its own typed error, not as a lost connection.
+    assert!(matches!(TierError::from(WireError::Protocol("x".into())), TierError::Protocol { .. }));
+    assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
+    drop(r);
+    served_and_clean(&d.socket, 0..8);
+}
+
+#[test]
+fn oversized_frames_and_requests_over_a_bound_are_refused_and_the_connection_kept() {
+    let d = Daemon::start_args(
+        64,
+        "lru",
+        None,
+        &["--max-frame-bytes", "65536", "--max-keys-per-request", "64", "--max-lease-uses", "8"],
+    );
+    let mut r = Raw::hello(&d.socket);
+    let w = r.welcome.clone().unwrap();
+    assert_eq!(w.limits.frame_bytes, 65536, "the welcome states the limits");
+    assert_eq!(w.limits.keys_per_request, 64);
+    // A 1 MiB frame: read and discarded, answered, and the connection stays in step.
+    let mut frame = (1u32 << 20).to_le_bytes().to_vec();
+    frame.resize(4 + (1 << 20), 0xAB);
+    r.s.write_all(&frame).unwrap();
+    match r.recv() {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::FrameBytes, asked, max }) => {
+            assert_eq!((asked, max), (1 << 20, 65536));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
+    let obs = observer(&d.socket);
+    let many = keys(&obs, 0..65);
+    for req in [
+        Request::Query { keys: many.clone(), uses: 1 },
+        Request::PrepareSave { keys: many.clone(), prefix: true, prefix_depth: None, parent: None },
+        Request::Hint { keys: many.clone(), ttl_ms: 1000 },
+        Request::Audit { keys: many.clone() },
+    ] {
+        match r.error(&req) {
+            WireError::LimitExceeded { limit: Limit::KeysPerRequest, asked: 65, max: 64 } => {}
+            e => panic!("{}: {e:?}", req.name()),
+        }
+    }
+    match r.error(&Request::Query { keys: many[..2].to_vec(), uses: 9 }) {
+        WireError::LimitExceeded { limit: Limit::LeaseUses, asked: 9, max: 8 } => {}
+        e => panic!("{e:?}"),
+    }
+    // Evicting more blocks than exist is evicting all of them, never an allocation of that size.
+    assert!(matches!(r.call(&Request::Evict { blocks: u64::MAX }), Reply::Count(0)));
+    // One key named 64 times: the lease ends before the first repeat (one pin per slot).
+    engine_is_served(&d.socket, 100..101);
+    let one = keys(&obs, 100..101);
+    match r.call(&Request::Query { keys: vec![one[0]; 64], uses: 1 }) {
+        Reply::Leased { lease, blocks } => {
+            assert_eq!(blocks.len(), 1);
+            assert_eq!(obs.stats().pinned_slots, 1);
+            r.send(&Request::DropLease { lease });
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
+    drop(r);
+    served_and_clean(&d.socket, 0..8);
+}
+
+#[test]
+fn a_length_prefix_alone_makes_the_daemon_hold_no_memory() {
+    let d = Daemon::start(64);
+    let before = d.rss_bytes();
+    // 16 connections announce the largest frames, then send 64 bytes and wait. Before any hello a
+    // large announcement is refused at once; after a hello the buffer grows only with the bytes.
+    let mut held = Vec::new();
+    for i in 0..16 {
+        if i % 2 == 0 {
+            let mut r = Raw::connect(&d.socket);
+            let mut f = (proto::MAX_FRAME as u32).to_le_bytes().to_vec();
+            f.extend_from_slice(&[0u8; 60]);
+            r.s.write_all(&f).unwrap();
+            let (m, _) = r.answer();
+            assert_eq!(m, proto::MARKER_REFUSED);
+            held.push(r);
+        } else {
+            let mut r = Raw::hello(&d.socket);
+            let mut f = ((24u32 << 20) - 1).to_le_bytes().to_vec();
+            f.extend_from_slice(&[0u8; 60]);
+            r.s.write_all(&f).unwrap();
+            held.push(r);
+        }
+    }
+    // The connections' threads read their prefixes at their own pace: watch the daemon's size for
+    // a while (a buffer sized to the announced length would be 8 x 24 MiB of zeroes).
+    let obs = observer(&d.socket);
+    let _ = obs.stats();
+    for _ in 0..50 {
+        let grown = d.rss_bytes().saturating_sub(before);
+        assert!(grown < 64 << 20, "16 length prefixes grew the daemon by {grown} B");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(held);
+    served_and_clean(&d.socket, 0..8);
+}
+
+#[test]
+fn connections_over_the_limit_are_refused_and_silent_ones_closed_at_the_hello_deadline() {
+    let d = Daemon::start_args(64, "lru", None, &["--max-connections", "3", "--hello-timeout", "1"]);
+    let held: Vec<Raw> = (0..3).map(|_| Raw::hello(&d.socket)).collect();
+    match HostTier::connect(&d.socket) {
+        Err(kvtier::Error::Tier(TierError::LimitExceeded { limit: Limit::Connections, max: 3, .. })) => {}
+        Err(e) => panic!("expected a typed refusal, got {e}"),
+        Ok(_) => panic!("a fourth connection was served with a limit of 3"),
+    }
+    drop(held);
+    // Connections that never say hello are closed at the hello deadline: their places free up.
+    let mut silent: Vec<Raw> = (0..3).map(|_| Raw::connect(&d.socket)).collect();
+    for r in &mut silent {
+        assert!(r.closed_by_daemon(), "a silent connection is closed");
+    }
+    soon("a correct engine connects once the others are gone", || HostTier::connect(&d.socket).is_ok());
+    served_and_clean(&d.socket, 0..8);
+}
+
+#[test]
+fn a_client_that_never_reads_its_replies_is_dropped_with_everything_it_held() {
+    let d = Daemon::start_args(64, "lru", None, &["--write-timeout", "1"]);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 0..4);
+    let mut r = Raw::hello(&d.socket);
+    let lease = r.query(&k, 2);
+    assert_ne!(lease, 0);
+    assert!(matches!(r.call(&Request::Hint { keys: k.clone(), ttl_ms: 3_600_000 }), Reply::Count(_)));
+    let (_save, slots) = r.prepare(&keys(&obs, 500..502));
+    assert_eq!(slots.len(), 2);
+    assert_eq!(obs.stats().live_leases, 1);
+    // Requests, never a read: the daemon's replies fill the socket, its write times out, and the
+    // connection goes. The client's own writes then fail (bounded by its write timeout).
+    r.s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut frame = Vec::new();
+    proto::encode(&Request::Stats, &mut frame).unwrap();
+    let t0 = Instant::now();
+    while r.s.write_all(&frame).is_ok() {
+        assert!(t0.elapsed() < DEADLINE, "the daemon kept a connection that never reads");
+    }
+    // The lease and hint went with the connection; the save's slots stay WRITING while this
+    // process (which could still be copying into them) lives.
+    soon("the lease and the hint are gone", || obs.stats().live_leases == 0 && obs.live_hints() == 0);
+    assert_eq!(obs.stats().pinned_slots, 0);
+    assert_eq!(obs.stats().quarantined_slots, 2, "the dropped save's slots are withheld, not reused");
+    drop(r);
+    engine_is_served(&d.socket, 8..16);
+}
+
+#[test]
+fn hints_leases_and_copies_are_bounded_per_connection_and_go_with_it() {
+    let d = Daemon::start_args(
+        64,
+        "lru",
+        None,
+        &["--max-hints", "2", "--max-hint-keys", "10", "--max-leases", "2", "--max-copies", "2"],
+    );
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 0..12);
+    let mut r = Raw::hello(&d.socket);
+    // Hints: a key named twice counts once; 2 hints, 10 distinct keys.
+    let twice: Vec<ContentKey> = k[..4].iter().chain(&k[..4]).copied().collect();
+    assert!(matches!(r.call(&Request::Hint { keys: twice, ttl_ms: 3_600_000 }), Reply::Count(_)));
+    match r.error(&Request::Hint { keys: k[..7].to_vec(), ttl_ms: 3_600_000 }) {
+        WireError::LimitExceeded { limit: Limit::HintKeysPerConnection, asked: 11, max: 10 } => {}
+        e => panic!("{e:?}"),
+    }
+    let id = match r.call(&Request::Hint { keys: k[..6].to_vec(), ttl_ms: 3_600_000 }) {
+        Reply::Count(id) => id,
+        other => panic!("{other:?}"),
+    };
+    match r.error(&Request::Hint { keys: k[..1].to_vec(), ttl_ms: 3_600_000 }) {
+        WireError::LimitExceeded { limit: Limit::HintsPerConnection, asked: 3, max: 2 } => {}
+        e => panic!("{e:?}"),
+    }
+    // Another connection cannot withdraw this one's hint.
+    let mut other = Raw::hello(&d.socket);
+    assert_eq!(other.call(&Request::WithdrawHint { id }), Reply::Bool(false));
+    assert_eq!(obs.live_hints(), 2);
+    // Leases: two handles.
+    r.query(&k[..2], 1);
+    r.query(&k[2..4], 1);
+    match r.error(&Request::Query { keys: k[..1].to_vec(), uses: 1 }) {
+        WireError::LimitExceeded { limit: Limit::LeasesPerConnection, asked: 3, max: 2 } => {}
+        e => panic!("{e:?}"),
+    }
+    // Copies: two saves in flight.
+    r.prepare(&keys(&obs, 100..101));
+    r.prepare(&keys(&obs, 101..102));
+    let req = Request::PrepareSave { keys: keys(&obs, 102..103), prefix: false, prefix_depth: None, parent: None };
+    match r.error(&req) {
+        WireError::LimitExceeded { limit: Limit::CopiesPerConnection, asked: 3, max: 2 } => {}
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(obs.stats().live_leases, 2);
+    // The connection ends (its process lives on: the saves' slots wait for it).
+    drop(r);
+    soon("the connection's hints and leases are gone", || {
+        obs.live_hints() == 0 && obs.stats().live_leases == 0 && obs.stats().pinned_slots == 0
+    });
+    assert_eq!(obs.stats().quarantined_slots, 2, "the saves' slots wait for the process");
+    drop(other);
+}
+
+#[test]
+fn lease_ids_cannot_be_guessed_and_another_runs_token_is_refused() {
+    let d = Daemon::start(64);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 0..4);
+    let mut owner = Raw::hello(&d.socket);
+    let lease = owner.query(&k, 1);
+    let mut thief = Raw::hello(&d.socket);
+    let instance = thief.welcome.as_ref().unwrap().instance;
+    // Ids are random 64-bit numbers: none of the first 2,000 is a lease (a chance of 2^-53).
+    for guess in (1..=2000u64).chain([lease.wrapping_add(1), lease.wrapping_sub(1)]) {
+        match thief.call(&Request::OpenLease { instance, lease: guess }) {
+            Reply::Error(WireError::LeaseSettled) => {}
+            other => panic!("lease {guess} opened by guessing: {other:?}"),
+        }
+        assert_eq!(thief.error(&Request::ReleaseLease { lease: guess }), WireError::ForeignLease);
+    }
+    // The right id with another daemon run's number is refused.
+    assert_eq!(thief.error(&Request::OpenLease { instance: instance ^ 1, lease }), WireError::ForeignLease);
+    // The owner's lease is untouched.
+    match owner.call(&Request::LeaseInfo { lease }) {
+        Reply::LeaseInfo { settled: false, uses_left: 1, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    drop(owner);
+    drop(thief);
+    nothing_left_over(&obs, &k);
+}
+
+/// The process a client forked for a test (by its id), killed when the test ends, however it ends.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill of the one process the client forked for this test, by its id.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
+#[test]
+fn connect_then_fork_then_kill_9_of_the_parent_ends_its_session() {
+    let d = Daemon::start(64);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let mut c = Client::start(&d.socket, "fork-and-hold", &[]);
+    let child = KillOnDrop(c.expect("FORKED").parse().unwrap());
+    assert_eq!(obs.stats().live_leases, 1);
+    assert_eq!(obs.live_hints(), 1);
+    c.kill9();
+    soon("the session of the killed parent ends although its forked child holds the socket", || {
+        obs.stats().live_leases == 0 && obs.stats().pinned_slots == 0 && obs.live_hints() == 0
+    });
+    // SAFETY: signal 0 only checks that the client's forked child exists.
+    let alive = unsafe { libc::kill(child.0, 0) } == 0;
+    drop(child);
+    assert!(alive, "the forked child was alive while the session ended");
+    nothing_left_over(&obs, &keys(&obs, 0..4));
+    served_and_clean(&d.socket, 8..16);
+}
+
+#[test]
+fn a_client_killed_mid_save_and_mid_restore_loses_nothing_for_the_others() {
+    let d = Daemon::start(64);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let mut c = Client::start(&d.socket, "hold-copies", &[]);
+    c.expect("HOLDING");
+    let s = obs.stats();
+    assert_eq!((s.writing_slots, s.pinned_slots), (3, 4), "{s:?}");
+    c.kill9();
+    soon("the killed client's slots and pins come back", || {
+        let s = obs.stats();
+        s.writing_slots == 0 && s.pinned_slots == 0 && s.live_leases == 0
+    });
+    nothing_left_over(&obs, &keys(&obs, 0..4));
+    served_and_clean(&d.socket, 8..16);
+}
+
+/// The client processes' entry point: does nothing unless run as a client by a test.
+#[test]
+fn client_role() {
+    let Ok(role) = std::env::var("KVTIER_CLIENT_ROLE") else { return };
+    let socket = std::path::PathBuf::from(std::env::var("KVTIER_SOCKET").unwrap());
+    let obs = observer(&socket);
+    match role.as_str() {
+        // Leases 4 blocks and hints them, forks a child that holds the socket and sleeps, reports
+        // the child's pid and waits to be killed.
+        "fork-and-hold" => {
+            let mut r = Raw::hello(&socket);
+            r.query(&keys(&obs, 0..4), 1);
+            assert!(matches!(r.call(&Request::Hint { keys: keys(&obs, 0..4), ttl_ms: 3_600_000 }), Reply::Count(_)));
+            drop(obs);
+            // SAFETY: the child only calls pause (async-signal-safe) until it is killed.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                loop {
+                    // SAFETY: pause takes nothing.
+                    unsafe { libc::pause() };
+                }
+            }
+            assert!(pid > 0, "fork failed");
+            say(format!("FORKED {pid}"));
+            while hear().is_some() {}
+        }
+        // A save of 3 blocks prepared and a restore of 4 blocks pinned, neither finished; waits to
+        // be killed.
+        "hold-copies" => {
+            let mut r = Raw::hello(&socket);
+            let (_save, slots) = r.prepare(&keys(&obs, 200..203));
+            assert_eq!(slots.len(), 3);
+            let lease = r.query(&keys(&obs, 0..4), 1);
+            let restore = match r.call(&Request::Restore { lease, blocks: 4 }) {
+                Reply::Restoring { restore, slots } => {
+                    assert_eq!(slots.len(), 4);
+                    restore
+                }
+                other => panic!("{other:?}"),
+            };
+            r.send(&Request::RestoreSubmitted { restore });
+            assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
+            say("HOLDING");
+            while hear().is_some() {}
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+// ---- An in-process daemon: a panicking request handler, a thread that cannot start, the socket.
+
+fn test_tier(slots: u64) -> HostTier {
+    let arenas = support::ARENAS.iter().map(|&(n, b)| ArenaSpec::packed(n, b, 1)).collect();
+    let g = Geometry::new("test-model", 16, arenas).unwrap();
+    let bytes = slots * support::SLOT_BYTES;
+    let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+    HostTier::new_shared(cfg).unwrap()
+}
+
+/// Starts `server` on its own thread (the thread ends only if `run` returns).
+fn serve_in_process(server: Server) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let r = server.run();
+        eprintln!("Server::run returned: {r:?}");
+    })
+}
+
+#[test]
+fn a_panicking_request_fails_alone_and_the_sessions_slots_and_leases_stay_sound() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let server = Server::bind(&socket, test_tier(64)).unwrap();
+    server.panic_on_requests(|r| matches!(r, Request::LiveHints));
+    let run = serve_in_process(server);
+    engine_is_served(&socket, 0..4);
+    let obs = observer(&socket);
+    let k = keys(&obs, 0..4);
+    let mut r = Raw::hello(&socket);
+    let (save, slots) = r.prepare(&keys(&obs, 300..303));
+    assert_eq!(slots.len(), 3);
+    let lease = r.query(&k, 1);
+    // The panic fails that request, typed; the connection and everything it holds stay.
+    match r.call(&Request::LiveHints) {
+        Reply::Error(WireError::Panicked { request, .. }) => assert_eq!(request, "LiveHints"),
+        other => panic!("{other:?}"),
+    }
+    let s = obs.stats();
+    assert_eq!(s.writing_slots, 3, "the live writer's slots are still its own: {s:?}");
+    assert_eq!(s.pinned_slots, 4, "{s:?}");
+    // Another engine's saves cannot take those slots while the writer lives.
+    engine_is_served(&socket, 8..16);
+    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    assert!(obs.contains(&keys(&obs, 300..301)[0]), "the writer's save committed");
+    assert!(matches!(r.call(&Request::LeaseInfo { lease }), Reply::LeaseInfo { settled: false, .. }));
+    drop(r);
+    nothing_left_over(&obs, &k);
+    assert!(!run.is_finished());
+}
+
+#[test]
+fn a_connection_whose_thread_cannot_start_is_refused_and_the_daemon_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    // A stack no machine can map: every connection thread fails to start.
+    let limits = Limits { thread_stack_bytes: 1 << 62, ..Limits::default() };
+    let server = Server::bind_with(&socket, test_tier(16), ServerConfig { limits, group: None }).unwrap();
+    let run = serve_in_process(server);
+    for _ in 0..3 {
+        match HostTier::connect(&socket) {
+            Err(kvtier::Error::Tier(TierError::Disconnected { reason })) => {
+                assert!(
+                    reason.contains("could not start a thread"),
+                    "the refusal does not say a thread could not start: {reason}"
+                );
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("served without a thread"),
+        }
+    }
+    assert!(!run.is_finished(), "the accept loop goes on");
+}
+
+#[test]
+fn bind_replaces_only_a_stale_socket_and_makes_it_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // A regular file is never deleted.
+    let file = dir.path().join("data.db");
+    std::fs::write(&file, b"precious").unwrap();
+    match Server::bind(&file, test_tier(4)) {
+        Ok(_) => panic!("bind took the path of a regular file"),
+        Err(e) => assert!(e.to_string().contains("not a socket"), "{e}"),
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+    // Nor a directory.
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    assert!(Server::bind(&sub, test_tier(4)).is_err());
+    assert!(sub.is_dir());
+    // A stale socket (nobody accepts) is replaced; a live one is not.
+    let sock = dir.path().join("new/kvtierd.sock");
+    drop(std::os::unix::net::UnixListener::bind(dir.path().join("stale.sock")).unwrap());
+    let stale = Server::bind(dir.path().join("stale.sock"), test_tier(4)).expect("a stale socket is replaced");
+    let live = Server::bind(&sock, test_tier(4)).expect("the socket's directory is created");
+    let e = Server::bind(&sock, test_tier(4)).unwrap_err().to_string();
+    assert!(e.contains("already listens"), "{e}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&sock), 0o600);
+    assert_eq!(mode(sock.parent().unwrap()), 0o700);
+    assert_eq!(mode(stale.path()), 0o600);
+    drop(live);
+    // With a group: 0660 and that group (our own group here, which any process may give its files).
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: getegid takes nothing and cannot fail.
+    let gid = unsafe { libc::getegid() };
+    let grouped = dir.path().join("grouped.sock");
+    let server =
+        Server::bind_with(&grouped, test_tier(4), ServerConfig { limits: Limits::default(), group: Some(gid) })
+            .expect("a socket for a group");
+    assert_eq!(mode(&grouped), 0o660);
+    assert_eq!(std::fs::metadata(&grouped).unwrap().gid(), gid);
+    drop(server);
+    // The default path is in a private runtime directory.
+    let p = kvtier::remote::default_socket_path();
+    assert!(p.ends_with("kvtierd.sock"));
+    assert!(!p.starts_with("/tmp/kvtierd.sock"));
+}
