@@ -74,7 +74,16 @@ struct RequestLimits {
 
 impl RequestLimits {
     /// The protocol's own bound: [`proto::MAX_FRAME`] bytes, keys bounded by the frame alone.
+    #[cfg(test)]
     const PROTOCOL: RequestLimits = RequestLimits { frame_bytes: proto::MAX_FRAME, keys_per_request: u64::MAX };
+
+    /// The daemon's bounds as its welcome states them, never above the protocol's own.
+    fn of_daemon(w: &proto::WireLimits) -> RequestLimits {
+        RequestLimits {
+            frame_bytes: usize::try_from(w.frame_bytes).unwrap_or(usize::MAX).min(proto::MAX_FRAME),
+            keys_per_request: w.keys_per_request,
+        }
+    }
 }
 
 /// Keys the request names (queries, saves, hints, audits).
@@ -680,7 +689,7 @@ fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
         io: Mutex::new(Io { reader, writer: stream, buf, lost: None }),
         instance: w.instance,
         pid: std::process::id(),
-        limits: RequestLimits::PROTOCOL,
+        limits: RequestLimits::of_daemon(&w.limits),
     };
     Ok(HostTier::from_remote(core, Arc::new(conn)))
 }
