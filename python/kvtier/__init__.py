@@ -17,8 +17,8 @@ so a request whose prefix was seen before restores it instead of prefilling it.
         h.stream_wait(torch.cuda.current_stream())   # compute waits for the copy, no host sync
 
 Engines that run one process per GPU rank share one pool through the tier daemon: start
-``kvtierd`` once, then ``tier = kvtier.connect("/tmp/kvtierd.sock")`` in every process gives the
-same ``Tier`` API over the daemon's pool.
+``kvtierd`` once, then ``tier = kvtier.connect()`` (its default socket, ``default_socket_path()``)
+in every process gives the same ``Tier`` API over the daemon's pool.
 
 See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
 :mod:`kvtier.errors`, all subclasses of :class:`KvtierError`.
@@ -34,6 +34,7 @@ from ._kvtier import (
     Tier,
     __version__,
     connect,
+    default_socket_path,
     cuda_available,
 )
 from .errors import *  # noqa: F401,F403  (the exception classes)
@@ -49,6 +50,7 @@ __all__ = [
     "SaveTicket",
     "cuda_available",
     "connect",
+    "default_socket_path",
     "__version__",
     *_errors_all,
 ]

@@ -125,7 +125,8 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
     Ok(o)
 }
 
-/// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` and returns a
+/// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` (default:
+/// `default_socket_path()`, where `kvtierd` listens without `--socket`) and returns a
 /// `Tier` with the same methods as an in-process one: the daemon owns the index, slots, leases and
 /// eviction over a pool in shared memory that this process maps; ranks attached here copy between
 /// this process's tensors and that pool. Every engine process connects on its own (after forking).
@@ -133,10 +134,12 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
 /// `geometry`: if given, the daemon must serve its namespace (model, page size, arenas, shard).
 ///
 /// Raises: `DisconnectedError` (no daemon at `path`), `ProtocolMismatchError`,
-/// `GeometryMismatchError`, `PoolMapError`.
+/// `GeometryMismatchError`, `PoolMapError`, `UntrustedDaemonError` (the socket's daemon runs as
+/// another uid than this process, and not as root).
 #[pyfunction]
-#[pyo3(signature = (path, geometry = None))]
-pub fn connect(py: Python<'_>, path: std::path::PathBuf, geometry: Option<&PyGeometry>) -> PyResult<PyTier> {
+#[pyo3(signature = (path = None, geometry = None))]
+pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Option<&PyGeometry>) -> PyResult<PyTier> {
+    let path = path.unwrap_or_else(kvtier::remote::default_socket_path);
     let expect = geometry.map(|g| g.inner.clone());
     let inner = py
         .detach(|| match &expect {
@@ -145,6 +148,14 @@ pub fn connect(py: Python<'_>, path: std::path::PathBuf, geometry: Option<&PyGeo
         })
         .py()?;
     Ok(PyTier { inner })
+}
+
+/// The socket path `kvtierd` listens on when started without `--socket`, and `connect()`'s default:
+/// `$XDG_RUNTIME_DIR/kvtierd.sock`, as root `/run/kvtierd/kvtierd.sock`, else
+/// `/tmp/kvtierd-$UID/kvtierd.sock` (directories only this user can reach).
+#[pyfunction]
+pub fn default_socket_path() -> std::path::PathBuf {
+    kvtier::remote::default_socket_path()
 }
 
 /// Serves a new tier of `pool_bytes` (plain pages, in shared memory) on the Unix socket `path`

@@ -1,5 +1,6 @@
 """kvtier.connect: a tier whose state lives in the tier daemon, shared by processes."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -171,3 +172,23 @@ def test_a_forked_child_gets_forked_child_error(socket_path, geometry, arrays):
     assert tier.contains(keys[0]) and len(lease) == 2 and lease.uses_left == 1
     assert rank.restore(lease, [5]).wait(60)
     rank.close()
+
+
+def test_connect_defaults_to_the_daemons_default_socket(tmp_path, geometry):
+    # A child process with XDG_RUNTIME_DIR set: the default socket is inside it, and connect()
+    # without a path reaches a daemon served there.
+    code = textwrap.dedent(
+        f"""
+        import os, kvtier
+        path = os.fspath(kvtier.default_socket_path())
+        assert path == os.path.join({str(tmp_path)!r}, "kvtierd.sock"), path
+        g = kvtier.Geometry.preset("llama3-8b", 64)
+        kvtier._kvtier._serve(path, g, 4 * g.slot_bytes, "lru")
+        tier = kvtier.connect()
+        assert tier.connected and tier.capacity == 4
+        print("ok")
+        """
+    )
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
