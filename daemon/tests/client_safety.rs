@@ -237,7 +237,7 @@ fn a_connections_descriptors_are_close_on_exec() {
     assert!(checked >= 3, "the connection's two sockets and the pool's memfd (fd {pool_fd}): found {checked}");
 }
 
-/// Item 6: a query, save or hint over the frame limit is a typed error raised before anything is
+/// Item 6: a query, save or hint over the daemon's bounds is a typed error raised before anything is
 /// sent; the connection, and a save in flight on it, go on.
 #[test]
 fn a_request_over_the_frame_limit_is_refused_and_the_connection_goes_on() {
@@ -252,10 +252,13 @@ fn a_request_over_the_frame_limit_is_refused_and_the_connection_goes_on() {
     assert_eq!(ticket.saving.len(), 4);
     // 4,194,304 keys: 1 + 4 + 16 x 4,194,304 + 1 B > 64 MiB.
     let over: Vec<ContentKey> = (0..1u128 << 22).map(|i| ContentKey(i.to_le_bytes())).collect();
+    // The daemon's welcome states its bounds (keys per request: 1,048,576 by default), so the
+    // client refuses on keys before it computes the frame; over the frame alone is the unit test
+    // `remote::client::tests::a_request_over_the_frame_limit_is_refused_before_anything_is_sent`.
     let frame = |e: TierError| {
         assert!(
-            matches!(e, TierError::LimitExceeded { limit: Limit::FrameBytes, max, asked }
-                if max == kvtier::remote::proto::MAX_FRAME as u64 && asked > max),
+            matches!(e, TierError::LimitExceeded { limit: Limit::KeysPerRequest | Limit::FrameBytes, max, asked }
+                if asked == 1 << 22 && asked > max),
             "{e}"
         );
     };
