@@ -20,6 +20,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod layers;
+
 /// What a save did.
 #[derive(Debug)]
 #[non_exhaustive]

@@ -1,0 +1,253 @@
+//! Layer-wise saves and restores of a [`Rank`] ([`Rank::restore_layers`], [`Rank::save_layers`]):
+//! the same planning, pins, reservations and completion protocol as [`Rank::restore`] and
+//! [`Rank::save_with`], with the copy submitted group by group ([`crate::copy::layers`]) and the
+//! handle carrying each layer group's readiness ([`CopyHandle::wait_layer`]).
+
+use super::{CopyOutcome, InFlight, Job, Rank, SaveTicket, Settle};
+use crate::copy::layers::{copy_layers, LayerGroups};
+use crate::copy::{CopyPair, Direction, WaitFor};
+use crate::error::{CopyError, TierError};
+use crate::handle::{CopyHandle, HandleShared};
+use crate::key::ContentKey;
+use crate::lease::Lease;
+use crate::sync::{Arc, Ordering};
+use crate::tier::config::SaveOptions;
+
+impl Rank {
+    /// The layer groups of this tier's geometry ([`LayerGroups::new`]).
+    ///
+    /// # Errors
+    /// [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
+    pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
+        Ok(LayerGroups::new(self.core.geometry(), groups)?)
+    }
+
+    /// As [`Rank::launch`], submitting through [`copy_layers`] and keeping the completion's
+    /// per-group readiness in the handle.
+    ///
+    /// # Safety
+    /// As [`Rank::launch`].
+    unsafe fn launch_layers(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        groups: LayerGroups,
+        waits: &[WaitFor],
+        settle: Settle,
+    ) -> Result<CopyHandle, TierError> {
+        let blocks = batch.len() as u64;
+        let bytes = blocks * self.core.geometry().block_bytes();
+        // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
+        let submitted = unsafe { copy_layers(&*self.backend, dir, batch, &groups, waits) };
+        let completion = match submitted {
+            Ok(c) => c,
+            Err(e) => {
+                self.core.counters.record_copy(dir, blocks, 0, false);
+                return Err(e.into());
+            }
+        };
+        let layers = completion.layer_readiness().map(|r| (std::sync::Arc::new(groups), r));
+        let handle = HandleShared::with_layers(batch.len(), bytes, completion.shared_event(), layers);
+        self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
+        self.inflight.begin();
+        let job = Job { completion, settle, dir, blocks, bytes, handle: handle.clone() };
+        let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
+        let sent = match tx.lock().expect("rank sender lock").as_ref() {
+            Some(tx) => tx.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        if let Err(job) = sent {
+            // As in `launch`: the copy was submitted, so it is waited for before anything is freed.
+            let inflight: &InFlight = &self.inflight;
+            job.finish(&self.core, inflight);
+        }
+        Ok(CopyHandle::new(handle))
+    }
+
+    /// [`Rank::restore`] in layer order: the batch moves one group of layers at a time (`groups`
+    /// groups of consecutive layers of the tier's geometry, [`LayerGroups::new`]), every block's
+    /// group 0 first, as one submission after `wait`. The handle's [`CopyHandle::wait_layer`]
+    /// (`layer_event`) orders the engine's stream after one layer's pages only, so the suffix's
+    /// layer 0 can run while later layers are still crossing PCIe. The handle completes, as for
+    /// [`Rank::restore`], when every group is in place and the pins are dropped.
+    ///
+    /// A connected tier's rank, and a backend without layer-wise submission, restore the whole
+    /// batch at once; the handle's layer waits then wait for the whole copy.
+    ///
+    /// # Errors
+    /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
+    pub fn restore_layers(
+        &self,
+        lease: &Lease,
+        gpu_pages: &[u64],
+        wait: WaitFor,
+        groups: u32,
+    ) -> Result<CopyHandle, TierError> {
+        self.check_open()?;
+        let groups = self.layer_groups(groups)?;
+        if !Arc::ptr_eq(lease.core(), &self.core) {
+            return Err(TierError::ForeignLease);
+        }
+        let n = gpu_pages.len();
+        if n > lease.len() {
+            return Err(TierError::LeaseTooShort { asked: n, held: lease.len() });
+        }
+        #[cfg(feature = "remote")]
+        if let Some(remote) = lease.remote() {
+            return crate::remote::client::restore(self, remote, gpu_pages, wait);
+        }
+        if n == 0 {
+            lease.consume_without_copy();
+            return Ok(CopyHandle::ready());
+        }
+        let mut claim = lease.begin_restore(n)?;
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(claim.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+        let pins = claim.take_pins();
+        // SAFETY: as in `restore`: every slot is READY and pinned by `pins`, which the settle
+        // closure owns until the copy has finished; the caller owns the GPU pages.
+        let handle = unsafe {
+            self.launch_layers(
+                Direction::Restore,
+                &batch,
+                groups,
+                &[wait],
+                Box::new(move |outcome| {
+                    match outcome {
+                        CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
+                        CopyOutcome::Unknown => pins.quarantine(),
+                    }
+                    Ok(())
+                }),
+            )
+        }?;
+        claim.submitted();
+        Ok(handle)
+    }
+
+    /// [`Rank::save_with`] in layer order, for a save during the prefill: the copy of layer group
+    /// `g` (`groups` groups, [`LayerGroups::new`]) reads the GPU pages only after `waits[g]`,
+    /// typically the engine's `CUevent` recorded after the group's last layer wrote its pages
+    /// (`WaitFor::CudaEvent`, recorded before this call). `waits` holds one entry (before the
+    /// whole save) or one per group. The copy runs on the backend's save stream, never on the
+    /// engine's, so the save of early layers runs under the prefill of later ones. The ticket's
+    /// handle completes when every group is saved and the blocks are committed; its layer waits
+    /// say when a group's pages have been read (the engine may then rewrite them).
+    ///
+    /// A connected tier's rank, and a backend without layer-wise submission, save the whole batch
+    /// after `waits`' last entry.
+    ///
+    /// # Errors
+    /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`
+    /// or a wait count other than 1 or the group count (nothing reserved).
+    pub fn save_layers(
+        &self,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        waits: &[WaitFor],
+        groups: u32,
+        opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
+        self.check_open()?;
+        let groups = self.layer_groups(groups)?;
+        groups.check_waits(waits)?;
+        if keys.len() != gpu_pages.len() {
+            return Err(TierError::LengthMismatch { keys: keys.len(), pages: gpu_pages.len() });
+        }
+        let pages = self.backend.geometry().pages();
+        if let Some(&p) = gpu_pages.iter().find(|&&p| p >= pages) {
+            return Err(CopyError::PageOutOfRange { page: p, pages }.into());
+        }
+        #[cfg(feature = "remote")]
+        if self.remote.is_some() {
+            let last = *waits.last().expect("checked: at least one wait");
+            return self.save_with(keys, gpu_pages, last, opts);
+        }
+        let prepared = crate::tier::prepare::prepare_save(&self.core, keys, &opts)?;
+        let crate::tier::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } =
+            prepared;
+        if saving.is_empty() {
+            return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
+        }
+        let batch: Vec<CopyPair> =
+            saving.iter().zip(reservation.entries()).map(|(&i, r)| CopyPair::new(gpu_pages[i], r.slot.0)).collect();
+        // SAFETY: as in `save_with`: every slot is WRITING and owned by `reservation`, which the
+        // settle closure owns until the copy has finished; the GPU pages are the caller's.
+        let handle = unsafe {
+            self.launch_layers(
+                Direction::Save,
+                &batch,
+                groups,
+                waits,
+                Box::new(move |outcome| {
+                    match outcome {
+                        CopyOutcome::Done => reservation.commit(),
+                        CopyOutcome::Failed => drop(reservation),
+                        CopyOutcome::Unknown => reservation.quarantine(),
+                    }
+                    Ok(())
+                }),
+            )
+        }?;
+        Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::copy::host::HostArenas;
+    use crate::copy::{EngineArenas, WaitFor};
+    use crate::error::{CopyError, TierError};
+    use crate::geometry::{ArenaSpec, Geometry};
+    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::tier::{HostTier, SaveOptions, TierConfig};
+    use crate::ContentKey;
+    use std::sync::Arc;
+
+    fn setup() -> (Geometry, Arc<HostArenas>, HostTier) {
+        let arenas = (0..6).map(|i| ArenaSpec::packed(format!("a{i}"), 48, 16)).collect();
+        let g = Geometry::new("layers", 4, arenas).unwrap().with_layers(vec![0, 0, 1, 2, 2, 2]).unwrap();
+        let host = Arc::new(HostArenas::new(&g).unwrap());
+        let mut cfg = TierConfig::new(g.clone(), 8 * g.slot_bytes());
+        cfg.pool = PoolConfig { bytes: 8 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+        (g, host, HostTier::new(cfg).unwrap())
+    }
+
+    /// Through the tier: a layer-wise save with one wait per group, then a layer-wise restore
+    /// whose layer waits give each layer's bytes, and whose completion gives all of them.
+    #[test]
+    fn layer_wise_save_and_restore_through_a_rank() {
+        let (_, host, tier) = setup();
+        let rank = tier.attach(host.backend().unwrap()).unwrap();
+        let ns = tier.namespace();
+        let keys: Vec<ContentKey> = (0..4u8).map(|i| ns.key_from_bytes(&[i])).collect();
+        host.fill(&[0, 1, 2, 3], &keys).unwrap();
+        let groups = rank.layer_groups(3).unwrap();
+        assert_eq!((groups.len(), groups.arenas(1)), (3, 2..3));
+        let e = rank.save_layers(&keys, &[0, 1, 2, 3], &[WaitFor::Nothing; 2], 3, SaveOptions::default());
+        assert!(matches!(e, Err(TierError::Copy(CopyError::Mismatch(_)))), "{e:?}");
+        let t = rank.save_layers(&keys, &[0, 1, 2, 3], &[WaitFor::Nothing; 3], 3, SaveOptions::default()).unwrap();
+        assert_eq!(t.handle.layer_groups().map(|l| l.len()), Some(3));
+        t.handle.wait().unwrap();
+        let lease = tier.query(&keys);
+        assert_eq!(lease.len(), 4);
+        let h = rank.restore_layers(&lease, &[9, 10, 11, 12], WaitFor::Nothing, 2).unwrap();
+        assert_eq!(h.layer_groups().map(|l| (l.len(), l.layer_count())), Some((2, 3)));
+        assert_eq!(h.layer_event(0).unwrap(), None, "the host backend has no device events");
+        let bad = h.wait_layer(3, 0).unwrap_err();
+        assert!(matches!(bad, TierError::Copy(CopyError::Mismatch(_))), "{bad:?}");
+        assert!(bad.to_string().contains("layer 3 does not exist"), "{bad}");
+        for layer in 0..3 {
+            h.wait_layer(layer, 0).unwrap();
+            assert!(h.is_layer_ready(layer).unwrap());
+        }
+        h.wait().unwrap();
+        host.verify(&[9, 10, 11, 12], &keys).unwrap();
+        assert!(rank.restore_layers(&tier.query(&keys), &[1], WaitFor::Nothing, 0).is_err());
+        // A whole-block handle answers layer queries with the whole copy.
+        let lease = tier.query(&keys);
+        let whole = rank.restore(&lease, &[13, 14], WaitFor::Nothing).unwrap();
+        whole.wait_layer(40, 0).unwrap();
+        assert!(whole.layer_groups().is_none() && whole.is_layer_ready(0).unwrap());
+        host.verify(&[13, 14], &keys[..2]).unwrap();
+    }
+}
