@@ -27,6 +27,19 @@ if [[ ${1:-} == bites ]]; then
         fi
         rm -f "$log"
     done
+    # Layer-wise readiness (src/copy/layers.rs): a layer wait that returns before its group is
+    # copied must fail the host backend's per-layer test (the GPU test bites on it too).
+    for feature in layer-ready-early; do
+        log=$(mktemp)
+        if KVTIER_SEEDED_BUG="$feature" cargo test -p kvtier -q --lib a_layer_wait_makes_its_group_ready \
+            >"$log" 2>&1; then
+            echo "FAIL: seeded bug $feature did NOT make the layer-wise test fail"
+            fail=1
+        else
+            echo "bites: $feature: $(grep -m1 '^assertion' "$log" | cut -c1-160)"
+        fi
+        rm -f "$log"
+    done
     exit $fail
 fi
 export PROPTEST_CASES=${1:-${PROPTEST_CASES:-10000}}

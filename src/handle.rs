@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 
 type Callback = Box<dyn FnOnce(&Result<(), TierError>) + Send>;
 
+/// A layer-wise copy's groups and their readiness.
+pub(crate) type LayerState = (Arc<LayerGroups>, Arc<dyn LayerReadiness>);
+
 #[derive(Default)]
 struct State {
     result: Option<Result<(), TierError>>,
@@ -38,7 +41,7 @@ pub(crate) struct HandleShared {
     /// The copy's device event, shared with the backend's completion (kept alive by the handle).
     event: Option<Arc<dyn CopyEvent>>,
     /// A layer-wise copy's groups and per-group readiness ([`CopyHandle::wait_layer`]).
-    layers: Option<(Arc<LayerGroups>, Arc<dyn LayerReadiness>)>,
+    layers: Option<LayerState>,
 }
 
 impl HandleShared {
@@ -64,7 +67,7 @@ impl HandleShared {
         blocks: usize,
         bytes: u64,
         event: Option<Arc<dyn CopyEvent>>,
-        layers: Option<(Arc<LayerGroups>, Arc<dyn LayerReadiness>)>,
+        layers: Option<LayerState>,
     ) -> Arc<Self> {
         Arc::new(HandleShared {
             state: Mutex::new(State::default()),
@@ -224,9 +227,10 @@ impl CopyHandle {
         self.shared.layers.as_ref().map(|(g, _)| &**g)
     }
 
-    fn layer_group(&self, layer: u32) -> Result<Option<(usize, &Arc<dyn LayerReadiness>)>, TierError> {
+    /// The group of `layer` and the readiness, for a layer-wise copy.
+    fn layer_group(&self, layer: u32) -> Result<Option<(usize, &dyn LayerReadiness)>, TierError> {
         match &self.shared.layers {
-            Some((groups, ready)) => Ok(Some((groups.group_of_layer(layer)?, ready))),
+            Some((groups, ready)) => Ok(Some((groups.group_of_layer(layer)?, &**ready))),
             None => Ok(None),
         }
     }

@@ -585,8 +585,7 @@ impl PyRank {
         };
         let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
         let rank = guard.as_ref().ok_or_else(closed)?;
-        let ticket =
-            py.detach(|| rank.save_layers(&keys, &pages, &waits, groups, SaveOptions::new().fit(fit))).py()?;
+        let ticket = py.detach(|| rank.save_layers(&keys, &pages, &waits, groups, SaveOptions::new().fit(fit))).py()?;
         Ok(PySaveTicket {
             saving: ticket.saving,
             resident: ticket.resident,

@@ -469,8 +469,9 @@ mod tests {
         let groups = LayerGroups::new(&g, 2).unwrap();
         let back: Vec<CopyPair> = (0..3).map(|i| CopyPair::new(5 + i, i as u32 + 2)).collect();
         // SAFETY: as above.
-        let mut c = unsafe { super::super::layers::copy_layers(&b, Direction::Restore, &back, &groups, &[WaitFor::Nothing]) }
-            .unwrap();
+        let mut c =
+            unsafe { super::super::layers::copy_layers(&b, Direction::Restore, &back, &groups, &[WaitFor::Nothing]) }
+                .unwrap();
         let ready = c.layer_readiness().expect("a layer-wise host copy has a readiness");
         assert_eq!(ready.groups(), 2);
         assert_eq!(ready.cuda_event(0), None);

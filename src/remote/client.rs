@@ -27,7 +27,7 @@ use crate::lease::{Lease, LeasedBlock};
 use crate::pool::{Backing, HostPool, SharedPoolLayout};
 use crate::slot::SlotId;
 use crate::tier::core::Core;
-use crate::tier::{CopyOutcome, Fit, HostTier, Rank, SaveOptions, SaveTicket, Settle};
+use crate::tier::{CopyOutcome, Fit, HostTier, Launch, Rank, SaveOptions, SaveTicket, Settle};
 use std::io::{BufReader, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -318,6 +318,18 @@ pub(crate) fn save(
     wait: WaitFor,
     opts: SaveOptions,
 ) -> Result<SaveTicket, TierError> {
+    save_how(rank, conn, keys, gpu_pages, Launch::Whole(wait), opts)
+}
+
+/// [`save`], submitted whole-block or layer-wise ([`Rank::save_layers`]).
+pub(crate) fn save_how(
+    rank: &Rank,
+    conn: &Arc<Conn>,
+    keys: &[ContentKey],
+    gpu_pages: &[u64],
+    how: Launch<'_>,
+    opts: SaveOptions,
+) -> Result<SaveTicket, TierError> {
     let req = Request::PrepareSave {
         keys: keys.to_vec(),
         prefix: opts.fit == Fit::Prefix,
@@ -348,7 +360,7 @@ pub(crate) fn save(
     // them before the FinishSave that `settle` sends after the copy has finished, or before this
     // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
     // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
-    match unsafe { rank.launch(Direction::Save, &batch, wait, settle) } {
+    match unsafe { rank.launch_how(Direction::Save, &batch, how, settle) } {
         Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
         Err(e) => {
             let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
@@ -368,6 +380,16 @@ pub(crate) fn restore(
     lease: &RemoteLease,
     gpu_pages: &[u64],
     wait: WaitFor,
+) -> Result<CopyHandle, TierError> {
+    restore_how(rank, lease, gpu_pages, Launch::Whole(wait))
+}
+
+/// [`restore`], submitted whole-block or layer-wise ([`Rank::restore_layers`]).
+pub(crate) fn restore_how(
+    rank: &Rank,
+    lease: &RemoteLease,
+    gpu_pages: &[u64],
+    how: Launch<'_>,
 ) -> Result<CopyHandle, TierError> {
     let conn = &lease.conn;
     if gpu_pages.is_empty() {
@@ -395,7 +417,7 @@ pub(crate) fn restore(
     // until the FinishRestore that `settle` sends after the copy has finished, or until this process
     // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
     // handle completes.
-    match unsafe { rank.launch(Direction::Restore, &batch, wait, settle) } {
+    match unsafe { rank.launch_how(Direction::Restore, &batch, how, settle) } {
         Ok(handle) => {
             let _ = conn.call(&Request::RestoreSubmitted { restore });
             Ok(handle)

@@ -20,7 +20,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-mod layers;
+pub(crate) mod layers;
 
 /// What a save did.
 #[derive(Debug)]

@@ -12,8 +12,8 @@
 //! at block boundaries of a group.
 
 use super::{
-    launch, ramp, BatchEvent, BoundPool, CudaBackend, CudaCompletion, Staging, COPY_THREADS,
-    FLAG_SLOT_IS_INDEX, INLINE_PAIRS,
+    launch, ramp, BatchEvent, BoundPool, CudaBackend, CudaCompletion, Staging, COPY_THREADS, FLAG_SLOT_IS_INDEX,
+    INLINE_PAIRS,
 };
 use crate::copy::layers::{LayerCopy, LayerGroups, LayerReadiness};
 use crate::copy::{validate_batch, Completion, CopyPair, Direction, WaitFor};
@@ -89,6 +89,11 @@ impl LayerCopy for CudaBackend {
         groups.check(inner.geometry.arenas().len())?;
         groups.check_waits(waits)?;
         validate_batch(batch, inner.geometry.pages(), pool.capacity, dir)?;
+        // Within a group the order of blocks is free (its event waits for all of them), so the
+        // pairs go in host-slot order: scattered but near-contiguous slots (a pool after evictions)
+        // become long runs, one 2-D copy each instead of one copy per block and group.
+        let sorted = by_slot(batch);
+        let batch = &sorted[..];
         inner.dev.bind()?;
         let lane = if dir == Direction::Save { &inner.save } else { &inner.restore };
         let event = Event::new(&inner.dev)?;
@@ -187,7 +192,8 @@ impl CudaBackend {
         let n = batch.len() as u64;
         let cap = (stg.piece_slots as u64 * sb / v.span).max(1);
         let max = (o.staged_piece_blocks as u64 * inner.geometry.block_bytes() / v.span).clamp(1, cap);
-        let mut sizes = if edge { ramp(n, o.staged_first_piece_bytes.div_ceil(v.span), max) } else { ramp(n, max, max) };
+        let mut sizes =
+            if edge { ramp(n, o.staged_first_piece_bytes.div_ceil(v.span), max) } else { ramp(n, max, max) };
         if dir == Direction::Restore {
             sizes.reverse();
         }
@@ -244,6 +250,14 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// `batch` ordered by host slot (validated batches have distinct slots for a save; a restore's
+/// repeated slots stay together).
+fn by_slot(batch: &[CopyPair]) -> Vec<CopyPair> {
+    let mut v = batch.to_vec();
+    v.sort_by_key(|p| p.slot);
+    v
 }
 
 /// Queues on `cs` the copy-engine copies of group `v` of `pairs` between their host slots and the
@@ -311,6 +325,14 @@ fn copy_runs(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pairs_go_in_slot_order_keeping_each_page_with_its_slot() {
+        let batch = [CopyPair::new(7, 12), CopyPair::new(3, 10), CopyPair::new(9, 11), CopyPair::new(1, 13)];
+        let s = by_slot(&batch);
+        assert_eq!(s.iter().map(|p| p.slot).collect::<Vec<_>>(), [10, 11, 12, 13]);
+        assert_eq!(s.iter().map(|p| p.gpu_page).collect::<Vec<_>>(), [3, 9, 7, 1]);
+    }
 
     #[test]
     fn group_views_tile_the_segment_table_and_the_slot() {

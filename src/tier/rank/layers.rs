@@ -13,13 +13,48 @@ use crate::lease::Lease;
 use crate::sync::{Arc, Ordering};
 use crate::tier::config::SaveOptions;
 
+/// How a rank submits a copy: whole-block after one wait, or layer-wise (for a connected tier's
+/// saves and restores, `crate::remote::client`).
+#[cfg(feature = "remote")]
+pub(crate) enum Launch<'a> {
+    /// [`Rank::launch`]: one whole-block copy after the wait.
+    Whole(WaitFor),
+    /// [`Rank::launch_layers`]: group by group, after one wait or one per group.
+    Layers(LayerGroups, &'a [WaitFor]),
+}
+
 impl Rank {
-    /// The layer groups of this tier's geometry ([`LayerGroups::new`]).
+    /// The layer groups of this rank's layers ([`LayerGroups::new`]): those of the tier's geometry,
+    /// or, where it names none (a connected tier's geometry comes from the daemon, which sends no
+    /// layer ids; a geometry rebuilt from an engine's tensors), those of the rank's backend.
     ///
     /// # Errors
     /// [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
     pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
-        Ok(LayerGroups::new(self.core.geometry(), groups)?)
+        let (tier, backend) = (self.core.geometry(), self.backend.geometry());
+        let g = if tier.layer_count() == 1 && backend.layer_count() > 1 { backend } else { tier };
+        Ok(LayerGroups::new(g, groups)?)
+    }
+
+    /// Submits through [`Rank::launch`] or [`Rank::launch_layers`].
+    ///
+    /// # Safety
+    /// As [`Rank::launch`].
+    #[cfg(feature = "remote")]
+    pub(crate) unsafe fn launch_how(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        how: Launch<'_>,
+        settle: Settle,
+    ) -> Result<CopyHandle, TierError> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match how {
+                Launch::Whole(wait) => self.launch(dir, batch, wait, settle),
+                Launch::Layers(groups, waits) => self.launch_layers(dir, batch, groups, waits, settle),
+            }
+        }
     }
 
     /// As [`Rank::launch`], submitting through [`copy_layers`] and keeping the completion's
@@ -27,7 +62,7 @@ impl Rank {
     ///
     /// # Safety
     /// As [`Rank::launch`].
-    unsafe fn launch_layers(
+    pub(crate) unsafe fn launch_layers(
         &self,
         dir: Direction,
         batch: &[CopyPair],
@@ -71,8 +106,9 @@ impl Rank {
     /// layer 0 can run while later layers are still crossing PCIe. The handle completes, as for
     /// [`Rank::restore`], when every group is in place and the pins are dropped.
     ///
-    /// A connected tier's rank, and a backend without layer-wise submission, restore the whole
-    /// batch at once; the handle's layer waits then wait for the whole copy.
+    /// A connected tier's rank copies layer-wise too (it runs its copies itself; the daemon only
+    /// pins). A backend without layer-wise submission restores the whole batch at once; the
+    /// handle's layer waits then wait for the whole copy.
     ///
     /// # Errors
     /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
@@ -94,7 +130,8 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(remote) = lease.remote() {
-            return crate::remote::client::restore(self, remote, gpu_pages, wait);
+            let waits = [wait];
+            return crate::remote::client::restore_how(self, remote, gpu_pages, Launch::Layers(groups, &waits));
         }
         if n == 0 {
             lease.consume_without_copy();
@@ -133,8 +170,8 @@ impl Rank {
     /// handle completes when every group is saved and the blocks are committed; its layer waits
     /// say when a group's pages have been read (the engine may then rewrite them).
     ///
-    /// A connected tier's rank, and a backend without layer-wise submission, save the whole batch
-    /// after `waits`' last entry.
+    /// A connected tier's rank saves layer-wise too (the daemon reserves, the rank copies). A
+    /// backend without layer-wise submission saves the whole batch after `waits`' last entry.
     ///
     /// # Errors
     /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`
@@ -158,9 +195,8 @@ impl Rank {
             return Err(CopyError::PageOutOfRange { page: p, pages }.into());
         }
         #[cfg(feature = "remote")]
-        if self.remote.is_some() {
-            let last = *waits.last().expect("checked: at least one wait");
-            return self.save_with(keys, gpu_pages, last, opts);
+        if let Some(conn) = &self.remote {
+            return crate::remote::client::save_how(self, conn, keys, gpu_pages, Launch::Layers(groups, waits), opts);
         }
         let prepared = crate::tier::prepare::prepare_save(&self.core, keys, &opts)?;
         let crate::tier::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } =
