@@ -13,7 +13,11 @@
 //!   back to back, for each restore path: staged, zero copy, copy engine only, each with and without
 //!   SM isolation (green contexts, the probe in the engine's partition) and stream priorities;
 //!   criterion's time is the probe's time per launch, the summary table adds the restores' GB/s;
-//! - a diagnostic table: the staged path's HBM scatter kernel alone and beside the compute probe.
+//! - a diagnostic table: the staged path's HBM scatter kernel alone and beside the compute probe;
+//! - `layers_save`, `layers_restore` (8, 43 and 256 blocks): layer-wise copies
+//!   (`kvtier::copy::layers`) at 78 groups (one per GLM-5.2 layer), 8 groups and 1 group, beside
+//!   the whole-block default and the contiguous copy, so the cost of per-layer readiness shows in
+//!   GB/s. `COPY_BANDWIDTH_LAYERS_ONLY=1` runs this group alone.
 //!
 //! Times come from CUDA events recorded around the work on the stream that does it (throughput over
 //! completion, not submission). GB = 10^9 B. The summary tables at the end (medians of the same
@@ -48,6 +52,8 @@ mod imp {
 
     const BLOCKS: [usize; 5] = [1, 8, 43, 128, 256];
     const MAX_BLOCKS: usize = 256;
+    /// Batch sizes of the layer-wise group.
+    const LAYER_BLOCKS: [usize; 3] = [8, 43, 256];
     /// SMs reserved for the copy kernels in the isolated rows.
     const RESERVED_SMS: u32 = 8;
     /// Restores queued back to back in an interference run, 43 blocks each (1.19 GB).
@@ -319,6 +325,12 @@ mod imp {
         let auto = s.backend(d);
         println!("device: {}", auto.device_description());
         println!("defaults: {d:?}");
+        layer_groups(&mut c, &mut s, &rec, &timer, &auto);
+        if std::env::var_os("COPY_BANDWIDTH_LAYERS_ONLY").is_some() {
+            drop(auto);
+            s.registry.clear();
+            return;
+        }
         hbm_kernel_beside_probe(&mut s);
         interference(&mut c, &mut s, &rec);
         small_groups(&mut c, &mut s, &rec, &timer, &auto);
@@ -363,6 +375,38 @@ mod imp {
             group.finish();
         }
         ratio_table(rec, "glm52", &BLOCKS);
+    }
+
+    /// Layer-wise saves and restores at 78, 8 and 1 groups against the whole-block default.
+    fn layer_groups(c: &mut Criterion, s: &mut Setup, rec: &Record, timer: &Timer, auto: &CudaBackend) {
+        use kvtier::copy::layers::copy_layers;
+        let block = s.g.block_bytes();
+        let groups: Vec<(u32, kvtier::LayerGroups)> =
+            [78u32, 8, 1].iter().map(|&n| (n, kvtier::LayerGroups::new(&s.g, n).unwrap())).collect();
+        for dir in [Direction::Save, Direction::Restore] {
+            let group_name = format!("layers_{}", dir_name(dir));
+            let mut group = c.benchmark_group(&group_name);
+            for &n in &LAYER_BLOCKS {
+                let batch = s.batch(n);
+                group.throughput(Throughput::Bytes(n as u64 * block));
+                let mut timed = |id: &str, stream: u64, f: &dyn Fn() -> Option<Box<dyn Completion>>| {
+                    timer.bench(&mut group, rec, &group_name, id, n, stream, f)
+                };
+                timed("whole_default", auto.stream(dir), &|| run_backend(auto, &batch, dir));
+                for (k, lg) in &groups {
+                    timed(&format!("layers_{k}"), auto.stream(dir), &|| {
+                        // SAFETY: as run_backend: the benchmark owns every slot and page.
+                        Some(unsafe { copy_layers(auto, dir, &batch, lg, &[WaitFor::Nothing]) }.unwrap())
+                    });
+                }
+                timed("contiguous", s.stream, &|| {
+                    contiguous(s, n, dir);
+                    None
+                });
+            }
+            group.finish();
+        }
+        ratio_table(rec, "layers", &LAYER_BLOCKS);
     }
 
     /// The one-block group (1 and 8 blocks): zero copy, staged, staged with a zero-copy head.

@@ -179,3 +179,12 @@ extern "C" __global__ void kvt_sm_ids(kvt_u32* out, kvt_u64 hold_ns) {
         out[blockIdx.x] = sm;
     }
 }
+
+// kvt_spin_until: thread 0 of one CTA polls `*flag` (host-mapped memory the host writes) until it is
+// at least `value`. A gate for ordering tests that blocks no stream's queue: the launch is
+// dispatched and the kernel holds one SM slot while work queued after it on its stream waits.
+extern "C" __global__ void kvt_spin_until(const volatile kvt_u32* flag, kvt_u32 value) {
+    if (threadIdx.x == 0) {
+        while (*flag < value) __nanosleep(2000);
+    }
+}

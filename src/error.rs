@@ -102,6 +102,14 @@ pub enum GeometryError {
         /// Comma-separated list of known presets.
         known: String,
     },
+    /// Per-arena layer ids ([`crate::Geometry::with_layers`]) that cannot be used: a count other
+    /// than the arenas', or ids that decrease in arena order (a layer's arenas must be neighbours,
+    /// so each layer group is one contiguous range of a host slot).
+    #[error("arena layers: {reason}")]
+    Layers {
+        /// What is wrong, naming the arena.
+        reason: String,
+    },
 }
 
 /// The host pool could not be created or configured.

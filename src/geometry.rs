@@ -70,7 +70,10 @@ impl ArenaSpec {
 }
 
 /// A validated block layout: arenas, their chunk offsets in a host slot, and the namespace.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Equality compares the layout (what the bytes of a block are and where they lie); the layer
+/// ids of [`Geometry::with_layers`] are an engine's grouping hint and do not enter it.
+#[derive(Clone, Debug)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Geometry {
     model: String,
@@ -81,9 +84,27 @@ pub struct Geometry {
     pages: u64,
     /// Tensor-parallel shard `(index, count)` this layout holds, if the block is sharded.
     shard: Option<(u32, u32)>,
+    /// Model layer of each arena (non-decreasing in arena order); all 0 unless set.
+    layers: Vec<u32>,
     #[cfg_attr(feature = "serde", serde(skip))]
     namespace: Namespace,
 }
+
+impl PartialEq for Geometry {
+    fn eq(&self, other: &Self) -> bool {
+        // Every field but `layers` (see the type's docs).
+        self.model == other.model
+            && self.page_tokens == other.page_tokens
+            && self.arenas == other.arenas
+            && self.chunk_offsets == other.chunk_offsets
+            && self.slot_bytes == other.slot_bytes
+            && self.pages == other.pages
+            && self.shard == other.shard
+            && self.namespace == other.namespace
+    }
+}
+
+impl Eq for Geometry {}
 
 fn align_up(x: u64, a: u64) -> Option<u64> {
     x.checked_add(a - 1).map(|v| v / a * a)
@@ -179,6 +200,7 @@ impl Geometry {
             off = align_up(off + a.bytes_per_page, SLOT_CHUNK_ALIGN).expect("bounded by the overflow check");
         }
         let slot_bytes = off;
+        let arenas_len = arenas.len();
         let pages = arenas.iter().map(|a| a.pages).min().expect("non-empty");
         let namespace = Self::derive_namespace(model, page_tokens, &arenas, None);
         Ok(Geometry {
@@ -189,6 +211,7 @@ impl Geometry {
             slot_bytes,
             pages,
             shard: None,
+            layers: vec![0; arenas_len],
             namespace,
         })
     }
@@ -255,7 +278,8 @@ impl Geometry {
     /// As [`Geometry::new`] (a zero `pages`, or an extent that overflows).
     pub fn with_pages(&self, pages: u64) -> Result<Self, GeometryError> {
         let arenas = self.arenas.iter().map(|a| ArenaSpec { pages, ..a.clone() }).collect();
-        let g = Geometry::new(&self.model, self.page_tokens, arenas)?;
+        let mut g = Geometry::new(&self.model, self.page_tokens, arenas)?;
+        g.layers.clone_from(&self.layers);
         match self.shard {
             Some((i, n)) => g.with_shard(i, n),
             None => Ok(g),
@@ -283,6 +307,47 @@ impl Geometry {
         self.shard
     }
 
+    /// The same layout with arena `i` belonging to model layer `layers[i]`, for layer-wise copies
+    /// ([`crate::copy::LayerGroups`]). Layer ids are a property of the engine, not of the bytes: the
+    /// namespace is unchanged. Ids need not start at 0 or be dense, but must not decrease in arena
+    /// order (a layer's arenas are neighbours in the slot). The presets set them; a geometry built
+    /// with [`Geometry::new`] has every arena in layer 0 (one group).
+    ///
+    /// # Errors
+    /// [`GeometryError::Layers`] for a count other than the arenas' or a decreasing id.
+    pub fn with_layers(&self, layers: Vec<u32>) -> Result<Self, GeometryError> {
+        if layers.len() != self.arenas.len() {
+            return Err(GeometryError::Layers {
+                reason: format!("{} layer ids for {} arenas", layers.len(), self.arenas.len()),
+            });
+        }
+        if let Some(i) = (1..layers.len()).find(|&i| layers[i] < layers[i - 1]) {
+            return Err(GeometryError::Layers {
+                reason: format!(
+                    "arena `{}` is in layer {} after arena `{}` in layer {}: ids must not decrease in arena order",
+                    self.arenas[i].name,
+                    layers[i],
+                    self.arenas[i - 1].name,
+                    layers[i - 1]
+                ),
+            });
+        }
+        let mut g = self.clone();
+        g.layers = layers;
+        Ok(g)
+    }
+
+    /// The model layer of each arena, in arena order (non-decreasing; all 0 unless set by
+    /// [`Geometry::with_layers`] or a preset).
+    pub fn layers(&self) -> &[u32] {
+        &self.layers
+    }
+
+    /// Number of distinct layers among the arenas (at least 1).
+    pub fn layer_count(&self) -> u32 {
+        1 + self.layers.windows(2).filter(|w| w[0] != w[1]).count() as u32
+    }
+
     /// Names of the built-in presets, for [`Geometry::preset`].
     pub const PRESETS: &'static [&'static str] = &["glm52", "qwen3-4b", "deepseek-v3", "deepseek-v3-bf16", "llama3-8b"];
 
@@ -304,14 +369,16 @@ impl Geometry {
     pub fn preset(name: &str, pages: u64) -> Result<Self, GeometryError> {
         match name {
             "glm52" => {
-                let mut arenas = Vec::with_capacity(99);
+                let (mut arenas, mut layers) = (Vec::with_capacity(99), Vec::with_capacity(99));
                 for l in 0..78u64 {
                     arenas.push(ArenaSpec::packed(format!("mla.L{l}"), 64 * 656, pages));
+                    layers.push(l as u32);
                     if l <= 2 || (6..=74).contains(&l) && (l - 6) % 4 == 0 {
                         arenas.push(ArenaSpec::packed(format!("indexk.L{l}"), 64 * 132, pages));
+                        layers.push(l as u32);
                     }
                 }
-                Geometry::new("GLM-5.2", 64, arenas)
+                Geometry::new("GLM-5.2", 64, arenas)?.with_layers(layers)
             }
             "qwen3-4b" => {
                 let seg = 65_536u64;
@@ -324,13 +391,13 @@ impl Geometry {
                         placement: Placement::Fused { buffer: 0, offset: l * seg },
                     })
                     .collect();
-                Geometry::new("Qwen3-4B", 16, arenas)
+                Geometry::new("Qwen3-4B", 16, arenas)?.with_layers((0..36).collect())
             }
             "deepseek-v3" | "deepseek-v3-bf16" => {
                 let per_token = if name == "deepseek-v3" { 656 } else { 1152 };
                 let arenas = (0..61).map(|l| ArenaSpec::packed(format!("mla.L{l}"), 64 * per_token, pages)).collect();
                 let model = if name == "deepseek-v3" { "DeepSeek-V3/fp8_ds_mla" } else { "DeepSeek-V3/bf16" };
-                Geometry::new(model, 64, arenas)
+                Geometry::new(model, 64, arenas)?.with_layers((0..61).collect())
             }
             "llama3-8b" => {
                 let unit = 8 * 128 * 2 * 16;
@@ -339,7 +406,7 @@ impl Geometry {
                     arenas.push(ArenaSpec::packed(format!("k.L{l}"), unit, pages));
                     arenas.push(ArenaSpec::packed(format!("v.L{l}"), unit, pages));
                 }
-                Geometry::new("Llama-3-8B", 16, arenas)
+                Geometry::new("Llama-3-8B", 16, arenas)?.with_layers((0..64).map(|i| i / 2).collect())
             }
             _ => Err(GeometryError::UnknownPreset { name: name.to_string(), known: Self::PRESETS.join(", ") }),
         }
@@ -433,6 +500,27 @@ mod tests {
         assert_eq!(g.chunk_offsets()[1], 41_984);
         assert!(g.arenas().iter().any(|a| a.name == "indexk.L74"));
         assert!(!g.arenas().iter().any(|a| a.name == "indexk.L3"));
+    }
+
+    #[test]
+    fn presets_name_each_arenas_layer_and_bad_layers_are_rejected() {
+        let g = Geometry::preset("glm52", 4).unwrap();
+        assert_eq!(g.layer_count(), 78);
+        assert_eq!(g.layers()[..6], [0, 0, 1, 1, 2, 2]);
+        assert_eq!(g.layers()[98], 77);
+        let l = Geometry::preset("llama3-8b", 4).unwrap();
+        assert_eq!((l.layer_count(), l.layers()[63]), (32, 31));
+        assert_eq!(l.with_pages(8).unwrap().layers(), l.layers(), "with_pages keeps the layers");
+        assert_eq!(Geometry::preset("deepseek-v3", 1).unwrap().layer_count(), 61);
+        assert_eq!(Geometry::preset("qwen3-4b", 1).unwrap().layer_count(), 36);
+        let two = Geometry::new("m", 16, vec![ArenaSpec::packed("a", 64, 4), ArenaSpec::packed("b", 64, 4)]).unwrap();
+        assert_eq!(two.layer_count(), 1, "default: one layer");
+        assert_eq!(two.with_layers(vec![3, 9]).unwrap().layer_count(), 2);
+        assert_eq!(two.with_layers(vec![3, 9]).unwrap().namespace(), two.namespace());
+        assert_eq!(two.with_layers(vec![3, 9]).unwrap(), two, "layers do not enter equality");
+        assert!(matches!(two.with_layers(vec![0]), Err(GeometryError::Layers { .. })));
+        let e = two.with_layers(vec![1, 0]).unwrap_err();
+        assert!(e.to_string().contains("arena `b` is in layer 0 after arena `a` in layer 1"), "{e}");
     }
 
     #[test]

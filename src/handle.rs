@@ -11,7 +11,7 @@
 //! sync, which is how an engine should consume a restore (the handle then completes on its own
 //! shortly after, when the tier has released the copy's pins).
 
-use crate::copy::CopyEvent;
+use crate::copy::{CopyEvent, LayerGroups, LayerReadiness};
 use crate::error::TierError;
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +20,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 type Callback = Box<dyn FnOnce(&Result<(), TierError>) + Send>;
+
+/// A layer-wise copy's groups and their readiness.
+pub(crate) type LayerState = (Arc<LayerGroups>, Arc<dyn LayerReadiness>);
 
 #[derive(Default)]
 struct State {
@@ -37,6 +40,8 @@ pub(crate) struct HandleShared {
     bytes: u64,
     /// The copy's device event, shared with the backend's completion (kept alive by the handle).
     event: Option<Arc<dyn CopyEvent>>,
+    /// A layer-wise copy's groups and per-group readiness ([`CopyHandle::wait_layer`]).
+    layers: Option<LayerState>,
 }
 
 impl HandleShared {
@@ -53,6 +58,25 @@ impl HandleShared {
             blocks,
             bytes,
             event,
+            layers: None,
+        })
+    }
+
+    /// A handle state of a layer-wise copy: the device event and each layer group's readiness.
+    pub(crate) fn with_layers(
+        blocks: usize,
+        bytes: u64,
+        event: Option<Arc<dyn CopyEvent>>,
+        layers: Option<LayerState>,
+    ) -> Arc<Self> {
+        Arc::new(HandleShared {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            submitted_at: Instant::now(),
+            blocks,
+            bytes,
+            event,
+            layers,
         })
     }
 
@@ -195,6 +219,72 @@ impl CopyHandle {
                 ev.stream_wait(stream).map_err(TierError::Copy)
             }
             None => self.wait(),
+        }
+    }
+
+    /// The layer groups of a layer-wise copy ([`crate::Rank::restore_layers`],
+    /// [`crate::Rank::save_layers`]); `None` for a whole-block copy.
+    pub fn layer_groups(&self) -> Option<&LayerGroups> {
+        self.shared.layers.as_ref().map(|(g, _)| &**g)
+    }
+
+    /// The group of `layer` and the readiness, for a layer-wise copy.
+    fn layer_group(&self, layer: u32) -> Result<Option<(usize, &dyn LayerReadiness)>, TierError> {
+        match &self.shared.layers {
+            Some((groups, ready)) => Ok(Some((groups.group_of_layer(layer)?, &**ready))),
+            None => Ok(None),
+        }
+    }
+
+    /// The raw `CUevent` after which layer `layer` (0-based, among the geometry's distinct layers;
+    /// see [`crate::Geometry::layers`]) is in place: its layer group's event for a layer-wise copy
+    /// on a GPU, the whole copy's event ([`CopyHandle::cuda_event`]) for a whole-block copy (any
+    /// `layer` is accepted then). `Ok(None)` without device events (the host backend). Valid while
+    /// any clone of this handle lives. Groups complete in layer order: layer `l`'s event also
+    /// covers every layer before it.
+    ///
+    /// # Errors
+    /// [`TierError::Copy`] with [`crate::CopyError::Mismatch`] for a layer the geometry does not have.
+    pub fn layer_event(&self, layer: u32) -> Result<Option<u64>, TierError> {
+        match self.layer_group(layer)? {
+            Some((g, ready)) => Ok(ready.cuda_event(g)),
+            None => Ok(self.cuda_event()),
+        }
+    }
+
+    /// Makes work queued on the raw `CUstream` `stream` after this call wait until layer `layer`'s
+    /// pages are in place (a restore) or have been read (a save), with no host synchronisation
+    /// (`cuStreamWaitEvent` on [`CopyHandle::layer_event`]); the calling thread's CUDA context is
+    /// left as it was. Without device events (the host backend) it blocks until the layer's group
+    /// has been copied instead (it may do that copy itself), so the caller may read those pages
+    /// when it returns; `stream` is then not used. For a whole-block copy it is
+    /// [`CopyHandle::stream_wait`]. Layers complete in order: waiting for layer `l` also covers
+    /// layers `0..l`.
+    ///
+    /// # Errors
+    /// As [`CopyHandle::stream_wait`]; [`TierError::Copy`] with [`crate::CopyError::Mismatch`] for
+    /// a layer the geometry does not have (nothing queued).
+    pub fn wait_layer(&self, layer: u32, stream: u64) -> Result<(), TierError> {
+        match self.layer_group(layer)? {
+            Some((g, ready)) => {
+                if let Some(r) = self.try_result() {
+                    r?;
+                }
+                ready.stream_wait(g, stream).map_err(TierError::Copy)
+            }
+            None => self.stream_wait(stream),
+        }
+    }
+
+    /// True once layer `layer`'s group has been copied (never blocks; for a whole-block copy, once
+    /// the copy's event has completed or the handle is done).
+    ///
+    /// # Errors
+    /// As [`CopyHandle::layer_event`]; driver errors.
+    pub fn is_layer_ready(&self, layer: u32) -> Result<bool, TierError> {
+        match self.layer_group(layer)? {
+            Some((g, ready)) => ready.is_ready(g).map_err(TierError::Copy),
+            None => Ok(self.is_done()),
         }
     }
 

@@ -645,3 +645,274 @@ fn a_failed_driver_call_keeps_its_cuda_result() {
         other => panic!("{other:?}"),
     }
 }
+
+// ---- Layer-wise copies (kvtier::copy::layers) ----
+
+use kvtier::copy::layers::copy_layers;
+use kvtier::LayerGroups;
+
+/// A gate on the GPU: a kernel (`kvt_spin_until`) on a stream of its own that runs until the test
+/// writes 1 into a host-mapped word, and an event recorded after it: a deterministic stand-in for
+/// a slow copy. (A spinning kernel, not `cuStreamWaitValue32`: a stream wait stalls the hardware
+/// queue it shares with other streams, a running kernel does not.)
+struct Gate {
+    flag: *mut u32,
+    event: u64,
+    stream: u64,
+}
+
+// SAFETY: the flag is pinned host memory owned by the gate; the handles may be used anywhere.
+unsafe impl Send for Gate {}
+
+impl Gate {
+    fn new() -> Self {
+        let stream = new_stream();
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: allocates 4 B of pinned, device-mapped host memory, zeroes it and takes its
+        // device address (the context is current).
+        unsafe {
+            kvtier::cuda::raw::ck("cuMemHostAlloc", sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP))
+                .unwrap();
+            std::ptr::write_volatile(host as *mut u32, 0);
+            kvtier::cuda::raw::ck("cuMemHostGetDevicePointer", sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0))
+                .unwrap();
+        }
+        kvtier::cuda::raw::spin_until(0, stream, dev, 1).unwrap();
+        Gate { flag: host as *mut u32, event: record(stream), stream }
+    }
+    fn open(&self) {
+        // SAFETY: the flag is live pinned memory; the kernel reads it with volatile loads.
+        unsafe { std::ptr::write_volatile(self.flag, 1) };
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+        // SAFETY: waits for the kernel, then frees what `new` created.
+        unsafe {
+            sys::cuStreamSynchronize(self.stream as _);
+            sys::cuStreamDestroy_v2(self.stream as _);
+            sys::cuMemFreeHost(self.flag as _);
+        }
+    }
+}
+
+/// Opens a gate after 60 s unless finished first: a test whose work waits for the gated group
+/// (or whose submission blocks on it) fails with a message instead of hanging.
+struct Watchdog {
+    tx: std::sync::mpsc::Sender<()>,
+    dog: std::thread::JoinHandle<bool>,
+}
+
+impl Watchdog {
+    fn start(gate: &Gate) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let flag = gate.flag as usize;
+        let dog = std::thread::spawn(move || {
+            if rx.recv_timeout(std::time::Duration::from_secs(60)).is_err() {
+                // SAFETY: the gate (and its flag) outlives this thread: `finish` joins it first.
+                unsafe { std::ptr::write_volatile(flag as *mut u32, 1) };
+                return true;
+            }
+            false
+        });
+        Watchdog { tx, dog }
+    }
+    fn finish(self, what: &str) {
+        let _ = self.tx.send(());
+        assert!(!self.dog.join().unwrap(), "{what}: the work before the gate waited for the gated last group");
+    }
+}
+
+fn destroy_stream(s: u64) {
+    // SAFETY: a stream this test created; nothing is queued on it any more.
+    unsafe {
+        sys::cuStreamSynchronize(s as _);
+        sys::cuStreamDestroy_v2(s as _);
+    }
+}
+
+/// Layer-wise restores in every mode, over random and consecutive slots, at 1, 8 and all
+/// groups: the bytes equal those of the slots. With the last group's copy held by a gate, the
+/// reader of the groups before it runs (and sees their bytes and the old bytes of the last
+/// group), the last group is not ready, and the last reader sees everything once the gate opens.
+fn layer_restore(preset: &str, n: usize, groups: u32, options: CudaOptions, consecutive: bool, seed: u64) {
+    let g = Geometry::preset(preset, 128).unwrap();
+    let arenas = CudaArenas::new(0, &g, options).unwrap();
+    let cap = (n as u32 + 17).max(32);
+    let mut pool = TestPool::new(g.slot_bytes(), cap);
+    let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), options).unwrap();
+    pool.bind(&mut b);
+    kvtier::cuda::raw::bind_device(0).unwrap();
+    let mut rng = Rng(seed);
+    let (new, old) = (keys(&mut rng, n), keys(&mut rng, n));
+    let pages = rng.distinct(n, g.pages());
+    let slots: Vec<u32> = if consecutive {
+        (3..3 + n as u32).collect()
+    } else {
+        rng.distinct(n, cap as u64).into_iter().map(|s| s as u32).collect()
+    };
+    for (s, k) in slots.iter().zip(&new) {
+        fill_slot(&g, &mut pool, *s, k);
+    }
+    arenas.fill(&pages, &old).unwrap();
+    let lg = LayerGroups::new(&g, groups).unwrap();
+    let gate = Gate::new();
+    let mut waits = vec![WaitFor::Nothing; lg.len()];
+    *waits.last_mut().unwrap() = WaitFor::CudaEvent(gate.event);
+    let batch: Vec<CopyPair> = pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
+    let dog = Watchdog::start(&gate);
+    let what = format!("{preset} n={n} groups={groups} {:?}", options.mode);
+    // SAFETY: the test owns the slots and pages until wait returns.
+    let mut c = unsafe { copy_layers(&b, Direction::Restore, &batch, &lg, &waits) }.unwrap();
+    let ready = c.layer_readiness().expect("CUDA layer-wise copies have a readiness");
+    assert_eq!(ready.groups(), lg.len());
+    let reader = new_stream();
+    if lg.len() > 1 {
+        let before = lg.len() - 2;
+        ready.stream_wait(before, reader).unwrap();
+        let job = arenas.pattern_on(reader, &pages, &new, true, 0).unwrap();
+        let e = job.wait().expect_err("the gated group still holds the old bytes");
+        // The first mismatch is the first arena of the gated group (of the first page).
+        let want = format!("GPU page {}, arena `{}`", pages[0], g.arenas()[lg.arenas(lg.len() - 1).start].name);
+        assert!(e.to_string().contains(&want), "{what}: {e} (want {want})");
+        assert!(!ready.is_ready(lg.len() - 1).unwrap(), "the gated group is not ready");
+        assert!(!c.poll().unwrap(), "nor is the copy");
+    }
+    dog.finish(&what);
+    gate.open();
+    ready.stream_wait(lg.len() - 1, reader).unwrap();
+    arenas.pattern_on(reader, &pages, &new, true, 0).unwrap().wait().unwrap();
+    c.wait().unwrap();
+    assert!((0..lg.len()).all(|k| ready.is_ready(k).unwrap()));
+    destroy_stream(reader);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn layer_wise_restore_orders_each_group_and_a_gated_last_group_delays_only_its_reader() {
+    let staged_small = CudaOptions {
+        mode: CopyMode::Staged,
+        staged_piece_blocks: 3,
+        staged_first_piece_bytes: 100_000,
+        staged_ctas: 3,
+        staged_unroll: 4,
+        ..Default::default()
+    };
+    let zero = CudaOptions { mode: CopyMode::ZeroCopy, ..Default::default() };
+    let mut seed = 1000;
+    for preset in ["glm52", "llama3-8b", "qwen3-4b"] {
+        for n in [1usize, 8, 100] {
+            for groups in [1u32, 8, 500] {
+                for (o, consecutive) in [
+                    (CudaOptions::default(), true),
+                    (CudaOptions::default(), false),
+                    (staged_small, true),
+                    (zero, false),
+                ] {
+                    seed += 1;
+                    layer_restore(preset, n, groups, o, consecutive, seed);
+                }
+            }
+        }
+    }
+}
+
+/// A layer-wise save: group g reads the pages only after its own event; the last group's wait is
+/// a gate, so the groups before it are read (ready) while it is not; every slot holds the bytes
+/// the "engine" wrote once the gate opens.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn layer_wise_save_waits_for_each_groups_event() {
+    for (preset, n, groups, mode) in [
+        ("glm52", 8usize, 78u32, CopyMode::Auto),
+        ("llama3-8b", 70, 32, CopyMode::Auto),
+        ("glm52", 3, 8, CopyMode::ZeroCopy),
+    ] {
+        let g = Geometry::preset(preset, 128).unwrap();
+        let o = CudaOptions { mode, ..Default::default() };
+        let arenas = CudaArenas::new(0, &g, o).unwrap();
+        let mut pool = TestPool::new(g.slot_bytes(), 80);
+        let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
+        pool.bind(&mut b);
+        kvtier::cuda::raw::bind_device(0).unwrap();
+        let engine = new_stream();
+        let mut rng = Rng(77 + n as u64);
+        let (old, new) = (keys(&mut rng, n), keys(&mut rng, n));
+        let pages = rng.distinct(n, g.pages());
+        arenas.fill(&pages, &old).unwrap();
+        // The "prefill" writes the pages slowly (30 ms), then records one event per group.
+        let job = arenas.pattern_on(engine, &pages, &new, false, 30_000_000).unwrap();
+        let lg = LayerGroups::new(&g, groups).unwrap();
+        let gate = Gate::new();
+        let mut waits: Vec<WaitFor> = (0..lg.len()).map(|_| WaitFor::CudaEvent(record(engine))).collect();
+        let last = lg.len() - 1;
+        let Some(WaitFor::CudaEvent(e)) = waits.last().copied() else { unreachable!() };
+        // The last group waits for the engine's event and the gate.
+        let both = new_stream();
+        let engine_streams = [engine, both];
+        // SAFETY: live stream and events.
+        unsafe {
+            kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, e as _, 0)).unwrap();
+            kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, gate.event as _, 0)).unwrap();
+        }
+        waits[last] = WaitFor::CudaEvent(record(both));
+        let batch: Vec<CopyPair> = pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, 2 + i as u32)).collect();
+        let dog = Watchdog::start(&gate);
+        // SAFETY: the test owns the slots; the pages are written only by the job the save waits for.
+        let mut c = unsafe { copy_layers(&b, Direction::Save, &batch, &lg, &waits) }.unwrap();
+        let ready = c.layer_readiness().unwrap();
+        job.wait().unwrap();
+        if last > 0 {
+            // A reader of the pages after group last-1's readiness runs while the gate is closed.
+            let reader = new_stream();
+            ready.stream_wait(last - 1, reader).unwrap();
+            arenas.pattern_on(reader, &pages, &new, true, 0).unwrap().wait().unwrap();
+            assert!(!ready.is_ready(last).unwrap());
+            destroy_stream(reader);
+        }
+        dog.finish(preset);
+        gate.open();
+        c.wait().unwrap();
+        for (i, k) in new.iter().enumerate() {
+            check_slot(&g, &pool, 2 + i as u32, k);
+        }
+        engine_streams.into_iter().for_each(destroy_stream);
+    }
+}
+
+/// Through the tier: `Rank::restore_layers` and the handle's `wait_layer` order an engine stream
+/// after one layer; after the last layer's wait every page holds the saved bytes.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the device with --include-ignored"]
+fn tier_layer_wise_restore_and_save_through_a_rank() {
+    use kvtier::{HostTier, SaveOptions, TierConfig};
+    let g = Geometry::preset("llama3-8b", 128).unwrap();
+    let arenas = Arc::new(CudaArenas::new(0, &g, CudaOptions::default()).unwrap());
+    let tier = HostTier::new(TierConfig::new(g.clone(), 40 * g.slot_bytes())).unwrap();
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    kvtier::cuda::raw::bind_device(0).unwrap();
+    let (engine, compute) = (new_stream(), new_stream());
+    let ns = tier.namespace();
+    let keys: Vec<ContentKey> = (0..32u32).map(|i| ns.key_from_bytes(format!("k-{i}").as_bytes())).collect();
+    let src: Vec<u64> = (0..32).collect();
+    let job = arenas.pattern_on(engine, &src, &keys, false, 10_000_000).unwrap();
+    let waits: Vec<WaitFor> = (0..8).map(|_| WaitFor::CudaEvent(record(engine))).collect();
+    let t = rank.save_layers(&keys, &src, &waits, 8, SaveOptions::default()).unwrap();
+    assert!(t.handle.layer_event(31).unwrap().is_some());
+    t.handle.wait().unwrap();
+    job.wait().unwrap();
+    let lease = tier.query(&keys);
+    assert_eq!(lease.len(), 32);
+    let dst: Vec<u64> = (64..96).collect();
+    let h = rank.restore_layers(&lease, &dst, WaitFor::Nothing, 32).unwrap();
+    assert_eq!(h.layer_groups().unwrap().len(), 32);
+    assert_ne!(h.layer_event(0).unwrap(), h.layer_event(31).unwrap());
+    assert!(h.wait_layer(32, compute).is_err());
+    h.wait_layer(31, compute).unwrap();
+    arenas.pattern_on(compute, &dst, &keys, true, 0).unwrap().wait().unwrap();
+    h.wait().unwrap();
+    assert!(h.is_layer_ready(0).unwrap());
+}

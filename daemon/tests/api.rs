@@ -236,3 +236,30 @@ fn hints_on_a_connected_tier_go_to_the_daemon() {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// A connected tier's rank copies layer-wise itself (the daemon only reserves and pins): the
+/// groups come from the rank's backend (the daemon's geometry carries no layer ids), a layer wait
+/// makes its group ready, and the bytes arrive.
+#[test]
+fn a_connected_rank_saves_and_restores_layer_wise() {
+    let (_dir, path) = serve(8);
+    let tier = HostTier::connect(&path).unwrap();
+    let g = tier.geometry().with_pages(16).unwrap().with_layers(vec![0, 1]).unwrap();
+    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    assert_eq!(rank.layer_groups(2).unwrap().len(), 2, "the backend's layers");
+    let k: Vec<_> = (0..3).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+    arenas.fill(&[0, 1, 2], &k).unwrap();
+    let t = rank.save_layers(&k, &[0, 1, 2], &[WaitFor::Nothing; 2], 2, SaveOptions::default()).unwrap();
+    assert_eq!(t.handle.layer_groups().map(|l| l.len()), Some(2));
+    t.handle.wait_timeout(WAIT).unwrap().unwrap();
+    let lease = tier.query(&k);
+    assert_eq!(lease.len(), 3);
+    let h = rank.restore_layers(&lease, &[9, 10, 11], WaitFor::Nothing, 2).unwrap();
+    assert_eq!(h.layer_groups().map(|l| l.len()), Some(2));
+    h.wait_layer(0, 0).unwrap();
+    assert!(h.is_layer_ready(0).unwrap());
+    h.wait_timeout(WAIT).unwrap().unwrap();
+    arenas.verify(&[9, 10, 11], &k).unwrap();
+    assert_eq!(tier.stats().pinned_slots, 0);
+}

@@ -195,6 +195,20 @@ impl PyGeometry {
     fn with_pages(&self, pages: u64) -> PyResult<Self> {
         Ok(PyGeometry { inner: self.inner.with_pages(pages).py()? })
     }
+    /// The same layout with arena `i` in model layer `layers[i]` (ints that never decrease in
+    /// arena order), for layer-wise copies (`Rank.restore_layers`, `Rank.save_layers`). The
+    /// namespace is unchanged. Presets set the layers; `Geometry(...)` and `from_tensors` put every
+    /// arena in layer 0 (one group).
+    ///
+    /// Raises: `GeometryError` for a count other than the arenas' or a decreasing id.
+    fn with_layers(&self, layers: Vec<u32>) -> PyResult<Self> {
+        Ok(PyGeometry { inner: self.inner.with_layers(layers).py()? })
+    }
+    /// The model layer of each arena, in arena order (a list of ints).
+    #[getter]
+    fn layers(&self) -> Vec<u32> {
+        self.inner.layers().to_vec()
+    }
     /// The same layout as tensor-parallel shard `index` of `count` (its own namespace).
     ///
     /// Raises: `MissingFieldError` for `count == 0` or `index >= count`.

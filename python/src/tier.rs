@@ -707,6 +707,70 @@ impl PyRank {
         Ok(PyCopyHandle { inner: handle })
     }
 
+    /// `restore` in layer order: the blocks move one group of layers at a time (`groups` groups of
+    /// consecutive layers of the tier's geometry, `Geometry.layers`), every block's first group
+    /// first, as one submission. Before layer `l`'s attention, `handle.wait_layer(l, stream)`
+    /// makes the engine's stream wait for that layer's pages only (no host sync), so later layers
+    /// cross PCIe under the compute of earlier ones. Arguments and errors as `restore`;
+    /// `BackendMismatchError` for `groups == 0`.
+    #[pyo3(signature = (lease, pages, groups, after_stream = None, *, after_event = None))]
+    fn restore_layers(
+        &self,
+        py: Python<'_>,
+        lease: &PyLease,
+        pages: &Bound<'_, PyAny>,
+        groups: u32,
+        after_stream: Option<&Bound<'_, PyAny>>,
+        after_event: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCopyHandle> {
+        let pages = ints_of(pages)?;
+        let wait = wait_for(after_stream, after_event)?;
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        let rank = guard.as_ref().ok_or_else(closed)?;
+        let lease = &lease.inner;
+        let handle = py.detach(|| rank.restore_layers(lease, &pages, wait, groups)).py()?;
+        Ok(PyCopyHandle { inner: handle })
+    }
+
+    /// `save` in layer order, for a save during the prefill: the copy of layer group `g`
+    /// (`groups` groups) reads the pages only after `after_events[g]` (a recorded `CUevent`:
+    /// int or `torch.cuda.Event`, recorded after the group's last layer wrote its pages, before
+    /// this call), off the engine's stream. `after_events`: one event per group, or one for all.
+    /// Returns a `SaveTicket`; errors as `save`.
+    #[pyo3(signature = (keys, pages, groups, after_events, *, fit = "all"))]
+    fn save_layers(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        groups: u32,
+        after_events: &Bound<'_, PyAny>,
+        fit: &str,
+    ) -> PyResult<PySaveTicket> {
+        let keys = keys_of(keys)?;
+        let pages = ints_of(pages)?;
+        let waits = after_events
+            .try_iter()?
+            .map(|e| Ok(kvtier::WaitFor::CudaEvent(handle_of(&e?, &["cuda_event", "ptr"])?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let fit = match fit {
+            "all" => Fit::AllOrNothing,
+            "prefix" => Fit::Prefix,
+            f => return Err(config_error(format!("unknown fit `{f}` (all, prefix)"))),
+        };
+        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
+        let rank = guard.as_ref().ok_or_else(closed)?;
+        let ticket = py.detach(|| rank.save_layers(&keys, &pages, &waits, groups, SaveOptions::new().fit(fit))).py()?;
+        Ok(PySaveTicket {
+            saving: ticket.saving,
+            resident: ticket.resident,
+            in_flight: ticket.in_flight,
+            duplicates: ticket.duplicates,
+            dropped: ticket.dropped,
+            handle: Py::new(py, PyCopyHandle { inner: ticket.handle })?,
+        })
+    }
+
     /// What this rank has in flight, as a dict: `save_gpu_pages` (pages that saves still read:
     /// do not reuse them yet), `restore_slots`, `batches`.
     fn load<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -925,6 +989,29 @@ impl PyCopyHandle {
     fn stream_wait(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         let s = handle_of(stream, &["cuda_stream", "ptr"])?;
         py.detach(|| self.inner.stream_wait(s)).py()
+    }
+    /// The raw `CUevent` (int) after which layer `layer` (0-based) is in place: its group's event
+    /// for a layer-wise copy (`Rank.restore_layers`), the whole copy's `cuda_event` otherwise;
+    /// None for host ranks. Layers complete in order.
+    ///
+    /// Raises: `BackendMismatchError` for a layer the geometry does not have.
+    fn layer_event(&self, layer: u32) -> PyResult<Option<u64>> {
+        self.inner.layer_event(layer).py()
+    }
+    /// Makes `stream` (as in `stream_wait`) wait until layer `layer`'s pages are in place, with no
+    /// host sync; waiting for layer `l` also covers layers before it. For host ranks it blocks
+    /// until the layer's group has been copied (GIL released). A whole-block copy waits for all.
+    ///
+    /// Raises: the copy's failure if it has already failed; `BackendMismatchError` for a layer the
+    /// geometry does not have; `DeviceError`.
+    fn wait_layer(&self, py: Python<'_>, layer: u32, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = handle_of(stream, &["cuda_stream", "ptr"])?;
+        py.detach(|| self.inner.wait_layer(layer, s)).py()
+    }
+    /// Layer groups of a layer-wise copy (int), or None for a whole-block copy.
+    #[getter]
+    fn layer_groups(&self) -> Option<usize> {
+        self.inner.layer_groups().map(|g| g.len())
     }
     /// Blocks in the batch.
     #[getter]

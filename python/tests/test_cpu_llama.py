@@ -12,7 +12,7 @@ from kvtier.examples.llama_restore import Bench, main, markdown  # noqa: E402
 
 
 def test_tiny_llama_restored_prefix_gives_bitwise_equal_logits():
-    bench = Bench("tiny", "cpu", max_prefix=128, suffix=32, greedy=8, seed=3)
+    bench = Bench("tiny", "cpu", max_prefix=128, suffix=32, greedy=8, seed=3, layer_groups=2)
     try:
         r = bench.run_case(128, repeats=1, warmup=0)
         assert r["checks"] == {
@@ -24,14 +24,20 @@ def test_tiny_llama_restored_prefix_gives_bitwise_equal_logits():
             "torch_per_page_logits_equal": True,
             "torch_staged_logits_equal": True,
             "suffix_alone_first_token_equal": True,
+            "layer_wise_logits_bitwise_equal": True,
+            "layer_wise_greedy_tokens_equal": True,
+            "layer_wise_restored_pages_byte_identical": True,
         }
         assert r["prefix_pages"] == 8 and r["restore_bytes"] == 8 * 4 * 2048
         assert r["saved"] == {"saving": 8, "resident": 0}
         assert len(r["greedy_tokens"]) == 8
         s = bench.tier.stats()
         assert s["saved_blocks"] == 8
-        # 3 restores: the warm run, the suffix-alone set-up and the restore timing.
-        assert s["restored_blocks"] == 3 * 8 and s["pinned_slots"] == 0
+        # 5 restores: the warm runs (whole-block, layer-wise), the suffix-alone set-up and the two
+        # restore timings (whole-block, layer-wise).
+        assert s["restored_blocks"] == 5 * 8 and s["pinned_slots"] == 0
+        # The tiny model's 2 layers, one group each.
+        assert r["layer_groups"] == 2
         assert "| 128 |" in markdown([r])
     finally:
         bench.close()

@@ -6,6 +6,7 @@
 //! which for a tier rank is the rank's completion thread, so `save`/`restore` return at once as
 //! they do on a GPU.
 
+use super::layers::{LayerCopy, LayerGroups, LayerReadiness};
 use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
 use crate::error::{CopyError, Error, GeometryError};
 use crate::geometry::{ArenaBinding, Geometry, Placement};
@@ -226,6 +227,31 @@ impl CopyBackend for HostBackend {
     unsafe fn restore(&self, batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
         self.submit(batch, Direction::Restore)
     }
+    fn layer_copy(&self) -> Option<&dyn LayerCopy> {
+        Some(self)
+    }
+}
+
+/// Layer-wise copies on the host: group by group, in group order, on whichever thread first needs
+/// a group (a layer wait, or the completion's `wait` on the rank's completion thread). Waits are
+/// ignored as in whole-block copies. The readiness is a CPU-side counter of copied groups.
+impl LayerCopy for HostBackend {
+    unsafe fn copy_layers(
+        &self,
+        dir: Direction,
+        batch: &[CopyPair],
+        groups: &LayerGroups,
+        waits: &[WaitFor],
+    ) -> Result<Box<dyn Completion>, CopyError> {
+        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        groups.check(self.arenas.geometry.arenas().len())?;
+        groups.check_waits(waits)?;
+        validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
+        let job = HostJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir };
+        Ok(Box::new(HostLayerCompletion {
+            job: Arc::new(HostLayerJob { job, groups: groups.clone(), copied: std::sync::Mutex::new(0) }),
+        }))
+    }
 }
 
 struct HostJob {
@@ -237,10 +263,16 @@ struct HostJob {
 
 impl HostJob {
     fn run(&self) {
+        self.run_arenas(0..self.arenas.geometry.arenas().len());
+    }
+
+    /// Copies arenas `arenas` of every block of the batch.
+    fn run_arenas(&self, arenas: std::ops::Range<usize>) {
         let g = &self.arenas.geometry;
         for p in &self.batch {
             let slot_base = self.pool.host_base + p.slot as usize * self.pool.slot_bytes as usize;
-            for (i, (a, off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
+            let (specs, offs) = (&g.arenas()[arenas.clone()], &g.chunk_offsets()[arenas.clone()]);
+            for (i, (a, off)) in arenas.clone().zip(specs.iter().zip(offs)) {
                 let gpu = self.arenas.chunk_ptr(i, p.gpu_page);
                 let host = (slot_base + *off as usize) as *mut u8;
                 let n = a.bytes_per_page as usize;
@@ -272,6 +304,63 @@ impl Completion for HostCompletion {
             job.run();
         }
         Ok(())
+    }
+}
+
+/// A layer-wise host copy: the job and how many of its groups have been copied.
+struct HostLayerJob {
+    job: HostJob,
+    groups: LayerGroups,
+    copied: std::sync::Mutex<usize>,
+}
+
+impl HostLayerJob {
+    /// Copies groups up to and including `g` that are not copied yet (in group order).
+    fn advance(&self, g: usize) {
+        let mut copied = self.copied.lock().unwrap_or_else(|p| p.into_inner());
+        while *copied <= g.min(self.groups.len() - 1) {
+            self.job.run_arenas(self.groups.arenas(*copied));
+            *copied += 1;
+        }
+    }
+}
+
+impl LayerReadiness for HostLayerJob {
+    fn groups(&self) -> usize {
+        self.groups.len()
+    }
+    fn cuda_event(&self, g: usize) -> Option<u64> {
+        assert!(g < self.groups.len(), "layer group {g} of {}", self.groups.len());
+        None
+    }
+    fn stream_wait(&self, g: usize, _stream: u64) -> Result<(), CopyError> {
+        assert!(g < self.groups.len(), "layer group {g} of {}", self.groups.len());
+        // Seeded bug: a layer wait that returns before its group is copied.
+        if !cfg!(kvtier_seeded_bug = "layer-ready-early") {
+            self.advance(g);
+        }
+        Ok(())
+    }
+    fn is_ready(&self, g: usize) -> Result<bool, CopyError> {
+        assert!(g < self.groups.len(), "layer group {g} of {}", self.groups.len());
+        Ok(*self.copied.lock().unwrap_or_else(|p| p.into_inner()) > g)
+    }
+}
+
+struct HostLayerCompletion {
+    job: Arc<HostLayerJob>,
+}
+
+impl Completion for HostLayerCompletion {
+    fn poll(&mut self) -> Result<bool, CopyError> {
+        self.wait().map(|_| true)
+    }
+    fn wait(&mut self) -> Result<(), CopyError> {
+        self.job.advance(usize::MAX);
+        Ok(())
+    }
+    fn layer_readiness(&self) -> Option<Arc<dyn LayerReadiness>> {
+        Some(self.job.clone())
     }
 }
 
@@ -339,6 +428,79 @@ mod tests {
         assert_eq!(k[28], 1004);
         assert_eq!(v[11], 2005);
         assert_eq!(k[0], 0, "untouched pages stay untouched");
+    }
+
+    /// Four arenas in two layers over host memory the test owns.
+    fn two_layer_arenas() -> (Geometry, Arc<HostArenas>, crate::pool::HostPool) {
+        let g = Geometry::new(
+            "layers",
+            4,
+            vec![
+                ArenaSpec::packed("k.L0", 64, 8),
+                ArenaSpec::packed("v.L0", 32, 8),
+                ArenaSpec::packed("k.L1", 64, 8),
+                ArenaSpec::packed("v.L1", 32, 8),
+            ],
+        )
+        .unwrap()
+        .with_layers(vec![0, 0, 1, 1])
+        .unwrap();
+        let arenas = Arc::new(HostArenas::new(&g).unwrap());
+        let cfg = PoolConfig { bytes: 8 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
+        let pool = crate::pool::HostPool::new(g.slot_bytes(), &cfg).unwrap();
+        (g, arenas, pool)
+    }
+
+    /// A layer wait copies (at least) its group and nothing of later groups; the completion copies
+    /// the rest; the bytes equal a whole-block restore's.
+    #[test]
+    fn a_layer_wait_makes_its_group_ready_before_later_groups() {
+        let (g, arenas, pool) = two_layer_arenas();
+        let mut b = HostBackend::new(arenas.clone());
+        b.bind_pool(&pool).unwrap();
+        let ns = g.namespace();
+        let keys: Vec<ContentKey> = (0..3u8).map(|i| ns.key_from_bytes(&[i])).collect();
+        let old: Vec<ContentKey> = (10..13u8).map(|i| ns.key_from_bytes(&[i])).collect();
+        arenas.fill(&[0, 1, 2], &keys).unwrap();
+        let save: Vec<CopyPair> = (0..3).map(|i| CopyPair::new(i, i as u32 + 2)).collect();
+        // SAFETY: the test owns these slots and pages until wait returns.
+        unsafe { b.save(&save, WaitFor::Nothing) }.unwrap().wait().unwrap();
+        arenas.fill(&[5, 6, 7], &old).unwrap();
+        let groups = LayerGroups::new(&g, 2).unwrap();
+        let back: Vec<CopyPair> = (0..3).map(|i| CopyPair::new(5 + i, i as u32 + 2)).collect();
+        // SAFETY: as above.
+        let mut c =
+            unsafe { super::super::layers::copy_layers(&b, Direction::Restore, &back, &groups, &[WaitFor::Nothing]) }
+                .unwrap();
+        let ready = c.layer_readiness().expect("a layer-wise host copy has a readiness");
+        assert_eq!(ready.groups(), 2);
+        assert_eq!(ready.cuda_event(0), None);
+        assert!(!ready.is_ready(0).unwrap());
+        ready.stream_wait(0, 0).unwrap();
+        assert!(ready.is_ready(0).unwrap() && !ready.is_ready(1).unwrap());
+        let first_bad = |pages: &[u64], want: &[ContentKey]| -> Option<String> {
+            arenas.verify(pages, want).err().map(|e| e.to_string())
+        };
+        // Layer 0 holds the restored bytes; layer 1 still the old ones.
+        for (i, &p) in [5u64, 6, 7].iter().enumerate() {
+            for a in 0..4 {
+                // SAFETY: no copy writes these pages now (group 0 is done, group 1 not started).
+                let chunk = unsafe { arenas.chunk(a, p) };
+                let want = if a < 2 { &keys[i] } else { &old[i] };
+                assert_eq!(crate::pattern::first_mismatch(want, a, chunk), None, "page {p} arena {a}");
+            }
+        }
+        c.wait().unwrap();
+        assert!(ready.is_ready(1).unwrap());
+        assert_eq!(first_bad(&[5, 6, 7], &keys), None);
+        // Waits: one, or one per group.
+        // SAFETY: rejected before anything is copied.
+        let e = unsafe {
+            super::super::layers::copy_layers(&b, Direction::Restore, &back, &groups, &[WaitFor::Nothing; 3])
+        }
+        .err()
+        .expect("three waits for two groups");
+        assert!(matches!(e, CopyError::Mismatch(_)), "{e:?}");
     }
 
     #[test]

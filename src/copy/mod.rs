@@ -19,7 +19,10 @@
 
 pub mod fault;
 pub mod host;
+pub mod layers;
 pub mod null;
+
+pub use layers::{LayerCopy, LayerGroups, LayerReadiness};
 
 use crate::error::CopyError;
 use crate::geometry::Geometry;
@@ -98,6 +101,11 @@ pub trait Completion: Send {
     fn shared_event(&self) -> Option<Arc<dyn CopyEvent>> {
         None
     }
+    /// The per-layer-group readiness of a layer-wise copy ([`layers::copy_layers`]), shared: it
+    /// stays valid while any clone lives. `None` for whole-block copies.
+    fn layer_readiness(&self) -> Option<Arc<dyn LayerReadiness>> {
+        None
+    }
 }
 
 /// A device event recorded on a backend's stream after one copy (see
@@ -151,6 +159,11 @@ pub trait CopyBackend: Send + Sync {
     /// # Errors
     /// As [`CopyBackend::save`].
     unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError>;
+    /// The backend's layer-wise submission ([`LayerCopy`]), if it has one; `None` (the default)
+    /// makes [`layers::copy_layers`] fall back to one whole-block copy.
+    fn layer_copy(&self) -> Option<&dyn LayerCopy> {
+        None
+    }
 }
 
 /// Checks a batch before submission: page ids below `pages`, slots below `capacity`, and no

@@ -27,6 +27,8 @@ use std::any::Any;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
+mod layers;
+
 /// How a batch crosses PCIe.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum CopyMode {
@@ -611,30 +613,8 @@ impl CudaBackend {
         let mut staging = lane.submit.lock().unwrap_or_else(|p| p.into_inner());
         let stream = lane.stream.raw;
         lane.stream.wait_for(wait)?;
-        let mut desc = None;
-        let mut args = self.base_args(pool.alias, pool.slot_bytes, &batch[..batch.len().min(INLINE_PAIRS)]);
-        args.item_end = batch.len() as u64 * inner.segs_per_block as u64;
-        if batch.len() > INLINE_PAIRS {
-            let d = inner.take_desc(batch.len())?;
-            let bytes = std::mem::size_of_val(batch);
-            // SAFETY: d.host holds cap >= batch.len() pairs; CopyPair and KvtPair are both repr(C)
-            // {u64, u32, u32}; the pinned buffer is not in use (pooled buffers return only after
-            // their completion), and it stays alive (in the completion) until the copy has run.
-            unsafe {
-                std::ptr::copy_nonoverlapping(batch.as_ptr() as *const u8, d.host.ptr, bytes);
-                let host = std::slice::from_raw_parts(d.host.ptr as *const u8, bytes);
-                drv::memcpy_htod_async(d.dev.ptr, host, stream).ctx("cuMemcpyHtoDAsync")?;
-            }
-            args.pairs = d.dev.ptr;
-            args.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
-            desc = Some(d);
-        }
-        let o = &inner.options;
-        let staged = match o.mode {
-            CopyMode::ZeroCopy => false,
-            CopyMode::Staged => true,
-            CopyMode::Auto => batch.len() >= o.auto_staged_min_blocks as usize,
-        };
+        let (args, desc) = self.upload_pairs(batch, pool, stream)?;
+        let staged = self.is_staged(batch.len());
         let result = match staged {
             // SAFETY: args is kvt_copy_args for the whole batch over the pool alias; the tables live
             // in `inner` (kept alive by the completion), the pair list in `desc` (released after
@@ -659,7 +639,52 @@ impl CudaBackend {
             desc,
             inner: self.inner.clone(),
             done: false,
+            layers: None,
         }))
+    }
+
+    /// Kernel arguments for the whole of `batch` over the pool alias; a batch of more than
+    /// [`INLINE_PAIRS`] pairs gets a pooled descriptor buffer, uploaded on `stream`, which the
+    /// caller must keep until the batch's completion (or give back after a failed submission).
+    fn upload_pairs(
+        &self,
+        batch: &[CopyPair],
+        pool: BoundPool,
+        stream: sys::CUstream,
+    ) -> Result<(KvtCopyArgs, Option<DescBuf>), CopyError> {
+        let inner = &self.inner;
+        let mut args = self.base_args(pool.alias, pool.slot_bytes, &batch[..batch.len().min(INLINE_PAIRS)]);
+        args.item_end = batch.len() as u64 * inner.segs_per_block as u64;
+        if batch.len() <= INLINE_PAIRS {
+            return Ok((args, None));
+        }
+        let d = inner.take_desc(batch.len())?;
+        let bytes = std::mem::size_of_val(batch);
+        // SAFETY: d.host holds cap >= batch.len() pairs; CopyPair and KvtPair are both repr(C)
+        // {u64, u32, u32}; the pinned buffer is not in use (pooled buffers return only after
+        // their completion), and it stays alive (in the completion) until the copy has run.
+        let up = unsafe {
+            std::ptr::copy_nonoverlapping(batch.as_ptr() as *const u8, d.host.ptr, bytes);
+            let host = std::slice::from_raw_parts(d.host.ptr as *const u8, bytes);
+            drv::memcpy_htod_async(d.dev.ptr, host, stream).ctx("cuMemcpyHtoDAsync")
+        };
+        if let Err(e) = up {
+            inner.give_desc(d);
+            return Err(e);
+        }
+        args.pairs = d.dev.ptr;
+        args.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
+        Ok((args, Some(d)))
+    }
+
+    /// Whether a batch of `n` blocks takes the staged path.
+    fn is_staged(&self, n: usize) -> bool {
+        let o = &self.inner.options;
+        match o.mode {
+            CopyMode::ZeroCopy => false,
+            CopyMode::Staged => true,
+            CopyMode::Auto => n >= o.auto_staged_min_blocks as usize,
+        }
     }
 
     /// Launches the zero-copy kernel of `dir` over `args` (its item range) on `stream`.
@@ -682,6 +707,31 @@ impl CudaBackend {
         };
         // SAFETY: the caller's contract.
         unsafe { launch(f, ctas, COPY_THREADS, stream, args) }
+    }
+
+    /// The lane's staging resources, allocated at first use: two halves of
+    /// `staged_piece_blocks + 2` slots of `slot_bytes` each, the copy-engine stream, the head's
+    /// stream and the hand-over events.
+    fn staging<'a>(&self, staging: &'a mut Option<Staging>, slot_bytes: u64) -> Result<&'a Staging, CopyError> {
+        let inner = &self.inner;
+        if staging.is_none() {
+            let dev = &inner.dev;
+            // A piece of at most max_piece blocks (plus one segment of rounding) cut anywhere
+            // spans at most max_piece + 2 pairs.
+            let piece_slots = inner.options.staged_piece_blocks as usize + 2;
+            *staging = Some(Staging {
+                buf: DeviceBuffer::new(dev, (2 * piece_slots as u64 * slot_bytes) as usize)?,
+                piece_slots,
+                copy: inner.new_stream()?,
+                step: Event::new(dev)?,
+                half_free: [Event::new(dev)?, Event::new(dev)?],
+                sync: Event::new(dev)?,
+                head: inner.new_stream()?,
+                head_go: Event::new(dev)?,
+                head_done: Event::new(dev)?,
+            });
+        }
+        Ok(staging.as_ref().expect("allocated"))
     }
 
     /// Staged mode: the head (the first [`CudaOptions::save_head_bytes`] /
@@ -713,24 +763,7 @@ impl CudaBackend {
         let sb = pool.slot_bytes;
         let spb = inner.segs_per_block as u64;
         let max_piece = o.staged_piece_blocks as usize;
-        if staging.is_none() {
-            let dev = &inner.dev;
-            // A piece of at most max_piece blocks (plus one segment of rounding) cut anywhere
-            // spans at most max_piece + 2 pairs.
-            let piece_slots = max_piece + 2;
-            *staging = Some(Staging {
-                buf: DeviceBuffer::new(dev, (2 * piece_slots as u64 * sb) as usize)?,
-                piece_slots,
-                copy: inner.new_stream()?,
-                step: Event::new(dev)?,
-                half_free: [Event::new(dev)?, Event::new(dev)?],
-                sync: Event::new(dev)?,
-                head: inner.new_stream()?,
-                head_go: Event::new(dev)?,
-                head_done: Event::new(dev)?,
-            });
-        }
-        let stg = staging.as_ref().expect("allocated");
+        let stg = self.staging(staging, sb)?;
         let map = ItemMap { seg_cum: &inner.seg_cum, block: inner.geometry.block_bytes() };
         let n_items = batch.len() as u64 * spb;
         let head_bytes = if dir == Direction::Save { o.save_head_bytes } else { o.restore_head_bytes };
@@ -873,6 +906,9 @@ impl CopyBackend for CudaBackend {
     unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
         self.submit(batch, wait, Direction::Restore)
     }
+    fn layer_copy(&self) -> Option<&dyn crate::copy::LayerCopy> {
+        Some(self)
+    }
 }
 
 /// The completion event of one batch, owned by its [`CudaCompletion`] and by every handle that
@@ -894,6 +930,8 @@ struct CudaCompletion {
     desc: Option<DescBuf>,
     inner: Arc<Inner>,
     done: bool,
+    /// A layer-wise batch's per-group events.
+    layers: Option<Arc<layers::GroupEvents>>,
 }
 
 impl CudaCompletion {
@@ -933,6 +971,9 @@ impl Completion for CudaCompletion {
     }
     fn shared_event(&self) -> Option<Arc<dyn CopyEvent>> {
         Some(self.event.clone())
+    }
+    fn layer_readiness(&self) -> Option<Arc<dyn crate::copy::LayerReadiness>> {
+        self.layers.clone().map(|l| l as Arc<dyn crate::copy::LayerReadiness>)
     }
 }
 

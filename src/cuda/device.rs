@@ -101,6 +101,7 @@ pub(crate) struct Kernels {
     pub probe: sys::CUfunction,
     pub decode_probe: sys::CUfunction,
     pub sm_ids: sys::CUfunction,
+    pub spin_until: sys::CUfunction,
 }
 
 /// A device: ordinal, retained primary context, compiled module.
@@ -188,6 +189,7 @@ impl Device {
             probe: f("kvt_compute_probe")?,
             decode_probe: f("kvt_decode_probe")?,
             sm_ids: f("kvt_sm_ids")?,
+            spin_until: f("kvt_spin_until")?,
         };
         Ok(Device { ordinal: ordinal as i32, cu_device: dev, ctx, kernels, sm_count, arch, name })
     }

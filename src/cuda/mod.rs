@@ -114,6 +114,23 @@ pub mod raw {
         Ok(ids)
     }
 
+    /// Launches `kvt_spin_until` (one CTA of 32 threads) on `stream`: it runs until the `u32` at
+    /// device address `flag` (host-mapped memory the host writes, e.g. `cuMemHostAlloc` with
+    /// `DEVICEMAP`) is at least `value`, so work queued after it on `stream` waits for the host.
+    /// For ordering tests: unlike a stream wait, a running kernel stalls no hardware queue.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn spin_until(device: u32, stream: u64, flag: u64, value: u32) -> Result<(), CopyError> {
+        let d = Device::get(device)?;
+        d.bind()?;
+        let (mut f, mut v) = (flag, value);
+        let mut p = [&mut f as *mut u64 as *mut c_void, &mut v as *mut u32 as *mut c_void];
+        // SAFETY: kvt_spin_until takes (const volatile unsigned*, unsigned); `flag` is a readable
+        // device address of 4 bytes for as long as the kernel runs (caller's contract).
+        unsafe { launch_params(d.kernels.spin_until, 1, 32, stream as _, &mut p) }
+    }
+
     /// Makes device `device`'s primary context current on this thread (compiling the kernels on
     /// first use), returning its SM count.
     ///

@@ -16,7 +16,7 @@
 //! connect again to go on.
 
 use super::proto::{self, Outcome, Reply, Request, WireBlock};
-use crate::copy::{CopyPair, Direction, WaitFor};
+use crate::copy::{CopyPair, Direction};
 use crate::error::{Error, Limit, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry, Placement};
@@ -27,7 +27,7 @@ use crate::lease::{Lease, LeasedBlock};
 use crate::pool::{Backing, HostPool, SharedPoolLayout};
 use crate::slot::SlotId;
 use crate::tier::core::Core;
-use crate::tier::{CopyOutcome, Fit, HostTier, Rank, SaveOptions, SaveTicket, Settle};
+use crate::tier::{CopyOutcome, Fit, HostTier, Launch, Rank, SaveOptions, SaveTicket, Settle};
 use std::io::{BufReader, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -421,14 +421,14 @@ impl From<CopyOutcome> for Outcome {
     }
 }
 
-/// [`Rank::save_with`] of a rank of a connected tier (lengths and pages already checked): the
-/// daemon prepares the save, this process copies, then tells the daemon how the copy ended.
-pub(crate) fn save(
+/// A connected rank's save ([`Rank::save_with`], [`Rank::save_layers`]): the daemon plans and
+/// reserves, this process copies whole-block or layer-wise as `how` says, then reports the outcome.
+pub(crate) fn save_how(
     rank: &Rank,
     conn: &Arc<Conn>,
     keys: &[ContentKey],
     gpu_pages: &[u64],
-    wait: WaitFor,
+    how: Launch<'_>,
     opts: SaveOptions,
 ) -> Result<SaveTicket, TierError> {
     let req = Request::PrepareSave {
@@ -461,7 +461,7 @@ pub(crate) fn save(
     // them before the FinishSave that `settle` sends after the copy has finished, or before this
     // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
     // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
-    match unsafe { rank.launch(Direction::Save, &batch, wait, settle) } {
+    match unsafe { rank.launch(Direction::Save, &batch, how, settle) } {
         Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
         Err(e) => {
             let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
@@ -474,13 +474,13 @@ fn rank_capacity(rank: &Rank) -> u32 {
     rank.core_pool_capacity()
 }
 
-/// [`Rank::restore`] from a lease of a connected tier (lease and rank checked to share the tier):
-/// the daemon takes the restore's pins and a use, this process copies, then tells the daemon.
-pub(crate) fn restore(
+/// A connected rank's restore ([`Rank::restore`], [`Rank::restore_layers`]): the daemon pins and
+/// takes the use, this process copies whole-block or layer-wise as `how` says.
+pub(crate) fn restore_how(
     rank: &Rank,
     lease: &RemoteLease,
     gpu_pages: &[u64],
-    wait: WaitFor,
+    how: Launch<'_>,
 ) -> Result<CopyHandle, TierError> {
     let conn = &lease.conn;
     if gpu_pages.is_empty() {
@@ -508,7 +508,7 @@ pub(crate) fn restore(
     // until the FinishRestore that `settle` sends after the copy has finished, or until this process
     // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
     // handle completes.
-    match unsafe { rank.launch(Direction::Restore, &batch, wait, settle) } {
+    match unsafe { rank.launch(Direction::Restore, &batch, how, settle) } {
         Ok(handle) => {
             let _ = conn.call(&Request::RestoreSubmitted { restore });
             Ok(handle)

@@ -13,6 +13,7 @@
 
 use super::config::SaveOptions;
 use super::core::Core;
+use crate::copy::layers::copy_layers;
 use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, TierError};
 use crate::handle::{CopyHandle, HandleShared};
@@ -22,6 +23,9 @@ use crate::sync::{Arc, AtomicU64, Ordering};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+pub(crate) mod layers;
+use layers::Launch;
 
 /// What a save did.
 #[derive(Debug)]
@@ -288,16 +292,21 @@ impl Rank {
         &self,
         dir: Direction,
         batch: &[CopyPair],
-        wait: WaitFor,
+        how: Launch<'_>,
         settle: Settle,
     ) -> Result<CopyHandle, TierError> {
         let blocks = batch.len() as u64;
         let bytes = blocks * self.core.geometry().block_bytes();
+        let (wait, groups) = match how {
+            Launch::Whole(wait) => (Some(wait), None),
+            Launch::Layers(groups, waits) => (None, Some((groups, waits))),
+        };
         // SAFETY: forwarded: the caller upholds the backend contract for `batch`.
         let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
-            match dir {
-                Direction::Save => self.backend.save(batch, wait),
-                Direction::Restore => self.backend.restore(batch, wait),
+            match (&groups, dir) {
+                (Some((g, waits)), _) => copy_layers(&*self.backend, dir, batch, g, waits),
+                (None, Direction::Save) => self.backend.save(batch, wait.unwrap_or(WaitFor::Nothing)),
+                (None, Direction::Restore) => self.backend.restore(batch, wait.unwrap_or(WaitFor::Nothing)),
             }
         }));
         let completion = match submitted {
@@ -326,7 +335,13 @@ impl Rank {
         // From here on the copy is submitted: `job` owns the settle step, and an unwind that drops
         // it unfinished quarantines the slots (see [`Job`]).
         let shared = catch_unwind(AssertUnwindSafe(|| completion.shared_event())).unwrap_or(None);
-        let handle = HandleShared::with_event(batch.len(), bytes, shared);
+        let layers = match groups {
+            Some((g, _)) => catch_unwind(AssertUnwindSafe(|| completion.layer_readiness()))
+                .unwrap_or(None)
+                .map(|r| (std::sync::Arc::new(g), r)),
+            None => None,
+        };
+        let handle = HandleShared::with_layers(batch.len(), bytes, shared, layers);
         let job =
             Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle: handle.clone() };
         self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
@@ -375,6 +390,17 @@ impl Rank {
         wait: WaitFor,
         opts: SaveOptions,
     ) -> Result<SaveTicket, TierError> {
+        self.save_how(keys, gpu_pages, Launch::Whole(wait), opts)
+    }
+
+    /// [`Rank::save_with`] and [`Rank::save_layers`]: the save submitted as `how` says.
+    pub(crate) fn save_how(
+        &self,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        how: Launch<'_>,
+        opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
         self.check_open()?;
         if keys.len() != gpu_pages.len() {
             return Err(TierError::LengthMismatch { keys: keys.len(), pages: gpu_pages.len() });
@@ -386,7 +412,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return crate::remote::client::save(self, conn, keys, gpu_pages, wait, opts);
+            return crate::remote::client::save_how(self, conn, keys, gpu_pages, how, opts);
         }
         let prepared = super::prepare::prepare_save(&self.core, keys, &opts)?;
         let super::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } = prepared;
@@ -403,7 +429,7 @@ impl Rank {
             self.launch(
                 Direction::Save,
                 &batch,
-                wait,
+                how,
                 Box::new(move |outcome| {
                     match outcome {
                         CopyOutcome::Done => reservation.commit(),
@@ -434,6 +460,11 @@ impl Rank {
     /// [`CopyError::BackendPanicked`] if the backend panicked submitting the copy (its pins are
     /// kept for good, the lease keeps its use); [`TierError::ShuttingDown`].
     pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
+        self.restore_how(lease, gpu_pages, Launch::Whole(wait))
+    }
+
+    /// [`Rank::restore`] and [`Rank::restore_layers`]: the restore submitted as `how` says.
+    pub(crate) fn restore_how(&self, lease: &Lease, gpu_pages: &[u64], how: Launch<'_>) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {
             return Err(TierError::ForeignLease);
@@ -444,7 +475,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(remote) = lease.remote() {
-            return crate::remote::client::restore(self, remote, gpu_pages, wait);
+            return crate::remote::client::restore_how(self, remote, gpu_pages, how);
         }
         if n == 0 {
             lease.consume_without_copy();
@@ -459,7 +490,7 @@ impl Rank {
             self.launch(
                 Direction::Restore,
                 &batch,
-                wait,
+                how,
                 Box::new(move |outcome| {
                     match outcome {
                         CopyOutcome::Done | CopyOutcome::Failed => drop(pins),

@@ -16,7 +16,14 @@ For each prefix length:
    first token), TTFT warm through kvtier (query + restore + the compute stream waiting on the
    restore's event + suffix), TTFT warm through plain torch from pinned memory (one copy per page
    and arena; one copy into a staging buffer + ``index_copy_`` per arena), the suffix alone with the
-   prefix resident, and the restore alone in GB/s against a contiguous copy of the same bytes.
+   prefix resident, and the restore alone in GB/s against a contiguous copy of the same bytes;
+5. **warm, layer-wise**: the restore in layer order (``Rank.restore_layers``, ``--layer-groups``
+   groups) with each layer's ``update`` making the stream wait for its own pages only, so the
+   copy of later layers runs under the suffix's earlier layers (same bitwise checks), beside
+   ``max(restore at the contiguous rate, suffix alone)``, the bound it approaches;
+6. with ``--save-layers``: the prefill alone, the prefill followed by a whole-block save, and the
+   prefill with a layer-wise save (``Rank.save_layers``, each group after the event its last
+   layer recorded), each timed to the end of the save.
 
 Run it with ``python -m kvtier.examples.llama_restore --json results.json`` (needs torch and
 transformers; a CUDA GPU for the ``llama3-8b`` configuration, about 40 GB of GPU memory with the
@@ -119,9 +126,13 @@ class Bench:
         greedy: int = 8,
         seed: int = 0,
         pool_bytes: Optional[int] = None,
+        layer_groups: int = 32,
+        torch_baselines: bool = True,
+        save_layers: bool = False,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config, self.suffix, self.greedy, self.seed = config, suffix, greedy, seed
+        self.layer_groups, self.torch_baselines, self.save_layers = layer_groups, torch_baselines, save_layers
         t0 = time.perf_counter()
         self.model, self.cfg = build_model(config, self.device, seed)
         self.model_init_s = time.perf_counter() - t0
@@ -142,7 +153,7 @@ class Bench:
         model_name = "Llama-3-8B" if config == "llama3-8b" else f"Llama/{config}"
         self.geometry = kvtier.Geometry.from_tensors(
             self.kv.arenas, model=model_name, page_tokens=PAGE_TOKENS, names=self.kv.arena_names
-        )
+        ).with_layers([l for l in range(c.num_hidden_layers) for _ in ("k", "v")])
         if config == "llama3-8b":
             # The tensors reproduce the preset's layout, so their keys are the preset's.
             assert self.geometry.namespace == kvtier.Geometry.preset("llama3-8b", pages).namespace
@@ -187,12 +198,17 @@ class Bench:
 
     # -- one prefix length ----------------------------------------------------------------------
 
-    def run_case(self, prefix: int, repeats: int = 5, warmup: int = 1) -> dict:
+    def run_case(self, prefix: int, repeats: int = 5, warmup: int = 1, suffix: Optional[int] = None) -> dict:
         """Runs the cold / save / NaN / restore / warm protocol and the timings for a prefix of
         ``prefix`` tokens (a multiple of 16). Returns a JSON-ready dict (times in ms, rates in GB/s,
         ``checks``: the bitwise comparisons)."""
         if prefix % PAGE_TOKENS:
             raise ValueError(f"prefix {prefix} is not a whole number of {PAGE_TOKENS}-token pages")
+        if suffix is not None:
+            # Another suffix length (at most the one the tail pages were sized for).
+            if -(-(suffix + self.greedy) // PAGE_TOKENS) > self.tail_pages:
+                raise ValueError(f"suffix {suffix} needs more tail pages than this Bench has")
+            self.suffix = suffix
         dev, kv, T = self.device, self.kv, PAGE_TOKENS
         pp = prefix // T
         rng = random.Random(self.seed + prefix)
@@ -275,6 +291,26 @@ class Bench:
         warm_tokens = self._greedy(state["warm_cache"], state["warm_first"])
         del state["warm_cache"]
 
+        # 3b. Warm, layer-wise: the restore in layer order, each layer's update waits for its pages.
+        def warm_layers():
+            stream = self._stream()
+            with self.tier.query(keys) as lease:
+                assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
+                h = self.rank.restore_layers(lease, warm_pages, self.layer_groups, after_stream=stream)
+            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix, restore=h)
+            out = self._forward(cache, suffix_ids)
+            state["layers_first"] = int(out.logits[0, -1].argmax())
+            state["layers_logits"], state["layers_cache"], state["handle"] = out.logits, cache, h
+
+        layers_s = series(warm_layers, before=nan)
+        state["handle"].wait()
+        layers_logits = state["layers_logits"].clone()
+        restored = [a.index_select(0, rows_warm) for a in kv.arenas]
+        layers_pages_equal = all(torch.equal(_bits(r), _bits(x)) for r, x in zip(reference, restored))
+        del restored
+        layers_tokens = self._greedy(state["layers_cache"], state["layers_first"])
+        del state["layers_cache"]
+
         # 4. Suffix alone with the prefix resident (the lower bound).
         def suffix_only():
             cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
@@ -319,10 +355,14 @@ class Bench:
 
             return run
 
-        per_page_s = series(warm_torch(per_page_copy), before=nan)
-        per_page_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
-        staged_s = series(warm_torch(staged_copy), before=nan)
-        staged_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
+        if self.torch_baselines:
+            per_page_s = series(warm_torch(per_page_copy), before=nan)
+            per_page_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
+            staged_s = series(warm_torch(staged_copy), before=nan)
+            staged_equal = torch.equal(_bits(state["torch_logits"]), _bits(cold_logits))
+        else:
+            per_page_s = staged_s = [float("nan")]
+            per_page_equal = staged_equal = True
 
         # 6. The restore alone, against a contiguous copy of the same bytes (same run).
         def kvtier_restore():
@@ -330,14 +370,55 @@ class Bench:
                 h = self.rank.restore(lease, warm_pages, after_stream=self._stream())
             h.wait()
 
+        def kvtier_restore_layers():
+            with self.tier.query(keys) as lease:
+                h = self.rank.restore_layers(lease, warm_pages, self.layer_groups, after_stream=self._stream())
+            h.wait()
+
         contiguous = torch.empty(host.shape, dtype=kv.dtype, device=dev)
         restore_s = series(kvtier_restore)
-        per_page_only_s = series(per_page_copy)
-        staged_only_s = series(staged_copy)
+        restore_layers_s = series(kvtier_restore_layers)
+        per_page_only_s = series(per_page_copy) if self.torch_baselines else [float("nan")]
+        staged_only_s = series(staged_copy) if self.torch_baselines else [float("nan")]
         contiguous_s = series(lambda: contiguous.copy_(host, non_blocking=True))
         del staging, contiguous, host
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+        # 7. Saves during the prefill (pool blocks evicted before each run, so every run saves).
+        save_ms: dict = {}
+        if self.save_layers and dev.type == "cuda":
+
+            def evict():
+                self.tier.evict(self.tier.capacity)
+
+            def prefill(record: bool):
+                cache = PagedCache(kv, cold_pages + tail, record_layers=record)
+                self._forward(cache, prefix_ids, keep=1)
+                return cache
+
+            def prefill_whole_save():
+                prefill(False)
+                self.rank.save(keys, cold_pages, after_stream=self._stream()).wait()
+
+            def prefill_layer_save():
+                cache = prefill(True)
+                ev, L, G = cache.layer_events, len(cache.layer_events), self.layer_groups
+                # The event after each group's last layer (groups of consecutive layers, as kvtier's).
+                ends = [ev[((g + 1) * L) // min(G, L) - 1] for g in range(min(G, L))]
+                self.rank.save_layers(keys, cold_pages, len(ends), ends).wait()
+
+            prefill_s = series(lambda: prefill(False))
+            whole_save_s = series(prefill_whole_save, before=evict)
+            layer_save_s = series(prefill_layer_save, before=evict)
+            save_ms = {
+                "prefill_alone": _median_ms(prefill_s),
+                "prefill_then_whole_save_end": _median_ms(whole_save_s),
+                "prefill_with_layer_save_end": _median_ms(layer_save_s),
+            }
+            save_ms["layer_save_end_over_prefill"] = save_ms["prefill_with_layer_save_end"] / save_ms["prefill_alone"]
+            # Leave the prefix saved for anything after this.
+            self.rank.save(keys, cold_pages, after_stream=self._stream()).wait()
 
         gbps = lambda s: restore_bytes / statistics.median(s) / 1e9  # noqa: E731
         checks = {
@@ -349,6 +430,9 @@ class Bench:
             "torch_per_page_logits_equal": per_page_equal,
             "torch_staged_logits_equal": staged_equal,
             "suffix_alone_first_token_equal": suffix_equal,
+            "layer_wise_logits_bitwise_equal": torch.equal(_bits(layers_logits), _bits(cold_logits)),
+            "layer_wise_greedy_tokens_equal": layers_tokens == cold_tokens,
+            "layer_wise_restored_pages_byte_identical": layers_pages_equal,
         }
         suffix_ms, contiguous_gbps = _median_ms(suffix_s), gbps(contiguous_s)
         return {
@@ -366,10 +450,15 @@ class Bench:
                 "warm_torch_staged": _median_ms(staged_s),
                 "suffix_alone": suffix_ms,
                 "model_suffix_plus_contiguous_restore": suffix_ms + restore_bytes / contiguous_gbps / 1e6,
+                "warm_kvtier_layers": _median_ms(layers_s),
+                "model_max_suffix_contiguous_restore": max(suffix_ms, restore_bytes / contiguous_gbps / 1e6),
             },
+            "layer_groups": self.layer_groups,
+            "save_ms": save_ms,
             "saved": {"saving": len(ticket.saving), "resident": ticket.resident},
             "restore_gbps": {
                 "kvtier": gbps(restore_s),
+                "kvtier_layers": gbps(restore_layers_s),
                 # The restore's share of the warm TTFT: bytes / (warm TTFT - suffix alone).
                 "kvtier_inside_ttft": restore_bytes / max(_median_ms(warm_s) - suffix_ms, 1e-6) / 1e6,
                 "torch_per_page": gbps(per_page_only_s),
@@ -385,6 +474,8 @@ class Bench:
                     "warm_torch_staged": staged_s,
                     "suffix_alone": suffix_s,
                     "restore_kvtier": restore_s,
+                    "warm_kvtier_layers": layers_s,
+                    "restore_kvtier_layers": restore_layers_s,
                     "restore_torch_per_page": per_page_only_s,
                     "restore_torch_staged": staged_only_s,
                     "contiguous_copy": contiguous_s,
@@ -441,7 +532,35 @@ def markdown(results: List[dict]) -> str:
             f"| {t['model_suffix_plus_contiguous_restore']:.1f} ms | {g['kvtier']:.1f} | {g['torch_per_page']:.1f} "
             f"| {g['torch_staged']:.1f} | {g['contiguous_copy']:.1f} | {'pass' if ok else 'FAIL'} |"
         )
-    return head + "\n".join(rows) + "\n"
+    layers_head = (
+        "\n| prefix tokens | suffix tokens | TTFT cold | TTFT warm (whole block) | TTFT warm (layer-wise) "
+        "| suffix alone | max(restore at contiguous rate, suffix alone) | layer-wise / max "
+        "| restore GB/s whole | restore GB/s layer-wise | contiguous GB/s |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lrows = []
+    for r in results:
+        t, g = r["ttft_ms"], r["restore_gbps"]
+        lrows.append(
+            f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms "
+            f"| {t['warm_kvtier_layers']:.1f} ms | {t['suffix_alone']:.1f} ms | {t['model_max_suffix_contiguous_restore']:.1f} ms "
+            f"| {t['warm_kvtier_layers'] / t['model_max_suffix_contiguous_restore']:.3f} | {g['kvtier']:.1f} "
+            f"| {g['kvtier_layers']:.1f} | {g['contiguous_copy']:.1f} |"
+        )
+    saves = [r for r in results if r.get("save_ms")]
+    save_table = ""
+    if saves:
+        save_table = (
+            "\n| prefix tokens | prefill alone | prefill, then whole-block save (end) "
+            "| prefill with layer-wise save (end) | layer-wise end / prefill |\n|---:|---:|---:|---:|---:|\n"
+        )
+        for r in saves:
+            m = r["save_ms"]
+            save_table += (
+                f"| {r['prefix_tokens']:,} | {m['prefill_alone']:.1f} ms | {m['prefill_then_whole_save_end']:.1f} ms "
+                f"| {m['prefill_with_layer_save_end']:.1f} ms | {m['layer_save_end_over_prefill']:.3f} |\n"
+            )
+    return head + "\n".join(rows) + "\n" + layers_head + "\n".join(lrows) + "\n" + save_table
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -449,28 +568,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--config", choices=sorted(CONFIGS), default=None, help="model shape (default: llama3-8b on a GPU, else tiny)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--prefix", default=None, help="comma-separated prefix lengths in tokens (multiples of 16); default 7936,32512 on a GPU, 128 on a CPU")
-    p.add_argument("--suffix", type=int, default=None, help="suffix tokens (default 256 on a GPU, 32 on a CPU)")
+    p.add_argument("--suffix", default=None, help="comma-separated suffix lengths in tokens (default 256 on a GPU, 32 on a CPU)")
     p.add_argument("--greedy", type=int, default=32, help="greedy tokens compared after the suffix (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is reported (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--layer-groups", type=int, default=32, help="layer groups of the layer-wise restore and save (default 32)")
+    p.add_argument("--no-torch-baselines", action="store_true", help="skip the plain-torch restore baselines")
+    p.add_argument("--save-layers", action="store_true", help="also time saves during the prefill (GPU only)")
     a = p.parse_args(argv)
     # Bitwise comparisons need deterministic kernels: cuBLAS with a fixed workspace (set before
     # CUDA initialises) and torch's deterministic algorithms.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Layer-wise restores overlap the suffix only if the engine's stream and kvtier's streams sit
+    # on different hardware queues: the driver multiplexes a context's streams onto 8 queues by
+    # default, and a queue shared with the restore's stream holds the engine's kernels behind the
+    # restore's cross-stream waits. 32 queues (also set before CUDA initialises) separate them.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     gpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     config = a.config or ("llama3-8b" if gpu else "tiny")
     prefixes = [int(x) for x in (a.prefix or ("7936,32512" if gpu else "128")).split(",")]
-    suffix = a.suffix if a.suffix is not None else (256 if gpu else 32)
-    bench = Bench(config, a.device, max_prefix=max(prefixes), suffix=suffix, greedy=a.greedy, seed=a.seed)
+    suffixes = [int(x) for x in a.suffix.split(",")] if a.suffix is not None else [256 if gpu else 32]
+    bench = Bench(
+        config,
+        a.device,
+        max_prefix=max(prefixes),
+        suffix=max(suffixes),
+        greedy=a.greedy,
+        seed=a.seed,
+        layer_groups=a.layer_groups,
+        torch_baselines=not a.no_torch_baselines,
+        save_layers=a.save_layers,
+    )
     results = []
     for n in prefixes:
-        r = bench.run_case(n, repeats=a.repeats, warmup=a.warmup)
-        results.append(r)
-        print(f"prefix {n}: {json.dumps(r['checks'])}", file=sys.stderr, flush=True)
+        for i, sfx in enumerate(suffixes):
+            # Saves during the prefill do not depend on the suffix: timed with the first one only.
+            bench.save_layers = a.save_layers and i == 0
+            r = bench.run_case(n, repeats=a.repeats, warmup=a.warmup, suffix=sfx)
+            results.append(r)
+            print(f"prefix {n}, suffix {sfx}: {json.dumps(r['checks'])}", file=sys.stderr, flush=True)
     env = bench.environment()
     env["command"] = "python -m kvtier.examples.llama_restore " + " ".join(argv if argv is not None else sys.argv[1:])
     env["tier_stats"] = bench.tier.stats()

@@ -13,6 +13,12 @@ indexes all 64 arenas), so a kvtier rank can save and restore whole pages of the
 request's whole K/V gathered from its pages in token order. Where the pages are physically makes
 no difference to the values returned, so a prefix restored into other pages gives the same logits.
 
+Layer-wise restores: give ``PagedCache`` the handle of ``Rank.restore_layers`` (``restore=``) and
+each layer's ``update`` first makes the current stream wait for that layer's restored pages
+(``handle.wait_layer(layer, stream)``, no host sync), so the suffix's layer 0 runs while later
+layers are still being copied. Layer-wise saves: with ``record_layers=True`` each ``update`` records
+a CUDA event after writing its layer's new K/V (``layer_events``), for ``Rank.save_layers``.
+
 Requires torch and transformers (>= 5); kvtier itself does not.
 """
 
@@ -112,12 +118,16 @@ class PagedLayer(DynamicLayer):
         if key_states.shape[0] != 1:
             raise ValueError("PagedCache holds one request (batch size 1)")
         kv, n = self.cache.kv, key_states.shape[-2]
+        # A layer-wise restore: this layer's prefix pages must be in place before attention reads
+        # them (the stream waits; the host does not).
+        self.cache.wait_for_layer(self.layer_idx)
         new_rows = self.cache.rows_for(self.length, self.length + n)
         all_rows = self.cache.rows_for(0, self.length + n)
         k_arena, v_arena = kv.k[self.layer_idx], kv.v[self.layer_idx]
         # [1, heads, n, dim] -> [n, heads, dim], scattered into the pages' rows.
         k_arena.index_copy_(0, new_rows, key_states[0].transpose(0, 1))
         v_arena.index_copy_(0, new_rows, value_states[0].transpose(0, 1))
+        self.cache.layer_written(self.layer_idx)
         self.length += n
         # Always a fresh gather in token order, so the attention input has the same values and the
         # same memory layout wherever the pages are.
@@ -142,13 +152,46 @@ class PagedCache(Cache):
     (``PagedCache.pages_for(tokens)``); ``cached_tokens``: tokens whose K/V are already in those
     pages (0 for a cold request; the restored prefix length for a warm one). Pass it as
     ``past_key_values`` to a stock model: ``model(input_ids, past_key_values=cache)``.
+
+    ``restore``: the ``CopyHandle`` of a ``Rank.restore_layers`` (or ``Rank.restore``) that put
+    the cached tokens' pages in place; each layer waits for its own pages on the current stream
+    the first time it runs. ``record_layers``: record a ``torch.cuda.Event`` after each layer's
+    K/V write (``layer_events``, in layer order), for a layer-wise save during the prefill.
     """
 
-    def __init__(self, kv: PagedKV, page_table: Sequence[int], cached_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        kv: PagedKV,
+        page_table: Sequence[int],
+        cached_tokens: int = 0,
+        *,
+        restore=None,
+        record_layers: bool = False,
+    ) -> None:
         self.kv = kv
         self.page_table = list(page_table)
         self._rows: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.restore = restore
+        self._waited = set()
+        self.record_layers = record_layers
+        self.layer_events: List[torch.cuda.Event] = []
         super().__init__(layers=[PagedLayer(self, l, cached_tokens) for l in range(kv.layers)])
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Makes the current stream wait for layer ``layer``'s restored pages (once per layer; a
+        whole-block handle waits for the whole copy). No-op without a ``restore`` handle."""
+        if self.restore is None or layer in self._waited:
+            return
+        stream = torch.cuda.current_stream(self.kv.device) if self.kv.device.type == "cuda" else 0
+        self.restore.wait_layer(layer, stream)
+        self._waited.add(layer)
+
+    def layer_written(self, layer: int) -> None:
+        """Called after layer ``layer`` wrote its new K/V: records its event if ``record_layers``."""
+        if self.record_layers and self.kv.device.type == "cuda":
+            e = torch.cuda.Event()
+            e.record(torch.cuda.current_stream(self.kv.device))
+            self.layer_events.append(e)
 
     @staticmethod
     def pages_for(tokens: int, page_tokens: int = 16) -> int:
