@@ -666,6 +666,11 @@ fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
     let reply: Reply = proto::read_frame(&mut reader, &mut buf).map_err(io_err)?;
     let welcome = match (marker, reply, fd) {
         (proto::MARKER_POOL, Reply::Welcome(w), Some(fd)) => (w, fd),
+        // A refusal of the hello that names no typed reason (the daemon could not start the
+        // connection's thread, say): there is no connection, so it is `Disconnected`, not `Protocol`.
+        (_, Reply::Error(proto::WireError::Other(m)), _) => {
+            return Err(Error::Tier(TierError::Disconnected { reason: format!("the daemon refused the connection: {m}") }))
+        }
         (_, Reply::Error(e), _) => return Err(Error::Tier(e.into())),
         (_, r, _) => return Err(Error::Tier(unexpected(&r))),
     };
