@@ -725,9 +725,10 @@ impl PyRank {
     ) -> PyResult<PyCopyHandle> {
         let pages = ints_of(pages)?;
         let wait = wait_for(after_stream, after_event)?;
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        let rank = guard.as_ref().ok_or_else(closed)?;
-        let lease = &lease.inner;
+        let rank = self.rank()?;
+        self.check_arenas(py)?;
+        let rank: &Rank = &rank;
+        let lease: &Lease = &lease.inner;
         let handle = py.detach(|| rank.restore_layers(lease, &pages, wait, groups)).py()?;
         Ok(PyCopyHandle { inner: handle })
     }
@@ -758,8 +759,9 @@ impl PyRank {
             "prefix" => Fit::Prefix,
             f => return Err(config_error(format!("unknown fit `{f}` (all, prefix)"))),
         };
-        let guard = self.rank.read().unwrap_or_else(|p| p.into_inner());
-        let rank = guard.as_ref().ok_or_else(closed)?;
+        let rank = self.rank()?;
+        self.check_arenas(py)?;
+        let rank: &Rank = &rank;
         let ticket = py.detach(|| rank.save_layers(&keys, &pages, &waits, groups, SaveOptions::new().fit(fit))).py()?;
         Ok(PySaveTicket {
             saving: ticket.saving,
