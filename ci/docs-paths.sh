@@ -108,32 +108,49 @@ docs = ["README.md"] + sorted(glob.glob("docs/*.md"))
 for doc in docs:
     text = open(doc, encoding="utf-8").read()
     lines = text.split("\n")
-    fence = None
+    fence, para = None, []   # para: the lines (number, text) of the paragraph being read
+
+    def check_words(words, n):
+        for w in words:
+            p = clean(w)
+            if p and is_repo_path(p) and not matches(p):
+                problems.append(f"{doc}:{n}: `{p}` does not exist")
+
+    def paragraph():
+        """Code spans and links of a paragraph (a span may run over a line break)."""
+        if not para: return
+        first = para[0][0]
+        joined = "\n".join(t for _, t in para)
+        line_of = lambda pos: first + joined.count("\n", 0, pos)
+        for m in re.finditer(r"(`+)(.+?)\1", joined, re.S):
+            check_words(m.group(2).split(), line_of(m.start()))
+        prose = re.sub(r"(`+)(.+?)\1", lambda m: " " * len(m.group(0)), joined, flags=re.S)
+        for m in re.finditer(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose):
+            target = m.group(1)
+            t = target.split("#")[0]
+            if not t or re.match(r"^[a-z][a-z0-9+.-]*:", t): continue
+            resolved = os.path.normpath(os.path.join(os.path.dirname(doc), t))
+            if not exists(resolved) and not matches(resolved):
+                problems.append(f"{doc}:{line_of(m.start())}: link target `{target}` ({resolved}) does not exist")
+        para.clear()
+
     for n, line in enumerate(lines, 1):
         m = re.match(r"^\s*(```+|~~~+)\s*([\w,+-]*)", line)
         if m:
+            paragraph()
             if fence is None:
                 fence = (m.group(1), m.group(2).split(",")[0].lower())
             elif line.strip().startswith(fence[0]):
                 fence = None
             continue
-        words = []
         if fence is not None:
             if fence[1] in SHELL_FENCES:
-                words += line.split()
+                check_words(line.split(), n)
+        elif not line.strip():
+            paragraph()
         else:
-            for span in re.findall(r"(`+)(.+?)\1", line):
-                words += span[1].split()
-            for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", line):
-                t = target.split("#")[0]
-                if not t or re.match(r"^[a-z][a-z0-9+.-]*:", t): continue
-                resolved = os.path.normpath(os.path.join(os.path.dirname(doc), t))
-                if not exists(resolved) and not matches(resolved):
-                    problems.append(f"{doc}:{n}: link target `{target}` ({resolved}) does not exist")
-        for w in words:
-            p = clean(w)
-            if p and is_repo_path(p) and not matches(p):
-                problems.append(f"{doc}:{n}: `{p}` does not exist")
+            para.append((n, line))
+    paragraph()
 
 # ---------------------------------------------------------------- the module map
 def package_name(manifest):

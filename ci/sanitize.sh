@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Sanitizer lane: the concurrent tests built with AddressSanitizer (nightly `-Zsanitizer=address`):
+# the tier's threaded tests (tests/reliability.rs, tests/ranks.rs) and the index and free-list unit
+# tests, whose threads race inserts, removes, migrations, pops and pushes. ASan stops a test at
+# the first heap use after free, double free or out-of-bounds access, with both stacks (the
+# access, and where the memory was freed), which is how an epoch-reclamation or slot-reuse bug
+# shows up natively.
+#
+# Usage: ci/sanitize.sh [address|thread]   (default address)
+# Env: SANITIZE_TARGET_DIR (default target/sanitize-KIND).
+#
+# Flags and why:
+# --target x86_64-unknown-linux-gnu: the sanitizer instruments the tests and their crates only, not
+#   build scripts and proc macros (which would then need the sanitizer runtime at build time).
+# --cfg crossbeam_sanitize: crossbeam-epoch's own sanitizer mode: it collects garbage far more
+#   eagerly (small bags, every pin advances), so a node freed while a reader still holds it is
+#   freed while that reader runs, where ASan sees it.
+# ASAN_OPTIONS=detect_leaks=0: the epoch's global collector keeps garbage and thread handles alive
+#   at exit by design (freed when the process ends); the Miri lane (ci/miri.sh) checks the rest.
+# `thread` (ThreadSanitizer) needs `-Zbuild-std` so that std is instrumented too; it reports the
+#   SeqCst fences of crossbeam-epoch's pin as races (TSan does not model fences), so it is not what
+#   CI runs; it is here to look at a race by hand.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+kind=${1:-address}
+target=x86_64-unknown-linux-gnu
+export CARGO_TARGET_DIR=${SANITIZE_TARGET_DIR:-target/sanitize-$kind}
+
+if ! rustup run nightly rustc --version > /dev/null 2>&1; then
+    rustup toolchain install nightly --profile minimal
+fi
+build_std=()
+if [[ $kind == thread ]]; then
+    rustup +nightly component add rust-src
+    build_std=(-Zbuild-std)
+    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+fi
+export RUSTFLAGS="-Zsanitizer=$kind --cfg crossbeam_sanitize"
+export RUSTDOCFLAGS=$RUSTFLAGS
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:halt_on_error=1"
+export RUST_BACKTRACE=0
+
+# The same anchors as ci/miri.sh: the modules that define the index and the free list.
+module_of() {
+    local file
+    file=$(grep -rlE "^\s*pub(\([a-z]+\))? struct $1\b" src --include='*.rs' | head -1)
+    [[ -n $file ]] || { echo "ci/sanitize.sh: no struct $1 in src/" >&2; exit 1; }
+    file=${file#src/}
+    file=${file%.rs}
+    file=${file%/mod}
+    echo "${file//\//::}"
+}
+unit=("$(module_of BlockIndex)::" "$(module_of FreeList)::")
+echo "sanitizer lane ($kind): tests/reliability.rs, tests/ranks.rs; unit tests matching ${unit[*]}"
+
+start=$(date +%s)
+# Release settings keep the threaded loops fast; debug assertions stay on (they are the invariants).
+profile=(--release --config profile.release.debug-assertions=true --config profile.release.debug=1)
+cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" \
+    --lib --test reliability --test ranks --no-run
+echo "built in $(($(date +%s) - start)) s"
+cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" --test reliability --test ranks
+cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" --lib -- "${unit[@]}"
+echo "sanitizer lane ($kind): passed in $(($(date +%s) - start)) s"
