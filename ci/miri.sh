@@ -4,7 +4,8 @@
 # out-of-bounds accesses) on every path those tests take, including the threaded ones.
 #
 # Usage: ci/miri.sh [FILTER...]   (default: the modules that define BlockIndex, FreeList, SlotWord)
-# Env: MIRI_TARGET_DIR (default target/miri), PROPTEST_CASES (default 4), MIRIFLAGS (replaces ours).
+# Env: PROPTEST_CASES (default 4), MIRIFLAGS (replaces ours), MIRI_TEST_ARGS (more libtest
+# arguments, e.g. `-Zunstable-options --report-time`). Miri builds into target/miri.
 #
 # Which tests: the module of each anchor type, found in src/ (`struct BlockIndex` in src/index/mod.rs
 # is the module `index`, so the filter `index::`; a move of the file moves the filter), so the lane
@@ -70,9 +71,9 @@ if ! rustup run nightly cargo miri --version > /dev/null 2>&1; then
     rustup +nightly component add miri rust-src
 fi
 export MIRIFLAGS=${MIRIFLAGS:--Zmiri-tree-borrows -Zmiri-permissive-provenance -Zmiri-ignore-leaks -Zmiri-disable-isolation}
-export CARGO_TARGET_DIR=${MIRI_TARGET_DIR:-target/miri}
 echo "MIRIFLAGS=$MIRIFLAGS PROPTEST_CASES=$PROPTEST_CASES"
 cargo +nightly miri setup
 start=$(date +%s)
-cargo +nightly miri test -p kvtier --lib -- "${filters[@]}"
+# shellcheck disable=SC2086
+cargo +nightly miri test -p kvtier --lib -- "${filters[@]}" ${MIRI_TEST_ARGS:-}
 echo "miri lane: passed in $(($(date +%s) - start)) s"
