@@ -4,7 +4,7 @@
 # out-of-bounds accesses) on every path those tests take, including the threaded ones.
 #
 # Usage: ci/miri.sh [FILTER...]   (default: the modules that define BlockIndex, FreeList, SlotWord)
-# Env: PROPTEST_CASES (default 4), MIRIFLAGS (replaces ours), MIRI_TEST_ARGS (more libtest
+# Env: PROPTEST_CASES (default 4, for property tests a module may add), MIRIFLAGS (replaces ours), MIRI_TEST_ARGS (more libtest
 # arguments, e.g. `-Zunstable-options --report-time`). Miri builds into target/miri.
 #
 # Which tests: the module of each anchor type, found in src/ (`struct BlockIndex` in src/index/mod.rs
@@ -27,7 +27,7 @@
 # -Zmiri-ignore-leaks: the epoch's global collector keeps deferred garbage and thread-local
 #   handles alive at exit (crossbeam issue 579); the index frees its own tables on drop, and
 #   memcheck in --valgrind mode covers leaks.
-# -Zmiri-disable-isolation: proptest reads its regressions file and the clock.
+# -Zmiri-disable-isolation: tests may read the clock (and proptest its regressions file).
 # -Zmiri-many-seeds is not used: one seed per run keeps the lane inside its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
