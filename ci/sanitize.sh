@@ -6,7 +6,10 @@
 # `address` (AddressSanitizer) instead stops at a heap use after free, double free or
 # out-of-bounds access, with the stack of the access and of the free.
 #
-# Usage: ci/sanitize.sh [thread|address]   (default thread; CI runs thread)
+# Usage: ci/sanitize.sh [thread|address] [lane|bites|all]   (default: thread all; CI runs that)
+#   lane: the tests must pass with no report; bites: each seeded bug below must make its test stop
+#   with the sanitizer's report (a seeded bug is kvtier's private cfg `kvtier_seeded_bug`, set by
+#   its build script from KVTIER_SEEDED_BUG; only kvtier is rebuilt).
 # Env: SANITIZE_TARGET_DIR (default target/sanitize-KIND).
 #
 # Flags and why:
@@ -30,6 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 kind=${1:-thread}
+what=${2:-all}
 target=x86_64-unknown-linux-gnu
 export CARGO_TARGET_DIR=${SANITIZE_TARGET_DIR:-target/sanitize-$kind}
 
@@ -63,9 +67,39 @@ echo "sanitizer lane ($kind): tests/reliability.rs, tests/ranks.rs; unit tests m
 start=$(date +%s)
 # Release settings keep the threaded loops fast; debug assertions stay on (they are the invariants).
 profile=(--release --config profile.release.debug-assertions=true --config profile.release.debug=1)
-cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" \
-    --lib --test reliability --test ranks --no-run
-echo "built in $(($(date +%s) - start)) s"
-cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" --test reliability --test ranks
-cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" --lib -- "${unit[@]}"
-echo "sanitizer lane ($kind): passed in $(($(date +%s) - start)) s"
+run() { cargo +nightly test "${build_std[@]}" --target "$target" -p kvtier "${profile[@]}" "$@"; }
+fail=0
+if [[ $what == all || $what == lane ]]; then
+    run --lib --test reliability --test ranks --no-run
+    echo "built in $(($(date +%s) - start)) s"
+    run --test reliability --test ranks || fail=1
+    run --lib -- "${unit[@]}" || fail=1
+fi
+
+# seeded bug | lib unit test (path below the index's module) | what the sanitizer must report
+case $kind in
+    thread) report="ThreadSanitizer: data race" ;;
+    *) report="AddressSanitizer: heap-use-after-free" ;;
+esac
+bites=(
+    "index-early-unpin|tests::lookups_race_removals_of_the_same_keys|$report"
+)
+if [[ $what == all || $what == bites ]]; then
+    for b in "${bites[@]}"; do
+        IFS='|' read -r bug test want <<< "$b"
+        test="${unit[0]}$test"
+        log=$CARGO_TARGET_DIR/bite-$bug.log
+        if KVTIER_SEEDED_BUG=$bug run --lib -- --exact "$test" > "$log" 2>&1; then
+            echo "FAIL: seeded bug $bug: $test passed under $kind sanitizer"
+            fail=1
+        elif grep -q "$want" "$log" && grep -q "${test##*::}" "$log"; then
+            echo "ok: seeded bug $bug: $test stopped with \"$want\""
+        else
+            echo "FAIL: seeded bug $bug: $test failed without \"$want\" naming it:"
+            tail -30 "$log"
+            fail=1
+        fi
+    done
+fi
+[[ $fail == 0 ]] || { echo "sanitizer lane ($kind): FAILED"; exit 1; }
+echo "sanitizer lane ($kind, $what): passed in $(($(date +%s) - start)) s"

@@ -311,6 +311,49 @@ fn concurrent_churn_keeps_len_exact() {
     }
 }
 
+/// Readers look keys up while a writer removes and re-inserts the same keys: a lookup returns the
+/// value of one round or nothing, never the bytes of a reclaimed entry. Under ci/sanitize.sh and
+/// ci/miri.sh the seeded bug `index-early-unpin` (a lookup that unpins before reading its entry)
+/// is a use after free here.
+#[test]
+fn lookups_race_removals_of_the_same_keys() {
+    const KEYS: u64 = 8;
+    const ROUNDS: u64 = scaled(20_000, 12);
+    let ix = BlockIndex::with_capacity(64);
+    for i in 0..KEYS {
+        ix.insert_if_absent(k(i), v(i as u32, 0)).unwrap();
+    }
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for round in 1..=ROUNDS {
+                for i in 0..KEYS {
+                    assert!(ix.remove_if(&k(i), v(i as u32, round - 1)), "key {i} round {round}");
+                    assert_eq!(ix.insert_if_absent(k(i), v(i as u32, round)), Ok(()));
+                }
+            }
+            done.store(true, Ordering::Release);
+        });
+        for _ in 0..2 {
+            s.spawn(|| loop {
+                let finished = done.load(Ordering::Acquire);
+                for i in 0..KEYS {
+                    if let Some(got) = ix.get(&k(i)) {
+                        assert_eq!(got.slot, SlotId(i as u32), "key {i}: another key's entry");
+                        assert!(got.generation <= ROUNDS, "key {i}: generation {}", got.generation);
+                    }
+                }
+                if finished {
+                    break;
+                }
+            });
+        }
+    });
+    for i in 0..KEYS {
+        assert_eq!(ix.get(&k(i)), Some(v(i as u32, ROUNDS)));
+    }
+}
+
 #[test]
 fn batched_reservations_fill_the_table_exactly() {
     // 512 buckets: limit 256, batches of 2. Another thread's insert leaves one unit of credit on
