@@ -76,16 +76,16 @@ if [[ $what == all || $what == lane ]]; then
     run --lib -- "${unit[@]}" || fail=1
 fi
 
-# seeded bug | lib unit test (path below the index's module) | what the sanitizer must report
-case $kind in
-    thread) report="ThreadSanitizer: data race" ;;
-    *) report="AddressSanitizer: heap-use-after-free" ;;
-esac
-bites=(
-    "index-early-unpin|tests::lookups_race_removals_of_the_same_keys|$report"
-)
+# seeded bug | lib unit test (path below the index's module) | what the sanitizer must report.
+# Thread only: TSan sees the free and the read unordered by happens-before on every run; ASan sees
+# the use after free only when the free lands inside the reader's short window, which the test does
+# not force (measured: the test passes under ASan with the bug), so ASan has no bites.
+bites=()
+if [[ $kind == thread ]]; then
+    bites+=("index-early-unpin|tests::lookups_race_removals_of_the_same_keys|ThreadSanitizer: data race")
+fi
 if [[ $what == all || $what == bites ]]; then
-    for b in "${bites[@]}"; do
+    for b in ${bites[@]+"${bites[@]}"}; do
         IFS='|' read -r bug test want <<< "$b"
         test="${unit[0]}$test"
         log=$CARGO_TARGET_DIR/bite-$bug.log
