@@ -219,7 +219,7 @@ for n, row in table:
         if " " in w or not (w.endswith(".rs") or w.endswith("/")): continue
         rel = w if "/" in w.rstrip("/") or folder is None else folder + "/" + w
         if not exists(os.path.join(src, rel)):
-            problems.append(f"{design}:{n}: module map: `{w}` (row of `{row[1]}`): {os.path.join(src, rel)} does not exist")
+            problems.append(f"{design}:{n}: module map: `{w}` (row of {row[1]}): {os.path.join(src, rel)} does not exist")
         rels.add(rel.rstrip("/") + ("/mod.rs" if w.endswith("/") else ""))
 for crate, rels in sorted(named.items()):
     src = crate_dir[crate]
