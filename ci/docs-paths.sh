@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# Docs that cannot drift: the repository paths that README.md and docs/*.md name exist, and
+# docs/design.md's module map lists exactly the source files there are.
+#
+# Usage: ci/docs-paths.sh [--report]   (prints each mismatch; exits 1 on any, 0 with --report)
+#
+# 1. Named paths. In README.md and docs/*.md, every inline code span (`...`), every fenced code block
+#    of a shell language (sh, bash, shell, console) and every link target ([..](target)) is read as
+#    words; a word that starts with one of the top-level folders src/ cuda/ tests/ benches/
+#    loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/ (optionally after ./) is a path and must
+#    exist in the repository (tracked or not ignored). A link target that is a relative path (not a
+#    URL, not only an #anchor) must exist too, resolved from the page's folder. Syntax:
+#    - `path::name` (a test or item in that file), `path:LINE`, `path:LINE-LINE` and `#anchor`
+#      suffixes are dropped before the check;
+#    - globs: `*`, `?`, `[abc]` within a segment, `**` for any number of segments, `{a,b}` for
+#      alternatives (src/evict/{sieve,s3fifo}.rs); a glob must match at least one path;
+#    - placeholders: `<name>` stands for one segment or part of one (fuzz/corpus/<target>/),
+#      `...` as a whole segment for any number of segments (tests/.../mod.rs) and inside a
+#      segment for any text (docs/bench-...md);
+#    - a word whose first folder is not one of those above (target/, /tmp/, crate-relative
+#      paths) is not checked: write crate files from the repository root (cli/src/trace.rs).
+# 2. The module map. docs/design.md's table with the columns `crate | module | what` (an empty crate
+#    cell continues the crate above) maps each crate (its package name in Cargo.toml, the root or a
+#    workspace member) to its src/ folder. For the crates it has rows for:
+#    - each name in a module cell (`geometry`, `index/`, `main.rs`) is a file `NAME.rs`, a folder
+#      `NAME/` or a module written inline in the crate root; in the what cell, each word in
+#      backticks that ends in `.rs` or `/` is a file or folder, relative to the row's folder (the
+#      first folder module of its module cell) when it is a bare name (`table.rs`) and to the
+#      crate's src/ when it has a `/` inside (`pool/shared.rs`);
+#    - every `.rs` file of the crate's src/ other than the crate root (lib.rs) is listed: `x.rs` by
+#      the module `x`, `x/mod.rs` by the module `x` or `x/`, any other `x/y.rs` by `y.rs` in x's row
+#      or by `x/y.rs` in any row of that crate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 - "$@" <<'PY'
+import fnmatch, glob, os, re, subprocess, sys
+
+REPORT = "--report" in sys.argv[1:]
+ROOTS = ["src", "cuda", "tests", "benches", "loom-tests", "fuzz", "ci", "examples", "daemon", "cli", "python"]
+SHELL_FENCES = {"sh", "bash", "shell", "console"}
+problems = []
+
+# The repository's files: tracked, or untracked and not ignored, that exist on disk.
+try:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         check=True, capture_output=True).stdout.decode()
+    files = sorted(f for f in out.split("\0") if f and os.path.isfile(f))
+except (OSError, subprocess.CalledProcessError):
+    files = sorted(os.path.relpath(os.path.join(d, f)) for d, _, fs in os.walk(".")
+                   if "/target" not in d and "/.git" not in d for f in fs)
+dirs = set()
+for f in files:
+    parts = f.split("/")
+    for i in range(1, len(parts)):
+        dirs.add("/".join(parts[:i]))
+everything = files + sorted(dirs)
+
+def exists(p):
+    p = p.rstrip("/")
+    return p in dirs or p in set_files
+
+set_files = set(files)
+
+def expand_braces(p):
+    m = re.search(r"\{([^{}]*)\}", p)
+    if not m: return [p]
+    return [x for alt in m.group(1).split(",") for x in expand_braces(p[:m.start()] + alt + p[m.end():])]
+
+def to_regex(p):
+    """A path pattern (globs and placeholders) as a regex over repository paths."""
+    out = []
+    segs = p.rstrip("/").split("/")
+    for i, seg in enumerate(segs):
+        last = i == len(segs) - 1
+        if seg in ("...", "**"):
+            out.append(r"(?:[^/]+/)*" if not last else r".*")
+            continue
+        seg = re.sub(r"<[^<>/]+>", "\0", seg).replace("...", "\1")
+        r = fnmatch.translate(seg)
+        r = r[r.index("(?s:") + 4:r.rindex(")")] if "(?s:" in r else r.rstrip("\\Z")
+        r = r.replace("\0", "[^/]+").replace("\1", "[^/]*")
+        out.append(r + ("" if last else "/"))
+    return "^" + "".join(out) + "/?$"
+
+def matches(p):
+    pats = expand_braces(p)
+    for q in pats:
+        if not re.search(r"[*?\[<]|\.\.\.", q):
+            if exists(q): continue
+            return False
+        rx = re.compile(to_regex(q))
+        if not any(rx.match(x) for x in everything):
+            return False
+    return True
+
+def clean(word):
+    word = word.strip("()[],;:\"'`!").rstrip(".")
+    word = re.sub(r"^\./", "", word)
+    word = word.split("#")[0]
+    word = re.sub(r"::.*$", "", word)
+    word = re.sub(r":\d+(-\d+)?$", "", word)
+    return word
+
+def is_repo_path(word):
+    return any(word == r + "/" or word.startswith(r + "/") for r in ROOTS)
+
+docs = ["README.md"] + sorted(glob.glob("docs/*.md"))
+for doc in docs:
+    text = open(doc, encoding="utf-8").read()
+    lines = text.split("\n")
+    fence, para = None, []   # para: the lines (number, text) of the paragraph being read
+
+    def check_words(words, n):
+        for w in words:
+            p = clean(w)
+            if p and is_repo_path(p) and not matches(p):
+                problems.append(f"{doc}:{n}: `{p}` does not exist")
+
+    def paragraph():
+        """Code spans and links of a paragraph (a span may run over a line break)."""
+        if not para: return
+        first = para[0][0]
+        joined = "\n".join(t for _, t in para)
+        line_of = lambda pos: first + joined.count("\n", 0, pos)
+        for m in re.finditer(r"(`+)(.+?)\1", joined, re.S):
+            check_words(m.group(2).split(), line_of(m.start()))
+        prose = re.sub(r"(`+)(.+?)\1", lambda m: " " * len(m.group(0)), joined, flags=re.S)
+        for m in re.finditer(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose):
+            target = m.group(1)
+            t = target.split("#")[0]
+            if not t or re.match(r"^[a-z][a-z0-9+.-]*:", t): continue
+            resolved = os.path.normpath(os.path.join(os.path.dirname(doc), t))
+            if not exists(resolved) and not matches(resolved):
+                problems.append(f"{doc}:{line_of(m.start())}: link target `{target}` ({resolved}) does not exist")
+        para.clear()
+
+    for n, line in enumerate(lines, 1):
+        m = re.match(r"^\s*(```+|~~~+)\s*([\w,+-]*)", line)
+        if m:
+            paragraph()
+            if fence is None:
+                fence = (m.group(1), m.group(2).split(",")[0].lower())
+            elif line.strip().startswith(fence[0]):
+                fence = None
+            continue
+        if fence is not None:
+            if fence[1] in SHELL_FENCES:
+                check_words(line.split(), n)
+        elif not line.strip():
+            paragraph()
+        else:
+            para.append((n, line))
+    paragraph()
+
+# ---------------------------------------------------------------- the module map
+def package_name(manifest):
+    sect = None
+    for line in open(manifest, encoding="utf-8"):
+        s = line.strip()
+        if s.startswith("["): sect = s
+        m = re.match(r'name\s*=\s*"([^"]+)"', s)
+        if m and sect == "[package]":
+            return m.group(1)
+    return None
+
+crate_dir = {}
+for manifest in ["Cargo.toml"] + sorted(glob.glob("*/Cargo.toml")):
+    name = package_name(manifest)
+    if name:
+        crate_dir[name] = os.path.join(os.path.dirname(manifest), "src") if os.path.dirname(manifest) else "src"
+
+design = "docs/design.md"
+lines = open(design, encoding="utf-8").read().split("\n")
+cells = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]
+table, start = [], None
+for i, l in enumerate(lines):
+    if l.strip().startswith("|") and [c.lower() for c in cells(l)][:3] == ["crate", "module", "what"]:
+        start = i
+        j = i + 2
+        while j < len(lines) and lines[j].strip().startswith("|"):
+            table.append((j + 1, cells(lines[j])))
+            j += 1
+        break
+if start is None:
+    problems.append(f"{design}: no module map (a table with the columns `crate | module | what`)")
+
+ticks = lambda s: re.findall(r"`([^`]+)`", s)
+crate = None
+named = {}  # crate -> set of paths relative to its src dir, named by the map
+for n, row in table:
+    if len(row) < 3: continue
+    if ticks(row[0]): crate = ticks(row[0])[0]
+    if crate not in crate_dir:
+        problems.append(f"{design}:{n}: module map: crate `{crate}` is no package of this workspace")
+        continue
+    src = crate_dir[crate]
+    rels = named.setdefault(crate, set())
+    crate_root = next((r for r in ("lib.rs", "main.rs") if os.path.join(src, r) in set_files), None)
+    root_text = open(os.path.join(src, crate_root), encoding="utf-8").read() if crate_root else ""
+    folder = None
+    for m in ticks(row[1]):
+        m = m.strip()
+        if m.endswith(".rs"):
+            if not exists(os.path.join(src, m)):
+                problems.append(f"{design}:{n}: module map: `{m}` of `{crate}`: {os.path.join(src, m)} does not exist")
+            rels.add(m)
+            continue
+        name = m.rstrip("/")
+        as_file, as_dir = os.path.join(src, name + ".rs"), os.path.join(src, name)
+        inline = re.search(r"(?m)^\s*(pub(\([^)]*\))?\s+)?mod\s+" + re.escape(name) + r"\s*\{", root_text)
+        if exists(as_dir) and folder is None:
+            folder = name
+        if exists(as_file): rels.add(name + ".rs")
+        if exists(as_dir): rels.add(name + "/mod.rs")
+        if not (exists(as_file) or exists(as_dir) or inline):
+            problems.append(f"{design}:{n}: module map: module `{m}` of `{crate}`: no {as_file}, {as_dir}/ or inline `mod {name}` in {crate_root}")
+    for w in ticks(row[2]):
+        w = w.strip()
+        if " " in w or not (w.endswith(".rs") or w.endswith("/")): continue
+        rel = w if "/" in w.rstrip("/") or folder is None else folder + "/" + w
+        if not exists(os.path.join(src, rel)):
+            problems.append(f"{design}:{n}: module map: `{w}` (row of {row[1]}): {os.path.join(src, rel)} does not exist")
+        rels.add(rel.rstrip("/") + ("/mod.rs" if w.endswith("/") else ""))
+for crate, rels in sorted(named.items()):
+    src = crate_dir[crate]
+    for f in files:
+        if not f.startswith(src + "/") or not f.endswith(".rs"): continue
+        rel = f[len(src) + 1:]
+        if rel == "lib.rs": continue
+        if rel not in rels:
+            problems.append(f"{design}: module map: {f} (crate `{crate}`) is not listed")
+
+if not problems:
+    print(f"ok: every path named in {len(docs)} pages exists; docs/design.md's module map lists "
+          f"{', '.join(sorted(named))}'s source files exactly")
+    sys.exit(0)
+for p in problems:
+    print(p)
+print(f"{len(problems)} mismatches between the docs and the tree (the rules: the top of ci/docs-paths.sh)")
+if REPORT:
+    print("(report only: --report)")
+    sys.exit(0)
+print("FAIL: docs name paths that do not exist, or design.md's module map is out of date")
+sys.exit(1)
+PY
