@@ -100,6 +100,13 @@ pub struct Limits {
     pub copies_per_connection: usize,
     /// Uses one lease may have (1,024, `--max-lease-uses`).
     pub lease_uses: u32,
+    /// Slots one process (its pid from `SO_PEERCRED`) holds `WRITING` for saves in flight or
+    /// withheld after a save's unknown outcome, over all its connections at once (0: half the
+    /// pool's capacity, at least 1; `--max-slots-per-process`). A save naming more keys than the
+    /// process has left is refused with [`Limit::SlotsPerProcess`] before anything is reserved, so
+    /// one process cannot take every slot, and a process that parks slots connection after
+    /// connection stops at this bound (its parked slots share one pidfd).
+    pub slots_per_process: usize,
     /// Stack size of a connection's thread, bytes (256 KiB, `--thread-stack`).
     pub thread_stack_bytes: usize,
 }
@@ -118,6 +125,7 @@ impl Default for Limits {
             leases_per_connection: 65_536,
             copies_per_connection: 4096,
             lease_uses: 1024,
+            slots_per_process: 0,
             thread_stack_bytes: 256 << 10,
         }
     }
@@ -221,6 +229,10 @@ struct Shared {
     limits: Limits,
     leases: Mutex<HashMap<u64, LeaseEntry>>,
     parked: Mutex<Vec<Parked>>,
+    /// Slots each process (by pid) holds being written or withheld, over its connections.
+    slots_held: Mutex<HashMap<Option<u32>, usize>>,
+    /// [`Limits::slots_per_process`] resolved against the pool's capacity.
+    slot_bound: usize,
     /// Connections open now (each counted from accept until its thread ends).
     live: AtomicUsize,
     /// Refused connections kept open a moment so the refusal reaches the client.
@@ -264,6 +276,10 @@ impl Shared {
             policy: core.policy().name().to_string(),
             limits: limits.wire(),
         };
+        let slot_bound = match limits.slots_per_process {
+            0 => (pool.capacity() as usize / 2).max(1),
+            n => n,
+        };
         Shared {
             tier,
             core,
@@ -271,9 +287,70 @@ impl Shared {
             limits,
             leases: Mutex::new(HashMap::new()),
             parked: Mutex::new(Vec::new()),
+            slots_held: Mutex::new(HashMap::new()),
+            slot_bound,
             live: AtomicUsize::new(0),
             refused: Mutex::new(Vec::new()),
             panic_hook: OnceLock::new(),
+        }
+    }
+
+    /// Takes `n` slots of process `pid`'s bound, or refuses with [`Limit::SlotsPerProcess`].
+    fn take_slots(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
+        let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        let h = held.entry(pid).or_default();
+        if h.saturating_add(n) > self.slot_bound && !cfg!(kvtier_seeded_bug = "slots-unbounded-per-process") {
+            return Err(limit(Limit::SlotsPerProcess, h.saturating_add(n), self.slot_bound));
+        }
+        *h += n;
+        Ok(())
+    }
+
+    /// Gives `n` slots back to process `pid`'s bound.
+    fn give_slots(&self, pid: Option<u32>, n: usize) {
+        let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = held.get_mut(&pid) {
+            *h = h.saturating_sub(n);
+            if *h == 0 {
+                held.remove(&pid);
+            }
+        }
+    }
+
+    /// Returns what a gone process withheld to the tier and its slots to its bound.
+    fn release_parked(&self, p: Parked) {
+        let (pid, slots) = (p.pid, p.reserved.len());
+        p.release(&self.core);
+        self.give_slots(pid, slots);
+    }
+
+    /// Withholds `p` until its process exits: merged into the entry of the same process (one
+    /// pidfd a process, however many connections it parked from); an entry of an exited process
+    /// with the same pid (a reused pid) is released first.
+    fn park(&self, mut p: Parked) {
+        let gone = {
+            let mut parked = self.parked.lock().unwrap_or_else(|e| e.into_inner());
+            let mut gone = None;
+            let same = if cfg!(kvtier_seeded_bug = "parked-pidfd-per-connection") {
+                None
+            } else {
+                parked.iter().position(|q| q.pid == p.pid)
+            };
+            if let Some(i) = same {
+                if parked[i].pidfd.as_ref().is_some_and(exited) {
+                    gone = Some(parked.swap_remove(i));
+                } else {
+                    let q = &mut parked[i];
+                    q.reserved.append(&mut p.reserved);
+                    q.pins.append(&mut p.pins);
+                    return; // p's own pidfd closes here
+                }
+            }
+            parked.push(p);
+            gone
+        };
+        if let Some(g) = gone {
+            self.release_parked(g);
         }
     }
 
@@ -572,10 +649,20 @@ impl Session {
             Request::PrepareSave { keys, prefix, prefix_depth, parent } => {
                 self.check_keys(keys.len())?;
                 self.check_copy()?;
+                // At most one slot a key: taken from the process's bound before anything is
+                // reserved, the unused part given back once the reservation is known.
+                self.shared.take_slots(self.pid, keys.len())?;
                 let mut opts = SaveOptions::new().fit(if prefix { Fit::Prefix } else { Fit::AllOrNothing });
                 opts.prefix_depth = prefix_depth;
                 opts.parent = parent;
-                let p = prepare_save(&core, &keys, &opts)?;
+                let p = match prepare_save(&core, &keys, &opts) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.shared.give_slots(self.pid, keys.len());
+                        return Err(e);
+                    }
+                };
+                self.shared.give_slots(self.pid, keys.len() - p.reservation.len().min(keys.len()));
                 let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
                 let save = if slots.is_empty() {
                     0
@@ -601,8 +688,14 @@ impl Session {
                     .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?;
                 let blocks = reservation.len() as u64;
                 match outcome {
-                    Outcome::Done => reservation.commit(),
-                    Outcome::Failed | Outcome::NotSubmitted => drop(reservation),
+                    Outcome::Done => {
+                        reservation.commit();
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
+                    Outcome::Failed | Outcome::NotSubmitted => {
+                        drop(reservation);
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
                     Outcome::Unknown => {
                         self.parked.extend_from_slice(reservation.entries());
                         reservation.quarantine();
@@ -748,11 +841,11 @@ impl Session {
             return;
         }
         if self.gone_at_end {
-            parked.release(&core);
+            self.shared.release_parked(parked);
             return;
         }
         match &parked.pidfd {
-            Some(fd) if exited(fd) => parked.release(&core),
+            Some(fd) if exited(fd) => self.shared.release_parked(parked),
             Some(_) => {
                 tracing::info!(
                     "process {:?} disconnected with {} slots being written and {} pinned restores: \
@@ -761,7 +854,7 @@ impl Session {
                     parked.reserved.len(),
                     parked.pins.len()
                 );
-                self.shared.parked.lock().unwrap_or_else(|p| p.into_inner()).push(parked);
+                self.shared.park(parked);
             }
             None => {
                 tracing::warn!(
@@ -1068,7 +1161,7 @@ fn reap(shared: &Shared) {
             gone
         };
         for p in done {
-            p.release(&shared.core);
+            shared.release_parked(p);
         }
         let mut refused = shared.refused.lock().unwrap_or_else(|p| p.into_inner());
         refused.retain(|(s, since)| {
