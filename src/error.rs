@@ -489,6 +489,8 @@ pub enum Limit {
     /// Slots one process holds `WRITING` (saves in flight) or withheld (saves whose outcome is
     /// unknown) over all its connections.
     SlotsPerProcess,
+    /// Blocks over the lease handles one connection holds (each handle counts its lease's blocks).
+    LeasedBlocksPerConnection,
 }
 
 impl std::fmt::Display for Limit {
@@ -504,6 +506,7 @@ impl std::fmt::Display for Limit {
             Limit::Connections => "daemon connections",
             Limit::LeaseUses => "uses per lease",
             Limit::SlotsPerProcess => "slots being written or withheld per process",
+            Limit::LeasedBlocksPerConnection => "leased blocks per connection",
         })
     }
 }

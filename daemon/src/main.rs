@@ -48,6 +48,9 @@ struct Args {
     /// Lease handles one connection holds at once.
     #[arg(long, default_value_t = Limits::default().leases_per_connection)]
     max_leases: usize,
+    /// Blocks over the lease handles one connection holds.
+    #[arg(long, default_value_t = Limits::default().leased_blocks_per_connection)]
+    max_leased_blocks: usize,
     /// Saves and restores one connection has in flight at once.
     #[arg(long, default_value_t = Limits::default().copies_per_connection)]
     max_copies: usize,
@@ -165,6 +168,7 @@ fn server_config(a: &Args) -> Result<ServerConfig, String> {
         hints_per_connection: a.max_hints,
         hint_keys_per_connection: a.max_hint_keys,
         leases_per_connection: a.max_leases,
+        leased_blocks_per_connection: a.max_leased_blocks,
         copies_per_connection: a.max_copies,
         lease_uses: a.max_lease_uses,
         slots_per_process: a.max_slots_per_process,

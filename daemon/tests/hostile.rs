@@ -437,6 +437,36 @@ fn hints_leases_and_copies_are_bounded_per_connection_and_go_with_it() {
 }
 
 #[test]
+fn leased_blocks_are_bounded_per_connection_counting_opened_leases() {
+    let d = Daemon::start_args(64, "lru", None, &["--max-leased-blocks", "6"]);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 0..4);
+    let mut r = Raw::hello(&d.socket);
+    let lease = r.query(&k, 1);
+    match r.call(&Request::Query { keys: k.clone(), uses: 1 }) {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::LeasedBlocksPerConnection, asked: 8, max: 6 }) => {}
+        other => panic!("a query over the connection's leased blocks was served: {other:?}"),
+    }
+    // Another connection's lease counts the same once opened here.
+    let mut other = Raw::hello(&d.socket);
+    let theirs = other.query(&k[..3], 1);
+    let instance = r.welcome.as_ref().unwrap().instance;
+    match r.call(&Request::OpenLease { instance, lease: theirs }) {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::LeasedBlocksPerConnection, asked: 7, max: 6 }) => {}
+        other => panic!("an opened lease over the connection's leased blocks was served: {other:?}"),
+    }
+    assert_eq!(obs.stats().live_leases, 2, "the refusals leased nothing");
+    // Dropping a handle gives its blocks back.
+    r.send(&Request::DropLease { lease }); // one-way
+    assert!(matches!(r.call(&Request::OpenLease { instance, lease: theirs }), Reply::Leased { .. }));
+    r.query(&k[..3], 1);
+    drop(r);
+    drop(other);
+    served_and_clean(&d.socket, 8..14);
+}
+
+#[test]
 fn lease_ids_cannot_be_guessed_and_another_runs_token_is_refused() {
     let d = Daemon::start(64);
     engine_is_served(&d.socket, 0..4);

@@ -93,8 +93,16 @@ pub struct Limits {
     pub hints_per_connection: usize,
     /// Distinct keys over one connection's live hints (2^20, `--max-hint-keys`).
     pub hint_keys_per_connection: usize,
-    /// Lease handles one connection holds at once (65,536, `--max-leases`).
+    /// Lease handles one connection holds at once (2,048, `--max-leases`).
     pub leases_per_connection: usize,
+    /// Blocks over the lease handles one connection holds, each handle (a query's or an
+    /// `OpenLease`'s) counting its lease's blocks (262,144 = 2^18, `--max-leased-blocks`); a query
+    /// naming more distinct keys than are left, or an `OpenLease` of a larger lease, is refused with
+    /// [`Limit::LeasedBlocksPerConnection`]. A lease pins each of its slots once, so leases hold at
+    /// most `connections × min(leases_per_connection, leased_blocks_per_connection)` pins of one
+    /// slot; binding refuses limits whose product exceeds half of
+    /// [`crate::testing::SlotWord::LEASE_PINS`], so no number of leases makes a block unleasable.
+    pub leased_blocks_per_connection: usize,
     /// Saves and restores one connection has in flight, or withheld after an unknown outcome, at
     /// once (4,096, `--max-copies`).
     pub copies_per_connection: usize,
@@ -122,7 +130,8 @@ impl Default for Limits {
             keys_per_request: 1 << 20,
             hints_per_connection: 1024,
             hint_keys_per_connection: 1 << 20,
-            leases_per_connection: 65_536,
+            leases_per_connection: 2048,
+            leased_blocks_per_connection: 1 << 18,
             copies_per_connection: 4096,
             lease_uses: 1024,
             slots_per_process: 0,
@@ -153,6 +162,27 @@ impl Limits {
         let zero = |d: Duration| d.is_zero();
         if self.connections == 0 || zero(self.hello_timeout) || zero(self.frame_timeout) || zero(self.write_timeout) {
             return Err(Error::Config("limits: connections and every timeout must be above zero".into()));
+        }
+        let now = Instant::now();
+        for (name, t) in [
+            ("hello", self.hello_timeout),
+            ("frame", self.frame_timeout),
+            ("write", self.write_timeout),
+        ] {
+            // Each connection computes `now + t`: a timeout the clock cannot add is refused here.
+            if now.checked_add(t).and_then(|x| x.checked_add(Duration::from_secs(365 * 86_400))).is_none() {
+                return Err(Error::Config(format!("limits: the {name} timeout of {t:?} is too large for the clock")));
+            }
+        }
+        let per_slot = (self.connections as u128)
+            * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
+        let pins = crate::slot::SlotWord::LEASE_PINS as u128 / 2;
+        if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+            return Err(Error::Config(format!(
+                "limits: {} connections × min({} leases, {} leased blocks) may pin one slot {per_slot} times, \
+                 above the {pins} the daemon allows leases",
+                self.connections, self.leases_per_connection, self.leased_blocks_per_connection
+            )));
         }
         if self.frame_bytes > proto::MAX_FRAME {
             return Err(Error::Config(format!(
@@ -480,6 +510,10 @@ struct Session {
     leases: HashMap<u64, u64>,
     /// Handles over `leases`.
     lease_handles: usize,
+    /// Lease id -> its blocks, for the leases this connection holds handles on.
+    lease_sizes: HashMap<u64, usize>,
+    /// Blocks over this connection's handles (each handle counts its lease's blocks).
+    leased_blocks: usize,
     saves: HashMap<u64, PendingSave>,
     restores: HashMap<u64, PendingRestore>,
     hints: Vec<OwnedHint>,
@@ -499,6 +533,8 @@ impl Session {
             pidfd,
             leases: HashMap::new(),
             lease_handles: 0,
+            lease_sizes: HashMap::new(),
+            leased_blocks: 0,
             saves: HashMap::new(),
             restores: HashMap::new(),
             hints: Vec::new(),
@@ -544,6 +580,16 @@ impl Session {
         let max = self.shared.limits.leases_per_connection;
         if self.lease_handles >= max {
             return Err(limit(Limit::LeasesPerConnection, self.lease_handles + 1, max));
+        }
+        Ok(())
+    }
+
+    /// Refuses a handle on `n` more leased blocks over [`Limits::leased_blocks_per_connection`].
+    fn check_leased_blocks(&self, n: usize) -> Result<(), TierError> {
+        let max = self.shared.limits.leased_blocks_per_connection;
+        let asked = self.leased_blocks.saturating_add(n);
+        if asked > max && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+            return Err(limit(Limit::LeasedBlocksPerConnection, asked, max));
         }
         Ok(())
     }
@@ -598,14 +644,18 @@ impl Session {
                 // the first repeated key and names each slot once.
                 let mut seen = HashSet::with_capacity(keys.len().min(4096));
                 let distinct = keys.iter().take_while(|k| seen.insert(**k)).count();
+                self.check_leased_blocks(distinct)?;
                 let lease = self.shared.tier.query_shared(&keys[..distinct], uses);
                 if lease.is_settled() {
                     return Ok(Self::leased(0, &lease));
                 }
                 let reply_blocks = Self::leased(0, &lease);
+                let n = lease.len();
                 let id = self.shared.register(lease);
                 *self.leases.entry(id).or_default() += 1;
                 self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
                 match reply_blocks {
                     Reply::Leased { blocks, .. } => Reply::Leased { lease: id, blocks },
                     r => r,
@@ -619,19 +669,29 @@ impl Session {
                 let reply = {
                     let mut leases = self.shared.leases.lock().unwrap_or_else(|p| p.into_inner());
                     let e = leases.get_mut(&id).ok_or(TierError::LeaseSettled)?;
+                    self.check_leased_blocks(e.lease.len())?;
                     e.holders += 1;
                     Self::leased(id, &e.lease)
                 };
+                let n = match &reply {
+                    Reply::Leased { blocks, .. } => blocks.len(),
+                    _ => 0,
+                };
                 *self.leases.entry(id).or_default() += 1;
                 self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
                 reply
             }
             Request::DropLease { lease: id } => {
                 if let Some(n) = self.leases.get_mut(&id) {
                     *n -= 1;
+                    let size = self.lease_sizes.get(&id).copied().unwrap_or(0);
                     if *n == 0 {
                         self.leases.remove(&id);
+                        self.lease_sizes.remove(&id);
                     }
+                    self.leased_blocks = self.leased_blocks.saturating_sub(size);
                     self.lease_handles -= 1;
                     self.shared.drop_handles(id, 1);
                 }
@@ -801,7 +861,8 @@ impl Session {
         if held + distinct.len() > limits.hint_keys_per_connection {
             return Err(limit(Limit::HintKeysPerConnection, held + distinct.len(), limits.hint_keys_per_connection));
         }
-        let ttl = Duration::from_millis(ttl_ms);
+        // The tier cuts a hint at MAX_HINT_TTL; the connection counts it no longer than that.
+        let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
         let id = self.shared.tier.hint(&distinct, ttl).get();
         self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
         Ok(Reply::Count(id))
@@ -813,6 +874,8 @@ impl Session {
             self.shared.drop_handles(id, n);
         }
         self.lease_handles = 0;
+        self.lease_sizes.clear();
+        self.leased_blocks = 0;
         for h in std::mem::take(&mut self.hints) {
             if !cfg!(kvtier_seeded_bug = "hints-outlive-connection") {
                 self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(h.id));
@@ -1328,6 +1391,16 @@ fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                     break;
                 }
             }
+        } else if let Some(fd) = pidfd_raw {
+            // Requests already buffered (pipelined) are not served for a process that is gone.
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd (the session owns the pidfd for as long as this loop
+            // runs), timeout 0: poll only reads and writes that struct.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            if n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+                tracing::info!("process {pid:?} is gone: ending its session, its buffered requests unserved");
+                break;
+            }
         }
         let mut r = Deadline { inner: &mut reader, until: Instant::now() + limits.frame_timeout };
         let reply = match proto::read_request(&mut r, &mut buf, limits.frame_bytes) {
@@ -1503,6 +1576,28 @@ mod tests {
         assert!(sh.tier.contains(&k[0]));
         drop(s);
         assert!(sh.parked.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn limits_under_which_leases_could_saturate_a_slots_pins_are_refused_at_bind() {
+        let l = Limits { connections: 1 << 12, leases_per_connection: 1 << 12, ..Limits::default() };
+        match l.check() {
+            Err(Error::Config(m)) => assert!(m.contains("may pin one slot"), "{m}"),
+            r => panic!("limits that let leases pin one slot 2^24 times were accepted: {r:?}"),
+        }
+        Limits::default().check().unwrap();
+    }
+
+    #[test]
+    fn a_timeout_the_clock_cannot_add_is_refused_at_bind() {
+        for t in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let l = Limits { frame_timeout: t, ..Limits::default() };
+            match l.check() {
+                Err(Error::Config(m)) => assert!(m.contains("frame timeout"), "{m}"),
+                r => panic!("a frame timeout of {t:?} was accepted: {r:?}"),
+            }
+        }
+        Limits { frame_timeout: Duration::from_secs(86_400 * 365), ..Limits::default() }.check().unwrap();
     }
 
     #[test]
