@@ -1506,7 +1506,10 @@ mod tests {
         let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
         let bytes = slots * g.slot_bytes();
         let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
-        Arc::new(Shared::new(HostTier::new_shared(cfg).unwrap(), Limits::default()))
+        // One process may take the whole pool here (the per-process bound is tested in
+        // daemon/tests/hostile.rs).
+        let limits = Limits { slots_per_process: slots as usize, ..Limits::default() };
+        Arc::new(Shared::new(HostTier::new_shared(cfg).unwrap(), limits))
     }
 
     fn keys(shared: &Shared, r: std::ops::Range<u64>) -> Vec<ContentKey> {
