@@ -482,13 +482,54 @@ fn peer_process(stream: &UnixStream) -> (Peer, Option<OwnedFd>) {
     (peer, Some(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
 }
 
+/// A save in flight. Dropped without [`PendingSave::take`] (an unwind anywhere), its slots are
+/// withheld for good: the writer may be alive and still copying into them.
 struct PendingSave {
-    reservation: WriteReservation,
+    reservation: Option<WriteReservation>,
 }
 
+impl PendingSave {
+    fn take(mut self) -> WriteReservation {
+        self.reservation.take().expect("a pending save's reservation is taken once")
+    }
+}
+
+impl Drop for PendingSave {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            if !cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+                r.quarantine();
+            }
+        }
+    }
+}
+
+/// A restore in flight. Dropped without [`PendingRestore::take`] (an unwind anywhere), its pins
+/// are kept for good and its use stays spent: the reader may be alive and still copying.
 struct PendingRestore {
     claim: Option<RestoreClaim>,
-    pins: SlotPins,
+    pins: Option<SlotPins>,
+}
+
+impl PendingRestore {
+    fn take(mut self) -> (Option<RestoreClaim>, SlotPins) {
+        (self.claim.take(), self.pins.take().expect("a pending restore's pins are taken once"))
+    }
+}
+
+impl Drop for PendingRestore {
+    fn drop(&mut self) {
+        if cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+            return;
+        }
+        if let Some(p) = self.pins.take() {
+            p.quarantine();
+        }
+        if let Some(c) = self.claim.take() {
+            // Never panic out of a drop (it may run while unwinding).
+            let _ = catch_unwind(AssertUnwindSafe(|| c.submitted()));
+        }
+    }
 }
 
 /// A hint this connection gave.
@@ -728,7 +769,7 @@ impl Session {
                     0
                 } else {
                     let id = self.id();
-                    self.saves.insert(id, PendingSave { reservation: p.reservation });
+                    self.saves.insert(id, PendingSave { reservation: Some(p.reservation) });
                     id
                 };
                 Reply::SavePrepared {
@@ -742,10 +783,11 @@ impl Session {
                 }
             }
             Request::FinishSave { save, outcome } => {
-                let PendingSave { reservation } = self
+                let reservation = self
                     .saves
                     .remove(&save)
-                    .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?;
+                    .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?
+                    .take();
                 let blocks = reservation.len() as u64;
                 match outcome {
                     Outcome::Done => {
@@ -772,7 +814,7 @@ impl Session {
                 let pins = claim.take_pins();
                 let slots = pins.slots().iter().map(|s| s.0).collect();
                 let id = self.id();
-                self.restores.insert(id, PendingRestore { claim: Some(claim), pins });
+                self.restores.insert(id, PendingRestore { claim: Some(claim), pins: Some(pins) });
                 Reply::Restoring { restore: id, slots }
             }
             Request::RestoreSubmitted { restore } => {
@@ -782,10 +824,11 @@ impl Session {
                 Reply::Done
             }
             Request::FinishRestore { restore, outcome } => {
-                let PendingRestore { claim, pins } = self
+                let (claim, pins) = self
                     .restores
                     .remove(&restore)
-                    .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?;
+                    .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?
+                    .take();
                 let blocks = pins.len() as u64;
                 match outcome {
                     Outcome::NotSubmitted => {
@@ -800,11 +843,13 @@ impl Session {
                         drop(pins);
                     }
                     Outcome::Unknown => {
+                        // The pins are parked before anything that may panic: an unwind in the
+                        // claim's settling cannot unpin under a live copy.
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
                         if let Some(c) = claim {
                             c.submitted();
                         }
-                        core.record_quarantined_pins(pins.len());
-                        self.parked_pins.push(pins);
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
@@ -870,8 +915,14 @@ impl Session {
 
     /// Ends the session (see the type's docs); idempotent.
     fn end(&mut self) {
-        for (id, n) in std::mem::take(&mut self.leases) {
-            self.shared.drop_handles(id, n);
+        let leases = std::mem::take(&mut self.leases);
+        let shared = self.shared.clone();
+        if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
+            for (id, n) in leases {
+                shared.drop_handles(id, n);
+            }
+        })) {
+            tracing::error!("process {:?}: dropping its lease handles panicked: {}", self.pid, panic_message(&*p));
         }
         self.lease_handles = 0;
         self.lease_sizes.clear();
@@ -882,17 +933,28 @@ impl Session {
             }
         }
         let core = self.shared.core.clone();
-        for (_, PendingRestore { claim, pins }) in self.restores.drain() {
-            // The copy may have been submitted: the use is spent, the pins wait for the process.
-            if let Some(c) = claim {
-                c.submitted();
-            }
+        // Each step runs under catch_unwind (this may run while the thread unwinds: a panic here
+        // would abort the daemon); whatever a panicking step left is withheld for good by the
+        // pending copies' drops.
+        let restores: Vec<PendingRestore> = self.restores.drain().map(|(_, r)| r).collect();
+        for r in restores {
+            let (claim, pins) = r.take();
+            // The pins are parked first; the copy may have been submitted: the use is spent.
             core.record_quarantined_pins(pins.len());
             self.parked_pins.push(pins);
+            if let Some(c) = claim {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.submitted())) {
+                    tracing::error!("process {:?}: settling a restore's use panicked: {}", self.pid, panic_message(&*p));
+                }
+            }
         }
-        for (_, PendingSave { reservation }) in self.saves.drain() {
+        let saves: Vec<PendingSave> = self.saves.drain().map(|(_, s)| s).collect();
+        for s in saves {
+            let reservation = s.take();
             self.parked.extend_from_slice(reservation.entries());
-            reservation.quarantine();
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| reservation.quarantine())) {
+                tracing::error!("process {:?}: withholding a save's slots panicked: {}", self.pid, panic_message(&*p));
+            }
         }
         let parked = Parked {
             pid: self.pid,
@@ -1589,6 +1651,34 @@ mod tests {
             r => panic!("limits that let leases pin one slot 2^24 times were accepted: {r:?}"),
         }
         Limits::default().check().unwrap();
+    }
+
+    /// An unwind that drops a session's pending copies before `end` handles them (a panic in an
+    /// earlier step of `end`, or anywhere the maps are dropped) withholds their slots and pins.
+    #[test]
+    fn pending_copies_dropped_by_an_unwind_keep_their_slots_and_pins() {
+        let sh = shared(16);
+        let ready = keys(&sh, 0..2);
+        let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
+        let Reply::SavePrepared { save, .. } = s.run(prepare(&ready)) else { panic!("prepare") };
+        assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+        let Reply::Leased { lease, .. } = s.run(Request::Query { keys: ready.clone(), uses: 1 }) else { panic!("query") };
+        assert!(matches!(s.run(Request::Restore { lease, blocks: 2 }), Reply::Restoring { .. }));
+        assert!(matches!(s.run(prepare(&keys(&sh, 10..13))), Reply::SavePrepared { .. }));
+        // The pending copies' maps go as an unwind would drop them.
+        let (saves, restores) = (std::mem::take(&mut s.saves), std::mem::take(&mut s.restores));
+        let t = std::thread::spawn(move || {
+            let _held = (saves, restores);
+            panic!("the connection's thread unwinds with its pending copies");
+        });
+        assert!(t.join().is_err());
+        let a = sh.core.audit(&[]).unwrap();
+        assert_eq!(a.writing, 3, "the live writer's slots were freed by an unwind: {a:?}");
+        assert_eq!(a.pinned, 2, "the live reader's pins were dropped by an unwind: {a:?}");
+        let st = sh.tier.stats();
+        assert_eq!((st.quarantined_slots, st.quarantined_pins), (3, 2), "withheld slots and pins: {st:?}");
+        s.gone_at_end = true;
+        drop(s);
     }
 
     #[test]
