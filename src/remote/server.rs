@@ -752,18 +752,20 @@ impl Session {
                 self.check_copy()?;
                 // At most one slot a key: taken from the process's bound before anything is
                 // reserved, the unused part given back once the reservation is known.
-                self.shared.take_slots(self.pid, keys.len())?;
+                // (never more than the pool holds: a larger save is the tier's CannotFit).
+                let want = keys.len().min(core.pool().capacity() as usize);
+                self.shared.take_slots(self.pid, want)?;
                 let mut opts = SaveOptions::new().fit(if prefix { Fit::Prefix } else { Fit::AllOrNothing });
                 opts.prefix_depth = prefix_depth;
                 opts.parent = parent;
                 let p = match prepare_save(&core, &keys, &opts) {
                     Ok(p) => p,
                     Err(e) => {
-                        self.shared.give_slots(self.pid, keys.len());
+                        self.shared.give_slots(self.pid, want);
                         return Err(e);
                     }
                 };
-                self.shared.give_slots(self.pid, keys.len() - p.reservation.len().min(keys.len()));
+                self.shared.give_slots(self.pid, want - p.reservation.len().min(want));
                 let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
                 let save = if slots.is_empty() {
                     0
