@@ -606,7 +606,8 @@ fn client_role() {
         "park-loop" => {
             let cycles: u64 = std::env::var("KVTIER_CYCLES").unwrap().parse().unwrap();
             let mut r = Raw::hello(&socket);
-            let big = Request::PrepareSave { keys: keys(&obs, 5000..5017), prefix: true, prefix_depth: None, parent: None };
+            let big =
+                Request::PrepareSave { keys: keys(&obs, 5000..5017), prefix: true, prefix_depth: None, parent: None };
             let big_refused = matches!(
                 r.call(&big),
                 Reply::Error(WireError::LimitExceeded { limit: Limit::SlotsPerProcess, asked: 17, max: 16 })

@@ -164,18 +164,14 @@ impl Limits {
             return Err(Error::Config("limits: connections and every timeout must be above zero".into()));
         }
         let now = Instant::now();
-        for (name, t) in [
-            ("hello", self.hello_timeout),
-            ("frame", self.frame_timeout),
-            ("write", self.write_timeout),
-        ] {
+        for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
             // Each connection computes `now + t`: a timeout the clock cannot add is refused here.
             if now.checked_add(t).and_then(|x| x.checked_add(Duration::from_secs(365 * 86_400))).is_none() {
                 return Err(Error::Config(format!("limits: the {name} timeout of {t:?} is too large for the clock")));
             }
         }
-        let per_slot = (self.connections as u128)
-            * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
+        let per_slot =
+            (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
         let pins = crate::slot::SlotWord::LEASE_PINS as u128 / 2;
         if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
             return Err(Error::Config(format!(
@@ -946,7 +942,11 @@ impl Session {
             self.parked_pins.push(pins);
             if let Some(c) = claim {
                 if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.submitted())) {
-                    tracing::error!("process {:?}: settling a restore's use panicked: {}", self.pid, panic_message(&*p));
+                    tracing::error!(
+                        "process {:?}: settling a restore's use panicked: {}",
+                        self.pid,
+                        panic_message(&*p)
+                    );
                 }
             }
         }
@@ -1664,7 +1664,9 @@ mod tests {
         let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
         let Reply::SavePrepared { save, .. } = s.run(prepare(&ready)) else { panic!("prepare") };
         assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
-        let Reply::Leased { lease, .. } = s.run(Request::Query { keys: ready.clone(), uses: 1 }) else { panic!("query") };
+        let Reply::Leased { lease, .. } = s.run(Request::Query { keys: ready.clone(), uses: 1 }) else {
+            panic!("query")
+        };
         assert!(matches!(s.run(Request::Restore { lease, blocks: 2 }), Reply::Restoring { .. }));
         assert!(matches!(s.run(prepare(&keys(&sh, 10..13))), Reply::SavePrepared { .. }));
         // The pending copies' maps go as an unwind would drop them.

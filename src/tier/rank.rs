@@ -473,7 +473,12 @@ impl Rank {
     }
 
     /// [`Rank::restore`] and [`Rank::restore_layers`]: the restore submitted as `how` says.
-    pub(crate) fn restore_how(&self, lease: &Lease, gpu_pages: &[u64], how: Launch<'_>) -> Result<CopyHandle, TierError> {
+    pub(crate) fn restore_how(
+        &self,
+        lease: &Lease,
+        gpu_pages: &[u64],
+        how: Launch<'_>,
+    ) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {
             return Err(TierError::ForeignLease);
