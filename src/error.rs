@@ -486,6 +486,11 @@ pub enum Limit {
     Connections,
     /// Restores a lease allows (`uses`).
     LeaseUses,
+    /// Slots one process holds `WRITING` (saves in flight) or withheld (saves whose outcome is
+    /// unknown) over all its connections.
+    SlotsPerProcess,
+    /// Blocks over the lease handles one connection holds (each handle counts its lease's blocks).
+    LeasedBlocksPerConnection,
 }
 
 impl std::fmt::Display for Limit {
@@ -500,6 +505,8 @@ impl std::fmt::Display for Limit {
             Limit::CopiesPerConnection => "copies in flight per connection",
             Limit::Connections => "daemon connections",
             Limit::LeaseUses => "uses per lease",
+            Limit::SlotsPerProcess => "slots being written or withheld per process",
+            Limit::LeasedBlocksPerConnection => "leased blocks per connection",
         })
     }
 }

@@ -92,7 +92,13 @@ impl HandleShared {
         };
         self.cv.notify_all();
         for w in wakers {
+            // A waker that panics (an executor's bug) must not end the rank's completion thread.
+            #[cfg(kvtier_seeded_bug = "waker-panic-kills-completion")]
             w.wake();
+            #[cfg(not(kvtier_seeded_bug = "waker-panic-kills-completion"))]
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())).is_err() {
+                tracing::error!("a CopyHandle waker panicked; the panic was contained");
+            }
         }
         for cb in callbacks {
             // A panicking callback must not unwind through the rank's completion thread: that would

@@ -208,6 +208,34 @@ fn a_panicking_completion_quarantines_its_slots_and_the_rank_keeps_working() {
     assert!(tier.contains(&k[0]));
 }
 
+/// A waker that panics when a copy completes (an executor's bug, on the completion thread) fails
+/// nothing else: later copies of the rank complete and the rank drains.
+#[test]
+fn a_panicking_waker_does_not_stop_the_completion_thread() {
+    struct PanicWake;
+    impl std::task::Wake for PanicWake {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics");
+        }
+    }
+    let tier = tier(8, PolicyKind::Lru);
+    let a = arenas();
+    let gate = Gate::default();
+    let rank = tier.attach(TestBackend::gated(&a, &gate)).unwrap();
+    let k = keys(&tier, 0..4);
+    a.fill(&[0, 1, 2, 3], &k).unwrap();
+    let mut h1 = rank.save(&k[..2], &[0, 1], WaitFor::Nothing).unwrap().handle;
+    let waker = std::task::Waker::from(Arc::new(PanicWake));
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(std::future::Future::poll(std::pin::Pin::new(&mut h1), &mut cx).is_pending());
+    let h2 = rank.save(&k[2..], &[2, 3], WaitFor::Nothing).unwrap().handle;
+    gate.open();
+    h1.wait_timeout(Duration::from_secs(30)).expect("the first copy completes").unwrap();
+    h2.wait_timeout(Duration::from_secs(30)).expect("a copy queued behind a panicking waker completes").unwrap();
+    rank.drain(Duration::from_secs(30)).expect("the rank drains");
+    assert!(k.iter().all(|key| tier.contains(key)));
+}
+
 /// Fault 5: a NaN fault rate means 0 (no batch fails).
 #[test]
 fn a_nan_fault_rate_fails_nothing() {

@@ -48,9 +48,16 @@ struct Args {
     /// Lease handles one connection holds at once.
     #[arg(long, default_value_t = Limits::default().leases_per_connection)]
     max_leases: usize,
+    /// Blocks over the lease handles one connection holds.
+    #[arg(long, default_value_t = Limits::default().leased_blocks_per_connection)]
+    max_leased_blocks: usize,
     /// Saves and restores one connection has in flight at once.
     #[arg(long, default_value_t = Limits::default().copies_per_connection)]
     max_copies: usize,
+    /// Slots one process holds being written or withheld over all its connections (0: half the
+    /// pool's capacity).
+    #[arg(long, default_value_t = Limits::default().slots_per_process)]
+    max_slots_per_process: usize,
     /// Uses one lease may have.
     #[arg(long, default_value_t = Limits::default().lease_uses)]
     max_lease_uses: u32,
@@ -161,8 +168,10 @@ fn server_config(a: &Args) -> Result<ServerConfig, String> {
         hints_per_connection: a.max_hints,
         hint_keys_per_connection: a.max_hint_keys,
         leases_per_connection: a.max_leases,
+        leased_blocks_per_connection: a.max_leased_blocks,
         copies_per_connection: a.max_copies,
         lease_uses: a.max_lease_uses,
+        slots_per_process: a.max_slots_per_process,
         thread_stack_bytes: a.thread_stack,
     };
     let group = match &a.group {
@@ -174,6 +183,25 @@ fn server_config(a: &Args) -> Result<ServerConfig, String> {
         },
     };
     Ok(ServerConfig { limits, group })
+}
+
+/// Raises the soft limit on open files to the hard limit: each connection holds its socket and a
+/// pidfd of its process, so the default soft limit (often 1,024) would bound connections below
+/// `--max-connections`.
+fn raise_fd_limit() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        tracing::warn!("getrlimit(RLIMIT_NOFILE): {}", std::io::Error::last_os_error());
+        return;
+    }
+    if r.rlim_cur < r.rlim_max {
+        let want = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+        // SAFETY: setrlimit reads one rlimit from `want`, which lives for the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } != 0 {
+            tracing::warn!("setrlimit(RLIMIT_NOFILE, {}): {}", r.rlim_max, std::io::Error::last_os_error());
+        }
+    }
 }
 
 fn main() {
@@ -209,6 +237,7 @@ fn main() {
         }
     };
     let setup = t0.elapsed();
+    raise_fd_limit();
     let server = match Server::bind_with(&socket, tier, server_cfg) {
         Ok(s) => s,
         Err(e) => {

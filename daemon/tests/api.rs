@@ -27,7 +27,10 @@ fn config(slots: u64) -> TierConfig {
 fn serve(slots: u64) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvtierd.sock");
-    let server = Server::bind(&path, HostTier::new_shared(config(slots)).unwrap()).unwrap();
+    // One process (this test) may hold the whole pool, as an in-process tier's caller may.
+    let limits = kvtier::remote::Limits { slots_per_process: slots as usize, ..Default::default() };
+    let server_config = kvtier::remote::ServerConfig { limits, group: None };
+    let server = Server::bind_with(&path, HostTier::new_shared(config(slots)).unwrap(), server_config).unwrap();
     std::thread::spawn(move || server.run());
     (dir, path)
 }

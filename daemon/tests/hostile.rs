@@ -437,6 +437,36 @@ fn hints_leases_and_copies_are_bounded_per_connection_and_go_with_it() {
 }
 
 #[test]
+fn leased_blocks_are_bounded_per_connection_counting_opened_leases() {
+    let d = Daemon::start_args(64, "lru", None, &["--max-leased-blocks", "6"]);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let k = keys(&obs, 0..4);
+    let mut r = Raw::hello(&d.socket);
+    let lease = r.query(&k, 1);
+    match r.call(&Request::Query { keys: k.clone(), uses: 1 }) {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::LeasedBlocksPerConnection, asked: 8, max: 6 }) => {}
+        other => panic!("a query over the connection's leased blocks was served: {other:?}"),
+    }
+    // Another connection's lease counts the same once opened here.
+    let mut other = Raw::hello(&d.socket);
+    let theirs = other.query(&k[..3], 1);
+    let instance = r.welcome.as_ref().unwrap().instance;
+    match r.call(&Request::OpenLease { instance, lease: theirs }) {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::LeasedBlocksPerConnection, asked: 7, max: 6 }) => {}
+        other => panic!("an opened lease over the connection's leased blocks was served: {other:?}"),
+    }
+    assert_eq!(obs.stats().live_leases, 2, "the refusals leased nothing");
+    // Dropping a handle gives its blocks back.
+    r.send(&Request::DropLease { lease }); // one-way
+    assert!(matches!(r.call(&Request::OpenLease { instance, lease: theirs }), Reply::Leased { .. }));
+    r.query(&k[..3], 1);
+    drop(r);
+    drop(other);
+    served_and_clean(&d.socket, 8..14);
+}
+
+#[test]
 fn lease_ids_cannot_be_guessed_and_another_runs_token_is_refused() {
     let d = Daemon::start(64);
     engine_is_served(&d.socket, 0..4);
@@ -515,6 +545,35 @@ fn a_client_killed_mid_save_and_mid_restore_loses_nothing_for_the_others() {
     served_and_clean(&d.socket, 8..16);
 }
 
+/// File descriptors the daemon holds open now.
+fn daemon_fds(d: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", d.child.id())).expect("the daemon's fds").count()
+}
+
+#[test]
+fn a_process_that_parks_slot_after_slot_stops_at_its_bound_and_holds_one_pidfd() {
+    // More slots than the cycles, so only the per-process bound stops the parking.
+    let d = Daemon::start_args(2100, "lru", None, &["--max-slots-per-process", "16"]);
+    engine_is_served(&d.socket, 0..4);
+    let obs = observer(&d.socket);
+    let fds_before = daemon_fds(&d);
+    let mut c = Client::start(&d.socket, "park-loop", &[("KVTIER_CYCLES", "2000".into())]);
+    let done = c.expect("DONE");
+    let f: Vec<u64> = done.split(' ').map(|x| x.parse().unwrap_or(u64::MAX)).collect();
+    assert_eq!(f[0], 1, "a save over the process's slot bound was not refused typed: {done}");
+    assert_eq!(f[1], 0, "the refused save reserved slots: {done}");
+    assert_eq!((f[2], f[3]), (16, 1984), "parked and refused cycles: {done}");
+    soon("the disconnected sessions have ended", || obs.stats().quarantined_slots == 16);
+    // One pidfd for the parking process however many connections parked: the daemon's fds stay
+    // near what it held before (the observer's and the engine's connections aside).
+    soon("the parked sessions hold one pidfd", || daemon_fds(&d) <= fds_before + 8);
+    // The daemon goes on accepting; a correct engine (another process's bound) is served.
+    engine_is_served(&d.socket, 20..36);
+    c.kill9();
+    soon("the killed process's parked slots come back", || obs.stats().quarantined_slots == 0);
+    served_and_clean(&d.socket, 40..56);
+}
+
 /// The client processes' entry point: does nothing unless run as a client by a test.
 #[test]
 fn client_role() {
@@ -539,6 +598,38 @@ fn client_role() {
             }
             assert!(pid > 0, "fork failed");
             say(format!("FORKED {pid}"));
+            while hear().is_some() {}
+        }
+        // Asks for more slots than its process may hold, then reconnects `KVTIER_CYCLES` times,
+        // each time preparing a 1-block save and disconnecting without finishing it (the slot is
+        // withheld until the process exits); reports what was served and waits to be killed.
+        "park-loop" => {
+            let cycles: u64 = std::env::var("KVTIER_CYCLES").unwrap().parse().unwrap();
+            let mut r = Raw::hello(&socket);
+            let big =
+                Request::PrepareSave { keys: keys(&obs, 5000..5017), prefix: true, prefix_depth: None, parent: None };
+            let big_refused = matches!(
+                r.call(&big),
+                Reply::Error(WireError::LimitExceeded { limit: Limit::SlotsPerProcess, asked: 17, max: 16 })
+            );
+            let writing_after_refusal = obs.stats().writing_slots;
+            drop(r);
+            let (mut parked, mut refused) = (0, 0);
+            for i in 0..cycles {
+                let mut r = Raw::hello(&socket);
+                let req = Request::PrepareSave {
+                    keys: keys(&obs, 10_000 + i..10_001 + i),
+                    prefix: false,
+                    prefix_depth: None,
+                    parent: None,
+                };
+                match r.call(&req) {
+                    Reply::SavePrepared { slots, .. } if slots.len() == 1 => parked += 1,
+                    Reply::Error(WireError::LimitExceeded { limit: Limit::SlotsPerProcess, .. }) => refused += 1,
+                    other => panic!("cycle {i}: {other:?}"),
+                }
+            }
+            say(format!("DONE {} {writing_after_refusal} {parked} {refused}", big_refused as u8));
             while hear().is_some() {}
         }
         // A save of 3 blocks prepared and a restore of 4 blocks pinned, neither finished; waits to

@@ -78,12 +78,14 @@ pub fn limit_name(l: &Limit) -> &'static str {
         Limit::CopiesPerConnection => "copies_per_connection",
         Limit::Connections => "connections",
         Limit::LeaseUses => "lease_uses",
+        Limit::SlotsPerProcess => "slots_per_process",
+        Limit::LeasedBlocksPerConnection => "leased_blocks_per_connection",
         _ => "other",
     }
 }
 
 /// Every bound this binding names, in declaration order (for `examples` and the tests).
-const LIMITS: [Limit; 9] = [
+const LIMITS: [Limit; 11] = [
     Limit::FrameBytes,
     Limit::KeysPerRequest,
     Limit::EvictBlocks,
@@ -93,6 +95,8 @@ const LIMITS: [Limit; 9] = [
     Limit::CopiesPerConnection,
     Limit::Connections,
     Limit::LeaseUses,
+    Limit::SlotsPerProcess,
+    Limit::LeasedBlocksPerConnection,
 ];
 
 impl From<&GeometryError> for Raised {

@@ -38,6 +38,13 @@ pub struct SharedPoolLayout {
 /// (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`): its size is fixed for good, so no process that
 /// holds the fd can truncate it under another's mapping (a `SIGBUS` on the next copy), grow it, or
 /// add a seal (`F_SEAL_FUTURE_WRITE` would make every later writable mapping fail).
+///
+/// The seals do not stop `fallocate(FALLOC_FL_PUNCH_HOLE)` or `madvise(MADV_REMOVE)` (only
+/// `F_SEAL_WRITE`/`F_SEAL_FUTURE_WRITE` would, and every client needs a writable mapping): on an
+/// ordinary memfd a punched range reads back as zeros (a connected process may write any slot
+/// anyway); on hugetlb the huge pages go back to the system, and another process's next touch of
+/// the range gets `SIGBUS` if no free huge page is left then. Reserve huge pages with headroom
+/// (docs/design.md, the pool).
 pub const POOL_SEALS: u32 = (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) as u32;
 
 fn memfd(huge: bool) -> Result<OwnedFd, std::io::Error> {

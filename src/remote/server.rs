@@ -93,13 +93,28 @@ pub struct Limits {
     pub hints_per_connection: usize,
     /// Distinct keys over one connection's live hints (2^20, `--max-hint-keys`).
     pub hint_keys_per_connection: usize,
-    /// Lease handles one connection holds at once (65,536, `--max-leases`).
+    /// Lease handles one connection holds at once (2,048, `--max-leases`).
     pub leases_per_connection: usize,
+    /// Blocks over the lease handles one connection holds, each handle (a query's or an
+    /// `OpenLease`'s) counting its lease's blocks (262,144 = 2^18, `--max-leased-blocks`); a query
+    /// naming more distinct keys than are left, or an `OpenLease` of a larger lease, is refused with
+    /// [`Limit::LeasedBlocksPerConnection`]. A lease pins each of its slots once, so leases hold at
+    /// most `connections × min(leases_per_connection, leased_blocks_per_connection)` pins of one
+    /// slot; binding refuses limits whose product exceeds half of
+    /// [`crate::testing::SlotWord::LEASE_PINS`], so no number of leases makes a block unleasable.
+    pub leased_blocks_per_connection: usize,
     /// Saves and restores one connection has in flight, or withheld after an unknown outcome, at
     /// once (4,096, `--max-copies`).
     pub copies_per_connection: usize,
     /// Uses one lease may have (1,024, `--max-lease-uses`).
     pub lease_uses: u32,
+    /// Slots one process (its pid from `SO_PEERCRED`) holds `WRITING` for saves in flight or
+    /// withheld after a save's unknown outcome, over all its connections at once (0: half the
+    /// pool's capacity, at least 1; `--max-slots-per-process`). A save naming more keys than the
+    /// process has left is refused with [`Limit::SlotsPerProcess`] before anything is reserved, so
+    /// one process cannot take every slot, and a process that parks slots connection after
+    /// connection stops at this bound (its parked slots share one pidfd).
+    pub slots_per_process: usize,
     /// Stack size of a connection's thread, bytes (256 KiB, `--thread-stack`).
     pub thread_stack_bytes: usize,
 }
@@ -115,9 +130,11 @@ impl Default for Limits {
             keys_per_request: 1 << 20,
             hints_per_connection: 1024,
             hint_keys_per_connection: 1 << 20,
-            leases_per_connection: 65_536,
+            leases_per_connection: 2048,
+            leased_blocks_per_connection: 1 << 18,
             copies_per_connection: 4096,
             lease_uses: 1024,
+            slots_per_process: 0,
             thread_stack_bytes: 256 << 10,
         }
     }
@@ -145,6 +162,23 @@ impl Limits {
         let zero = |d: Duration| d.is_zero();
         if self.connections == 0 || zero(self.hello_timeout) || zero(self.frame_timeout) || zero(self.write_timeout) {
             return Err(Error::Config("limits: connections and every timeout must be above zero".into()));
+        }
+        let now = Instant::now();
+        for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
+            // Each connection computes `now + t`: a timeout the clock cannot add is refused here.
+            if now.checked_add(t).and_then(|x| x.checked_add(Duration::from_secs(365 * 86_400))).is_none() {
+                return Err(Error::Config(format!("limits: the {name} timeout of {t:?} is too large for the clock")));
+            }
+        }
+        let per_slot =
+            (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
+        let pins = crate::slot::SlotWord::LEASE_PINS as u128 / 2;
+        if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+            return Err(Error::Config(format!(
+                "limits: {} connections × min({} leases, {} leased blocks) may pin one slot {per_slot} times, \
+                 above the {pins} the daemon allows leases",
+                self.connections, self.leases_per_connection, self.leased_blocks_per_connection
+            )));
         }
         if self.frame_bytes > proto::MAX_FRAME {
             return Err(Error::Config(format!(
@@ -221,6 +255,10 @@ struct Shared {
     limits: Limits,
     leases: Mutex<HashMap<u64, LeaseEntry>>,
     parked: Mutex<Vec<Parked>>,
+    /// Slots each process (by pid) holds being written or withheld, over its connections.
+    slots_held: Mutex<HashMap<Option<u32>, usize>>,
+    /// [`Limits::slots_per_process`] resolved against the pool's capacity.
+    slot_bound: usize,
     /// Connections open now (each counted from accept until its thread ends).
     live: AtomicUsize,
     /// Refused connections kept open a moment so the refusal reaches the client.
@@ -264,6 +302,10 @@ impl Shared {
             policy: core.policy().name().to_string(),
             limits: limits.wire(),
         };
+        let slot_bound = match limits.slots_per_process {
+            0 => (pool.capacity() as usize / 2).max(1),
+            n => n,
+        };
         Shared {
             tier,
             core,
@@ -271,9 +313,70 @@ impl Shared {
             limits,
             leases: Mutex::new(HashMap::new()),
             parked: Mutex::new(Vec::new()),
+            slots_held: Mutex::new(HashMap::new()),
+            slot_bound,
             live: AtomicUsize::new(0),
             refused: Mutex::new(Vec::new()),
             panic_hook: OnceLock::new(),
+        }
+    }
+
+    /// Takes `n` slots of process `pid`'s bound, or refuses with [`Limit::SlotsPerProcess`].
+    fn take_slots(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
+        let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        let h = held.entry(pid).or_default();
+        if h.saturating_add(n) > self.slot_bound && !cfg!(kvtier_seeded_bug = "slots-unbounded-per-process") {
+            return Err(limit(Limit::SlotsPerProcess, h.saturating_add(n), self.slot_bound));
+        }
+        *h += n;
+        Ok(())
+    }
+
+    /// Gives `n` slots back to process `pid`'s bound.
+    fn give_slots(&self, pid: Option<u32>, n: usize) {
+        let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = held.get_mut(&pid) {
+            *h = h.saturating_sub(n);
+            if *h == 0 {
+                held.remove(&pid);
+            }
+        }
+    }
+
+    /// Returns what a gone process withheld to the tier and its slots to its bound.
+    fn release_parked(&self, p: Parked) {
+        let (pid, slots) = (p.pid, p.reserved.len());
+        p.release(&self.core);
+        self.give_slots(pid, slots);
+    }
+
+    /// Withholds `p` until its process exits: merged into the entry of the same process (one
+    /// pidfd a process, however many connections it parked from); an entry of an exited process
+    /// with the same pid (a reused pid) is released first.
+    fn park(&self, mut p: Parked) {
+        let gone = {
+            let mut parked = self.parked.lock().unwrap_or_else(|e| e.into_inner());
+            let mut gone = None;
+            let same = if cfg!(kvtier_seeded_bug = "parked-pidfd-per-connection") {
+                None
+            } else {
+                parked.iter().position(|q| q.pid == p.pid)
+            };
+            if let Some(i) = same {
+                if parked[i].pidfd.as_ref().is_some_and(exited) {
+                    gone = Some(parked.swap_remove(i));
+                } else {
+                    let q = &mut parked[i];
+                    q.reserved.append(&mut p.reserved);
+                    q.pins.append(&mut p.pins);
+                    return; // p's own pidfd closes here
+                }
+            }
+            parked.push(p);
+            gone
+        };
+        if let Some(g) = gone {
+            self.release_parked(g);
         }
     }
 
@@ -375,13 +478,54 @@ fn peer_process(stream: &UnixStream) -> (Peer, Option<OwnedFd>) {
     (peer, Some(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
 }
 
+/// A save in flight. Dropped without [`PendingSave::take`] (an unwind anywhere), its slots are
+/// withheld for good: the writer may be alive and still copying into them.
 struct PendingSave {
-    reservation: WriteReservation,
+    reservation: Option<WriteReservation>,
 }
 
+impl PendingSave {
+    fn take(mut self) -> WriteReservation {
+        self.reservation.take().expect("a pending save's reservation is taken once")
+    }
+}
+
+impl Drop for PendingSave {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            if !cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+                r.quarantine();
+            }
+        }
+    }
+}
+
+/// A restore in flight. Dropped without [`PendingRestore::take`] (an unwind anywhere), its pins
+/// are kept for good and its use stays spent: the reader may be alive and still copying.
 struct PendingRestore {
     claim: Option<RestoreClaim>,
-    pins: SlotPins,
+    pins: Option<SlotPins>,
+}
+
+impl PendingRestore {
+    fn take(mut self) -> (Option<RestoreClaim>, SlotPins) {
+        (self.claim.take(), self.pins.take().expect("a pending restore's pins are taken once"))
+    }
+}
+
+impl Drop for PendingRestore {
+    fn drop(&mut self) {
+        if cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+            return;
+        }
+        if let Some(p) = self.pins.take() {
+            p.quarantine();
+        }
+        if let Some(c) = self.claim.take() {
+            // Never panic out of a drop (it may run while unwinding).
+            let _ = catch_unwind(AssertUnwindSafe(|| c.submitted()));
+        }
+    }
 }
 
 /// A hint this connection gave.
@@ -403,6 +547,10 @@ struct Session {
     leases: HashMap<u64, u64>,
     /// Handles over `leases`.
     lease_handles: usize,
+    /// Lease id -> its blocks, for the leases this connection holds handles on.
+    lease_sizes: HashMap<u64, usize>,
+    /// Blocks over this connection's handles (each handle counts its lease's blocks).
+    leased_blocks: usize,
     saves: HashMap<u64, PendingSave>,
     restores: HashMap<u64, PendingRestore>,
     hints: Vec<OwnedHint>,
@@ -422,6 +570,8 @@ impl Session {
             pidfd,
             leases: HashMap::new(),
             lease_handles: 0,
+            lease_sizes: HashMap::new(),
+            leased_blocks: 0,
             saves: HashMap::new(),
             restores: HashMap::new(),
             hints: Vec::new(),
@@ -467,6 +617,16 @@ impl Session {
         let max = self.shared.limits.leases_per_connection;
         if self.lease_handles >= max {
             return Err(limit(Limit::LeasesPerConnection, self.lease_handles + 1, max));
+        }
+        Ok(())
+    }
+
+    /// Refuses a handle on `n` more leased blocks over [`Limits::leased_blocks_per_connection`].
+    fn check_leased_blocks(&self, n: usize) -> Result<(), TierError> {
+        let max = self.shared.limits.leased_blocks_per_connection;
+        let asked = self.leased_blocks.saturating_add(n);
+        if asked > max && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+            return Err(limit(Limit::LeasedBlocksPerConnection, asked, max));
         }
         Ok(())
     }
@@ -521,14 +681,18 @@ impl Session {
                 // the first repeated key and names each slot once.
                 let mut seen = HashSet::with_capacity(keys.len().min(4096));
                 let distinct = keys.iter().take_while(|k| seen.insert(**k)).count();
+                self.check_leased_blocks(distinct)?;
                 let lease = self.shared.tier.query_shared(&keys[..distinct], uses);
                 if lease.is_settled() {
                     return Ok(Self::leased(0, &lease));
                 }
                 let reply_blocks = Self::leased(0, &lease);
+                let n = lease.len();
                 let id = self.shared.register(lease);
                 *self.leases.entry(id).or_default() += 1;
                 self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
                 match reply_blocks {
                     Reply::Leased { blocks, .. } => Reply::Leased { lease: id, blocks },
                     r => r,
@@ -542,19 +706,29 @@ impl Session {
                 let reply = {
                     let mut leases = self.shared.leases.lock().unwrap_or_else(|p| p.into_inner());
                     let e = leases.get_mut(&id).ok_or(TierError::LeaseSettled)?;
+                    self.check_leased_blocks(e.lease.len())?;
                     e.holders += 1;
                     Self::leased(id, &e.lease)
                 };
+                let n = match &reply {
+                    Reply::Leased { blocks, .. } => blocks.len(),
+                    _ => 0,
+                };
                 *self.leases.entry(id).or_default() += 1;
                 self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
                 reply
             }
             Request::DropLease { lease: id } => {
                 if let Some(n) = self.leases.get_mut(&id) {
                     *n -= 1;
+                    let size = self.lease_sizes.get(&id).copied().unwrap_or(0);
                     if *n == 0 {
                         self.leases.remove(&id);
+                        self.lease_sizes.remove(&id);
                     }
+                    self.leased_blocks = self.leased_blocks.saturating_sub(size);
                     self.lease_handles -= 1;
                     self.shared.drop_handles(id, 1);
                 }
@@ -572,16 +746,28 @@ impl Session {
             Request::PrepareSave { keys, prefix, prefix_depth, parent } => {
                 self.check_keys(keys.len())?;
                 self.check_copy()?;
+                // At most one slot a key: taken from the process's bound before anything is
+                // reserved, the unused part given back once the reservation is known.
+                // (never more than the pool holds: a larger save is the tier's CannotFit).
+                let want = keys.len().min(core.pool().capacity() as usize);
+                self.shared.take_slots(self.pid, want)?;
                 let mut opts = SaveOptions::new().fit(if prefix { Fit::Prefix } else { Fit::AllOrNothing });
                 opts.prefix_depth = prefix_depth;
                 opts.parent = parent;
-                let p = prepare_save(&core, &keys, &opts)?;
+                let p = match prepare_save(&core, &keys, &opts) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.shared.give_slots(self.pid, want);
+                        return Err(e);
+                    }
+                };
+                self.shared.give_slots(self.pid, want - p.reservation.len().min(want));
                 let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
                 let save = if slots.is_empty() {
                     0
                 } else {
                     let id = self.id();
-                    self.saves.insert(id, PendingSave { reservation: p.reservation });
+                    self.saves.insert(id, PendingSave { reservation: Some(p.reservation) });
                     id
                 };
                 Reply::SavePrepared {
@@ -595,14 +781,21 @@ impl Session {
                 }
             }
             Request::FinishSave { save, outcome } => {
-                let PendingSave { reservation } = self
+                let reservation = self
                     .saves
                     .remove(&save)
-                    .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?;
+                    .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?
+                    .take();
                 let blocks = reservation.len() as u64;
                 match outcome {
-                    Outcome::Done => reservation.commit(),
-                    Outcome::Failed | Outcome::NotSubmitted => drop(reservation),
+                    Outcome::Done => {
+                        reservation.commit();
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
+                    Outcome::Failed | Outcome::NotSubmitted => {
+                        drop(reservation);
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
                     Outcome::Unknown => {
                         self.parked.extend_from_slice(reservation.entries());
                         reservation.quarantine();
@@ -619,7 +812,7 @@ impl Session {
                 let pins = claim.take_pins();
                 let slots = pins.slots().iter().map(|s| s.0).collect();
                 let id = self.id();
-                self.restores.insert(id, PendingRestore { claim: Some(claim), pins });
+                self.restores.insert(id, PendingRestore { claim: Some(claim), pins: Some(pins) });
                 Reply::Restoring { restore: id, slots }
             }
             Request::RestoreSubmitted { restore } => {
@@ -629,10 +822,11 @@ impl Session {
                 Reply::Done
             }
             Request::FinishRestore { restore, outcome } => {
-                let PendingRestore { claim, pins } = self
+                let (claim, pins) = self
                     .restores
                     .remove(&restore)
-                    .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?;
+                    .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?
+                    .take();
                 let blocks = pins.len() as u64;
                 match outcome {
                     Outcome::NotSubmitted => {
@@ -647,11 +841,13 @@ impl Session {
                         drop(pins);
                     }
                     Outcome::Unknown => {
+                        // The pins are parked before anything that may panic: an unwind in the
+                        // claim's settling cannot unpin under a live copy.
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
                         if let Some(c) = claim {
                             c.submitted();
                         }
-                        core.record_quarantined_pins(pins.len());
-                        self.parked_pins.push(pins);
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
@@ -708,7 +904,8 @@ impl Session {
         if held + distinct.len() > limits.hint_keys_per_connection {
             return Err(limit(Limit::HintKeysPerConnection, held + distinct.len(), limits.hint_keys_per_connection));
         }
-        let ttl = Duration::from_millis(ttl_ms);
+        // The tier cuts a hint at MAX_HINT_TTL; the connection counts it no longer than that.
+        let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
         let id = self.shared.tier.hint(&distinct, ttl).get();
         self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
         Ok(Reply::Count(id))
@@ -716,27 +913,50 @@ impl Session {
 
     /// Ends the session (see the type's docs); idempotent.
     fn end(&mut self) {
-        for (id, n) in std::mem::take(&mut self.leases) {
-            self.shared.drop_handles(id, n);
+        let leases = std::mem::take(&mut self.leases);
+        let shared = self.shared.clone();
+        if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
+            for (id, n) in leases {
+                shared.drop_handles(id, n);
+            }
+        })) {
+            tracing::error!("process {:?}: dropping its lease handles panicked: {}", self.pid, panic_message(&*p));
         }
         self.lease_handles = 0;
+        self.lease_sizes.clear();
+        self.leased_blocks = 0;
         for h in std::mem::take(&mut self.hints) {
             if !cfg!(kvtier_seeded_bug = "hints-outlive-connection") {
                 self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(h.id));
             }
         }
         let core = self.shared.core.clone();
-        for (_, PendingRestore { claim, pins }) in self.restores.drain() {
-            // The copy may have been submitted: the use is spent, the pins wait for the process.
-            if let Some(c) = claim {
-                c.submitted();
-            }
+        // Each step runs under catch_unwind (this may run while the thread unwinds: a panic here
+        // would abort the daemon); whatever a panicking step left is withheld for good by the
+        // pending copies' drops.
+        let restores: Vec<PendingRestore> = self.restores.drain().map(|(_, r)| r).collect();
+        for r in restores {
+            let (claim, pins) = r.take();
+            // The pins are parked first; the copy may have been submitted: the use is spent.
             core.record_quarantined_pins(pins.len());
             self.parked_pins.push(pins);
+            if let Some(c) = claim {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.submitted())) {
+                    tracing::error!(
+                        "process {:?}: settling a restore's use panicked: {}",
+                        self.pid,
+                        panic_message(&*p)
+                    );
+                }
+            }
         }
-        for (_, PendingSave { reservation }) in self.saves.drain() {
+        let saves: Vec<PendingSave> = self.saves.drain().map(|(_, s)| s).collect();
+        for s in saves {
+            let reservation = s.take();
             self.parked.extend_from_slice(reservation.entries());
-            reservation.quarantine();
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| reservation.quarantine())) {
+                tracing::error!("process {:?}: withholding a save's slots panicked: {}", self.pid, panic_message(&*p));
+            }
         }
         let parked = Parked {
             pid: self.pid,
@@ -748,11 +968,11 @@ impl Session {
             return;
         }
         if self.gone_at_end {
-            parked.release(&core);
+            self.shared.release_parked(parked);
             return;
         }
         match &parked.pidfd {
-            Some(fd) if exited(fd) => parked.release(&core),
+            Some(fd) if exited(fd) => self.shared.release_parked(parked),
             Some(_) => {
                 tracing::info!(
                     "process {:?} disconnected with {} slots being written and {} pinned restores: \
@@ -761,7 +981,7 @@ impl Session {
                     parked.reserved.len(),
                     parked.pins.len()
                 );
-                self.shared.parked.lock().unwrap_or_else(|p| p.into_inner()).push(parked);
+                self.shared.park(parked);
             }
             None => {
                 tracing::warn!(
@@ -1068,7 +1288,7 @@ fn reap(shared: &Shared) {
             gone
         };
         for p in done {
-            p.release(&shared.core);
+            shared.release_parked(p);
         }
         let mut refused = shared.refused.lock().unwrap_or_else(|p| p.into_inner());
         refused.retain(|(s, since)| {
@@ -1235,6 +1455,16 @@ fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                     break;
                 }
             }
+        } else if let Some(fd) = pidfd_raw {
+            // Requests already buffered (pipelined) are not served for a process that is gone.
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd (the session owns the pidfd for as long as this loop
+            // runs), timeout 0: poll only reads and writes that struct.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            if n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+                tracing::info!("process {pid:?} is gone: ending its session, its buffered requests unserved");
+                break;
+            }
         }
         let mut r = Deadline { inner: &mut reader, until: Instant::now() + limits.frame_timeout };
         let reply = match proto::read_request(&mut r, &mut buf, limits.frame_bytes) {
@@ -1340,7 +1570,10 @@ mod tests {
         let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
         let bytes = slots * g.slot_bytes();
         let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
-        Arc::new(Shared::new(HostTier::new_shared(cfg).unwrap(), Limits::default()))
+        // One process may take the whole pool here (the per-process bound is tested in
+        // daemon/tests/hostile.rs).
+        let limits = Limits { slots_per_process: slots as usize, ..Limits::default() };
+        Arc::new(Shared::new(HostTier::new_shared(cfg).unwrap(), limits))
     }
 
     fn keys(shared: &Shared, r: std::ops::Range<u64>) -> Vec<ContentKey> {
@@ -1410,6 +1643,58 @@ mod tests {
         assert!(sh.tier.contains(&k[0]));
         drop(s);
         assert!(sh.parked.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn limits_under_which_leases_could_saturate_a_slots_pins_are_refused_at_bind() {
+        let l = Limits { connections: 1 << 12, leases_per_connection: 1 << 12, ..Limits::default() };
+        match l.check() {
+            Err(Error::Config(m)) => assert!(m.contains("may pin one slot"), "{m}"),
+            r => panic!("limits that let leases pin one slot 2^24 times were accepted: {r:?}"),
+        }
+        Limits::default().check().unwrap();
+    }
+
+    /// An unwind that drops a session's pending copies before `end` handles them (a panic in an
+    /// earlier step of `end`, or anywhere the maps are dropped) withholds their slots and pins.
+    #[test]
+    fn pending_copies_dropped_by_an_unwind_keep_their_slots_and_pins() {
+        let sh = shared(16);
+        let ready = keys(&sh, 0..2);
+        let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
+        let Reply::SavePrepared { save, .. } = s.run(prepare(&ready)) else { panic!("prepare") };
+        assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+        let Reply::Leased { lease, .. } = s.run(Request::Query { keys: ready.clone(), uses: 1 }) else {
+            panic!("query")
+        };
+        assert!(matches!(s.run(Request::Restore { lease, blocks: 2 }), Reply::Restoring { .. }));
+        assert!(matches!(s.run(prepare(&keys(&sh, 10..13))), Reply::SavePrepared { .. }));
+        // The pending copies' maps go as an unwind would drop them.
+        let (saves, restores) = (std::mem::take(&mut s.saves), std::mem::take(&mut s.restores));
+        let t = std::thread::spawn(move || {
+            let _held = (saves, restores);
+            panic!("the connection's thread unwinds with its pending copies");
+        });
+        assert!(t.join().is_err());
+        let a = sh.core.audit(&[]).unwrap();
+        assert_eq!(a.writing, 3, "the live writer's slots were freed by an unwind: {a:?}");
+        assert_eq!(a.pinned, 2, "the live reader's pins were dropped by an unwind: {a:?}");
+        let st = sh.tier.stats();
+        assert_eq!((st.quarantined_slots, st.quarantined_pins), (3, 2), "withheld slots and pins: {st:?}");
+        s.gone_at_end = true;
+        drop(s);
+    }
+
+    #[test]
+    fn a_timeout_the_clock_cannot_add_is_refused_at_bind() {
+        for t in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let l = Limits { frame_timeout: t, ..Limits::default() };
+            match l.check() {
+                Err(Error::Config(m)) => assert!(m.contains("frame timeout"), "{m}"),
+                r => panic!("a frame timeout of {t:?} was accepted: {r:?}"),
+            }
+        }
+        Limits { frame_timeout: Duration::from_secs(86_400 * 365), ..Limits::default() }.check().unwrap();
     }
 
     #[test]

@@ -110,9 +110,15 @@ impl Job {
         let result = match waited {
             Ok(r) => {
                 let settle = self.settle.take().expect("a job is settled once");
-                let settled = settle(if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed });
+                let outcome = if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed };
+                // A panic while settling must not end this thread: the job's handle completes
+                // (BackendPanicked) and the queued jobs behind it are still finished.
+                let settled = catch_unwind(AssertUnwindSafe(|| settle(outcome))).unwrap_or_else(|_| {
+                    tracing::error!("settling a {dir:?} of {blocks} blocks panicked; the panic was contained");
+                    Err(TierError::Copy(CopyError::BackendPanicked))
+                });
                 if let Err(e) = &r {
-                    tracing::warn!("{dir:?} of {blocks} blocks failed: {e}");
+                    let _ = catch_unwind(AssertUnwindSafe(|| tracing::warn!("{dir:?} of {blocks} blocks failed: {e}")));
                 }
                 // A backend whose completion panics on drop must not stop this thread either.
                 if catch_unwind(AssertUnwindSafe(move || drop(completion))).is_err() {
@@ -219,7 +225,16 @@ impl Rank {
                 .spawn(move || {
                     // Completions of one direction finish in submission order (one stream each).
                     while let Ok(job) = rx.recv() {
-                        job.finish(&core, &inf);
+                        #[cfg(kvtier_seeded_bug = "waker-panic-kills-completion")]
+                        {
+                            job.finish(&core, &inf);
+                            continue;
+                        }
+                        // A backstop: nothing in `finish` may end the thread that later jobs wait on.
+                        #[allow(unreachable_code)]
+                        if catch_unwind(AssertUnwindSafe(|| job.finish(&core, &inf))).is_err() {
+                            tracing::error!("finishing a copy panicked; the completion thread goes on");
+                        }
                     }
                 })
                 .expect("spawning a completion thread");
@@ -464,7 +479,12 @@ impl Rank {
     }
 
     /// [`Rank::restore`] and [`Rank::restore_layers`]: the restore submitted as `how` says.
-    pub(crate) fn restore_how(&self, lease: &Lease, gpu_pages: &[u64], how: Launch<'_>) -> Result<CopyHandle, TierError> {
+    pub(crate) fn restore_how(
+        &self,
+        lease: &Lease,
+        gpu_pages: &[u64],
+        how: Launch<'_>,
+    ) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {
             return Err(TierError::ForeignLease);

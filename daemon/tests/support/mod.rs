@@ -101,6 +101,10 @@ impl Daemon {
             cmd.arg("--arena").arg(format!("{name}:{bytes}"));
         }
         cmd.args(["--pool", &(slots * SLOT_BYTES).to_string(), "--backing", "plain", "--policy", policy]);
+        // The tests' engines may each use most of the pool; a test of the per-process bound sets it.
+        if !extra.contains(&"--max-slots-per-process") {
+            cmd.args(["--max-slots-per-process", &slots.to_string()]);
+        }
         cmd.args(extra);
         cmd.env("RUST_LOG", "kvtier=warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawning kvtierd");
