@@ -65,6 +65,9 @@ pub(crate) type Settle = Box<dyn FnOnce(CopyOutcome) -> Result<(), TierError> + 
 /// copy, only [`Job::finish`] may release its slots: a job dropped unfinished (an unwind between
 /// submission and completion, a channel that refused it) **quarantines** them instead
 /// (`CopyOutcome::Unknown`) and never drops the completion, which may own buffers the copy uses.
+///
+/// A job dropped unfinished also completes its handle (`CopyError::BackendPanicked`) and leaves the
+/// rank's in-flight accounting, so no waiter, `drain` or `close` waits for a copy nobody will finish.
 struct Job {
     completion: Option<Box<dyn Completion>>,
     settle: Option<Settle>,
@@ -72,6 +75,8 @@ struct Job {
     blocks: u64,
     bytes: u64,
     handle: std::sync::Arc<HandleShared>,
+    /// The rank's in-flight accounting, which counts this job from its creation ([`Job::new`]).
+    inflight: std::sync::Arc<InFlight>,
 }
 
 impl Drop for Job {
@@ -95,12 +100,38 @@ impl Drop for Job {
                 if let Some(c) = self.completion.take() {
                     std::mem::forget(c);
                 }
+                // Seeded bug (tests only): the old behaviour, the handle and the load left as
+                // they were, so its waiters and the rank's drain wait for ever.
+                if cfg!(kvtier_seeded_bug = "job-drop-leaves-waiters") {
+                    return;
+                }
+                self.inflight.load(self.dir).fetch_sub(self.blocks, Ordering::Relaxed);
+                self.inflight.end();
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    self.handle.complete(&Err(TierError::Copy(CopyError::BackendPanicked)))
+                }));
             }
         }
     }
 }
 
 impl Job {
+    /// A job for a submitted copy; it counts in the rank's in-flight accounting until it is
+    /// finished or dropped.
+    fn new(
+        completion: Box<dyn Completion>,
+        settle: Settle,
+        dir: Direction,
+        blocks: u64,
+        bytes: u64,
+        handle: std::sync::Arc<HandleShared>,
+        inflight: &std::sync::Arc<InFlight>,
+    ) -> Job {
+        inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
+        inflight.begin();
+        Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle, inflight: inflight.clone() }
+    }
+
     /// Waits for the copy and settles it (on a completion thread, or on the submitting thread
     /// when the completion threads are gone).
     fn finish(mut self, core: &Core, inflight: &InFlight) {
@@ -357,10 +388,7 @@ impl Rank {
             None => None,
         };
         let handle = HandleShared::with_layers(batch.len(), bytes, shared, layers);
-        let job =
-            Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle: handle.clone() };
-        self.inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
-        self.inflight.begin();
+        let job = Job::new(completion, settle, dir, blocks, bytes, handle.clone(), &self.inflight);
         let tx = if dir == Direction::Restore { &self.restore_tx } else { &self.save_tx };
         let sent = match lock_std(tx).as_ref() {
             Some(tx) => tx.send(job).map_err(|e| e.0),
@@ -603,4 +631,58 @@ impl std::fmt::Debug for Rank {
 /// each guards a counter or a sender, updated in one step.
 fn lock_std<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(all(test, not(loom)))]
+mod job_tests {
+    use super::{CopyOutcome, InFlight, Job};
+    use crate::copy::{Completion, Direction};
+    use crate::error::{CopyError, TierError};
+    use crate::handle::{CopyHandle, HandleShared};
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+
+    /// A completion that never finishes (the copy's outcome stays unknown).
+    struct Never;
+    impl Completion for Never {
+        fn poll(&mut self) -> Result<bool, CopyError> {
+            Ok(false)
+        }
+        fn wait(&mut self) -> Result<(), CopyError> {
+            unreachable!("a dropped job is never waited for")
+        }
+    }
+
+    /// A job dropped before its completion thread finished it (a queue dropped by an unwind)
+    /// quarantines its slots (`Unknown`), completes its handle with `BackendPanicked` and leaves
+    /// the rank's in-flight accounting: no waiter or drain waits for a copy nobody will finish.
+    #[test]
+    fn a_job_dropped_unfinished_quarantines_completes_its_handle_and_leaves_the_load() {
+        let inflight = Arc::new(InFlight::default());
+        let settled = Arc::new(Mutex::new(None));
+        let s = settled.clone();
+        let handle = HandleShared::with_event(3, 3 * 4096, None);
+        let job = Job::new(
+            Box::new(Never),
+            Box::new(move |o| {
+                *s.lock().unwrap() = Some(o);
+                Ok(())
+            }),
+            Direction::Restore,
+            3,
+            3 * 4096,
+            handle.clone(),
+            &inflight,
+        );
+        assert_eq!((inflight.restore_slots.load(Ordering::Relaxed), *inflight.batches.lock().unwrap()), (3, 1));
+        drop(job);
+        assert_eq!(*settled.lock().unwrap(), Some(CopyOutcome::Unknown), "the slots are quarantined, not freed");
+        assert_eq!(
+            (inflight.restore_slots.load(Ordering::Relaxed), *inflight.batches.lock().unwrap()),
+            (0, 0),
+            "the job left the rank's load"
+        );
+        let r = CopyHandle::new(handle).wait_timeout(std::time::Duration::ZERO).expect("the drop completed the handle");
+        assert!(matches!(r, Err(TierError::Copy(CopyError::BackendPanicked))), "{r:?}");
+    }
 }
