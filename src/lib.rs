@@ -27,7 +27,9 @@ pub(crate) mod slot;
 pub(crate) mod sync;
 pub mod tier;
 
-pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, LayerGroups, LayerReadiness, WaitFor};
+pub use copy::{
+    Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, LayerGroups, LayerReadiness, WaitFor,
+};
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};

@@ -669,7 +669,9 @@ fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
         // A refusal of the hello that names no typed reason (the daemon could not start the
         // connection's thread, say): there is no connection, so it is `Disconnected`, not `Protocol`.
         (_, Reply::Error(proto::WireError::Other(m)), _) => {
-            return Err(Error::Tier(TierError::Disconnected { reason: format!("the daemon refused the connection: {m}") }))
+            return Err(Error::Tier(TierError::Disconnected {
+                reason: format!("the daemon refused the connection: {m}"),
+            }))
         }
         (_, Reply::Error(e), _) => return Err(Error::Tier(e.into())),
         (_, r, _) => return Err(Error::Tier(unexpected(&r))),

@@ -37,9 +37,9 @@ pub(crate) mod stats;
 pub use config::{Fit, SaveOptions, TierConfig};
 pub use hints::{HintId, MAX_HINT_TTL};
 #[cfg(feature = "remote")]
-pub(crate) use rank::{CopyOutcome, Settle};
-#[cfg(feature = "remote")]
 pub(crate) use rank::layers::Launch;
+#[cfg(feature = "remote")]
+pub(crate) use rank::{CopyOutcome, Settle};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, TierStats};
 

@@ -129,7 +129,15 @@ impl Job {
     ) -> Job {
         inflight.load(dir).fetch_add(blocks, Ordering::Relaxed);
         inflight.begin();
-        Job { completion: Some(completion), settle: Some(settle), dir, blocks, bytes, handle, inflight: inflight.clone() }
+        Job {
+            completion: Some(completion),
+            settle: Some(settle),
+            dir,
+            blocks,
+            bytes,
+            handle,
+            inflight: inflight.clone(),
+        }
     }
 
     /// Waits for the copy and settles it (on a completion thread, or on the submitting thread
