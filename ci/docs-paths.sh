@@ -25,8 +25,9 @@
 #    - each name in a module cell (`geometry`, `index/`, `main.rs`) is a file `NAME.rs`, a folder
 #      `NAME/` or a module written inline in the crate root; in the what cell, each word in
 #      backticks that ends in `.rs` or `/` is a file or folder, relative to the row's folder (the
-#      first folder module of its module cell) when it is a bare name (`table.rs`) and to the
-#      crate's src/ when it has a `/` inside (`pool/shared.rs`);
+#      first folder module of its module cell) when it is a bare name (`table.rs`), and when it
+#      has a `/` inside, to the row's folder if it is there (`backend/layers.rs`) or else to the
+#      crate's src/ (`pool/shared.rs`);
 #    - every `.rs` file of the crate's src/ other than the crate root (lib.rs) is listed: `x.rs` by
 #      the module `x`, `x/mod.rs` by the module `x` or `x/`, any other `x/y.rs` by `y.rs` in x's row
 #      or by `x/y.rs` in any row of that crate.
@@ -217,7 +218,13 @@ for n, row in table:
     for w in ticks(row[2]):
         w = w.strip()
         if " " in w or not (w.endswith(".rs") or w.endswith("/")): continue
-        rel = w if "/" in w.rstrip("/") or folder is None else folder + "/" + w
+        # A bare name is relative to the row's folder; a name with a `/` is relative to the
+        # row's folder when it is there (`backend/layers.rs` in the `cuda/` row), else to src/.
+        inner = folder + "/" + w if folder is not None else None
+        if "/" not in w.rstrip("/"):
+            rel = inner or w
+        else:
+            rel = inner if inner and exists(os.path.join(src, inner)) else w
         if not exists(os.path.join(src, rel)):
             problems.append(f"{design}:{n}: module map: `{w}` (row of {row[1]}): {os.path.join(src, rel)} does not exist")
         rels.add(rel.rstrip("/") + ("/mod.rs" if w.endswith("/") else ""))
