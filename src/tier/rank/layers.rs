@@ -27,7 +27,7 @@ impl Rank {
     /// layer ids; a geometry rebuilt from an engine's tensors), those of the rank's backend.
     ///
     /// # Errors
-    /// [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
+    /// [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`.
     pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
         let (tier, backend) = (self.core.geometry(), self.backend.geometry());
         let g = if tier.layer_count() == 1 && backend.layer_count() > 1 { backend } else { tier };
@@ -46,7 +46,7 @@ impl Rank {
     /// handle's layer waits then wait for the whole copy.
     ///
     /// # Errors
-    /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`.
+    /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`.
     pub fn restore_layers(
         &self,
         lease: &Lease,
@@ -71,7 +71,7 @@ impl Rank {
     /// backend without layer-wise submission saves the whole batch after `waits`' last entry.
     ///
     /// # Errors
-    /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::Mismatch`] for `groups == 0`
+    /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`
     /// or a wait count other than 1 or the group count (nothing reserved).
     pub fn save_layers(
         &self,
