@@ -15,7 +15,7 @@
 //!
 //! Every one of these is bounded per connection ([`Limits`]), and so is what a connection makes
 //! the daemon hold while it reads (a frame's buffer grows only as its bytes arrive, up to
-//! [`Limits::frame_bytes`]); the number of connections is bounded too. A request over a bound is
+//! [`Limits::frame_bytes`]); the number of connections is bounded too, in all and per process. A request over a bound is
 //! answered [`WireError::LimitExceeded`] and does nothing; the connection stays usable.
 //!
 //! **A session ends the same way however it ends**: the client closed the socket, a read or write
@@ -74,6 +74,12 @@ pub struct Limits {
     /// Connections served at once (256, `--max-connections`); one more is refused with
     /// [`Limit::Connections`] and closed, the daemon goes on.
     pub connections: usize,
+    /// Connections one process (its pid from `SO_PEERCRED`) has open at once (16,
+    /// `--max-connections-per-process`); one more is refused with
+    /// [`Limit::ConnectionsPerProcess`] and closed. Connections may idle between frames, so
+    /// without this one process opening [`Limits::connections`] connections would lock every
+    /// other engine out. A connection counts from accept until its thread ends, however it ends.
+    pub connections_per_process: usize,
     /// Time from accept to a complete hello (5 s, `--hello-timeout`); past it the connection is
     /// closed.
     pub hello_timeout: Duration,
@@ -123,6 +129,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             connections: 256,
+            connections_per_process: 16,
             hello_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
@@ -160,8 +167,15 @@ impl Limits {
 
     fn check(&self) -> Result<(), Error> {
         let zero = |d: Duration| d.is_zero();
-        if self.connections == 0 || zero(self.hello_timeout) || zero(self.frame_timeout) || zero(self.write_timeout) {
-            return Err(Error::Config("limits: connections and every timeout must be above zero".into()));
+        if self.connections == 0
+            || self.connections_per_process == 0
+            || zero(self.hello_timeout)
+            || zero(self.frame_timeout)
+            || zero(self.write_timeout)
+        {
+            return Err(Error::Config(
+                "limits: connections, connections per process and every timeout must be above zero".into(),
+            ));
         }
         let now = Instant::now();
         for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
@@ -261,6 +275,8 @@ struct Shared {
     slot_bound: usize,
     /// Connections open now (each counted from accept until its thread ends).
     live: AtomicUsize,
+    /// Connections open now by each process (pid from `SO_PEERCRED`), counted like [`Shared::live`].
+    live_by_pid: Mutex<HashMap<u32, usize>>,
     /// Refused connections kept open a moment so the refusal reaches the client.
     refused: Mutex<Vec<(Arc<UnixStream>, Instant)>>,
     /// Tests: requests for which this returns true panic in the daemon (see
@@ -316,6 +332,7 @@ impl Shared {
             slots_held: Mutex::new(HashMap::new()),
             slot_bound,
             live: AtomicUsize::new(0),
+            live_by_pid: Mutex::new(HashMap::new()),
             refused: Mutex::new(Vec::new()),
             panic_hook: OnceLock::new(),
         }
@@ -412,11 +429,40 @@ impl Shared {
     }
 }
 
-/// One connection counted in [`Shared::live`] until dropped.
-struct ConnSlot(Arc<Shared>);
+/// One connection counted in [`Shared::live`] (and in [`Shared::live_by_pid`] under its
+/// process's pid, once [`ConnSlot::count_process`] took it) until dropped, however its thread ends.
+struct ConnSlot(Arc<Shared>, Option<u32>);
+
+impl ConnSlot {
+    /// Counts this connection against process `pid`'s [`Limits::connections_per_process`]; over the
+    /// bound, counts nothing and returns how many the process would have open (with this one).
+    fn count_process(&mut self, pid: u32) -> Result<(), usize> {
+        let mut by_pid = self.0.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
+        let n = by_pid.entry(pid).or_default();
+        if *n >= self.0.limits.connections_per_process && !cfg!(kvtier_seeded_bug = "no-per-process-connection-limit") {
+            let asked = *n + 1;
+            if *n == 0 {
+                by_pid.remove(&pid);
+            }
+            return Err(asked);
+        }
+        *n += 1;
+        self.1 = Some(pid);
+        Ok(())
+    }
+}
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
+        if let Some(pid) = self.1 {
+            let mut by_pid = self.0.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = by_pid.get_mut(&pid) {
+                *n -= 1;
+                if *n == 0 {
+                    by_pid.remove(&pid);
+                }
+            }
+        }
         self.0.live.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -435,6 +481,12 @@ struct Peer {
     pid: Option<u32>,
     uid: Option<u32>,
     gid: Option<u32>,
+}
+
+/// The pid of the process that connected (`SO_PEERCRED`), if the kernel names one.
+fn peer_pid(stream: &UnixStream) -> Option<u32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).ok().map(|c| c.pid()).filter(|&p| p > 0).map(|p| p as u32)
 }
 
 /// The peer's credentials (`SO_PEERCRED`: the process that connected) and a pidfd of that process
@@ -1220,7 +1272,7 @@ impl Server {
             };
             n += 1;
             let live = self.shared.live.fetch_add(1, Ordering::AcqRel) + 1;
-            let slot = ConnSlot(self.shared.clone());
+            let mut slot = ConnSlot(self.shared.clone(), None);
             let stream = Arc::new(stream);
             if live > limits.connections && !cfg!(kvtier_seeded_bug = "no-connection-limit") {
                 tracing::warn!("refusing a connection: {} are open, the limit is {}", live - 1, limits.connections);
@@ -1232,6 +1284,23 @@ impl Server {
                 refuse(&self.shared, stream, e);
                 drop(slot);
                 continue;
+            }
+            if let Some(pid) = peer_pid(&stream) {
+                if let Err(asked) = slot.count_process(pid) {
+                    tracing::warn!(
+                        "refusing a connection of process {pid}: it has {} open, the limit is {}",
+                        asked - 1,
+                        limits.connections_per_process
+                    );
+                    let e = WireError::LimitExceeded {
+                        limit: Limit::ConnectionsPerProcess,
+                        asked: asked as u64,
+                        max: limits.connections_per_process as u64,
+                    };
+                    refuse(&self.shared, stream, e);
+                    drop(slot);
+                    continue;
+                }
             }
             let shared = self.shared.clone();
             let s = stream.clone();
