@@ -1173,6 +1173,59 @@ fn clear_stale_socket(path: &Path) -> Result<(), Error> {
     }
 }
 
+/// The file `PATH.lock` beside the socket `path`: held (`flock`) while a daemon probes, unlinks
+/// and binds `path`.
+fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+/// Takes the exclusive `flock` on `PATH.lock` (created `0600` if missing, never through a
+/// symbolic link), waiting for a daemon that holds it, so two daemons starting at once cannot
+/// unlink each other's fresh socket. Released when the returned file is dropped.
+fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let lp = lock_path(path);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&lp)
+        .map_err(|e| Error::Config(format!("opening the socket's lock file {}: {e}", lp.display())))?;
+    if cfg!(kvtier_seeded_bug = "bind-unlocked") {
+        return Ok(f);
+    }
+    loop {
+        // SAFETY: flock on a file descriptor we own; it blocks until the lock is ours.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Config(format!("locking {}: {e}", lp.display())));
+        }
+    }
+}
+
+/// Binds the Unix socket `path` with the process umask set to `0177` (the previous umask is
+/// restored before returning), so the socket is never more open than `0600` between `bind` and
+/// the mode it is given next, whatever the umask (`002`, `0`) was. The umask is process-wide:
+/// a file another thread creates during the bind gets at most `0600` too.
+fn bind_socket(path: &Path) -> Result<UnixListener, Error> {
+    let mask = if cfg!(kvtier_seeded_bug = "bind-umask-window") { None } else { Some(0o177) };
+    // SAFETY: umask sets the process's file mode creation mask and returns the old one.
+    let old = mask.map(|m| unsafe { libc::umask(m) });
+    let bound = UnixListener::bind(path);
+    if let Some(old) = old {
+        // SAFETY: as above; restores the mask read when it was set.
+        unsafe { libc::umask(old) };
+    }
+    bound.map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))
+}
+
 impl Server {
     /// [`Server::bind_with`] with the default [`ServerConfig`] (default [`Limits`], socket `0600`).
     ///
@@ -1186,14 +1239,18 @@ impl Server {
     /// connection to `config.limits`. The socket's directory is created if missing (`0700`); a
     /// socket left at `path` by a daemon that is gone is replaced; anything else at `path` (a
     /// regular file, a directory, a socket a live daemon listens on) is an error and is left
-    /// alone. The socket is `0600` (`0660` of `config.group` with a group).
+    /// alone. The socket is `0600` (`0660` of `config.group` with a group), and never more open
+    /// than `0600` before its mode is set (it is bound under umask `0177`, the process's umask
+    /// restored after). Probing, replacing and binding the socket happen under an exclusive
+    /// `flock` of the file `PATH.lock` beside it (created `0600`, left in place), so of two
+    /// daemons starting at once on one path the second waits and then finds the first listening.
     ///
     /// # Errors
     /// [`Error::Config`] if `tier`'s pool is not in shared memory (make it with
     /// [`HostTier::new_shared`]), if the limits are invalid (a zero bound, a frame bound above
     /// [`proto::MAX_FRAME`]), if something other than a stale socket is at `path`, if the
-    /// per-user directory in `/tmp` is not ours, or if the socket cannot be bound or given its
-    /// mode.
+    /// per-user directory in `/tmp` is not ours, if `PATH.lock` cannot be opened or locked, or
+    /// if the socket cannot be bound or given its mode.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
         if tier.pool().shared_fd().is_none() {
@@ -1203,9 +1260,10 @@ impl Server {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             socket_dir(dir, config.group)?;
         }
+        // Held until the socket has its mode: another daemon's probe waits for it.
+        let _lock = lock_bind(&path)?;
         clear_stale_socket(&path)?;
-        let listener = UnixListener::bind(&path)
-            .map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))?;
+        let listener = bind_socket(&path)?;
         let mode = if let Some(gid) = config.group {
             std::os::unix::fs::chown(&path, None, Some(gid))
                 .map_err(|e| Error::Config(format!("giving the socket {} to group {gid}: {e}", path.display())))?;
@@ -1634,6 +1692,64 @@ pub fn drive_session(tier: HostTier, limits: Limits, mut bytes: &[u8]) -> Result
 mod tests {
     use super::*;
     use crate::{ArenaSpec, BackingChoice, Geometry, PoolConfig, TierConfig};
+
+    #[test]
+    fn a_socket_is_never_more_open_than_0600_whatever_the_umask() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        // SAFETY: umask sets the process's mask; this test restores it below.
+        let before = unsafe { libc::umask(0) };
+        let bound = bind_socket(&path);
+        // SAFETY: as above; reads the mask the bind left, then restores the test's own.
+        let after = unsafe { libc::umask(before) };
+        let _listener = bound.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(after, 0, "the bind did not restore the process's umask");
+        assert_eq!(mode & !0o600, 0, "the socket was bound mode {mode:o} under umask 0: others could connect");
+    }
+
+    #[test]
+    fn a_bind_waits_for_the_lock_of_a_daemon_starting_on_the_same_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        drop(UnixListener::bind(&path).unwrap()); // a stale socket
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        // Another daemon holds the lock (it is between its probe and its bind).
+        let held = lock_bind(&path).unwrap();
+        let lock_ino = std::fs::metadata(lock_path(&path)).unwrap().ino();
+        assert_eq!(std::fs::metadata(lock_path(&path)).unwrap().permissions().mode() & 0o777, 0o600);
+        let p = path.clone();
+        let binder = std::thread::spawn(move || {
+            let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
+            let bytes = 4 * g.slot_bytes();
+            let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+            Server::bind(&p, HostTier::new_shared(cfg).unwrap())
+        });
+        // Wait (bounded) until the kernel shows the bind blocked on the lock file's flock, or
+        // the bind finished without it.
+        let blocked = |ino: u64| {
+            std::fs::read_to_string("/proc/locks")
+                .unwrap()
+                .lines()
+                .any(|l| l.contains("->") && l.contains("FLOCK") && l.contains(&format!(":{ino} ")))
+        };
+        let t0 = Instant::now();
+        while !blocked(lock_ino) {
+            assert!(!binder.is_finished(), "the bind replaced the socket while another daemon held the lock");
+            assert!(t0.elapsed() < Duration::from_secs(60), "the bind never waited for the lock");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "the waiting bind touched the socket");
+        drop(held);
+        let server = binder.join().unwrap().expect("the bind goes on once the lock is free");
+        assert!(UnixStream::connect(server.path()).is_ok(), "the stale socket was replaced by a listening one");
+        // A second bind on the live socket still fails clearly.
+        let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
+        let bytes = 4 * g.slot_bytes();
+        let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+        let e = Server::bind(&path, HostTier::new_shared(cfg).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("already listens"), "{e}");
+    }
 
     fn shared(slots: u64) -> Arc<Shared> {
         let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
