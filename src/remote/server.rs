@@ -1210,11 +1210,21 @@ fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
     }
 }
 
+/// Serializes this process's umask changes around binds: two binds at once on two threads would
+/// otherwise restore each other's mask (one binding under the old umask, the mask left `0177`).
+static UMASK: Mutex<()> = Mutex::new(());
+
 /// Binds the Unix socket `path` with the process umask set to `0177` (the previous umask is
 /// restored before returning), so the socket is never more open than `0600` between `bind` and
 /// the mode it is given next, whatever the umask (`002`, `0`) was. The umask is process-wide:
 /// a file another thread creates during the bind gets at most `0600` too.
 fn bind_socket(path: &Path) -> Result<UnixListener, Error> {
+    let _serial = UMASK.lock().unwrap_or_else(|p| p.into_inner());
+    bind_under_private_umask(path)
+}
+
+/// [`bind_socket`]'s work; the caller holds [`UMASK`].
+fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Error> {
     let mask = if cfg!(kvtier_seeded_bug = "bind-umask-window") { None } else { Some(0o177) };
     // SAFETY: umask sets the process's file mode creation mask and returns the old one.
     let old = mask.map(|m| unsafe { libc::umask(m) });
@@ -1697,9 +1707,11 @@ mod tests {
     fn a_socket_is_never_more_open_than_0600_whatever_the_umask() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.sock");
+        // No other bind of this process changes the umask meanwhile.
+        let _serial = UMASK.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: umask sets the process's mask; this test restores it below.
         let before = unsafe { libc::umask(0) };
-        let bound = bind_socket(&path);
+        let bound = bind_under_private_umask(&path);
         // SAFETY: as above; reads the mask the bind left, then restores the test's own.
         let after = unsafe { libc::umask(before) };
         let _listener = bound.unwrap();
