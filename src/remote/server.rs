@@ -848,7 +848,7 @@ impl Session {
                         drop(reservation);
                         self.shared.give_slots(self.pid, blocks as usize);
                     }
-                    Outcome::Unknown => {
+                    Outcome::Unknown | Outcome::SubmitPanicked => {
                         self.parked.extend_from_slice(reservation.entries());
                         reservation.quarantine();
                     }
@@ -900,6 +900,13 @@ impl Session {
                         if let Some(c) = claim {
                             c.submitted();
                         }
+                    }
+                    Outcome::SubmitPanicked => {
+                        // The backend may have queued the copy: the pins are parked as for an
+                        // unknown outcome; the call failed, so the use goes back (as in process).
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
+                        drop(claim);
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
