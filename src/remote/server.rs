@@ -15,8 +15,9 @@
 //!
 //! Every one of these is bounded per connection ([`Limits`]), and so is what a connection makes
 //! the daemon hold while it reads (a frame's buffer grows only as its bytes arrive, up to
-//! [`Limits::frame_bytes`]); the number of connections is bounded too, in all and per process. A request over a bound is
-//! answered [`WireError::LimitExceeded`] and does nothing; the connection stays usable.
+//! [`Limits::frame_bytes`]); the number of connections is bounded too, in all and per process. A
+//! request over a bound is answered [`WireError::LimitExceeded`] and does nothing; the connection
+//! stays usable.
 //!
 //! **A session ends the same way however it ends**: the client closed the socket, a read or write
 //! failed or timed out, the process that said hello is gone (the daemon watches its pidfd, so a
