@@ -12,6 +12,7 @@ const BUGS: &[&str] = &[
     "round-trip-holds-gil",
     "no-arena-check",
     "evict-count-usize",
+    "rank-drop-holds-gil",
 ];
 
 fn main() {

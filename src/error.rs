@@ -491,6 +491,8 @@ pub enum Limit {
     SlotsPerProcess,
     /// Blocks over the lease handles one connection holds (each handle counts its lease's blocks).
     LeasedBlocksPerConnection,
+    /// Connections one process (by its pid from `SO_PEERCRED`) has open at once.
+    ConnectionsPerProcess,
 }
 
 impl std::fmt::Display for Limit {
@@ -507,6 +509,7 @@ impl std::fmt::Display for Limit {
             Limit::LeaseUses => "uses per lease",
             Limit::SlotsPerProcess => "slots being written or withheld per process",
             Limit::LeasedBlocksPerConnection => "leased blocks per connection",
+            Limit::ConnectionsPerProcess => "daemon connections per process",
         })
     }
 }

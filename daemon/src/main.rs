@@ -24,6 +24,10 @@ struct Args {
     /// Connections served at once; one more is refused with a typed error.
     #[arg(long, default_value_t = Limits::default().connections)]
     max_connections: usize,
+    /// Connections one process (its pid) has open at once; one more is refused with a typed error,
+    /// so one process cannot lock other engines out.
+    #[arg(long, default_value_t = Limits::default().connections_per_process)]
+    max_connections_per_process: usize,
     /// Seconds from accept to a complete hello.
     #[arg(long, default_value_t = Limits::default().hello_timeout.as_secs_f64())]
     hello_timeout: f64,
@@ -160,6 +164,7 @@ fn seconds(flag: &str, s: f64) -> Result<Duration, String> {
 fn server_config(a: &Args) -> Result<ServerConfig, String> {
     let limits = Limits {
         connections: a.max_connections,
+        connections_per_process: a.max_connections_per_process,
         hello_timeout: seconds("hello-timeout", a.hello_timeout)?,
         frame_timeout: seconds("frame-timeout", a.frame_timeout)?,
         write_timeout: seconds("write-timeout", a.write_timeout)?,

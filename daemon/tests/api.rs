@@ -266,3 +266,47 @@ fn a_connected_rank_saves_and_restores_layer_wise() {
     arenas.verify(&[9, 10, 11], &k).unwrap();
     assert_eq!(tier.stats().pinned_slots, 0);
 }
+
+/// A backend that panics in `restore` after it queued its copy: in process and connected alike
+/// the restore fails `BackendPanicked`, the copy's pins are withheld, and the lease keeps its use
+/// (a submission that panicked is a failed call), so a retry on another rank is served.
+fn submit_panic_script(tier: &HostTier) -> Vec<String> {
+    use kvtier::copy::fault::{PanicSite, SubmitPanics};
+    let mut out = Vec::new();
+    let g = tier.geometry().with_pages(8).unwrap();
+    let a = Arc::new(HostArenas::new(&g).unwrap());
+    let good = tier.attach(a.backend().unwrap()).unwrap();
+    let k: Vec<_> = (0..1).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+    a.fill(&[0], &k).unwrap();
+    good.save(&k, &[0], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
+    let b = Arc::new(HostArenas::new(&g).unwrap());
+    let (bad, late) = SubmitPanics::new(b.backend().unwrap(), PanicSite::Restore);
+    let bad = tier.attach(Box::new(bad)).unwrap();
+    let lease = tier.query(&k);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bad.restore(&lease, &[7], WaitFor::Nothing)));
+    out.push(format!("{:?}", r.map(|r| r.map(|_| ()))));
+    let s = tier.stats();
+    out.push(format!("quarantined pins {}", s.quarantined_pins));
+    let c = Arc::new(HostArenas::new(&g).unwrap());
+    let retry = tier.attach(c.backend().unwrap()).unwrap();
+    let again = retry.restore(&lease, &[3], WaitFor::Nothing).map(|h| h.wait_timeout(WAIT).unwrap());
+    out.push(format!("retry after a submission panic: {again:?}"));
+    if again.is_ok() {
+        c.verify(&[3], &k).unwrap();
+    }
+    drop(lease);
+    out.push(format!("late copies {}", late.land().unwrap()));
+    b.verify(&[7], &k).unwrap();
+    out
+}
+
+#[test]
+fn a_restore_whose_backend_panics_at_submission_keeps_its_use_connected_as_in_process() {
+    let local = HostTier::new(config(4)).unwrap();
+    let (_dir, path) = serve(4);
+    let remote = HostTier::connect(&path).unwrap();
+    let a = submit_panic_script(&local);
+    assert_eq!(a[2], "retry after a submission panic: Ok(Ok(()))", "in process: {a:?}");
+    let b = submit_panic_script(&remote);
+    assert_eq!(a, b, "a connected tier must keep the use of a restore whose submission panicked, as in process");
+}

@@ -295,7 +295,8 @@ fn oversized_frames_and_requests_over_a_bound_are_refused_and_the_connection_kep
 
 #[test]
 fn a_length_prefix_alone_makes_the_daemon_hold_no_memory() {
-    let d = Daemon::start(64);
+    // 16 held connections, the observer's and the engine's from this one process.
+    let d = Daemon::start_args(64, "lru", None, &["--max-connections-per-process", "32"]);
     let before = d.rss_bytes();
     // 16 connections announce the largest frames, then send 64 bytes and wait. Before any hello a
     // large announcement is refused at once; after a hello the buffer grows only with the bytes.
@@ -553,7 +554,12 @@ fn daemon_fds(d: &Daemon) -> usize {
 #[test]
 fn a_process_that_parks_slot_after_slot_stops_at_its_bound_and_holds_one_pidfd() {
     // More slots than the cycles, so only the per-process bound stops the parking.
-    let d = Daemon::start_args(2100, "lru", None, &["--max-slots-per-process", "16"]);
+    let d = Daemon::start_args(
+        2100,
+        "lru",
+        None,
+        &["--max-slots-per-process", "16", "--max-connections-per-process", "256"],
+    );
     engine_is_served(&d.socket, 0..4);
     let obs = observer(&d.socket);
     let fds_before = daemon_fds(&d);
@@ -572,6 +578,25 @@ fn a_process_that_parks_slot_after_slot_stops_at_its_bound_and_holds_one_pidfd()
     c.kill9();
     soon("the killed process's parked slots come back", || obs.stats().quarantined_slots == 0);
     served_and_clean(&d.socket, 40..56);
+}
+
+#[test]
+fn one_process_cannot_take_every_connection() {
+    let d = Daemon::start_args(64, "lru", None, &["--max-connections", "8", "--max-connections-per-process", "4"]);
+    // A process tries to open every connection the daemon serves (its observer is one of them).
+    let mut hog = Client::start(&d.socket, "hog", &[("KVTIER_CONNS", "8".into())]);
+    let held = hog.expect("HOLDING");
+    assert_eq!(
+        held, "3 refused 5 other 0",
+        "the process's connections beyond its 4 must be refused typed (ConnectionsPerProcess, max 4)"
+    );
+    // Another process is served while the first holds every connection it may.
+    engine_is_served(&d.socket, 0..4);
+    // The first process's closed connections count no more: it opens its bound again.
+    hog.tell("close");
+    assert_eq!(hog.expect("REOPENED"), "3", "connections closed still counted against the process");
+    hog.kill9();
+    served_and_clean(&d.socket, 8..16);
 }
 
 /// The client processes' entry point: does nothing unless run as a client by a test.
@@ -649,6 +674,45 @@ fn client_role() {
             r.send(&Request::RestoreSubmitted { restore });
             assert!(matches!(r.call(&Request::Stats), Reply::Stats(_)));
             say("HOLDING");
+            while hear().is_some() {}
+        }
+        // Opens `KVTIER_CONNS` connections with hellos and holds them; reports how many were
+        // served and how many refused with `ConnectionsPerProcess`; on "close" closes them and
+        // opens as many as were served again, reporting that count.
+        "hog" => {
+            let n: usize = std::env::var("KVTIER_CONNS").unwrap().parse().unwrap();
+            let open = |socket: &Path| -> Result<Raw, WireError> {
+                let mut r = Raw::connect(socket);
+                r.send(&Request::Hello { magic: proto::MAGIC, version: proto::PROTOCOL_VERSION, namespace: None });
+                match r.answer() {
+                    (proto::MARKER_POOL, Reply::Welcome(_)) => Ok(r),
+                    (_, Reply::Error(e)) => Err(e),
+                    (m, other) => panic!("hello answered {m} {other:?}"),
+                }
+            };
+            let (mut held, mut refused, mut others) = (Vec::new(), 0, 0);
+            for _ in 0..n {
+                match open(&socket) {
+                    Ok(r) => held.push(r),
+                    Err(WireError::LimitExceeded { limit: Limit::ConnectionsPerProcess, max: 4, .. }) => refused += 1,
+                    Err(_) => others += 1,
+                }
+            }
+            say(format!("HOLDING {} refused {refused} other {others}", held.len()));
+            assert_eq!(hear().as_deref(), Some("close"));
+            let served = held.len();
+            drop(held);
+            // The daemon counts a connection until its thread has seen it close.
+            let mut again = Vec::new();
+            soon("the closed connections are released", || {
+                match open(&socket) {
+                    Ok(r) => again.push(r),
+                    Err(WireError::LimitExceeded { limit: Limit::ConnectionsPerProcess, .. }) => {}
+                    Err(e) => panic!("refused with {e:?}"),
+                }
+                again.len() == served
+            });
+            say(format!("REOPENED {}", again.len()));
             while hear().is_some() {}
         }
         other => panic!("unknown role {other}"),

@@ -80,12 +80,13 @@ pub fn limit_name(l: &Limit) -> &'static str {
         Limit::LeaseUses => "lease_uses",
         Limit::SlotsPerProcess => "slots_per_process",
         Limit::LeasedBlocksPerConnection => "leased_blocks_per_connection",
+        Limit::ConnectionsPerProcess => "connections_per_process",
         _ => "other",
     }
 }
 
 /// Every bound this binding names, in declaration order (for `examples` and the tests).
-const LIMITS: [Limit; 11] = [
+const LIMITS: [Limit; 12] = [
     Limit::FrameBytes,
     Limit::KeysPerRequest,
     Limit::EvictBlocks,
@@ -97,6 +98,7 @@ const LIMITS: [Limit; 11] = [
     Limit::LeaseUses,
     Limit::SlotsPerProcess,
     Limit::LeasedBlocksPerConnection,
+    Limit::ConnectionsPerProcess,
 ];
 
 impl From<&GeometryError> for Raised {

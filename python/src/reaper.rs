@@ -6,12 +6,17 @@
 //! Python runs its destructor with the GIL held, where no wait is allowed (a thread holding the
 //! connection may need the GIL to finish). So the destructor hands such a lease to this module's
 //! thread, which drops it there; in-process leases (a few atomic operations) are dropped at once.
+//! A `Rank` collected unclosed drains its copies (for a connected tier, daemon round trips): it is
+//! handed to the same thread with its tensors, which are released after the drain.
 
-use kvtier::Lease;
+use kvtier::{Lease, Rank};
+use pyo3::{Py, PyAny};
 use std::sync::{mpsc, OnceLock};
 
 enum Job {
     Drop(Lease),
+    /// A rank collected unclosed: dropped (drained) first, then the tensors it copied to and from.
+    Rank(Rank, Py<PyAny>),
     /// Answered once every lease sent before it has been dropped.
     Mark(mpsc::SyncSender<()>),
 }
@@ -36,6 +41,12 @@ fn reaper() -> Option<&'static Reaper> {
                     for job in rx {
                         match job {
                             Job::Drop(lease) => drop(lease),
+                            Job::Rank(rank, watch) => {
+                                drop(rank);
+                                // Without the GIL: pyo3 releases the reference the next time
+                                // a thread takes the GIL.
+                                drop(watch);
+                            }
                             Job::Mark(done) => {
                                 let _ = done.send(());
                             }
@@ -68,7 +79,26 @@ pub fn drop_lease(lease: Lease) {
     }
 }
 
-/// Blocks until every lease handed to [`drop_lease`] before this call has been dropped (its
+/// Drops `rank` (it drains: a connected rank's in-flight copies finish with daemon round trips,
+/// up to the reply timeout each) and then `watch` (the tensors' references) on the reaper thread,
+/// so a rank garbage-collected unclosed never drains with the GIL held. In a forked child (no
+/// reaper thread) both are dropped here: the child's copies of the parent's completion threads do
+/// not exist, and its connection belongs to the parent, so dropping sends nothing.
+pub fn drop_rank(rank: Rank, watch: Py<PyAny>) {
+    match reaper() {
+        Some(r) => {
+            if let Err(mpsc::SendError(job)) = r.tx.send(Job::Rank(rank, watch)) {
+                drop(job);
+            }
+        }
+        None => {
+            drop(rank);
+            drop(watch);
+        }
+    }
+}
+
+/// Blocks until every lease handed to [`drop_lease`] (and rank to [`drop_rank`]) before this call has been dropped (its
 /// `DropLease` sent). Call it with the GIL released.
 pub fn settle() {
     let Some(r) = reaper() else { return };

@@ -452,9 +452,9 @@ impl PyTier {
 ///
 /// Use it as a context manager, or call `close()`: closing waits for the rank's calls in progress
 /// on other threads and drains its in-flight copies (with the GIL released), then releases the
-/// tensors. A rank that is garbage-collected unclosed drains too (blocking, holding the GIL;
-/// kvtier's threads never need it). Any method may be called from any thread, at the same time
-/// as any other.
+/// tensors. A rank that is garbage-collected unclosed drains too, on a kvtier thread with the GIL
+/// released (a connected rank's drain is daemon round trips), and releases its tensors after.
+/// Any method may be called from any thread, at the same time as any other.
 #[pyclass(module = "kvtier", name = "Rank", frozen)]
 pub struct PyRank {
     // Declared (and so dropped) before `watch`: dropping the Rank drains its copies first.
@@ -463,6 +463,35 @@ pub struct PyRank {
     /// neither changed.
     watch: Py<PyAny>,
     device: Option<u32>,
+}
+
+impl Drop for PyRank {
+    fn drop(&mut self) {
+        // No call is in progress (each holds a reference to this object): the rank is ours alone.
+        let Some(rank) = self.cell.state.get_mut().unwrap_or_else(|p| p.into_inner()).take() else { return };
+        let rank = match Arc::try_unwrap(rank) {
+            Ok(rank) => rank,
+            Err(still_used) => {
+                // Unreachable by the reason above; never drop a rank another holder still uses.
+                std::mem::forget(still_used);
+                std::mem::forget(Python::attach(|py| self.watch.clone_ref(py)));
+                return;
+            }
+        };
+        // Seeded bug (tests only): the old drain here, with the GIL held.
+        #[cfg(kvtier_py_seeded_bug = "rank-drop-holds-gil")]
+        {
+            drop(rank);
+            return;
+        }
+        #[allow(unreachable_code)]
+        {
+            // The tensors go after the drain, on the reaper thread: this clone keeps them alive
+            // when `watch` itself is dropped below.
+            let watch = Python::attach(|py| self.watch.clone_ref(py));
+            reaper::drop_rank(rank, watch);
+        }
+    }
 }
 
 /// The rank of a `PyRank`: shared by the calls in progress on it (each holds an `Arc` for its

@@ -26,13 +26,17 @@ class Relay:
         self.gate = threading.Event()
         self.gate.set()
         self.held = threading.Event()
+        self.after = 0
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(16)
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
 
-    def hold(self) -> None:
-        """Hold the next client request (and every later one) until ``let_go()``."""
+    def hold(self, after: int = 0) -> None:
+        """Hold the next client request (and every later one) until ``let_go()``; with ``after``,
+        forward that many requests first (each a request the client writes at once and whose reply
+        it waits for before it writes the next, so one read each)."""
+        self.after = after
         self.held.clear()
         self.gate.clear()
 
@@ -57,8 +61,11 @@ class Relay:
                 if not data:
                     break
                 if requests and not self.gate.is_set():
-                    self.held.set()
-                    self.gate.wait()
+                    if self.after > 0:
+                        self.after -= 1
+                    else:
+                        self.held.set()
+                        self.gate.wait()
                 try:
                     if fds:
                         sent = socket.send_fds(dst, [data], fds)

@@ -58,6 +58,9 @@ def test_the_bounded_protocol_errors_map_to_their_classes_with_fields():
             "copies_per_connection",
             "connections",
             "lease_uses",
+            "slots_per_process",
+            "leased_blocks_per_connection",
+            "connections_per_process",
             "frame_bytes",
         ]
     )

@@ -283,6 +283,34 @@ def test_a_lease_collected_while_another_thread_holds_the_connection(tmp_path):
     )
 
 
+def test_a_rank_collected_unclosed_drains_without_the_gil(tmp_path):
+    # A save's copy is in flight and its completion's FinishSave is held by the relay (inside its
+    # round trip). The main thread drops the last reference to the unclosed rank: its drain waits
+    # for that round trip, which the relay finishes only once the main thread lets it go, so the
+    # drain must not run here with the GIL held.
+    run_scenario(
+        tmp_path,
+        """
+        arrs = host_arrays(32, arenas=2)
+        g = kvtier.Geometry.from_tensors(arrs, model="gc-rank")
+        relay, tier = served(g, 8)
+        rank = tier.attach_host(arrs)
+        keys = keys_of(tier, 2)
+        relay.hold(after=1)  # the save's PrepareSave goes; its FinishSave is held
+        ticket = rank.save(keys, [1, 2])
+        assert relay.held.wait(60), "the save's FinishSave never reached the relay"
+        del rank
+        gc.collect()
+        relay.let_go()
+        assert ticket.wait(60)
+        kvtier._kvtier._settle_dropped_leases()  # the collected rank has drained
+        assert all(tier.contains(k) for k in keys)
+        s = tier.stats()
+        assert s["writing_slots"] == 0, s
+        """,
+    )
+
+
 def test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good(tmp_path):
     # A save held inside its round trip cannot let go of the rank before the relay lets it: a
     # close with a deadline gives up then (DrainTimeoutError), keeps the rank and its tensors

@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -48,6 +48,10 @@ pub enum Outcome {
     Unknown,
     /// The copy was never submitted (the backend refused it).
     NotSubmitted,
+    /// The backend panicked while submitting the copy: it may have queued it, so the slots (a
+    /// save's) or pins (a restore's) are withheld as for [`Outcome::Unknown`], but the call
+    /// failed, so a restore's lease use comes back as for [`Outcome::NotSubmitted`].
+    SubmitPanicked,
 }
 
 /// A client's message.
@@ -133,7 +137,8 @@ pub enum Request {
         restore: u64,
     },
     /// The restore's copy ended (or was never submitted): its pins go (are kept, for
-    /// [`Outcome::Unknown`], until the process is gone). -> [`Reply::Done`].
+    /// [`Outcome::Unknown`] and [`Outcome::SubmitPanicked`], until the process is gone); its use
+    /// is spent unless [`Outcome::NotSubmitted`] or [`Outcome::SubmitPanicked`]. -> [`Reply::Done`].
     FinishRestore {
         /// The restore.
         restore: u64,

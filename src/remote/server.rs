@@ -15,8 +15,9 @@
 //!
 //! Every one of these is bounded per connection ([`Limits`]), and so is what a connection makes
 //! the daemon hold while it reads (a frame's buffer grows only as its bytes arrive, up to
-//! [`Limits::frame_bytes`]); the number of connections is bounded too. A request over a bound is
-//! answered [`WireError::LimitExceeded`] and does nothing; the connection stays usable.
+//! [`Limits::frame_bytes`]); the number of connections is bounded too, in all and per process. A
+//! request over a bound is answered [`WireError::LimitExceeded`] and does nothing; the connection
+//! stays usable.
 //!
 //! **A session ends the same way however it ends**: the client closed the socket, a read or write
 //! failed or timed out, the process that said hello is gone (the daemon watches its pidfd, so a
@@ -74,6 +75,12 @@ pub struct Limits {
     /// Connections served at once (256, `--max-connections`); one more is refused with
     /// [`Limit::Connections`] and closed, the daemon goes on.
     pub connections: usize,
+    /// Connections one process (its pid from `SO_PEERCRED`) has open at once (16,
+    /// `--max-connections-per-process`); one more is refused with
+    /// [`Limit::ConnectionsPerProcess`] and closed. Connections may idle between frames, so
+    /// without this one process opening [`Limits::connections`] connections would lock every
+    /// other engine out. A connection counts from accept until its thread ends, however it ends.
+    pub connections_per_process: usize,
     /// Time from accept to a complete hello (5 s, `--hello-timeout`); past it the connection is
     /// closed.
     pub hello_timeout: Duration,
@@ -123,6 +130,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             connections: 256,
+            connections_per_process: 16,
             hello_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
@@ -160,8 +168,15 @@ impl Limits {
 
     fn check(&self) -> Result<(), Error> {
         let zero = |d: Duration| d.is_zero();
-        if self.connections == 0 || zero(self.hello_timeout) || zero(self.frame_timeout) || zero(self.write_timeout) {
-            return Err(Error::Config("limits: connections and every timeout must be above zero".into()));
+        if self.connections == 0
+            || self.connections_per_process == 0
+            || zero(self.hello_timeout)
+            || zero(self.frame_timeout)
+            || zero(self.write_timeout)
+        {
+            return Err(Error::Config(
+                "limits: connections, connections per process and every timeout must be above zero".into(),
+            ));
         }
         let now = Instant::now();
         for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
@@ -261,6 +276,8 @@ struct Shared {
     slot_bound: usize,
     /// Connections open now (each counted from accept until its thread ends).
     live: AtomicUsize,
+    /// Connections open now by each process (pid from `SO_PEERCRED`), counted like [`Shared::live`].
+    live_by_pid: Mutex<HashMap<u32, usize>>,
     /// Refused connections kept open a moment so the refusal reaches the client.
     refused: Mutex<Vec<(Arc<UnixStream>, Instant)>>,
     /// Tests: requests for which this returns true panic in the daemon (see
@@ -316,6 +333,7 @@ impl Shared {
             slots_held: Mutex::new(HashMap::new()),
             slot_bound,
             live: AtomicUsize::new(0),
+            live_by_pid: Mutex::new(HashMap::new()),
             refused: Mutex::new(Vec::new()),
             panic_hook: OnceLock::new(),
         }
@@ -412,11 +430,40 @@ impl Shared {
     }
 }
 
-/// One connection counted in [`Shared::live`] until dropped.
-struct ConnSlot(Arc<Shared>);
+/// One connection counted in [`Shared::live`] (and in [`Shared::live_by_pid`] under its
+/// process's pid, once [`ConnSlot::count_process`] took it) until dropped, however its thread ends.
+struct ConnSlot(Arc<Shared>, Option<u32>);
+
+impl ConnSlot {
+    /// Counts this connection against process `pid`'s [`Limits::connections_per_process`]; over the
+    /// bound, counts nothing and returns how many the process would have open (with this one).
+    fn count_process(&mut self, pid: u32) -> Result<(), usize> {
+        let mut by_pid = self.0.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
+        let n = by_pid.entry(pid).or_default();
+        if *n >= self.0.limits.connections_per_process && !cfg!(kvtier_seeded_bug = "no-per-process-connection-limit") {
+            let asked = *n + 1;
+            if *n == 0 {
+                by_pid.remove(&pid);
+            }
+            return Err(asked);
+        }
+        *n += 1;
+        self.1 = Some(pid);
+        Ok(())
+    }
+}
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
+        if let Some(pid) = self.1 {
+            let mut by_pid = self.0.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = by_pid.get_mut(&pid) {
+                *n -= 1;
+                if *n == 0 {
+                    by_pid.remove(&pid);
+                }
+            }
+        }
         self.0.live.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -435,6 +482,12 @@ struct Peer {
     pid: Option<u32>,
     uid: Option<u32>,
     gid: Option<u32>,
+}
+
+/// The pid of the process that connected (`SO_PEERCRED`), if the kernel names one.
+fn peer_pid(stream: &UnixStream) -> Option<u32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).ok().map(|c| c.pid()).filter(|&p| p > 0).map(|p| p as u32)
 }
 
 /// The peer's credentials (`SO_PEERCRED`: the process that connected) and a pidfd of that process
@@ -796,7 +849,7 @@ impl Session {
                         drop(reservation);
                         self.shared.give_slots(self.pid, blocks as usize);
                     }
-                    Outcome::Unknown => {
+                    Outcome::Unknown | Outcome::SubmitPanicked => {
                         self.parked.extend_from_slice(reservation.entries());
                         reservation.quarantine();
                     }
@@ -848,6 +901,13 @@ impl Session {
                         if let Some(c) = claim {
                             c.submitted();
                         }
+                    }
+                    Outcome::SubmitPanicked => {
+                        // The backend may have queued the copy: the pins are parked as for an
+                        // unknown outcome; the call failed, so the use goes back (as in process).
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
+                        drop(claim);
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
@@ -1121,6 +1181,69 @@ fn clear_stale_socket(path: &Path) -> Result<(), Error> {
     }
 }
 
+/// The file `PATH.lock` beside the socket `path`: held (`flock`) while a daemon probes, unlinks
+/// and binds `path`.
+fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+/// Takes the exclusive `flock` on `PATH.lock` (created `0600` if missing, never through a
+/// symbolic link), waiting for a daemon that holds it, so two daemons starting at once cannot
+/// unlink each other's fresh socket. Released when the returned file is dropped.
+fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let lp = lock_path(path);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&lp)
+        .map_err(|e| Error::Config(format!("opening the socket's lock file {}: {e}", lp.display())))?;
+    if cfg!(kvtier_seeded_bug = "bind-unlocked") {
+        return Ok(f);
+    }
+    loop {
+        // SAFETY: flock on a file descriptor we own; it blocks until the lock is ours.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Config(format!("locking {}: {e}", lp.display())));
+        }
+    }
+}
+
+/// Serializes this process's umask changes around binds: two binds at once on two threads would
+/// otherwise restore each other's mask (one binding under the old umask, the mask left `0177`).
+static UMASK: Mutex<()> = Mutex::new(());
+
+/// Binds the Unix socket `path` with the process umask set to `0177` (the previous umask is
+/// restored before returning), so the socket is never more open than `0600` between `bind` and
+/// the mode it is given next, whatever the umask (`002`, `0`) was. The umask is process-wide:
+/// a file another thread creates during the bind gets at most `0600` too.
+fn bind_socket(path: &Path) -> Result<UnixListener, Error> {
+    let _serial = UMASK.lock().unwrap_or_else(|p| p.into_inner());
+    bind_under_private_umask(path)
+}
+
+/// [`bind_socket`]'s work; the caller holds [`UMASK`].
+fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Error> {
+    let mask = if cfg!(kvtier_seeded_bug = "bind-umask-window") { None } else { Some(0o177) };
+    // SAFETY: umask sets the process's file mode creation mask and returns the old one.
+    let old = mask.map(|m| unsafe { libc::umask(m) });
+    let bound = UnixListener::bind(path);
+    if let Some(old) = old {
+        // SAFETY: as above; restores the mask read when it was set.
+        unsafe { libc::umask(old) };
+    }
+    bound.map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))
+}
+
 impl Server {
     /// [`Server::bind_with`] with the default [`ServerConfig`] (default [`Limits`], socket `0600`).
     ///
@@ -1134,14 +1257,18 @@ impl Server {
     /// connection to `config.limits`. The socket's directory is created if missing (`0700`); a
     /// socket left at `path` by a daemon that is gone is replaced; anything else at `path` (a
     /// regular file, a directory, a socket a live daemon listens on) is an error and is left
-    /// alone. The socket is `0600` (`0660` of `config.group` with a group).
+    /// alone. The socket is `0600` (`0660` of `config.group` with a group), and never more open
+    /// than `0600` before its mode is set (it is bound under umask `0177`, the process's umask
+    /// restored after). Probing, replacing and binding the socket happen under an exclusive
+    /// `flock` of the file `PATH.lock` beside it (created `0600`, left in place), so of two
+    /// daemons starting at once on one path the second waits and then finds the first listening.
     ///
     /// # Errors
     /// [`Error::Config`] if `tier`'s pool is not in shared memory (make it with
     /// [`HostTier::new_shared`]), if the limits are invalid (a zero bound, a frame bound above
     /// [`proto::MAX_FRAME`]), if something other than a stale socket is at `path`, if the
-    /// per-user directory in `/tmp` is not ours, or if the socket cannot be bound or given its
-    /// mode.
+    /// per-user directory in `/tmp` is not ours, if `PATH.lock` cannot be opened or locked, or
+    /// if the socket cannot be bound or given its mode.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
         if tier.pool().shared_fd().is_none() {
@@ -1151,9 +1278,10 @@ impl Server {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             socket_dir(dir, config.group)?;
         }
+        // Held until the socket has its mode: another daemon's probe waits for it.
+        let _lock = lock_bind(&path)?;
         clear_stale_socket(&path)?;
-        let listener = UnixListener::bind(&path)
-            .map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))?;
+        let listener = bind_socket(&path)?;
         let mode = if let Some(gid) = config.group {
             std::os::unix::fs::chown(&path, None, Some(gid))
                 .map_err(|e| Error::Config(format!("giving the socket {} to group {gid}: {e}", path.display())))?;
@@ -1220,7 +1348,7 @@ impl Server {
             };
             n += 1;
             let live = self.shared.live.fetch_add(1, Ordering::AcqRel) + 1;
-            let slot = ConnSlot(self.shared.clone());
+            let mut slot = ConnSlot(self.shared.clone(), None);
             let stream = Arc::new(stream);
             if live > limits.connections && !cfg!(kvtier_seeded_bug = "no-connection-limit") {
                 tracing::warn!("refusing a connection: {} are open, the limit is {}", live - 1, limits.connections);
@@ -1232,6 +1360,23 @@ impl Server {
                 refuse(&self.shared, stream, e);
                 drop(slot);
                 continue;
+            }
+            if let Some(pid) = peer_pid(&stream) {
+                if let Err(asked) = slot.count_process(pid) {
+                    tracing::warn!(
+                        "refusing a connection of process {pid}: it has {} open, the limit is {}",
+                        asked - 1,
+                        limits.connections_per_process
+                    );
+                    let e = WireError::LimitExceeded {
+                        limit: Limit::ConnectionsPerProcess,
+                        asked: asked as u64,
+                        max: limits.connections_per_process as u64,
+                    };
+                    refuse(&self.shared, stream, e);
+                    drop(slot);
+                    continue;
+                }
             }
             let shared = self.shared.clone();
             let s = stream.clone();
@@ -1565,6 +1710,66 @@ pub fn drive_session(tier: HostTier, limits: Limits, mut bytes: &[u8]) -> Result
 mod tests {
     use super::*;
     use crate::{ArenaSpec, BackingChoice, Geometry, PoolConfig, TierConfig};
+
+    #[test]
+    fn a_socket_is_never_more_open_than_0600_whatever_the_umask() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        // No other bind of this process changes the umask meanwhile.
+        let _serial = UMASK.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: umask sets the process's mask; this test restores it below.
+        let before = unsafe { libc::umask(0) };
+        let bound = bind_under_private_umask(&path);
+        // SAFETY: as above; reads the mask the bind left, then restores the test's own.
+        let after = unsafe { libc::umask(before) };
+        let _listener = bound.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(after, 0, "the bind did not restore the process's umask");
+        assert_eq!(mode & !0o600, 0, "the socket was bound mode {mode:o} under umask 0: others could connect");
+    }
+
+    #[test]
+    fn a_bind_waits_for_the_lock_of_a_daemon_starting_on_the_same_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        drop(UnixListener::bind(&path).unwrap()); // a stale socket
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        // Another daemon holds the lock (it is between its probe and its bind).
+        let held = lock_bind(&path).unwrap();
+        let lock_ino = std::fs::metadata(lock_path(&path)).unwrap().ino();
+        assert_eq!(std::fs::metadata(lock_path(&path)).unwrap().permissions().mode() & 0o777, 0o600);
+        let p = path.clone();
+        let binder = std::thread::spawn(move || {
+            let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
+            let bytes = 4 * g.slot_bytes();
+            let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+            Server::bind(&p, HostTier::new_shared(cfg).unwrap())
+        });
+        // Wait (bounded) until the kernel shows the bind blocked on the lock file's flock, or
+        // the bind finished without it.
+        let blocked = |ino: u64| {
+            std::fs::read_to_string("/proc/locks")
+                .unwrap()
+                .lines()
+                .any(|l| l.contains("->") && l.contains("FLOCK") && l.contains(&format!(":{ino} ")))
+        };
+        let t0 = Instant::now();
+        while !blocked(lock_ino) {
+            assert!(!binder.is_finished(), "the bind replaced the socket while another daemon held the lock");
+            assert!(t0.elapsed() < Duration::from_secs(60), "the bind never waited for the lock");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "the waiting bind touched the socket");
+        drop(held);
+        let server = binder.join().unwrap().expect("the bind goes on once the lock is free");
+        assert!(UnixStream::connect(server.path()).is_ok(), "the stale socket was replaced by a listening one");
+        // A second bind on the live socket still fails clearly.
+        let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();
+        let bytes = 4 * g.slot_bytes();
+        let cfg = TierConfig::new(g, bytes).with_pool(PoolConfig::new(bytes).with_backing(BackingChoice::Plain));
+        let e = Server::bind(&path, HostTier::new_shared(cfg).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("already listens"), "{e}");
+    }
 
     fn shared(slots: u64) -> Arc<Shared> {
         let g = Geometry::new("unit", 16, vec![ArenaSpec::packed("a", 4096, 1)]).unwrap();

@@ -55,6 +55,10 @@ pub(crate) enum CopyOutcome {
     Failed,
     /// The backend panicked while waiting: the copy may still be running.
     Unknown,
+    /// The backend panicked while submitting: it may have queued the copy (its slots and pins are
+    /// quarantined as for [`CopyOutcome::Unknown`]), but the call failed, so a restore's lease use
+    /// comes back (as for any backend error).
+    SubmitPanicked,
 }
 
 /// Finalises a copy once its outcome is known. An error (a remote tier that could not tell its
@@ -380,7 +384,7 @@ impl Rank {
                     tracing::error!(
                         "the copy backend panicked submitting a {dir:?} of {blocks} blocks; its host slots are quarantined"
                     );
-                    let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown)));
+                    let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::SubmitPanicked)));
                     self.core.counters.record_copy(dir, blocks, 0, false);
                     return Err(TierError::Copy(CopyError::BackendPanicked));
                 }
@@ -485,7 +489,7 @@ impl Rank {
                     match outcome {
                         CopyOutcome::Done => reservation.commit(),
                         CopyOutcome::Failed => drop(reservation),
-                        CopyOutcome::Unknown => reservation.quarantine(),
+                        CopyOutcome::Unknown | CopyOutcome::SubmitPanicked => reservation.quarantine(),
                     }
                     Ok(())
                 }),
@@ -550,7 +554,7 @@ impl Rank {
                 Box::new(move |outcome| {
                     match outcome {
                         CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
-                        CopyOutcome::Unknown => pins.quarantine(),
+                        CopyOutcome::Unknown | CopyOutcome::SubmitPanicked => pins.quarantine(),
                     }
                     Ok(())
                 }),
