@@ -159,7 +159,8 @@ pub fn default_socket_path() -> std::path::PathBuf {
 }
 
 /// Serves a new tier of `pool_bytes` (plain pages, in shared memory) on the Unix socket `path`
-/// from a thread of this process, as `kvtierd` does. For tests and examples; run `kvtierd` for
+/// from a thread of this process, as `kvtierd` does (with no per-process slot bound: the caller is
+/// its only client). For tests and examples; run `kvtierd` for
 /// engines (a daemon outlives the processes it serves). Not a stable API.
 #[pyfunction]
 #[pyo3(signature = (path, geometry, pool_bytes, policy = None))]
@@ -174,7 +175,11 @@ pub fn _serve(
     if let Some(p) = policy {
         cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
     }
-    let server = py.detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind(&path, t))).py()?;
+    // One test process is the daemon's only client: it may have the whole pool in flight.
+    let limits = kvtier::remote::Limits { slots_per_process: usize::MAX, ..Default::default() };
+    let config = kvtier::remote::ServerConfig { limits, group: None };
+    let server =
+        py.detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind_with(&path, t, config))).py()?;
     std::thread::Builder::new()
         .name("kvtier-serve".into())
         .spawn(move || server.run())
