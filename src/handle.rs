@@ -51,15 +51,7 @@ impl HandleShared {
 
     /// A handle state carrying the copy's device event (from [`crate::Completion::shared_event`]).
     pub(crate) fn with_event(blocks: usize, bytes: u64, event: Option<Arc<dyn CopyEvent>>) -> Arc<Self> {
-        Arc::new(HandleShared {
-            state: Mutex::new(State::default()),
-            cv: Condvar::new(),
-            submitted_at: Instant::now(),
-            blocks,
-            bytes,
-            event,
-            layers: None,
-        })
+        Self::with_layers(blocks, bytes, event, None)
     }
 
     /// A handle state of a layer-wise copy: the device event and each layer group's readiness.

@@ -19,7 +19,7 @@ use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
 use kvtier::pool::BackingChoice;
 use kvtier::{
     ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, LeaseToken, PolicyKind, Rank,
-    SaveOptions, TierConfig, TierError,
+    SaveOptions, SaveTicket, TierConfig, TierError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -178,8 +178,9 @@ pub fn _serve(
     // One test process is the daemon's only client: it may have the whole pool in flight.
     let limits = kvtier::remote::Limits { slots_per_process: usize::MAX, ..Default::default() };
     let config = kvtier::remote::ServerConfig { limits, group: None };
-    let server =
-        py.detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind_with(&path, t, config))).py()?;
+    let server = py
+        .detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind_with(&path, t, config)))
+        .py()?;
     std::thread::Builder::new()
         .name("kvtier-serve".into())
         .spawn(move || server.run())
@@ -697,14 +698,7 @@ impl PyRank {
                 })
             })
             .py()?;
-        Ok(PySaveTicket {
-            saving: ticket.saving,
-            resident: ticket.resident,
-            in_flight: ticket.in_flight,
-            duplicates: ticket.duplicates,
-            dropped: ticket.dropped,
-            handle: Py::new(py, PyCopyHandle { inner: ticket.handle })?,
-        })
+        PySaveTicket::new(py, ticket)
     }
 
     /// Restores the first `len(pages)` blocks of `lease` into pages `pages[i]` (host -> device, one
@@ -797,14 +791,7 @@ impl PyRank {
         self.check_arenas(py)?;
         let rank: &Rank = &rank;
         let ticket = py.detach(|| rank.save_layers(&keys, &pages, &waits, groups, SaveOptions::new().fit(fit))).py()?;
-        Ok(PySaveTicket {
-            saving: ticket.saving,
-            resident: ticket.resident,
-            in_flight: ticket.in_flight,
-            duplicates: ticket.duplicates,
-            dropped: ticket.dropped,
-            handle: Py::new(py, PyCopyHandle { inner: ticket.handle })?,
-        })
+        PySaveTicket::new(py, ticket)
     }
 
     /// What this rank has in flight, as a dict: `save_gpu_pages` (pages that saves still read:
@@ -1078,6 +1065,19 @@ pub struct PySaveTicket {
     duplicates: usize,
     dropped: usize,
     handle: Py<PyCopyHandle>,
+}
+
+impl PySaveTicket {
+    fn new(py: Python<'_>, t: SaveTicket) -> PyResult<Self> {
+        Ok(PySaveTicket {
+            saving: t.saving,
+            resident: t.resident,
+            in_flight: t.in_flight,
+            duplicates: t.duplicates,
+            dropped: t.dropped,
+            handle: Py::new(py, PyCopyHandle { inner: t.handle })?,
+        })
+    }
 }
 
 #[pymethods]
