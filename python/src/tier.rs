@@ -644,6 +644,34 @@ fn passed(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|d| Instant::now() >= d)
 }
 
+impl PyRank {
+    /// `restore` (`groups: None`) and `restore_layers`: the rank taken under its short lock, the
+    /// arenas checked, then the copy submitted with the GIL released.
+    fn restore_as(
+        &self,
+        py: Python<'_>,
+        lease: &PyLease,
+        pages: &Bound<'_, PyAny>,
+        after_stream: Option<&Bound<'_, PyAny>>,
+        after_event: Option<&Bound<'_, PyAny>>,
+        groups: Option<u32>,
+    ) -> PyResult<PyCopyHandle> {
+        let pages = ints_of(pages)?;
+        let wait = wait_for(after_stream, after_event)?;
+        let rank = self.rank()?;
+        self.check_arenas(py)?;
+        let rank: &Rank = &rank;
+        let lease: &Lease = &lease.inner;
+        let handle = py
+            .detach(|| match groups {
+                None => rank.restore(lease, &pages, wait),
+                Some(g) => rank.restore_layers(lease, &pages, wait, g),
+            })
+            .py()?;
+        Ok(PyCopyHandle { inner: handle })
+    }
+}
+
 #[pymethods]
 impl PyRank {
     /// Saves the blocks in pages `pages[i]` under `keys[i]` (device -> host, one batch).
@@ -725,14 +753,7 @@ impl PyRank {
         after_stream: Option<&Bound<'_, PyAny>>,
         after_event: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCopyHandle> {
-        let pages = ints_of(pages)?;
-        let wait = wait_for(after_stream, after_event)?;
-        let rank = self.rank()?;
-        self.check_arenas(py)?;
-        let rank: &Rank = &rank;
-        let lease: &Lease = &lease.inner;
-        let handle = py.detach(|| rank.restore(lease, &pages, wait)).py()?;
-        Ok(PyCopyHandle { inner: handle })
+        self.restore_as(py, lease, pages, after_stream, after_event, None)
     }
 
     /// `restore` in layer order: the blocks move one group of layers at a time (`groups` groups of
@@ -751,14 +772,7 @@ impl PyRank {
         after_stream: Option<&Bound<'_, PyAny>>,
         after_event: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCopyHandle> {
-        let pages = ints_of(pages)?;
-        let wait = wait_for(after_stream, after_event)?;
-        let rank = self.rank()?;
-        self.check_arenas(py)?;
-        let rank: &Rank = &rank;
-        let lease: &Lease = &lease.inner;
-        let handle = py.detach(|| rank.restore_layers(lease, &pages, wait, groups)).py()?;
-        Ok(PyCopyHandle { inner: handle })
+        self.restore_as(py, lease, pages, after_stream, after_event, Some(groups))
     }
 
     /// `save` in layer order, for a save during the prefill: the copy of layer group `g`
