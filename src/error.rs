@@ -242,10 +242,13 @@ pub enum CopyError {
     /// A CUDA driver call failed (feature `cuda`); `source` keeps the driver's `CUresult`
     /// (`source.0`), e.g. `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from a failed copy kernel.
     #[cfg(feature = "cuda")]
-    #[error("CUDA driver call {call} failed: {}", crate::cuda::describe_driver_error(source))]
+    #[error("CUDA driver call {call} failed: {detail}")]
     Cuda {
         /// The driver function that returned the error, e.g. `cuLaunchKernel`.
         call: &'static str,
+        /// `CUDA_ERROR_NAME (code): description`, as `cuda::describe_driver_error` wrote it when
+        /// the error was made (`cuda::driver_error`).
+        detail: String,
         /// The driver's result.
         #[source]
         source: cudarc::driver::DriverError,

@@ -31,98 +31,14 @@
 
 use crate::error::TierError;
 use crate::guard::SlotPins;
-use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::slot::{PinError, SlotId};
-use crate::sync::{Arc, AtomicU64, AtomicU8, Ordering};
+use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
-use crate::tier::stats::{add, sub};
+pub use crate::tier::expiry::LeasedBlock;
+use crate::tier::expiry::{uses_word, LeaseState, Settled, CLAIM};
+use crate::tier::stats::add;
 use std::fmt;
-
-/// One leased block.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LeasedBlock {
-    /// The block's content key.
-    pub key: ContentKey,
-    /// Where it lives (pinned while the lease is unsettled).
-    pub slot: SlotRef,
-}
-
-/// How a lease settled (the `settled` byte of [`LeaseState`]).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Settled {
-    Live = 0,
-    Consumed = 1,
-    Released = 2,
-    Dropped = 3,
-    Expired = 4,
-}
-
-impl Settled {
-    fn from_u8(v: u8) -> Settled {
-        match v {
-            0 => Settled::Live,
-            1 => Settled::Consumed,
-            2 => Settled::Released,
-            3 => Settled::Dropped,
-            _ => Settled::Expired,
-        }
-    }
-}
-
-/// The part of a lease the tier's expiry clock may hold too: its blocks, uses and settle state.
-/// It holds no reference to the tier (the clock lives inside it).
-pub(crate) struct LeaseState {
-    blocks: Vec<LeasedBlock>,
-    /// `claimed << 32 | left`: uses not taken yet (`left`), and uses taken by restores whose copy
-    /// is not submitted yet (`claimed`; such a use may come back). The lease is consumed when both
-    /// reach 0, so a use given back always finds the lease unsettled (unless it was released,
-    /// dropped or expired, which no use can undo).
-    uses: AtomicU64,
-    settled: AtomicU8,
-}
-
-/// One claimed use in [`LeaseState::uses`].
-const CLAIM: u64 = 1 << 32;
-
-fn uses_word(left: u32) -> AtomicU64 {
-    AtomicU64::new(left as u64)
-}
-
-impl LeaseState {
-    /// Settles the lease as `how` if nobody has, dropping its pins; returns true if this call
-    /// settled it. The CAS is what makes settling exactly-once under races.
-    pub(crate) fn settle(&self, core: &Core, how: Settled) -> bool {
-        #[cfg(not(kvtier_seeded_bug = "lease-double-settle"))]
-        let first =
-            self.settled.compare_exchange(Settled::Live as u8, how as u8, Ordering::AcqRel, Ordering::Acquire).is_ok();
-        // Seeded bug (model checking only): check-then-act instead of one CAS.
-        #[cfg(kvtier_seeded_bug = "lease-double-settle")]
-        let first = self.settled.load(Ordering::Acquire) == Settled::Live as u8 && {
-            self.settled.store(how as u8, Ordering::Release);
-            true
-        };
-        if first {
-            for b in &self.blocks {
-                core.unpin(b.slot.slot);
-            }
-            sub(&core.counters.live_leases, 1);
-            if how == Settled::Expired {
-                add(&core.counters.expired_leases, 1);
-            }
-        }
-        first
-    }
-
-    pub(crate) fn how(&self) -> Settled {
-        Settled::from_u8(self.settled.load(Ordering::Acquire))
-    }
-
-    pub(crate) fn is_settled(&self) -> bool {
-        self.how() != Settled::Live
-    }
-}
 
 struct LeaseInner {
     core: Arc<Core>,
@@ -139,7 +55,7 @@ impl Drop for LeaseInner {
         if self.remote.is_some() {
             return;
         }
-        self.state.settle(&self.core, Settled::Dropped);
+        self.state.settle(self.core.control(), &self.core.counters, Settled::Dropped);
     }
 }
 
@@ -215,7 +131,7 @@ impl Lease {
             }),
         };
         if empty || uses == 0 {
-            state.settle(core, Settled::Consumed);
+            state.settle(core.control(), &core.counters, Settled::Consumed);
         } else {
             core.leases.register(&state);
         }
@@ -306,7 +222,7 @@ impl Lease {
         if let Some(r) = self.remote() {
             return r.release();
         }
-        self.inner.state.settle(&self.inner.core, Settled::Released)
+        self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Released)
     }
 
     fn settled_error(&self) -> TierError {
@@ -384,7 +300,7 @@ impl Lease {
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
         let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
         if last {
-            self.inner.state.settle(&self.inner.core, Settled::Consumed);
+            self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Consumed);
         }
     }
 

@@ -7,6 +7,7 @@
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
 #![warn(missing_docs, missing_debug_implementations)]
 
+pub mod backend;
 pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -84,7 +85,7 @@ pub mod testing {
     /// [`TierError::Disconnected`].
     #[cfg(feature = "remote")]
     pub fn remote_audit(tier: &HostTier, keys: &[ContentKey]) -> Result<Result<AuditReport, String>, TierError> {
-        tier.remote().ok_or(TierError::ForeignLease)?.audit(keys)
+        crate::tier::connected::audit(tier.remote().ok_or(TierError::ForeignLease)?, keys)
     }
 
     /// The lease side of a restore of `n` blocks whose submission fails (a page out of range, a

@@ -637,7 +637,7 @@ fn a_failed_driver_call_keeps_its_cuda_result() {
     let g = Geometry::new("huge", 16, vec![ArenaSpec::packed("a", 1 << 20, 1 << 22)]).unwrap();
     let e = CudaArenas::new(0, &g, CudaOptions::default()).expect_err("4 TiB cannot be allocated");
     match &e {
-        kvtier::Error::Copy(CopyError::Cuda { call, source }) => {
+        kvtier::Error::Copy(CopyError::Cuda { call, source, .. }) => {
             assert_eq!(*call, "cuMemAlloc");
             assert_eq!(source.0, sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
             assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2)"), "{e}");

@@ -21,7 +21,7 @@
 
 use clap::Parser;
 use hdrhistogram::Histogram;
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::{ContentKey, EngineArenas, Fit, Geometry, HostTier, PolicyKind, Rank, SaveOptions, TierConfig, WaitFor};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

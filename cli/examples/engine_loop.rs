@@ -39,7 +39,7 @@
 use clap::Parser;
 use hdrhistogram::Histogram;
 use kvtier::copy::fault::FaultyBackend;
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::{ContentKey, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig, WaitFor};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};

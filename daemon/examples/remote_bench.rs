@@ -178,7 +178,7 @@ fn pool(bytes: &str, backing: &str) {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use kvtier::copy::BackendKind;
+    use kvtier::backend::BackendKind;
     use std::io::{BufRead, Write};
 
     #[derive(clap::Args)]

@@ -6,7 +6,7 @@
 
 mod support;
 
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::{ConnectOptions, ContentKey, EngineArenas, Error, HostTier, Limit, Rank, TierError, WaitFor};
 use nix::libc;
 use std::io::Read;

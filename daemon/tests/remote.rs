@@ -6,7 +6,7 @@
 mod support;
 
 use kvtier::copy::host::{HostArenas, HostBackend};
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::{
     Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Fit, Geometry, HostPool, HostTier,
     LeaseToken, SaveOptions, TierError, WaitFor,

@@ -1035,10 +1035,10 @@ mod tests {
 
     #[test]
     fn a_driver_error_keeps_its_result_and_formats_without_a_driver() {
-        let e = CopyError::Cuda {
-            call: "cuLaunchKernel",
-            source: cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
-        };
+        let e = crate::cuda::driver_error(
+            "cuLaunchKernel",
+            cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        );
         let text = e.to_string();
         assert!(text.starts_with("CUDA driver call cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"), "{text}");
         match &e {

@@ -188,9 +188,12 @@ impl Core {
 
     /// Drops one pin of `slot`.
     pub fn unpin(&self, slot: SlotId) {
-        if self.control().unpin(slot) == 0 {
-            sub(&self.counters.pinned_slots, 1);
-        }
+        super::expiry::unpin(self.control(), &self.counters, slot);
+    }
+
+    /// Settles every lease older than the tier's lease TTL (none without one); returns how many.
+    pub fn expire_leases(&self) -> usize {
+        self.leases.expire_due(self.control(), &self.counters)
     }
 
     fn set_slot_key(&self, slot: SlotId, key: &ContentKey) {

@@ -27,7 +27,9 @@ pub(crate) mod chain;
 mod config;
 pub(crate) mod core;
 pub(crate) mod evictor;
-mod expiry;
+#[cfg(feature = "remote")]
+pub(crate) mod connected;
+pub(crate) mod expiry;
 mod hints;
 pub(crate) mod prepare;
 mod rank;
@@ -36,8 +38,6 @@ pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
 pub use hints::{HintId, MAX_HINT_TTL};
-#[cfg(feature = "remote")]
-pub(crate) use rank::{CopyOutcome, Settle};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, TierStats};
 
@@ -161,7 +161,7 @@ impl HostTier {
     pub fn try_query_shared(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return crate::remote::client::query(&self.core, conn, keys, uses);
+            return connected::query(&self.core, conn, keys, uses);
         }
         Ok(Lease::acquire(&self.core, keys, uses))
     }
@@ -255,7 +255,7 @@ impl HostTier {
     pub fn try_stats(&self) -> Result<TierStats, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return conn.stats();
+            return connected::stats(conn);
         }
         Ok(self.core.stats())
     }

@@ -386,7 +386,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return crate::remote::client::save(self, conn, keys, gpu_pages, wait, opts);
+            return super::connected::save(self, conn, keys, gpu_pages, wait, opts);
         }
         let prepared = super::prepare::prepare_save(&self.core, keys, &opts)?;
         let super::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } = prepared;
@@ -444,7 +444,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(remote) = lease.remote() {
-            return crate::remote::client::restore(self, remote, gpu_pages, wait);
+            return super::connected::restore(self, remote, gpu_pages, wait);
         }
         if n == 0 {
             lease.consume_without_copy();
