@@ -13,18 +13,12 @@ pub mod copy;
 pub mod cuda;
 pub mod error;
 pub mod evict;
-pub(crate) mod freelist;
 pub mod geometry;
-pub(crate) mod guard;
-pub mod handle;
 pub mod index;
 pub mod key;
-pub mod lease;
-pub mod pattern;
-pub mod pool;
 #[cfg(feature = "remote")]
 pub mod remote;
-pub(crate) mod slot;
+pub mod slab;
 pub(crate) mod sync;
 pub mod tier;
 
@@ -32,14 +26,14 @@ pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineAr
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
-pub use handle::CopyHandle;
+pub use tier::handle::CopyHandle;
 pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
-pub use lease::Lease;
-pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
+pub use tier::lease::Lease;
+pub use slab::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
 #[cfg(feature = "remote")]
 pub use remote::{ConnectOptions, LeaseToken};
-pub use slot::SlotId;
+pub use slab::SlotId;
 pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
 /// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
@@ -47,9 +41,9 @@ pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, T
 /// functions production calls.
 #[doc(hidden)]
 pub mod testing {
-    pub use crate::freelist::{FreeList, MAX_SHARDS};
-    pub use crate::guard::{SlotPins, WriteReservation};
-    pub use crate::slot::{PinError, SlotControl, SlotState, SlotWord};
+    pub use crate::slab::freelist::{FreeList, MAX_SHARDS};
+    pub use crate::tier::pins::{SlotPins, WriteReservation};
+    pub use crate::slab::slot::{PinError, SlotControl, SlotState, SlotWord};
     /// The std/loom synchronisation switch (`--cfg loom` selects loom's).
     pub mod sync {
         pub use crate::sync::*;
@@ -57,7 +51,7 @@ pub mod testing {
     pub use crate::tier::chain::ChainClass;
     pub use crate::tier::core::{Core, KeyState, Reserved};
     pub use crate::tier::evictor::{Claims, Want};
-    pub use crate::tier::save::SavePlan;
+    pub use crate::tier::save_plan::SavePlan;
     pub use crate::tier::AuditReport;
     use crate::{ContentKey, HostTier, Lease, TierError};
 

@@ -16,7 +16,7 @@ use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
 use crate::reaper;
 use kvtier::copy::host::{HostArenas, HostBackend};
 use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
-use kvtier::pool::BackingChoice;
+use kvtier::slab::BackingChoice;
 use kvtier::{
     ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, LeaseToken, PolicyKind, Rank,
     SaveOptions, TierConfig, TierError,

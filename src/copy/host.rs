@@ -10,8 +10,8 @@ use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, Engine
 use crate::error::{CopyError, Error, GeometryError};
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::pattern;
-use crate::pool::{HostPool, PoolRegion};
+use crate::copy::pattern;
+use crate::slab::pool::{HostPool, PoolRegion};
 use std::sync::Arc;
 
 /// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// count costs address space, not memory.
 pub struct HostArenas {
     geometry: Geometry,
-    _buffers: Vec<crate::pool::Mapping>,
+    _buffers: Vec<crate::slab::pool::Mapping>,
     binding: ArenaBinding,
 }
 
@@ -32,11 +32,11 @@ impl HostArenas {
     /// (it cannot be for a valid geometry).
     pub fn new(geometry: &Geometry) -> Result<Self, Error> {
         let arenas = geometry.arenas();
-        let mut buffers: Vec<crate::pool::Mapping> = Vec::new();
+        let mut buffers: Vec<crate::slab::pool::Mapping> = Vec::new();
         let mut fused: Vec<(u32, usize)> = Vec::new();
         let mut bases = Vec::with_capacity(arenas.len());
         let map = |len: u64| {
-            crate::pool::Mapping::anonymous(len as usize)
+            crate::slab::pool::Mapping::anonymous(len as usize)
                 .map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
         };
         for a in arenas {
@@ -294,7 +294,7 @@ impl std::fmt::Debug for HostBackend {
 mod tests {
     use super::*;
     use crate::geometry::ArenaSpec;
-    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::slab::pool::{BackingChoice, PoolConfig};
     use crate::tier::{HostTier, TierConfig};
 
     /// Two arenas of 64 B pages over caller-owned vectors: save, restore into other pages, and the

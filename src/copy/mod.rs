@@ -20,10 +20,11 @@
 pub mod fault;
 pub mod host;
 pub mod null;
+pub mod pattern;
 
 use crate::error::CopyError;
 use crate::geometry::Geometry;
-use crate::pool::HostPool;
+use crate::slab::pool::HostPool;
 use std::sync::Arc;
 
 /// One block to move: GPU page `gpu_page` (in every arena) <-> host slot `slot`.
@@ -212,7 +213,7 @@ impl Completion for Done {
 }
 
 /// The engine side of a replay or test: one rank's GPU arenas that can be filled with the bytes
-/// derived from content keys ([`crate::pattern`]), checked against them, and copied by a backend.
+/// derived from content keys ([`crate::copy::pattern`]), checked against them, and copied by a backend.
 /// Implemented by [`host::HostArenas`] (host memory) and, with feature `cuda`, by the CUDA arenas
 /// (device memory, fill and verify kernels).
 pub trait EngineArenas: Send + Sync {

@@ -8,7 +8,7 @@ use crate::copy::{CopyBackend, EngineArenas};
 use crate::error::Error;
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::pattern;
+use crate::copy::pattern;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys;
 use std::sync::Arc;

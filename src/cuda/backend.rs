@@ -20,7 +20,7 @@ use super::green::{Isolation, Partition, Side, SmPartition};
 use crate::copy::{validate_batch, Completion, CopyBackend, CopyEvent, CopyPair, Direction, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::{ArenaBinding, Geometry};
-use crate::pool::{HostPool, PoolRegion};
+use crate::slab::pool::{HostPool, PoolRegion};
 use cudarc::driver::result as drv;
 use cudarc::driver::sys;
 use std::any::Any;

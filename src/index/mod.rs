@@ -103,7 +103,7 @@ mod tests;
 
 use crate::error::IndexError;
 use crate::key::ContentKey;
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{spin_loop, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use crossbeam_utils::CachePadded;

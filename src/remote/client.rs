@@ -23,7 +23,7 @@ use crate::error::{Error, Limit, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::pool::{Backing, HostPool, SharedPoolLayout};
+use crate::slab::pool::{Backing, HostPool, SharedPoolLayout};
 use std::io::{BufReader, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;

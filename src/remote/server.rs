@@ -38,9 +38,9 @@
 use super::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
-use crate::guard::{SlotPins, WriteReservation};
+use crate::tier::pins::{SlotPins, WriteReservation};
 use crate::key::ContentKey;
-use crate::lease::{Lease, RestoreClaim};
+use crate::tier::lease::{Lease, RestoreClaim};
 use crate::tier::core::{Core, Reserved};
 use crate::tier::prepare::prepare_save;
 use crate::tier::{Fit, HostTier, SaveOptions};

@@ -25,7 +25,7 @@
 //! (a count read mid-update) changes only the preference, never what may be evicted.
 
 use crate::index::SlotRef;
-use crate::slot::{SlotControl, SlotId};
+use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{AtomicU64, Ordering};
 
 /// No parent link.

@@ -3,7 +3,7 @@
 use crate::evict::PolicyKind;
 use crate::geometry::Geometry;
 use crate::key::ContentKey;
-use crate::pool::{BackingChoice, PoolConfig};
+use crate::slab::pool::{BackingChoice, PoolConfig};
 use std::time::Duration;
 
 /// Tier construction options. Build with [`TierConfig::new`] and the `with_*` methods.

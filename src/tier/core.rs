@@ -3,21 +3,21 @@
 //!
 //! The core sits *below* leases and guards: it pins and unpins slots, reserves, commits, aborts and
 //! quarantines them, claims and evicts victims ([`super::evictor`]) and plans saves
-//! ([`super::save`]); [`crate::lease`] and [`crate::guard`] hold pins and reservations on top of
+//! ([`super::save`]); [`crate::tier::lease`] and [`crate::tier::pins`] hold pins and reservations on top of
 //! it, and the facade ([`crate::HostTier`]) and ranks ([`crate::Rank`]) on top of those.
 
 use super::chain::{Chains, CHAIN_CLASSES};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
-use super::save::SavingKeys;
+use super::save_plan::SavingKeys;
 use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
 use crate::error::TierError;
 use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind};
 use crate::geometry::Geometry;
 use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
-use crate::pool::HostPool;
-use crate::slot::{PinError, SlotControl, SlotId, SlotState};
+use crate::slab::pool::HostPool;
+use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use std::time::Duration;
 
@@ -174,13 +174,13 @@ impl Core {
         Ok(())
     }
 
-    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`crate::slot::SlotWord::LEASE_PINS`]
+    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`crate::slab::slot::SlotWord::LEASE_PINS`]
     /// pins on it (the rest are for restores).
     ///
     /// # Errors
     /// As [`Core::pin`].
     pub(crate) fn pin_for_lease(&self, slot: SlotId, generation: u64) -> Result<(), PinError> {
-        if self.control().pin_up_to(slot, generation, crate::slot::SlotWord::LEASE_PINS)? == 1 {
+        if self.control().pin_up_to(slot, generation, crate::slab::slot::SlotWord::LEASE_PINS)? == 1 {
             add(&self.counters.pinned_slots, 1);
         }
         Ok(())

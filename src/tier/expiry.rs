@@ -7,7 +7,7 @@
 use super::stats::{add, sub, Counters};
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::{SlotControl, SlotId};
+use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{Arc, AtomicU64, AtomicU8, Mutex, Ordering};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -16,7 +16,7 @@
 
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::{SlotControl, SlotId};
+use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};

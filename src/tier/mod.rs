@@ -11,7 +11,7 @@
 //! and children counts for chain-aware victims), `hints` (scheduler hints), `evictor` (two-phase
 //! eviction: claims), `save` (the save plan, chain links), `prepare` (a save's tier side: plan, fit,
 //! acquire, reserve), `expiry` (lease time-to-live), `stats` (counters), `config` (options), `rank`
-//! (saves, restores, completion threads), this file (the facade). Leases ([`crate::lease`]) and
+//! (saves, restores, completion threads), this file (the facade). Leases ([`crate::tier::lease`]) and
 //! guards (`src/guard.rs`) sit between the core and the facade.
 //!
 //! Flows (see `docs/design.md` for the invariants):
@@ -30,10 +30,13 @@ pub(crate) mod evictor;
 #[cfg(feature = "remote")]
 pub(crate) mod connected;
 pub(crate) mod expiry;
+pub mod handle;
 mod hints;
+pub mod lease;
+pub(crate) mod pins;
 pub(crate) mod prepare;
 mod rank;
-pub(crate) mod save;
+pub(crate) mod save_plan;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
@@ -46,9 +49,9 @@ use crate::copy::CopyBackend;
 use crate::error::{CopyError, Error, TierError};
 use crate::geometry::Geometry;
 use crate::key::{ContentKey, Namespace};
-use crate::lease::Lease;
-use crate::pool::HostPool;
-use crate::slot::SlotState;
+use crate::tier::lease::Lease;
+use crate::slab::pool::HostPool;
+use crate::slab::slot::SlotState;
 use crate::sync::Arc;
 
 /// The host tier: a shared handle (cloning is cheap and shares the tier).

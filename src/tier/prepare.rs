@@ -7,7 +7,7 @@ use super::core::Core;
 use super::evictor::Want;
 use super::stats::add;
 use crate::error::TierError;
-use crate::guard::WriteReservation;
+use crate::tier::pins::WriteReservation;
 use crate::key::ContentKey;
 use crate::sync::Arc;
 

@@ -15,9 +15,9 @@ use super::config::SaveOptions;
 use super::core::Core;
 use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, TierError};
-use crate::handle::{CopyHandle, HandleShared};
+use crate::tier::handle::{CopyHandle, HandleShared};
 use crate::key::{ContentKey, Namespace};
-use crate::lease::Lease;
+use crate::tier::lease::Lease;
 use crate::sync::{Arc, AtomicU64, Ordering};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -419,7 +419,7 @@ impl Rank {
 
     /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
     /// GPU, one batch, after `wait`) and uses up one restore of the lease. The copy holds its own
-    /// pins, taken before the lease's use (see [`crate::lease`]), so the lease may settle (or be
+    /// pins, taken before the lease's use (see [`crate::tier::lease`]), so the lease may settle (or be
     /// dropped) while it runs. The GPU pages hold the bytes once the returned handle completes.
     ///
     /// An empty `gpu_pages` copies nothing and returns a completed handle (it still uses up one

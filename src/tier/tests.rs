@@ -6,9 +6,9 @@ use crate::copy::host::HostArenas;
 use crate::copy::{EngineArenas, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::ArenaSpec;
-use crate::pool::BackingChoice;
-use crate::pool::HostPool;
-use crate::slot::{SlotId, SlotWord};
+use crate::slab::pool::BackingChoice;
+use crate::slab::pool::HostPool;
+use crate::slab::slot::{SlotId, SlotWord};
 
 fn small_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
@@ -152,7 +152,7 @@ fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::A
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
     let pool = HostPool::new(
         g.slot_bytes(),
-        &crate::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain),
+        &crate::slab::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain),
     )
     .unwrap();
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
@@ -330,8 +330,8 @@ fn chain_links_count_children_detect_orphans_and_reattach() {
     }
     assert_eq!(core.chain_of(s[2]), (Some(s[1]), 0, ChainClass::Leaf), "its child left: a leaf");
     // Evict the head alone (the rest pinned): blocks 1 and 2 become orphans.
-    let pins = crate::guard::SlotPins::take(core, [1, 2].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
-    let other_pins = crate::guard::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
+    let pins = crate::tier::pins::SlotPins::take(core, [1, 2].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+    let other_pins = crate::tier::pins::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
     let mut out = Vec::new();
     assert_eq!(core.evict_into(1, &mut out), 1);
     assert_eq!(out, vec![s[0]]);
@@ -361,7 +361,7 @@ fn orphans_are_evicted_first_with_every_policy() {
         // Evict the chain's head alone (the rest pinned).
         {
             let pins =
-                crate::guard::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+                crate::tier::pins::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
             let mut out = Vec::new();
             assert_eq!(core.evict_into(1, &mut out), 1, "{policy}");
             drop(pins);

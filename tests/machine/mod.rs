@@ -874,7 +874,7 @@ impl Machine {
             // and eviction happens only inside this thread's tier calls. The chunk lies inside the
             // slot (offset + copy unit <= slot_bytes).
             let chunk = unsafe { std::slice::from_raw_parts(base.add(off as usize), spec.bytes_per_page as usize) };
-            if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
+            if let Some(b) = kvtier::copy::pattern::first_mismatch(key, a, chunk) {
                 panic!("ready slot {} of key {k}: arena {a} byte {b} is not the key's pattern", slot.0);
             }
         }

@@ -30,9 +30,9 @@
 //! the whole copy, whatever happens to the lease.
 
 use crate::error::TierError;
-use crate::guard::SlotPins;
+use crate::tier::pins::SlotPins;
 use crate::key::ContentKey;
-use crate::slot::{PinError, SlotId};
+use crate::slab::slot::{PinError, SlotId};
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
 pub use crate::tier::expiry::LeasedBlock;

@@ -25,7 +25,7 @@ use super::SaveOptions;
 use crate::evict::InsertInfo;
 use crate::index::{IndexReader, SlotRef};
 use crate::key::ContentKey;
-use crate::slot::{PinError, SlotId};
+use crate::slab::slot::{PinError, SlotId};
 use crate::sync::Mutex;
 use crate::Fit;
 use std::collections::HashSet;
