@@ -16,7 +16,7 @@ pub enum BackendKind {
     /// CUDA if this build has the `cuda` feature and a GPU is present, else host.
     #[default]
     Auto,
-    /// Host memory stands in for GPU arenas ([`host::HostArenas`]).
+    /// Host memory stands in for GPU arenas ([`host::MemcpyArenas`]).
     Host,
     /// Real HBM arenas on a GPU (feature `cuda`).
     Cuda,
@@ -65,7 +65,7 @@ impl BackendKind {
     pub fn arenas(self, device: u32, geometry: &Geometry) -> Result<std::sync::Arc<dyn EngineArenas>, crate::Error> {
         match self.resolve() {
             BackendKind::Cuda => cuda_arenas(device, geometry),
-            _ => Ok(std::sync::Arc::new(std::sync::Arc::new(host::HostArenas::new(geometry)?))),
+            _ => Ok(std::sync::Arc::new(std::sync::Arc::new(host::MemcpyArenas::new(geometry)?))),
         }
     }
 }

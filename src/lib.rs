@@ -84,14 +84,14 @@ pub mod testing {
 
     /// The lease side of a restore of `n` blocks whose submission fails (a page out of range, a
     /// backend error), as [`crate::Rank::restore`] runs it: the restore's own pins, a use of the
-    /// lease, then the claim is dropped unsubmitted (pins dropped, the use given back).
+    /// lease, then the hold is dropped unsubmitted (pins dropped, the use given back).
     ///
     /// # Errors
     /// As [`crate::Rank::restore`]'s lease errors (before the submission).
     pub fn restore_failing_submission(lease: &Lease, n: usize) -> Result<(), TierError> {
-        let claim = lease.begin_restore(n)?;
-        // The backend refused the batch: the claim is dropped unsubmitted, as in `Rank::restore`.
-        drop(claim);
+        let hold = lease.begin_restore(n)?;
+        // The backend refused the batch: the hold is dropped unsubmitted, as in `Rank::restore`.
+        drop(hold);
         Ok(())
     }
 
@@ -103,9 +103,9 @@ pub mod testing {
     /// # Errors
     /// As [`crate::Rank::restore`]'s lease errors.
     pub fn restore_with<R>(lease: &Lease, n: usize, copy: impl FnOnce(&[crate::SlotId]) -> R) -> Result<R, TierError> {
-        let mut claim = lease.begin_restore(n)?;
-        let pins = claim.take_pins();
-        claim.submitted();
+        let mut hold = lease.begin_restore(n)?;
+        let pins = hold.take_pins();
+        hold.submitted();
         let r = copy(pins.slots());
         drop(pins);
         Ok(r)

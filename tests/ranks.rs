@@ -112,8 +112,8 @@ fn tensor_parallel_shards_do_not_share_blocks() {
     let tier = tier(16, PolicyKind::Lru);
     let g0 = small_geometry().with_shard(0, 2).unwrap();
     let g1 = small_geometry().with_shard(1, 2).unwrap();
-    let a0 = std::sync::Arc::new(kvtier::copy::host::HostArenas::new(&g0).unwrap());
-    let a1 = std::sync::Arc::new(kvtier::copy::host::HostArenas::new(&g1).unwrap());
+    let a0 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g0).unwrap());
+    let a1 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g1).unwrap());
     let r0 = tier.attach(a0.backend().unwrap()).unwrap();
     let r1 = tier.attach(a1.backend().unwrap()).unwrap();
     assert_ne!(r0.namespace(), r1.namespace());

@@ -124,7 +124,7 @@ fn duplicate_keys_in_one_save_count_once() {
     assert_eq!(t2.stats().evictions, 1);
 }
 
-fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::HostArenas>, kvtier::Rank) {
+fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::MemcpyArenas>, kvtier::Rank) {
     let t = tier(n, PolicyKind::Lru);
     let a = arenas();
     let rank = t.attach(a.backend().unwrap()).unwrap();

@@ -2,7 +2,7 @@
 //! call. The daemon's server runs on a thread of this test process (`kvtier::remote::Server`), the
 //! clients are `HostTier::connect` handles on other threads.
 
-use kvtier::copy::host::HostArenas;
+use kvtier::copy::host::MemcpyArenas;
 use kvtier::remote::Server;
 use kvtier::{
     ArenaSpec, BackingChoice, CopyError, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig,
@@ -37,7 +37,7 @@ fn script(tier: &HostTier) -> Vec<String> {
     let mut out = Vec::new();
     let mut log = |s: String| out.push(s);
     let g = tier.geometry().with_pages(64).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     log(format!(
         "rank {} backend {} policy {} capacity {}",
@@ -140,7 +140,7 @@ fn leases_are_foreign_across_tiers_and_tokens_open_on_other_connections() {
     let b = HostTier::connect(&path).unwrap();
     let local = HostTier::new(config(8)).unwrap();
     let g = a.geometry().with_pages(8).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let ra = a.attach(arenas.backend().unwrap()).unwrap();
     let k: Vec<_> = (0..3).map(|i| a.namespace().trace_page_key(i, 0)).collect();
     arenas.fill(&[0, 1, 2], &k).unwrap();

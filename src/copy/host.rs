@@ -15,16 +15,16 @@ use crate::slab::pool::{HostPool, PoolRegion};
 use std::sync::Arc;
 
 /// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
-/// out as the geometry says ([`HostArenas::new`]), or memory the caller owns
-/// ([`HostArenas::from_binding`]). Mapped pages are not touched until written, so a large page
+/// out as the geometry says ([`MemcpyArenas::new`]), or memory the caller owns
+/// ([`MemcpyArenas::from_binding`]). Mapped pages are not touched until written, so a large page
 /// count costs address space, not memory.
-pub struct HostArenas {
+pub struct MemcpyArenas {
     geometry: Geometry,
     _buffers: Vec<crate::slab::pool::Mapping>,
     binding: ArenaBinding,
 }
 
-impl HostArenas {
+impl MemcpyArenas {
     /// Allocates arenas for `geometry` (`geometry.pages()` pages each).
     ///
     /// # Errors
@@ -60,14 +60,14 @@ impl HostArenas {
             }
         }
         let binding = ArenaBinding::new(geometry, bases).map_err(|e: GeometryError| Error::Geometry(e))?;
-        Ok(HostArenas { geometry: geometry.clone(), _buffers: buffers, binding })
+        Ok(MemcpyArenas { geometry: geometry.clone(), _buffers: buffers, binding })
     }
 
     /// Host arenas over memory the caller owns (an engine's CPU KV tensors, numpy arrays, its own
     /// allocations): arena `i` of `geometry` at `binding.bases()[i]`, page `p` at byte
     /// `p * page_stride` from there. Nothing is allocated or freed; the arenas' placement is
     /// ignored (the binding says where they are). Wrap the result in an `Arc` and make a backend
-    /// with [`EngineArenas::backend`] or [`HostBackend::new`].
+    /// with [`EngineArenas::backend`] or [`MemcpyBackend::new`].
     ///
     /// # Safety
     /// For every arena, the `extent()` bytes from its base must be valid for reads and writes from
@@ -82,7 +82,7 @@ impl HostArenas {
     pub unsafe fn from_binding(geometry: &Geometry, binding: ArenaBinding) -> Result<Self, Error> {
         // Re-check against this geometry: a binding validated for another geometry proves nothing.
         let binding = ArenaBinding::new(geometry, binding.bases().to_vec())?;
-        Ok(HostArenas { geometry: geometry.clone(), _buffers: Vec::new(), binding })
+        Ok(MemcpyArenas { geometry: geometry.clone(), _buffers: Vec::new(), binding })
     }
 
     /// The geometry.
@@ -128,13 +128,13 @@ impl HostArenas {
     }
 }
 
-// SAFETY: HostArenas owns its mappings; the raw addresses it hands out are only dereferenced under
+// SAFETY: MemcpyArenas owns its mappings; the raw addresses it hands out are only dereferenced under
 // the callers' documented exclusivity contracts.
-unsafe impl Send for HostArenas {}
-// SAFETY: as above; &HostArenas methods only compute addresses.
-unsafe impl Sync for HostArenas {}
+unsafe impl Send for MemcpyArenas {}
+// SAFETY: as above; &MemcpyArenas methods only compute addresses.
+unsafe impl Sync for MemcpyArenas {}
 
-impl HostArenas {
+impl MemcpyArenas {
     fn check(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
         crate::copy::check_pages_and_keys(&self.geometry, pages, keys)
     }
@@ -142,7 +142,7 @@ impl HostArenas {
 
 /// Host arenas as the engine side of a replay. Callers must not fill or verify pages that a copy is
 /// using (the replay only touches pages it owns).
-impl EngineArenas for Arc<HostArenas> {
+impl EngineArenas for Arc<MemcpyArenas> {
     fn geometry(&self) -> &Geometry {
         &self.geometry
     }
@@ -172,37 +172,37 @@ impl EngineArenas for Arc<HostArenas> {
         Ok(())
     }
     fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
-        Ok(Box::new(HostBackend::new(self.clone())))
+        Ok(Box::new(MemcpyBackend::new(self.clone())))
     }
 }
 
 /// The host backend for one "rank".
-pub struct HostBackend {
-    arenas: Arc<HostArenas>,
+pub struct MemcpyBackend {
+    arenas: Arc<MemcpyArenas>,
     pool: Option<PoolRegion>,
 }
 
-impl HostBackend {
+impl MemcpyBackend {
     /// A backend over `arenas`.
-    pub fn new(arenas: Arc<HostArenas>) -> Self {
-        HostBackend { arenas, pool: None }
+    pub fn new(arenas: Arc<MemcpyArenas>) -> Self {
+        MemcpyBackend { arenas, pool: None }
     }
 
     /// The arenas.
-    pub fn arenas(&self) -> &Arc<HostArenas> {
+    pub fn arenas(&self) -> &Arc<MemcpyArenas> {
         &self.arenas
     }
 
     fn submit(&self, batch: &[CopyPair], dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
         let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
-        Ok(Box::new(HostCompletion {
-            job: Some(HostJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
+        Ok(Box::new(MemcpyCompletion {
+            job: Some(MemcpyJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
         }))
     }
 }
 
-impl CopyBackend for HostBackend {
+impl CopyBackend for MemcpyBackend {
     fn name(&self) -> &'static str {
         "host"
     }
@@ -228,14 +228,14 @@ impl CopyBackend for HostBackend {
     }
 }
 
-struct HostJob {
-    arenas: Arc<HostArenas>,
+struct MemcpyJob {
+    arenas: Arc<MemcpyArenas>,
     pool: PoolRegion,
     batch: Vec<CopyPair>,
     dir: Direction,
 }
 
-impl HostJob {
+impl MemcpyJob {
     fn run(&self) {
         let g = &self.arenas.geometry;
         for p in &self.batch {
@@ -259,11 +259,11 @@ impl HostJob {
     }
 }
 
-struct HostCompletion {
-    job: Option<HostJob>,
+struct MemcpyCompletion {
+    job: Option<MemcpyJob>,
 }
 
-impl Completion for HostCompletion {
+impl Completion for MemcpyCompletion {
     fn poll(&mut self) -> Result<bool, CopyError> {
         self.wait().map(|_| true)
     }
@@ -275,18 +275,18 @@ impl Completion for HostCompletion {
     }
 }
 
-impl std::fmt::Debug for HostArenas {
+impl std::fmt::Debug for MemcpyArenas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostArenas")
+        f.debug_struct("MemcpyArenas")
             .field("model", &self.geometry.model())
             .field("pages", &self.geometry.pages())
             .finish()
     }
 }
 
-impl std::fmt::Debug for HostBackend {
+impl std::fmt::Debug for MemcpyBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostBackend").field("arenas", &self.arenas).field("pool", &self.pool).finish()
+        f.debug_struct("MemcpyBackend").field("arenas", &self.arenas).field("pool", &self.pool).finish()
     }
 }
 
@@ -316,7 +316,7 @@ mod tests {
         {
             // SAFETY: k and v outlive the arenas, the rank (dropped at the end of this block, which
             // drains its copies) and every copy; nothing touches them while a copy runs.
-            let arenas = Arc::new(unsafe { HostArenas::from_binding(&g, bind) }.unwrap());
+            let arenas = Arc::new(unsafe { MemcpyArenas::from_binding(&g, bind) }.unwrap());
             let mut cfg = TierConfig::new(g.clone(), 4 * g.slot_bytes());
             cfg.pool = PoolConfig { bytes: 4 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
             let tier = HostTier::new(cfg).unwrap();
@@ -347,7 +347,7 @@ mod tests {
         let one = Geometry::new("one", 4, vec![ArenaSpec::packed("k", 64, 8)]).unwrap();
         let b = ArenaBinding::new(&one, vec![0x1000]).unwrap();
         // SAFETY: rejected before anything could use the address.
-        let e = unsafe { HostArenas::from_binding(&g, b) }.expect_err("base count differs");
+        let e = unsafe { MemcpyArenas::from_binding(&g, b) }.expect_err("base count differs");
         assert!(matches!(e, Error::Geometry(GeometryError::BaseCount { got: 1, want: 2 })), "{e:?}");
     }
 }

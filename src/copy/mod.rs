@@ -5,7 +5,7 @@
 //! gets back a [`Completion`] that it waits on (from the rank's completion thread) before it commits
 //! saved slots or drops the guards of a restore. Three implementations:
 //!
-//! - [`host::HostBackend`]: "GPU arenas" in ordinary host memory, copies with `memcpy`. For machines
+//! - [`host::MemcpyBackend`]: "GPU arenas" in ordinary host memory, copies with `memcpy`. For machines
 //!   without a GPU, tests and the replay's host mode.
 //! - `cuda::CudaBackend` (feature `cuda`): the hand-written gather/scatter kernels in `cuda/`.
 //! - [`null::NullBackend`]: moves nothing; for measuring the tier's own bookkeeping.
@@ -214,7 +214,7 @@ impl Completion for Done {
 
 /// The engine side of a replay or test: one rank's GPU arenas that can be filled with the bytes
 /// derived from content keys ([`crate::copy::pattern`]), checked against them, and copied by a backend.
-/// Implemented by [`host::HostArenas`] (host memory) and, with feature `cuda`, by the CUDA arenas
+/// Implemented by [`host::MemcpyArenas`] (host memory) and, with feature `cuda`, by the CUDA arenas
 /// (device memory, fill and verify kernels).
 pub trait EngineArenas: Send + Sync {
     /// The geometry the arenas follow.

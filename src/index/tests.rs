@@ -299,7 +299,7 @@ fn concurrent_churn_keeps_len_exact() {
 }
 
 #[test]
-fn batched_reservations_fill_the_table_exactly() {
+fn batched_load_grants_fill_the_table_exactly() {
     // 512 buckets: limit 256, batches of 2. Another thread's insert leaves one unit of credit on
     // its stripe; this thread's 255 inserts must use it rather than migrate early.
     let ix = BlockIndex::with_capacity(128);

@@ -2,7 +2,7 @@
 //!
 //! One thread per connection runs the requests of [`super::proto`] against the tier with the same
 //! code an in-process rank runs: [`HostTier::query_shared`] for queries, the save preparation
-//! shared with [`crate::Rank::save_with`], and [`Lease`]'s restore claim, exactly as
+//! shared with [`crate::Rank::save_with`], and [`Lease`]'s restore hold, exactly as
 //! [`crate::Rank::restore`] takes it. What a connection holds is its own:
 //!
 //! - **lease handles**: a lease lives while any connection holds a handle on it (the one that
@@ -40,7 +40,7 @@ use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
 use crate::tier::pins::{SlotPins, WriteReservation};
 use crate::key::ContentKey;
-use crate::tier::lease::{Lease, RestoreClaim};
+use crate::tier::lease::{Lease, RestoreHold};
 use crate::tier::core::{Core, Reserved};
 use crate::tier::prepare::prepare_save;
 use crate::tier::{Fit, HostTier, SaveOptions};
@@ -380,7 +380,7 @@ struct PendingSave {
 }
 
 struct PendingRestore {
-    claim: Option<RestoreClaim>,
+    hold: Option<RestoreHold>,
     pins: SlotPins,
 }
 
@@ -615,39 +615,39 @@ impl Session {
             Request::Restore { lease, blocks } => {
                 let l = self.lease(lease)?;
                 self.check_copy()?;
-                let mut claim = l.begin_restore(blocks as usize)?;
-                let pins = claim.take_pins();
+                let mut hold = l.begin_restore(blocks as usize)?;
+                let pins = hold.take_pins();
                 let slots = pins.slots().iter().map(|s| s.0).collect();
                 let id = self.id();
-                self.restores.insert(id, PendingRestore { claim: Some(claim), pins });
+                self.restores.insert(id, PendingRestore { hold: Some(hold), pins });
                 Reply::Restoring { restore: id, slots }
             }
             Request::RestoreSubmitted { restore } => {
-                if let Some(claim) = self.restores.get_mut(&restore).and_then(|r| r.claim.take()) {
-                    claim.submitted();
+                if let Some(hold) = self.restores.get_mut(&restore).and_then(|r| r.hold.take()) {
+                    hold.submitted();
                 }
                 Reply::Done
             }
             Request::FinishRestore { restore, outcome } => {
-                let PendingRestore { claim, pins } = self
+                let PendingRestore { hold, pins } = self
                     .restores
                     .remove(&restore)
                     .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?;
                 let blocks = pins.len() as u64;
                 match outcome {
                     Outcome::NotSubmitted => {
-                        // Pins first, then the use goes back (as an unsubmitted claim does).
+                        // Pins first, then the use goes back (as an unsubmitted hold does).
                         drop(pins);
-                        drop(claim);
+                        drop(hold);
                     }
                     Outcome::Done | Outcome::Failed => {
-                        if let Some(c) = claim {
+                        if let Some(c) = hold {
                             c.submitted();
                         }
                         drop(pins);
                     }
                     Outcome::Unknown => {
-                        if let Some(c) = claim {
+                        if let Some(c) = hold {
                             c.submitted();
                         }
                         core.record_quarantined_pins(pins.len());
@@ -726,9 +726,9 @@ impl Session {
             }
         }
         let core = self.shared.core.clone();
-        for (_, PendingRestore { claim, pins }) in self.restores.drain() {
+        for (_, PendingRestore { hold, pins }) in self.restores.drain() {
             // The copy may have been submitted: the use is spent, the pins wait for the process.
-            if let Some(c) = claim {
+            if let Some(c) = hold {
                 c.submitted();
             }
             core.record_quarantined_pins(pins.len());

@@ -49,16 +49,16 @@ impl Settled {
 /// words and the counters it updates.
 pub(crate) struct LeaseState {
     pub(crate) blocks: Vec<LeasedBlock>,
-    /// `claimed << 32 | left`: uses not taken yet (`left`), and uses taken by restores whose copy
-    /// is not submitted yet (`claimed`; such a use may come back). The lease is consumed when both
+    /// `taken << 32 | left`: uses not taken yet (`left`), and uses taken by restores whose copy
+    /// is not submitted yet (`taken`; such a use may come back). The lease is consumed when both
     /// reach 0, so a use given back always finds the lease unsettled (unless it was released,
     /// dropped or expired, which no use can undo).
     pub(crate) uses: AtomicU64,
     pub(crate) settled: AtomicU8,
 }
 
-/// One claimed use in [`LeaseState::uses`].
-pub(crate) const CLAIM: u64 = 1 << 32;
+/// One taken use in [`LeaseState::uses`].
+pub(crate) const TAKEN: u64 = 1 << 32;
 
 pub(crate) fn uses_word(left: u32) -> AtomicU64 {
     AtomicU64::new(left as u64)

@@ -36,7 +36,7 @@ use crate::slab::slot::{PinError, SlotId};
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
 pub use crate::tier::expiry::LeasedBlock;
-use crate::tier::expiry::{uses_word, LeaseState, Settled, CLAIM};
+use crate::tier::expiry::{uses_word, LeaseState, Settled, TAKEN};
 use crate::tier::stats::add;
 use std::fmt;
 
@@ -234,15 +234,15 @@ impl Lease {
     }
 
     /// The lease side of a restore of the first `n` blocks: takes the restore's own pins on them,
-    /// then one use of the lease. The returned claim holds both; [`RestoreClaim::submitted`] keeps
-    /// the use (settling the lease if it was the last), dropping the claim unsubmitted gives the
+    /// then one use of the lease. The returned hold keeps both; [`RestoreHold::submitted`] keeps
+    /// the use (settling the lease if it was the last), dropping the hold unsubmitted gives the
     /// use back. [`crate::Rank::restore`] calls exactly this.
     ///
     /// # Errors
     /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::LeaseSettled`] /
     /// [`TierError::LeaseExpired`] if no use is left; [`TierError::TooManyPins`] if a slot's pin
     /// count is full (the lease stays usable).
-    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreClaim, TierError> {
+    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreHold, TierError> {
         if n > self.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: self.len() });
         }
@@ -263,10 +263,10 @@ impl Lease {
             drop(pins);
             return Err(self.settled_error());
         }
-        Ok(RestoreClaim { lease: self.clone(), pins: Some(pins), submitted: false })
+        Ok(RestoreHold { lease: self.clone(), pins: Some(pins), submitted: false })
     }
 
-    /// Takes one use without settling (`left - 1`, `claimed + 1`): false if none is left or the
+    /// Takes one use without settling (`left - 1`, `taken + 1`): false if none is left or the
     /// lease is settled. The use is then either kept ([`Lease::keep_use`]) or given back
     /// ([`Lease::give_back_use`]).
     fn take_use(&self) -> bool {
@@ -276,7 +276,7 @@ impl Lease {
             if cur as u32 == 0 || self.is_settled() {
                 return false;
             }
-            match uses.compare_exchange_weak(cur, cur - 1 + CLAIM, Ordering::AcqRel, Ordering::Acquire) {
+            match uses.compare_exchange_weak(cur, cur - 1 + TAKEN, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(a) => {
                     cur = a;
@@ -286,15 +286,15 @@ impl Lease {
         }
     }
 
-    /// A taken use is kept (its copy was submitted): `claimed - 1`; the lease is consumed if that
-    /// was the last use and no other claimed use may still come back.
+    /// A taken use is kept (its copy was submitted): `taken - 1`; the lease is consumed if that
+    /// was the last use and no other taken use may still come back.
     fn keep_use(&self) {
-        let after = self.state().uses.fetch_sub(CLAIM, Ordering::AcqRel) - CLAIM;
+        let after = self.state().uses.fetch_sub(TAKEN, Ordering::AcqRel) - TAKEN;
         // Seeded bug (tests and model checking only): the old rule, consumed as soon as no use is
-        // left to take, although a claimed use may still come back. `restore-use-before-pin`
+        // left to take, although a taken use may still come back. `restore-use-before-pin`
         // plants the old code whole (that order and this rule): with the rule above alone, a use
-        // taken before the pins is no longer a fault, since the claimed use keeps the lease (and
-        // its pins) until the claim is submitted or given back.
+        // taken before the pins is no longer a fault, since the taken use keeps the lease (and
+        // its pins) until the hold is submitted or given back.
         #[cfg(any(kvtier_seeded_bug = "use-returned-to-settled-lease", kvtier_seeded_bug = "restore-use-before-pin"))]
         let after = after as u32 as u64;
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
@@ -304,10 +304,10 @@ impl Lease {
         }
     }
 
-    /// A taken use comes back (its restore was not submitted): `left + 1`, `claimed - 1`. The
-    /// lease cannot have been consumed meanwhile (a claimed use holds that off).
+    /// A taken use comes back (its restore was not submitted): `left + 1`, `taken - 1`. The
+    /// lease cannot have been consumed meanwhile (a taken use holds that off).
     fn give_back_use(&self) {
-        self.state().uses.fetch_sub(CLAIM - 1, Ordering::AcqRel);
+        self.state().uses.fetch_sub(TAKEN - 1, Ordering::AcqRel);
     }
 
     /// Uses up one restore of the lease without copying anything (a zero-page restore).
@@ -320,14 +320,14 @@ impl Lease {
 
 /// A restore's hold on a lease: its own pins on the blocks it copies and one use of the lease
 /// (see [`Lease::begin_restore`]). It holds a handle on the lease, so the tier daemon can keep a
-/// claim between a remote rank's messages.
-pub(crate) struct RestoreClaim {
+/// hold between a remote rank's messages.
+pub(crate) struct RestoreHold {
     lease: Lease,
     pins: Option<SlotPins>,
     submitted: bool,
 }
 
-impl RestoreClaim {
+impl RestoreHold {
     /// The pinned slots, in key order.
     pub(crate) fn slots(&self) -> &[SlotId] {
         self.pins.as_ref().map_or(&[], |p| p.slots())
@@ -345,7 +345,7 @@ impl RestoreClaim {
     }
 }
 
-impl Drop for RestoreClaim {
+impl Drop for RestoreHold {
     fn drop(&mut self) {
         if !self.submitted {
             // Not submitted: pins first, then the use goes back.

@@ -450,9 +450,9 @@ impl Rank {
             lease.consume_without_copy();
             return Ok(CopyHandle::ready());
         }
-        let mut claim = lease.begin_restore(n)?;
-        let batch: Vec<CopyPair> = gpu_pages.iter().zip(claim.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
-        let pins = claim.take_pins();
+        let mut hold = lease.begin_restore(n)?;
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(hold.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+        let pins = hold.take_pins();
         // SAFETY: every slot in `batch` is READY and pinned by `pins`, which the settle closure owns
         // until the copy has finished; the caller owns the GPU pages until the handle completes.
         let handle = unsafe {
@@ -469,7 +469,7 @@ impl Rank {
                 }),
             )
         }?;
-        claim.submitted();
+        hold.submitted();
         Ok(handle)
     }
 
