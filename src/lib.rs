@@ -6,10 +6,12 @@
 //! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
 #![warn(missing_docs, missing_debug_implementations)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
 pub mod copy;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 pub mod error;
 pub mod evict;
@@ -17,6 +19,7 @@ pub mod geometry;
 pub mod index;
 pub mod key;
 #[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub mod remote;
 pub mod slab;
 pub(crate) mod sync;
@@ -26,14 +29,15 @@ pub use copy::{Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineAr
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
-pub use tier::handle::CopyHandle;
 pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
-pub use tier::lease::Lease;
-pub use slab::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
 #[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{ConnectOptions, LeaseToken};
 pub use slab::SlotId;
+pub use slab::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
+pub use tier::handle::CopyHandle;
+pub use tier::lease::Lease;
 pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
 /// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
@@ -42,8 +46,8 @@ pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, T
 #[doc(hidden)]
 pub mod testing {
     pub use crate::slab::freelist::{FreeList, MAX_SHARDS};
-    pub use crate::tier::pins::{SlotPins, WriteReservation};
     pub use crate::slab::slot::{PinError, SlotControl, SlotState, SlotWord};
+    pub use crate::tier::pins::{SlotPins, WriteReservation};
     /// The std/loom synchronisation switch (`--cfg loom` selects loom's).
     pub mod sync {
         pub use crate::sync::*;

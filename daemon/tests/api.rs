@@ -227,7 +227,7 @@ fn hints_on_a_connected_tier_go_to_the_daemon() {
     assert!(!a.withdraw_hint(id), "withdrawn once");
     assert_eq!(a.live_hints(), 0);
     // A hint goes with the connection that gave it.
-    a.hint(&k, std::time::Duration::from_secs(3600));
+    let _ = a.hint(&k, std::time::Duration::from_secs(3600));
     assert_eq!(b.live_hints(), 1);
     drop(a);
     let t0 = std::time::Instant::now();

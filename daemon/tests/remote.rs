@@ -5,8 +5,8 @@
 
 mod support;
 
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::backend::BackendKind;
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::{
     Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Fit, Geometry, HostPool, HostTier,
     LeaseToken, SaveOptions, TierError, WaitFor,

@@ -163,10 +163,9 @@ impl From<&CopyError> for Raised {
             C::DuplicateDestination { what, id } => r("DuplicateDestinationError").str("what", what).int("id", *id),
             C::Mismatch(m) => r("BackendMismatchError").str("detail", m),
             C::Device { call, message } => r("DeviceError").str("call", call).str("detail", message),
-            C::Cuda { call, detail, source } => r("DeviceError")
-                .str("call", call)
-                .int("code", source.0 as u32)
-                .str("detail", detail),
+            C::Cuda { call, detail, source } => {
+                r("DeviceError").str("call", call).int("code", source.0 as u32).str("detail", detail)
+            }
             C::Nvrtc { call, source, log } => r("DeviceError")
                 .str("call", call)
                 .int("code", source.0 as u32)

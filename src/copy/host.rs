@@ -7,10 +7,10 @@
 //! they do on a GPU.
 
 use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
+use crate::copy::pattern;
 use crate::error::{CopyError, Error, GeometryError};
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::copy::pattern;
 use crate::slab::pool::{HostPool, PoolRegion};
 use std::sync::Arc;
 

@@ -94,8 +94,8 @@
 //! `--cfg kvtier_seeded_bug="index-early-unpin"` makes [`BlockIndex::get`] unpin before reading the
 //! entry's value; `remove_races_get_with_reclamation` must catch it.
 
-mod migrate;
 mod load;
+mod migrate;
 mod shim;
 mod table;
 #[cfg(all(test, not(loom)))]

@@ -25,8 +25,8 @@
 //! The load bound (module `load`) keeps at least half of the buckets empty, so every probe ends
 //! within a few buckets, and provably within one pass.
 
-use super::migrate::Migration;
 use super::load::LoadGrants;
+use super::migrate::Migration;
 use super::shim::Liveness;
 use super::SlotRef;
 use crate::key::ContentKey;

@@ -38,10 +38,10 @@
 use super::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
-use crate::tier::pins::{SlotPins, WriteReservation};
 use crate::key::ContentKey;
-use crate::tier::lease::{Lease, RestoreHold};
 use crate::tier::core::{Core, Reserved};
+use crate::tier::lease::{Lease, RestoreHold};
+use crate::tier::pins::{SlotPins, WriteReservation};
 use crate::tier::prepare::prepare_save;
 use crate::tier::{Fit, HostTier, SaveOptions};
 use std::collections::{HashMap, HashSet};
@@ -232,7 +232,7 @@ struct Shared {
 
 impl Shared {
     fn new(tier: HostTier, limits: Limits) -> Shared {
-        let core = crate::testing::core(&tier).clone();
+        let core = tier.core().clone();
         let g = core.geometry();
         let pool = core.pool();
         let welcome = proto::Welcome {

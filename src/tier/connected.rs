@@ -9,14 +9,14 @@ use super::{Fit, HostTier, Rank, SaveOptions, SaveTicket};
 use crate::copy::{CopyPair, Direction, WaitFor};
 use crate::error::{Error, TierError};
 use crate::geometry::Geometry;
-use crate::tier::handle::CopyHandle;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::tier::lease::{Lease, LeasedBlock};
 use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
 use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireStats};
 use crate::slab::slot::SlotId;
 use crate::tier::core::Core;
+use crate::tier::handle::CopyHandle;
+use crate::tier::lease::{Lease, LeasedBlock};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -29,6 +29,7 @@ impl Lease {
     ///
     /// `None` for a lease of an in-process tier, and for a lease settled from birth (nothing
     /// leased): there is nothing to share.
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn token(&self) -> Option<LeaseToken> {
         self.remote()?.token()
     }
@@ -67,7 +68,8 @@ pub(crate) fn save(
     wait: WaitFor,
     opts: SaveOptions,
 ) -> Result<SaveTicket, TierError> {
-    let p = conn.prepare_save(keys, opts.fit == Fit::Prefix, opts.prefix_depth, opts.parent, rank.core_pool_capacity())?;
+    let p =
+        conn.prepare_save(keys, opts.fit == Fit::Prefix, opts.prefix_depth, opts.parent, rank.core_pool_capacity())?;
     let client::PreparedSave { save, saving, slots, resident, in_flight, duplicates, dropped } = p;
     if saving.is_empty() {
         return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
@@ -180,6 +182,7 @@ impl HostTier {
     /// ([`crate::PoolError::UnsealedSharedPool`], [`crate::PoolError::SharedPoolTooShort`],
     /// [`crate::PoolError::Map`]); [`Error::Tier`] with [`TierError::Index`] (never for the
     /// one-entry local index).
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn connect(path: impl AsRef<Path>) -> Result<HostTier, Error> {
         connect_impl(path.as_ref(), &ConnectOptions::new())
     }
@@ -189,6 +192,7 @@ impl HostTier {
     ///
     /// # Errors
     /// As [`HostTier::connect`]; [`TierError::GeometryMismatch`] if the daemon's namespace differs.
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn connect_as(path: impl AsRef<Path>, geometry: &Geometry) -> Result<HostTier, Error> {
         connect_impl(path.as_ref(), &ConnectOptions::new().geometry(geometry))
     }
@@ -198,11 +202,13 @@ impl HostTier {
     ///
     /// # Errors
     /// As [`HostTier::connect_as`].
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn connect_with(path: impl AsRef<Path>, options: &ConnectOptions) -> Result<HostTier, Error> {
         connect_impl(path.as_ref(), options)
     }
 
     /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn is_connected_tier(&self) -> bool {
         self.remote().is_some()
     }
@@ -214,6 +220,7 @@ impl HostTier {
     /// [`TierError::ForeignLease`] for an in-process tier or a token of another daemon run (the
     /// daemon restarted since); [`TierError::LeaseSettled`] if every handle on it is gone;
     /// [`TierError::Disconnected`].
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn open_lease(&self, token: &LeaseToken) -> Result<Lease, TierError> {
         let conn = self.remote().ok_or(TierError::ForeignLease)?;
         let core = self.core();

@@ -9,7 +9,7 @@
 use super::chain::{Chains, CHAIN_CLASSES};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
-use super::save_plan::SavingKeys;
+use super::saving::SavingKeys;
 use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
 use crate::error::TierError;
 use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind};
@@ -320,8 +320,8 @@ impl Core {
     }
 
     /// The preference class of `slot` as a victim, or `None` if it may not be evicted now (not
-    /// `READY`, or pinned). Lower classes go first: with chain-aware ranking, orphans, leaves, the
-    /// rest ([`super::chain::ChainClass`]); with live hints (`hints`, at time `now` of
+    /// `READY`, or pinned). Lower classes go first: with chain-aware ranking, orphans, then the
+    /// rest (ordered by the policy with the chains' subtree scores, see [`super::chain`]); with live hints (`hints`, at time `now` of
     /// [`Hints::now`]), every hinted block after every unhinted one. See [`Core::victim_classes`].
     pub(crate) fn victim_class(&self, slot: SlotId, hints: bool, now: u32) -> Option<u8> {
         let w = self.control().load(slot);

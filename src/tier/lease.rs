@@ -30,13 +30,13 @@
 //! the whole copy, whatever happens to the lease.
 
 use crate::error::TierError;
-use crate::tier::pins::SlotPins;
 use crate::key::ContentKey;
 use crate::slab::slot::{PinError, SlotId};
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
 pub use crate::tier::expiry::LeasedBlock;
 use crate::tier::expiry::{uses_word, LeaseState, Settled, TAKEN};
+use crate::tier::pins::SlotPins;
 use crate::tier::stats::add;
 use std::fmt;
 
@@ -87,7 +87,28 @@ impl RepeatCheck {
 }
 
 /// A set of pinned ready blocks, in key order (see the module docs). Cloning shares the lease.
+///
+/// # Examples
+///
+/// ```
+/// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+/// # use std::sync::Arc;
+/// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+/// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+/// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+/// # let rank = tier.attach(arenas.backend()?)?;
+/// let keys: Vec<_> = (0..3).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+/// rank.save(&keys[..2], &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+/// let lease = tier.query(&keys); // pins the resident prefix: 2 of the 3 blocks
+/// assert_eq!((lease.len(), lease.uses_left(), lease.is_settled()), (2, 1, false));
+/// assert!(lease.release()); // settles it now: the pins go
+/// let lease = tier.query_shared(&keys, 2); // one restore for each of two ranks
+/// assert_eq!(lease.uses_left(), 2);
+/// # drop(lease);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
+#[must_use = "a lease dropped at once settles and lets its blocks go: restore from it, or share it"]
 pub struct Lease {
     inner: Arc<LeaseInner>,
 }

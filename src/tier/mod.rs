@@ -25,10 +25,10 @@
 
 pub(crate) mod chain;
 mod config;
-pub(crate) mod core;
-pub(crate) mod evictor;
 #[cfg(feature = "remote")]
 pub(crate) mod connected;
+pub(crate) mod core;
+pub(crate) mod evictor;
 pub(crate) mod expiry;
 pub mod handle;
 mod hints;
@@ -37,6 +37,7 @@ pub(crate) mod pins;
 pub(crate) mod prepare;
 mod rank;
 pub(crate) mod save_plan;
+mod saving;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
@@ -49,10 +50,10 @@ use crate::copy::CopyBackend;
 use crate::error::{CopyError, Error, TierError};
 use crate::geometry::Geometry;
 use crate::key::{ContentKey, Namespace};
-use crate::tier::lease::Lease;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotState;
 use crate::sync::Arc;
+use crate::tier::lease::Lease;
 
 /// The host tier: a shared handle (cloning is cheap and shares the tier).
 #[derive(Clone)]
@@ -71,6 +72,18 @@ impl HostTier {
     /// # Errors
     /// [`Error::Pool`] if the pool cannot be mapped (see [`HostPool::new`]); [`Error::Tier`] with
     /// [`TierError::Index`] if the index cannot be sized as asked.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvtier::{ArenaSpec, Geometry, HostTier, TierConfig};
+    ///
+    /// // One arena of 4 KiB pages, 8 GPU pages per rank, 16 tokens a page; a 1 MiB host pool.
+    /// let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// let tier = HostTier::new(TierConfig::new(geometry, 1 << 20))?;
+    /// assert!(tier.stats().capacity > 0); // slots of one block each
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
         let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
@@ -115,6 +128,21 @@ impl HostTier {
     /// [`TierError::GeometryMismatch`] if the backend's geometry has another model, page size, slot
     /// size or chunk layout than the tier's (a tensor-parallel shard may differ: its keys differ
     /// anyway); errors from [`CopyBackend::bind_pool`]; [`TierError::ShuttingDown`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig};
+    /// use std::sync::Arc;
+    ///
+    /// let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// // Host memory stands in for a GPU's arenas; on a GPU: kvtier::cuda::CudaArenas.
+    /// let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// let rank = tier.attach(arenas.backend()?)?; // one rank per GPU
+    /// # let _ = rank;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn attach(&self, mut backend: Box<dyn CopyBackend>) -> Result<Rank, TierError> {
         if self.core.is_shutting_down() {
             return Err(TierError::ShuttingDown);
@@ -143,6 +171,22 @@ impl HostTier {
     /// them (see [`Lease`]). Hits refresh the blocks' recency. The run also ends at the first key
     /// that repeats an earlier one (a lease pins each slot once), and at a block whose slot already
     /// holds the most pins leases may take ([`crate::testing::SlotWord::LEASE_PINS`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// rank.save(&keys[..2], &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+    /// let lease = tier.query(&keys); // the two leading blocks are resident: a lease on them
+    /// assert_eq!(lease.len(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
         self.query_shared(keys, 1)
     }

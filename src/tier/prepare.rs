@@ -7,9 +7,9 @@ use super::core::Core;
 use super::evictor::Want;
 use super::stats::add;
 use crate::error::TierError;
-use crate::tier::pins::WriteReservation;
 use crate::key::ContentKey;
 use crate::sync::Arc;
+use crate::tier::pins::WriteReservation;
 
 /// A save whose slots are reserved (`WRITING`, indexed, invisible) and whose copy is next.
 #[derive(Debug)]

@@ -15,10 +15,10 @@ use super::config::SaveOptions;
 use super::core::Core;
 use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, TierError};
-use crate::tier::handle::{CopyHandle, HandleShared};
 use crate::key::{ContentKey, Namespace};
-use crate::tier::lease::Lease;
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::tier::handle::{CopyHandle, HandleShared};
+use crate::tier::lease::Lease;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 /// What a save did.
 #[derive(Debug)]
 #[non_exhaustive]
+#[must_use = "a save ticket holds the copy's handle: the GPU pages may not be rewritten before it completes"]
 pub struct SaveTicket {
     /// Indices (into the keys given) of the blocks being copied, in order.
     pub saving: Vec<usize>,
@@ -348,6 +349,24 @@ impl Rank {
     ///
     /// # Errors
     /// As [`Rank::save_with`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// arenas.fill(&[0, 1, 2, 3], &keys)?; // "prefill": bytes derived from the keys
+    /// let ticket = rank.save(&keys, &[0, 1, 2, 3], WaitFor::Nothing)?; // GPU -> host, one batch
+    /// assert_eq!(ticket.saving.len(), 4);
+    /// ticket.handle.wait()?; // the GPU pages may be reused once the copy completed
+    /// assert!(tier.contains(&keys[3]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn save(&self, keys: &[ContentKey], gpu_pages: &[u64], wait: WaitFor) -> Result<SaveTicket, TierError> {
         self.save_with(keys, gpu_pages, wait, SaveOptions::default())
     }
@@ -433,6 +452,25 @@ impl Rank {
     /// retry is served even if another rank took the lease's last use meanwhile);
     /// [`CopyError::BackendPanicked`] if the backend panicked submitting the copy (its pins are
     /// kept for good, the lease keeps its use); [`TierError::ShuttingDown`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..2).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// arenas.fill(&[0, 1], &keys)?;
+    /// rank.save(&keys, &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+    /// let lease = tier.query(&keys);
+    /// rank.restore(&lease, &[5, 6], WaitFor::Nothing)?.wait()?; // host -> GPU pages 5 and 6
+    /// arenas.verify(&[5, 6], &keys)?; // the same bytes again
+    /// assert!(lease.is_settled()); // its one use is spent: its pins are gone
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
         self.check_open()?;
         if !Arc::ptr_eq(lease.core(), &self.core) {

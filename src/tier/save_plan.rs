@@ -8,7 +8,7 @@
 //!   (a prefix with a hole at its head is worth nothing);
 //! - **in flight**: another save holds it (its copy is in flight, or it is between planning and
 //!   reserving);
-//! - **missing**: to be saved; the save *enters* each such key in the keys being saved ([`SavingKeys`]) until its
+//! - **missing**: to be saved; the save *enters* each such key in the keys being saved ([`super::saving::SavingKeys`]) until its
 //!   slot is reserved in the index, so two saves of one key never both take slots for it (neither
 //!   evicts a block for a copy the other makes);
 //! - **refused**: missing keys from the policy's first admission refusal on
@@ -19,44 +19,14 @@
 //! The rank then fits the plan to the slots it can get and records the counters once, from the plan
 //! and the outcome.
 
+use super::config::{Fit, SaveOptions};
 use super::core::{Core, KeyState, Reserved};
 use super::stats::add;
-use super::SaveOptions;
 use crate::evict::InsertInfo;
 use crate::index::{IndexReader, SlotRef};
 use crate::key::ContentKey;
 use crate::slab::slot::{PinError, SlotId};
-use crate::sync::Mutex;
-use crate::Fit;
 use std::collections::HashSet;
-
-/// Keys that a save has planned to copy and not yet reserved (see the module docs). Sharded by key
-/// hash; an uncontended entry is one short mutex hold.
-pub(crate) struct SavingKeys {
-    shards: Box<[Mutex<HashSet<ContentKey>>]>,
-}
-
-impl SavingKeys {
-    const SHARDS: usize = 16;
-
-    pub(crate) fn new() -> Self {
-        SavingKeys { shards: (0..Self::SHARDS).map(|_| Mutex::new(HashSet::new())).collect() }
-    }
-
-    fn shard(&self, key: &ContentKey) -> &Mutex<HashSet<ContentKey>> {
-        &self.shards[key.hash64() as usize % Self::SHARDS]
-    }
-
-    /// True if this call entered `key` (no other save holds it).
-    fn enter(&self, key: ContentKey) -> bool {
-        crate::sync::lock(self.shard(&key)).insert(key)
-    }
-
-    fn release(&self, key: &ContentKey) {
-        let removed = crate::sync::lock(self.shard(key)).remove(key);
-        debug_assert!(removed, "released a saving entry that was not held");
-    }
-}
 
 /// What a save will do (see the module docs). Dropping it releases the entries it still holds.
 pub struct SavePlan<'a> {

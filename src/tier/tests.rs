@@ -331,7 +331,8 @@ fn chain_links_count_children_detect_orphans_and_reattach() {
     assert_eq!(core.chain_of(s[2]), (Some(s[1]), 0, ChainClass::Leaf), "its child left: a leaf");
     // Evict the head alone (the rest pinned): blocks 1 and 2 become orphans.
     let pins = crate::tier::pins::SlotPins::take(core, [1, 2].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
-    let other_pins = crate::tier::pins::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
+    let other_pins =
+        crate::tier::pins::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
     let mut out = Vec::new();
     assert_eq!(core.evict_into(1, &mut out), 1);
     assert_eq!(out, vec![s[0]]);
@@ -361,7 +362,8 @@ fn orphans_are_evicted_first_with_every_policy() {
         // Evict the chain's head alone (the rest pinned).
         {
             let pins =
-                crate::tier::pins::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+                crate::tier::pins::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap()))
+                    .unwrap();
             let mut out = Vec::new();
             assert_eq!(core.evict_into(1, &mut out), 1, "{policy}");
             drop(pins);

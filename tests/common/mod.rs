@@ -133,7 +133,12 @@ impl CopyBackend for TestBackend {
 }
 
 /// Fills pages with keys' bytes and saves them, waiting for completion.
-pub fn save_filled(rank: &kvtier::Rank, a: &Arc<MemcpyArenas>, keys: &[ContentKey], pages: &[u64]) -> kvtier::SaveTicket {
+pub fn save_filled(
+    rank: &kvtier::Rank,
+    a: &Arc<MemcpyArenas>,
+    keys: &[ContentKey],
+    pages: &[u64],
+) -> kvtier::SaveTicket {
     a.fill(pages, keys).unwrap();
     let t = rank.save(keys, pages, WaitFor::Nothing).unwrap();
     t.handle.wait().unwrap();
