@@ -60,7 +60,7 @@ impl BackendKind {
     /// backend).
     ///
     /// # Errors
-    /// [`CopyError::Unavailable`] for CUDA in a build without the `cuda` feature or on a machine
+    /// [`crate::CopyError::Unavailable`] for CUDA in a build without the `cuda` feature or on a machine
     /// without a GPU; allocation and device errors.
     pub fn arenas(self, device: u32, geometry: &Geometry) -> Result<std::sync::Arc<dyn EngineArenas>, crate::Error> {
         match self.resolve() {

@@ -7,12 +7,14 @@
 //!   any thread ----query-----------> HostTier --------------------------+     + EvictionPolicy + stats
 //! ```
 //!
-//! Files, bottom up: `core` (shared state, slot-level steps, victim classes), `chain` (parent links
-//! and children counts for chain-aware victims), `hints` (scheduler hints), `evictor` (two-phase
-//! eviction: claims), `save` (the save plan, chain links), `prepare` (a save's tier side: plan, fit,
-//! acquire, reserve), `expiry` (lease time-to-live), `stats` (counters), `config` (options), `rank`
-//! (saves, restores, completion threads), this file (the facade). Leases ([`crate::tier::lease`]) and
-//! guards (`src/guard.rs`) sit between the core and the facade.
+//! Files, bottom up: `expiry` (a lease's settle state and the lease time-to-live clock), `saving`
+//! (the keys being saved), `chain` (parent links and children counts for chain-aware victims),
+//! `hints` (scheduler hints), `core` (shared state, slot-level steps, victim classes), `evictor`
+//! (two-phase eviction: claims), `save_plan` (the save plan, chain links), `pins` (RAII pins and
+//! write reservations), `prepare` (a save's tier side: plan, fit, acquire, reserve), `lease`
+//! (leases), `handle` (completion handles), `stats` (counters), `config` (options), `rank` (saves,
+//! restores, completion threads), `connected` (the connected tier, feature `remote`), this file
+//! (the facade).
 //!
 //! Flows (see `docs/design.md` for the invariants):
 //! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then
