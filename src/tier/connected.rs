@@ -42,10 +42,18 @@ fn leased(wire: Vec<WireBlock>) -> Vec<LeasedBlock> {
         .collect()
 }
 
-/// [`HostTier::try_query_shared`] of a connected tier.
-pub(crate) fn query(core: &Arc<Core>, conn: &Arc<Conn>, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
-    let (remote, blocks) = conn.query(keys, uses, core.pool().capacity())?;
-    Ok(Lease::remote_lease(core, leased(blocks), remote))
+impl HostTier {
+    /// [`HostTier::try_query_shared`] of a connected tier.
+    pub(super) fn query_connected(&self, conn: &Arc<Conn>, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
+        let core = self.core();
+        let (remote, blocks) = conn.query(keys, uses, core.pool().capacity())?;
+        Ok(Lease::remote_lease(core, leased(blocks), remote))
+    }
+
+    /// The daemon's statistics of its tier.
+    pub(super) fn stats_connected(&self, conn: &Conn) -> Result<TierStats, TierError> {
+        conn.stats().map(TierStats::from)
+    }
 }
 
 impl From<CopyOutcome> for Outcome {
@@ -58,87 +66,91 @@ impl From<CopyOutcome> for Outcome {
     }
 }
 
-/// [`Rank::save_with`] of a rank of a connected tier (lengths and pages already checked): the
-/// daemon prepares the save, this process copies, then tells the daemon how the copy ended.
-pub(crate) fn save(
-    rank: &Rank,
-    conn: &Arc<Conn>,
-    keys: &[ContentKey],
-    gpu_pages: &[u64],
-    wait: WaitFor,
-    opts: SaveOptions,
-) -> Result<SaveTicket, TierError> {
-    let p =
-        conn.prepare_save(keys, opts.fit == Fit::Prefix, opts.prefix_depth, opts.parent, rank.core_pool_capacity())?;
-    let client::PreparedSave { save, saving, slots, resident, in_flight, duplicates, dropped } = p;
-    if saving.is_empty() {
-        return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
-    }
-    let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
-    let c = conn.clone();
-    let settle: Settle = Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
-    // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
-    // them before the FinishSave that `settle` sends after the copy has finished, or before this
-    // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
-    // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
-    match unsafe { rank.launch(Direction::Save, &batch, wait, settle) } {
-        Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
-        Err(e) => {
-            let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
-            Err(e)
+impl Rank {
+    /// [`Rank::save_with`] of a rank of a connected tier (lengths and pages already checked): the
+    /// daemon prepares the save, this process copies, then tells the daemon how the copy ended.
+    pub(super) fn save_connected(
+        &self,
+        conn: &Arc<Conn>,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        wait: WaitFor,
+        opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
+        let p = conn.prepare_save(
+            keys,
+            opts.fit == Fit::Prefix,
+            opts.prefix_depth,
+            opts.parent,
+            self.core_pool_capacity(),
+        )?;
+        let client::PreparedSave { save, saving, slots, resident, in_flight, duplicates, dropped } = p;
+        if saving.is_empty() {
+            return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
+        }
+        let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
+        let c = conn.clone();
+        let settle: Settle =
+            Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
+        // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
+        // them before the FinishSave that `settle` sends after the copy has finished, or before this
+        // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
+        // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
+        match unsafe { self.launch(Direction::Save, &batch, wait, settle) } {
+            Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
+            Err(e) => {
+                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
+                Err(e)
+            }
         }
     }
-}
 
-/// [`Rank::restore`] from a lease of a connected tier (lease and rank checked to share the tier):
-/// the daemon takes the restore's pins and a use, this process copies, then tells the daemon.
-pub(crate) fn restore(
-    rank: &Rank,
-    lease: &RemoteLease,
-    gpu_pages: &[u64],
-    wait: WaitFor,
-) -> Result<CopyHandle, TierError> {
-    let conn = lease.conn();
-    if gpu_pages.is_empty() {
-        if lease.id() != 0 {
-            conn.expect_done(&Request::ConsumeUse { lease: lease.id() })?;
+    /// [`Rank::restore`] from a lease of a connected tier (lease and rank checked to share the tier):
+    /// the daemon takes the restore's pins and a use, this process copies, then tells the daemon.
+    pub(super) fn restore_connected(
+        &self,
+        lease: &RemoteLease,
+        gpu_pages: &[u64],
+        wait: WaitFor,
+    ) -> Result<CopyHandle, TierError> {
+        let conn = lease.conn();
+        if gpu_pages.is_empty() {
+            if lease.id() != 0 {
+                conn.expect_done(&Request::ConsumeUse { lease: lease.id() })?;
+            }
+            return Ok(CopyHandle::ready());
         }
-        return Ok(CopyHandle::ready());
-    }
-    let (restore, slots) = match conn.call(&Request::Restore { lease: lease.id(), blocks: gpu_pages.len() as u32 })? {
-        crate::remote::proto::Reply::Restoring { restore, slots } => (restore, slots),
-        r => return Err(client::unexpected(&r)),
-    };
-    if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= rank.core_pool_capacity()) {
-        let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
-        return Err(client::lost("the daemon pinned slots this restore did not ask for"));
-    }
-    let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
-    let c = conn.clone();
-    let settle: Settle = Box::new(move |outcome| {
-        // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
-        let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
-        Ok(())
-    });
-    // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
-    // until the FinishRestore that `settle` sends after the copy has finished, or until this process
-    // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
-    // handle completes.
-    match unsafe { rank.launch(Direction::Restore, &batch, wait, settle) } {
-        Ok(handle) => {
-            let _ = conn.call(&Request::RestoreSubmitted { restore });
-            Ok(handle)
-        }
-        Err(e) => {
+        let (restore, slots) =
+            match conn.call(&Request::Restore { lease: lease.id(), blocks: gpu_pages.len() as u32 })? {
+                crate::remote::proto::Reply::Restoring { restore, slots } => (restore, slots),
+                r => return Err(client::unexpected(&r)),
+            };
+        if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.core_pool_capacity()) {
             let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
-            Err(e)
+            return Err(client::lost("the daemon pinned slots this restore did not ask for"));
+        }
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
+        let c = conn.clone();
+        let settle: Settle = Box::new(move |outcome| {
+            // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
+            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
+            Ok(())
+        });
+        // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
+        // until the FinishRestore that `settle` sends after the copy has finished, or until this process
+        // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
+        // handle completes.
+        match unsafe { self.launch(Direction::Restore, &batch, wait, settle) } {
+            Ok(handle) => {
+                let _ = conn.call(&Request::RestoreSubmitted { restore });
+                Ok(handle)
+            }
+            Err(e) => {
+                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+                Err(e)
+            }
         }
     }
-}
-
-/// The daemon's statistics of its tier.
-pub(crate) fn stats(conn: &Conn) -> Result<TierStats, TierError> {
-    conn.stats().map(TierStats::from)
 }
 
 /// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated invariant).

@@ -210,7 +210,7 @@ impl HostTier {
     pub fn try_query_shared(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return connected::query(&self.core, conn, keys, uses);
+            return self.query_connected(conn, keys, uses);
         }
         Ok(Lease::acquire(&self.core, keys, uses))
     }
@@ -304,7 +304,7 @@ impl HostTier {
     pub fn try_stats(&self) -> Result<TierStats, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return connected::stats(conn);
+            return self.stats_connected(conn);
         }
         Ok(self.core.stats())
     }

@@ -405,7 +405,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return super::connected::save(self, conn, keys, gpu_pages, wait, opts);
+            return self.save_connected(conn, keys, gpu_pages, wait, opts);
         }
         let prepared = super::prepare::prepare_save(&self.core, keys, &opts)?;
         let super::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } = prepared;
@@ -482,7 +482,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(remote) = lease.remote() {
-            return super::connected::restore(self, remote, gpu_pages, wait);
+            return self.restore_connected(remote, gpu_pages, wait);
         }
         if n == 0 {
             lease.consume_without_copy();
