@@ -22,7 +22,7 @@ mod harness;
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use harness::{Args, Measured, Recorder, Report, Row};
-use kvtier::pool::{hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig};
+use kvtier::slab::{hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig};
 use kvtier::testing::FreeList;
 use std::hint::black_box;
 use std::sync::Mutex;

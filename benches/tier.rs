@@ -39,7 +39,7 @@ mod harness;
 use harness::{Args, Dist, Measured, Report, Rng, Row, Sampler};
 use kvtier::copy::null::NullBackend;
 use kvtier::copy::WaitFor;
-use kvtier::pool::BackingChoice;
+use kvtier::slab::BackingChoice;
 use kvtier::testing::{self, Core, Want, WriteReservation};
 use kvtier::tier::{HostTier, Rank, SaveOptions, TierConfig};
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};

@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "pool of {bytes} B ({:.1} GiB), glm52 slots of {} B; hugetlb pages free: {}",
         bytes as f64 / (1u64 << 30) as f64,
         geometry.slot_bytes(),
-        kvtier::pool::hugetlb_free_pages(None)
+        kvtier::slab::hugetlb_free_pages(None)
     );
     println!("{:<28} {:>10} {:>12} {:>10} {:>10}", "method", "map s", "prefault s", "register s", "total s");
     for (name, backing) in

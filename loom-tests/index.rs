@@ -1,6 +1,6 @@
 #![cfg(loom)]
 //! loom models of `BlockIndex` (src/index/): racing inserts, removal against lookups with epoch
-//! reclamation, growth (migration) racing readers and writers, and batched load reservations.
+//! reclamation, growth (migration) racing readers and writers, and batched load grants.
 //!
 //! Run with `ci/loom.sh models loom_index`, or by hand (facts in docs/invariants.md):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2
@@ -163,13 +163,13 @@ fn two_writers_help_one_migration() {
     });
 }
 
-/// Load reservations are granted to per-thread stripes in batches (2 under loom), so one thread may
+/// Load grants are granted to per-thread stripes in batches (2 under loom), so one thread may
 /// hold credit another needs: three inserts on one thread racing one on another, into a table with a
 /// limit of 4 (8 buckets). No key is lost or duplicated; the table usually fills exactly (the other
 /// stripe's leftover credit is taken) and migrates early, to 16 buckets, only when a batch is granted
 /// but not yet credited at the moment another thread finds the table full.
 #[test]
-fn batched_reservations_race() {
+fn batched_load_grants_race() {
     model(|| {
         let ix = Arc::new(BlockIndex::with_capacity(2));
         assert_eq!(ix.capacity(), 8);

@@ -103,9 +103,9 @@ fn shared_lease_serves_every_rank() {
     });
 }
 
-/// A lease with one use per rank; rank A's first restore fails at submission (its claim is dropped
+/// A lease with one use per rank; rank A's first restore fails at submission (its hold is dropped
 /// unsubmitted: a page out of range, a backend error) and it retries, while rank B restores. In
-/// every interleaving (B may take the last use and submit between A's claim and A's failure) A's
+/// every interleaving (B may take the last use and submit between A's hold and A's failure) A's
 /// retry is served: a use is given back only to a lease that is not settled.
 #[test]
 fn a_failed_submission_keeps_the_use() {

@@ -1,7 +1,8 @@
 //! Typed errors. Every fallible public function returns one of these; none of them loses a ready block.
 //!
-//! Each module has its own enum ([`GeometryError`], [`PoolError`], [`CopyError`], [`TierError`]);
-//! [`Error`](enum@Error) wraps them all for callers that do not care which layer failed.
+//! One enum per kind of failure, all here in one module ([`GeometryError`], [`PoolError`],
+//! [`CopyError`], [`IndexError`], [`TierError`]); [`Error`](enum@Error) wraps them all for callers
+//! that do not care which layer failed.
 
 use thiserror::Error;
 
@@ -250,10 +251,14 @@ pub enum CopyError {
     /// A CUDA driver call failed (feature `cuda`); `source` keeps the driver's `CUresult`
     /// (`source.0`), e.g. `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from a failed copy kernel.
     #[cfg(feature = "cuda")]
-    #[error("CUDA driver call {call} failed: {}", crate::cuda::describe_driver_error(source))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+    #[error("CUDA driver call {call} failed: {detail}")]
     Cuda {
         /// The driver function that returned the error, e.g. `cuLaunchKernel`.
         call: &'static str,
+        /// `CUDA_ERROR_NAME (code): description`, as `cuda::describe_driver_error` wrote it when
+        /// the error was made (`cuda::driver_error`).
+        detail: String,
         /// The driver's result.
         #[source]
         source: cudarc::driver::DriverError,
@@ -261,6 +266,7 @@ pub enum CopyError {
     /// NVRTC could not compile the copy kernels for this device (feature `cuda`); `source` keeps
     /// the `nvrtcResult`, `log` the compiler's log (empty if it wrote none).
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     #[error("NVRTC call {call} failed: {source:?}{}{log}", if log.is_empty() { "" } else { ":\n" })]
     Nvrtc {
         /// The NVRTC function that failed, e.g. `nvrtcCompileProgram`.

@@ -6,24 +6,22 @@
 //! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
 #![warn(missing_docs, missing_debug_implementations)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod backend;
 pub mod copy;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 pub mod error;
 pub mod evict;
-pub(crate) mod freelist;
 pub mod geometry;
-pub(crate) mod guard;
-pub mod handle;
 pub mod index;
 pub mod key;
-pub mod lease;
-pub mod pattern;
-pub mod pool;
 #[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub mod remote;
-pub(crate) mod slot;
+pub mod slab;
 pub(crate) mod sync;
 pub mod tier;
 
@@ -33,14 +31,15 @@ pub use copy::{
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
-pub use handle::CopyHandle;
 pub use index::{BlockIndex, SlotRef};
 pub use key::{ContentKey, Namespace};
-pub use lease::Lease;
-pub use pool::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
 #[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{ConnectOptions, LeaseToken};
-pub use slot::SlotId;
+pub use slab::SlotId;
+pub use slab::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
+pub use tier::handle::CopyHandle;
+pub use tier::lease::Lease;
 pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
 
 /// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
@@ -48,9 +47,9 @@ pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, T
 /// functions production calls.
 #[doc(hidden)]
 pub mod testing {
-    pub use crate::freelist::{FreeList, MAX_SHARDS};
-    pub use crate::guard::{SlotPins, WriteReservation};
-    pub use crate::slot::{PinError, SlotControl, SlotState, SlotWord};
+    pub use crate::slab::freelist::{FreeList, MAX_SHARDS};
+    pub use crate::slab::slot::{PinError, SlotControl, SlotState, SlotWord};
+    pub use crate::tier::pins::{SlotPins, WriteReservation};
     /// The std/loom synchronisation switch (`--cfg loom` selects loom's).
     pub mod sync {
         pub use crate::sync::*;
@@ -58,7 +57,7 @@ pub mod testing {
     pub use crate::tier::chain::ChainClass;
     pub use crate::tier::core::{Core, KeyState, Reserved};
     pub use crate::tier::evictor::{Claims, Want};
-    pub use crate::tier::save::SavePlan;
+    pub use crate::tier::save_plan::SavePlan;
     pub use crate::tier::AuditReport;
     use crate::{ContentKey, HostTier, Lease, TierError};
 
@@ -86,19 +85,19 @@ pub mod testing {
     /// [`TierError::Disconnected`].
     #[cfg(feature = "remote")]
     pub fn remote_audit(tier: &HostTier, keys: &[ContentKey]) -> Result<Result<AuditReport, String>, TierError> {
-        tier.remote().ok_or(TierError::ForeignLease)?.audit(keys)
+        crate::tier::connected::audit(tier.remote().ok_or(TierError::ForeignLease)?, keys)
     }
 
     /// The lease side of a restore of `n` blocks whose submission fails (a page out of range, a
     /// backend error), as [`crate::Rank::restore`] runs it: the restore's own pins, a use of the
-    /// lease, then the claim is dropped unsubmitted (pins dropped, the use given back).
+    /// lease, then the hold is dropped unsubmitted (pins dropped, the use given back).
     ///
     /// # Errors
     /// As [`crate::Rank::restore`]'s lease errors (before the submission).
     pub fn restore_failing_submission(lease: &Lease, n: usize) -> Result<(), TierError> {
-        let claim = lease.begin_restore(n)?;
-        // The backend refused the batch: the claim is dropped unsubmitted, as in `Rank::restore`.
-        drop(claim);
+        let hold = lease.begin_restore(n)?;
+        // The backend refused the batch: the hold is dropped unsubmitted, as in `Rank::restore`.
+        drop(hold);
         Ok(())
     }
 
@@ -110,9 +109,9 @@ pub mod testing {
     /// # Errors
     /// As [`crate::Rank::restore`]'s lease errors.
     pub fn restore_with<R>(lease: &Lease, n: usize, copy: impl FnOnce(&[crate::SlotId]) -> R) -> Result<R, TierError> {
-        let mut claim = lease.begin_restore(n)?;
-        let pins = claim.take_pins();
-        claim.submitted();
+        let mut hold = lease.begin_restore(n)?;
+        let pins = hold.take_pins();
+        hold.submitted();
         let r = copy(pins.slots());
         drop(pins);
         Ok(r)

@@ -48,7 +48,7 @@ struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        kvtier::pattern::mix64(self.0)
+        kvtier::copy::pattern::mix64(self.0)
     }
     /// `n` distinct values from `0..range` in random order.
     fn distinct(&mut self, n: usize, range: u64) -> Vec<u64> {
@@ -78,7 +78,7 @@ fn check_slot(g: &Geometry, pool: &TestPool, s: u32, key: &ContentKey) {
     let slot = pool.slot(s);
     for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
         let chunk = &slot[off as usize..(off + spec.bytes_per_page) as usize];
-        if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
+        if let Some(b) = kvtier::copy::pattern::first_mismatch(key, a, chunk) {
             panic!("slot {s}, arena {} byte {b}: wrong bytes after save", spec.name);
         }
     }
@@ -88,7 +88,7 @@ fn fill_slot(g: &Geometry, pool: &mut TestPool, s: u32, key: &ContentKey) {
     let offs: Vec<(u64, u64)> = g.arenas().iter().zip(g.chunk_offsets()).map(|(a, &o)| (o, a.bytes_per_page)).collect();
     let slot = pool.slot_mut(s);
     for (a, (off, n)) in offs.into_iter().enumerate() {
-        kvtier::pattern::fill(key, a, &mut slot[off as usize..(off + n) as usize]);
+        kvtier::copy::pattern::fill(key, a, &mut slot[off as usize..(off + n) as usize]);
     }
 }
 
@@ -429,7 +429,7 @@ fn bind_pool_through_a_real_host_pool() {
                 let bytes = unsafe { std::slice::from_raw_parts(pool.slot_ptr(*s), g.slot_bytes() as usize) };
                 for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
                     let chunk = &bytes[off as usize..(off + spec.bytes_per_page) as usize];
-                    assert_eq!(kvtier::pattern::first_mismatch(k, a, chunk), None, "round {round}, slot {}", s.0);
+                    assert_eq!(kvtier::copy::pattern::first_mismatch(k, a, chunk), None, "round {round}, slot {}", s.0);
                 }
             }
             let pages2 = rng.distinct(n, g.pages());
@@ -637,7 +637,7 @@ fn a_failed_driver_call_keeps_its_cuda_result() {
     let g = Geometry::new("huge", 16, vec![ArenaSpec::packed("a", 1 << 20, 1 << 22)]).unwrap();
     let e = CudaArenas::new(0, &g, CudaOptions::default()).expect_err("4 TiB cannot be allocated");
     match &e {
-        kvtier::Error::Copy(CopyError::Cuda { call, source }) => {
+        kvtier::Error::Copy(CopyError::Cuda { call, source, .. }) => {
             assert_eq!(*call, "cuMemAlloc");
             assert_eq!(source.0, sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
             assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2)"), "{e}");

@@ -2,7 +2,7 @@
 //! -> write -> `commit` -> `begin_evict` -> `release` -> `free`, on 4 threads.
 #![cfg(not(loom))]
 
-use kvtier::pool::{BackingChoice, HostPool, PoolConfig};
+use kvtier::slab::{BackingChoice, HostPool, PoolConfig};
 use kvtier::testing::SlotState;
 use kvtier::SlotId;
 

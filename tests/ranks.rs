@@ -92,7 +92,7 @@ fn a_block_saved_by_one_rank_restores_on_every_other() {
     let arenas: Vec<_> = (0..4).map(|_| arenas()).collect();
     let ranks: Vec<_> = arenas.iter().map(|a| tier.attach(a.backend().unwrap()).unwrap()).collect();
     let k = keys(&tier, 0..8);
-    save_filled(&ranks[0], &arenas[0], &k, &[0, 1, 2, 3, 4, 5, 6, 7]);
+    let _ = save_filled(&ranks[0], &arenas[0], &k, &[0, 1, 2, 3, 4, 5, 6, 7]);
     let lease = tier.query_shared(&k, 3);
     let hs: Vec<_> = (1..4)
         .map(|r| ranks[r].restore(&lease, &[20, 21, 22, 23, 24, 25, 26, 27], WaitFor::Nothing).unwrap())
@@ -112,16 +112,16 @@ fn tensor_parallel_shards_do_not_share_blocks() {
     let tier = tier(16, PolicyKind::Lru);
     let g0 = small_geometry().with_shard(0, 2).unwrap();
     let g1 = small_geometry().with_shard(1, 2).unwrap();
-    let a0 = std::sync::Arc::new(kvtier::copy::host::HostArenas::new(&g0).unwrap());
-    let a1 = std::sync::Arc::new(kvtier::copy::host::HostArenas::new(&g1).unwrap());
+    let a0 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g0).unwrap());
+    let a1 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g1).unwrap());
     let r0 = tier.attach(a0.backend().unwrap()).unwrap();
     let r1 = tier.attach(a1.backend().unwrap()).unwrap();
     assert_ne!(r0.namespace(), r1.namespace());
     let k0: Vec<_> = (0..2).map(|i| r0.namespace().trace_page_key(i, 0)).collect();
     let k1: Vec<_> = (0..2).map(|i| r1.namespace().trace_page_key(i, 0)).collect();
-    save_filled(&r0, &a0, &k0, &[0, 1]);
+    let _ = save_filled(&r0, &a0, &k0, &[0, 1]);
     assert_eq!(tier.query(&k1).len(), 0, "shard 1 never hits shard 0's blocks");
-    save_filled(&r1, &a1, &k1, &[0, 1]);
+    let _ = save_filled(&r1, &a1, &k1, &[0, 1]);
     assert_eq!(tier.stats().saved_blocks, 4);
     assert_eq!(tier.query(&k0).len(), 2);
 }

@@ -124,12 +124,12 @@ fn duplicate_keys_in_one_save_count_once() {
     assert_eq!(t2.stats().evictions, 1);
 }
 
-fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::HostArenas>, kvtier::Rank) {
+fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::MemcpyArenas>, kvtier::Rank) {
     let t = tier(n, PolicyKind::Lru);
     let a = arenas();
     let rank = t.attach(a.backend().unwrap()).unwrap();
     let k = keys(&t, 0..n);
-    save_filled(&rank, &a, &k, &(0..n).collect::<Vec<_>>());
+    let _ = save_filled(&rank, &a, &k, &(0..n).collect::<Vec<_>>());
     (t, a, rank)
 }
 
@@ -140,7 +140,7 @@ fn two_ranks_saving_one_prefix_at_once_do_not_over_evict() {
     let tier = tier(6, PolicyKind::Lru);
     let a = arenas();
     let warm = tier.attach(a.backend().unwrap()).unwrap();
-    save_filled(&warm, &a, &keys(&tier, 1000..1006), &[0, 1, 2, 3, 4, 5]);
+    let _ = save_filled(&warm, &a, &keys(&tier, 1000..1006), &[0, 1, 2, 3, 4, 5]);
     let barrier = Barrier::new(2);
     std::thread::scope(|s| {
         for _ in 0..2 {
@@ -191,7 +191,7 @@ fn a_panicking_completion_quarantines_its_slots_and_the_rank_keeps_working() {
     bad.drain(Duration::from_secs(5)).expect("the completion thread survived: the rank drains");
     // The keys can be saved again elsewhere; the quarantined slots are never reused.
     let good = tier.attach(a.backend().unwrap()).unwrap();
-    save_filled(&good, &a, &k, &[0, 1, 2, 3]);
+    let _ = save_filled(&good, &a, &k, &[0, 1, 2, 3]);
     assert_eq!(tier.stats().free_slots, 0);
     // A restore whose backend panics keeps its pins: the slots are quarantined, never evicted.
     let lease = tier.query(&k[..1]);
@@ -244,7 +244,7 @@ fn a_nan_fault_rate_fails_nothing() {
     let rank = tier.attach(Box::new(FaultyBackend::new(a.backend().unwrap(), f64::NAN, 7))).unwrap();
     let k = keys(&tier, 0..4);
     for (i, key) in k.iter().enumerate() {
-        save_filled(&rank, &a, &[*key], &[i as u64]);
+        let _ = save_filled(&rank, &a, &[*key], &[i as u64]);
     }
     assert_eq!(tier.stats().save_failed_blocks, 0);
 }
@@ -269,7 +269,7 @@ fn a_prefix_save_under_concurrent_pins_saves_what_it_can() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let base = keys(&tier, 100..108);
-    save_filled(&rank, &a, &base, &(0..8).collect::<Vec<_>>());
+    let _ = save_filled(&rank, &a, &base, &(0..8).collect::<Vec<_>>());
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -306,7 +306,7 @@ fn a_forgotten_lease_expires_under_pool_pressure() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..4);
-    save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
     let forgotten = tier.query(&k);
     assert_eq!(forgotten.len(), 4);
     // A restore in flight from it when it expires.
@@ -346,7 +346,7 @@ fn without_a_ttl_leases_never_expire() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
-    save_filled(&rank, &a, &k, &[0, 1]);
+    let _ = save_filled(&rank, &a, &k, &[0, 1]);
     let lease = tier.query(&k);
     assert_eq!(tier.expire_leases(), 0);
     let s: TierStats = tier.stats();
@@ -386,7 +386,7 @@ fn a_backend_that_panics_in_save_after_queuing_quarantines_the_slot() {
     // The next save gets the other slot; with that block leased, a further save finds no slot: the
     // quarantined one is never offered.
     let good = tier.attach(a.backend().unwrap()).unwrap();
-    save_filled(&good, &a, &k[1..2], &[1]);
+    let _ = save_filled(&good, &a, &k[1..2], &[1]);
     let lease = tier.query(&k[1..2]);
     a.fill(&[2], &k[2..3]).unwrap();
     assert!(matches!(good.save(&k[2..3], &[2], WaitFor::Nothing), Err(TierError::CannotFit { available: 0, .. })));
@@ -408,7 +408,7 @@ fn a_backend_that_panics_in_restore_after_queuing_keeps_its_pins() {
     let a = arenas();
     let good = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..1);
-    save_filled(&good, &a, &k, &[0]);
+    let _ = save_filled(&good, &a, &k, &[0]);
     let b = arenas();
     let (bad, late) = SubmitPanics::new(b.backend().unwrap(), PanicSite::Restore);
     let bad = tier.attach(Box::new(bad)).unwrap();
@@ -437,7 +437,7 @@ fn a_shared_lease_serves_the_retry_of_a_restore_that_failed_at_submission() {
     let a = arenas();
     let warm = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..1);
-    save_filled(&warm, &a, &k, &[0]);
+    let _ = save_filled(&warm, &a, &k, &[0]);
     let ranks: Vec<_> = (0..2)
         .map(|_| {
             let b = arenas();

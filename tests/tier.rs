@@ -35,7 +35,7 @@ fn query_leases_the_longest_ready_prefix() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..4);
-    save_filled(&rank, &a, &[k[0], k[1], k[3]], &[0, 1, 3]);
+    let _ = save_filled(&rank, &a, &[k[0], k[1], k[3]], &[0, 1, 3]);
     let lease = tier.query(&k);
     assert_eq!(lease.len(), 2);
     assert_eq!(tier.stats().pinned_slots, 2);
@@ -50,7 +50,7 @@ fn resaving_a_resident_block_copies_nothing() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..3);
-    save_filled(&rank, &a, &k, &[0, 1, 2]);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2]);
     let t = rank.save(&k, &[5, 6, 7], WaitFor::Nothing).unwrap();
     assert!(t.saving.is_empty());
     assert_eq!(t.resident, 3);
@@ -111,11 +111,11 @@ fn eviction_never_frees_a_pinned_block_and_refuses_before_evicting() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..10);
-    save_filled(&rank, &a, &k[0..4], &[0, 1, 2, 3]);
+    let _ = save_filled(&rank, &a, &k[0..4], &[0, 1, 2, 3]);
     let lease = tier.query(&k[0..2]);
     assert_eq!(lease.len(), 2);
     // Two new blocks: the two unpinned ones (k2, k3) are evicted, never the leased k0, k1.
-    save_filled(&rank, &a, &k[4..6], &[4, 5]);
+    let _ = save_filled(&rank, &a, &k[4..6], &[4, 5]);
     assert!(tier.contains(&k[0]) && tier.contains(&k[1]));
     assert!(!tier.contains(&k[2]) && !tier.contains(&k[3]));
     assert_eq!(tier.stats().evictions, 2);
@@ -144,9 +144,9 @@ fn a_stale_lookup_fails_by_generation_after_reuse() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
-    save_filled(&rank, &a, &k[0..1], &[0]);
+    let _ = save_filled(&rank, &a, &k[0..1], &[0]);
     let stale = kvtier::testing::core(&tier).index().get(&k[0]).unwrap();
-    save_filled(&rank, &a, &k[1..2], &[1]); // evicts k0, reuses its slot
+    let _ = save_filled(&rank, &a, &k[1..2], &[1]); // evicts k0, reuses its slot
     let fresh = kvtier::testing::core(&tier).index().get(&k[1]).unwrap();
     assert_eq!(fresh.slot, stale.slot);
     assert_eq!(fresh.generation, stale.generation + 1);
@@ -161,7 +161,7 @@ fn a_lease_settles_exactly_once() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
-    save_filled(&rank, &a, &k, &[0, 1]);
+    let _ = save_filled(&rank, &a, &k, &[0, 1]);
     let lease = tier.query(&k);
     let twin = lease.clone();
     assert_eq!(tier.stats().pinned_slots, 2);
@@ -178,7 +178,7 @@ fn several_ranks_restore_from_one_shared_lease() {
     let a = arenas();
     let r0 = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..3);
-    save_filled(&r0, &a, &k, &[0, 1, 2]);
+    let _ = save_filled(&r0, &a, &k, &[0, 1, 2]);
     let (b, c) = (arenas(), arenas());
     let (r1, r2) = (tier.attach(b.backend().unwrap()).unwrap(), tier.attach(c.backend().unwrap()).unwrap());
     let lease = tier.query_shared(&k, 2);
@@ -198,7 +198,7 @@ fn a_dropped_lease_keeps_its_slots_until_the_restore_completes() {
     let a = arenas();
     let r0 = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..4);
-    save_filled(&r0, &a, &k, &[0, 1, 2, 3]);
+    let _ = save_filled(&r0, &a, &k, &[0, 1, 2, 3]);
     let b = arenas();
     let gate = Gate::default();
     let r1 = tier.attach(TestBackend::gated(&b, &gate)).unwrap();
@@ -221,7 +221,7 @@ fn bad_input_gets_typed_errors_and_loses_nothing() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
-    save_filled(&rank, &a, &k[0..1], &[0]);
+    let _ = save_filled(&rank, &a, &k[0..1], &[0]);
     assert!(matches!(rank.save(&k, &[1], WaitFor::Nothing), Err(TierError::LengthMismatch { keys: 2, pages: 1 })));
     assert!(matches!(
         rank.save(&k[1..2], &[64], WaitFor::Nothing),
@@ -326,7 +326,7 @@ fn audit_sees_a_consistent_tier_after_churn() {
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..12);
     for c in k.chunks(3) {
-        save_filled(&rank, &a, c, &[0, 1, 2]);
+        let _ = save_filled(&rank, &a, c, &[0, 1, 2]);
     }
     let lease = tier.query(&k[9..11]);
     let rep = kvtier::testing::core(&tier).audit(&k).unwrap();
@@ -388,7 +388,7 @@ fn slot_acquisition_that_cannot_be_satisfied_evicts_nothing() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..4);
-    save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
     let lease = tier.query(&k[0..2]);
     match kvtier::testing::core(&tier).acquire_slots(kvtier::testing::Want::Exactly(3)) {
         Err(TierError::PoolExhausted { needed: 3, got: 2 }) => {}
@@ -407,7 +407,7 @@ fn a_restore_takes_its_use_before_it_copies_and_gives_it_back_on_failure() {
     let a = arenas();
     let r0 = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
-    save_filled(&r0, &a, &k, &[0, 1]);
+    let _ = save_filled(&r0, &a, &k, &[0, 1]);
     let b = arenas();
     let gate = Gate::default();
     let r1 = tier.attach(TestBackend::gated(&b, &gate)).unwrap();
@@ -433,14 +433,14 @@ fn an_evict_of_any_size_returns_sanely_and_later_saves_still_evict() {
     let a = arenas();
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..12);
-    save_filled(&rank, &a, &k[..4], &[0, 1, 2, 3]);
+    let _ = save_filled(&rank, &a, &k[..4], &[0, 1, 2, 3]);
     let lease = tier.query(&k[..1]);
     assert_eq!(tier.evict(usize::MAX), 3, "every unpinned block, never the pinned one");
-    save_filled(&rank, &a, &k[4..7], &[4, 5, 6]);
+    let _ = save_filled(&rank, &a, &k[4..7], &[4, 5, 6]);
     assert_eq!(tier.evict(1 << 40), 3);
     assert_eq!(tier.evict(usize::MAX), 0);
     drop(lease);
-    save_filled(&rank, &a, &k[7..11], &[7, 8, 9, 10]);
+    let _ = save_filled(&rank, &a, &k[7..11], &[7, 8, 9, 10]);
     // The pool is full: this save must evict, through the eviction lock.
     let t = save_filled(&rank, &a, &k[11..12], &[11]);
     assert_eq!(t.saving.len(), 1);

@@ -9,7 +9,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::evict::PolicyKind;
 use kvtier::{BackingChoice, Geometry};
 use kvtier_cli::replay::{self, ReplayConfig};

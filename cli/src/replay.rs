@@ -8,7 +8,7 @@
 //! 2. `tier.query(keys)`: a lease over the longest run of leading resident pages (`h` hits);
 //! 3. restore the lease into the first `h` GPU pages and wait (the restore latency is measured from
 //!    submission to completion);
-//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`kvtier::pattern`]);
+//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`kvtier::copy::pattern`]);
 //!    any mismatch fails the run;
 //! 5. "prefill" pages `h..n`: write the pattern of each key into its GPU page;
 //! 6. save pages `h..n` with [`Fit::Prefix`]: resident pages copy nothing (their recency is
@@ -26,7 +26,7 @@ use crate::trace::{pages_per_block, TraceRequest};
 use hdrhistogram::Histogram;
 use kvtier::copy::{EngineArenas, WaitFor};
 use kvtier::evict::PolicyKind;
-use kvtier::pool::BackingChoice;
+use kvtier::slab::BackingChoice;
 use kvtier::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
 use kvtier::TierError;
 use serde::Serialize;

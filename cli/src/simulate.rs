@@ -23,7 +23,7 @@ use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
 use kvtier::copy::null::NullBackend;
 use kvtier::copy::WaitFor;
-use kvtier::pool::BackingChoice;
+use kvtier::slab::BackingChoice;
 use kvtier::tier::{Fit, HintId, HostTier, SaveOptions, TierConfig};
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
 use serde::Serialize;

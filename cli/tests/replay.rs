@@ -3,7 +3,7 @@
 
 mod support;
 
-use kvtier::copy::host::HostArenas;
+use kvtier::copy::host::MemcpyArenas;
 use kvtier::copy::{CopyBackend, EngineArenas};
 use kvtier::evict::PolicyKind;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, Geometry};
@@ -106,7 +106,7 @@ fn replay_lru(requests: &[TraceRequest], slots: u64, concurrency: usize) -> Repl
 fn replay_lru_hinted(requests: &[TraceRequest], slots: u64, concurrency: usize, lookahead: usize) -> ReplayReport {
     let pages = replay::gpu_pages_needed(requests, 64, concurrency).unwrap();
     let g = tiny_geometry(pages);
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let config = ReplayConfig {
         policy: PolicyKind::Lru,
         pool_bytes: slots * g.slot_bytes(),
@@ -224,7 +224,7 @@ fn concurrent_replay_verifies_every_restore() {
 /// Arenas whose prefill writes the wrong bytes for one key (as if a save or restore had corrupted
 /// it): the replay must fail verification when that page is restored.
 struct Corrupting {
-    inner: Arc<HostArenas>,
+    inner: Arc<MemcpyArenas>,
     victim: ContentKey,
 }
 
@@ -250,7 +250,7 @@ fn corrupted_restore_fails_the_run() {
     let reqs = &sample()[..2]; // both start with block 0
     let g = tiny_geometry(replay::gpu_pages_needed(reqs, 64, 1).unwrap());
     let arenas = Corrupting {
-        inner: Arc::new(HostArenas::new(&g).unwrap()),
+        inner: Arc::new(MemcpyArenas::new(&g).unwrap()),
         victim: g.namespace().trace_page_key(reqs[0].hash_ids[0], 3),
     };
     let config =
@@ -269,7 +269,7 @@ fn request_larger_than_the_gpu_pages_is_a_typed_error() {
     )
     .unwrap();
     let g = tiny_geometry(16);
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let config = ReplayConfig { pool_bytes: 100 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
     match replay::run(&reqs, &config, &arenas, &|_| {}) {
         Err(Error::Replay(ReplayError::RequestTooLarge { request: 2, pages: 17, gpu_pages: 16 })) => {}

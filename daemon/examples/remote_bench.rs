@@ -9,7 +9,7 @@
 //! ```
 
 use clap::{Parser, Subcommand};
-use kvtier::copy::host::HostArenas;
+use kvtier::copy::host::MemcpyArenas;
 use kvtier::remote::Server;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, PoolConfig, TierConfig, WaitFor};
 use std::sync::Arc;
@@ -107,7 +107,7 @@ fn rtt(socket: Option<String>, n: usize, iters: usize) {
     println!("{n}-key operations, {iters} runs each (after {} warm-up runs)", iters / 10);
     for (name, tier) in [("connected", &remote), ("in process", &local)] {
         let rg = tier.geometry().with_pages(2 * n as u64).unwrap();
-        let arenas = Arc::new(HostArenas::new(&rg).unwrap());
+        let arenas = Arc::new(MemcpyArenas::new(&rg).unwrap());
         let rank = tier.attach(arenas.backend().unwrap()).unwrap();
         let keys: Vec<ContentKey> = (0..n as u64).map(|i| tier.namespace().trace_page_key(7, i)).collect();
         let miss: Vec<ContentKey> = (0..n as u64).map(|i| tier.namespace().trace_page_key(8, i)).collect();
@@ -178,7 +178,7 @@ fn pool(bytes: &str, backing: &str) {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use kvtier::copy::BackendKind;
+    use kvtier::backend::BackendKind;
     use std::io::{BufRead, Write};
 
     #[derive(clap::Args)]

@@ -9,7 +9,7 @@
 //! Host arenas stand in for GPU memory, so it runs anywhere; with `kvtier::cuda::CudaArenas` (or an
 //! engine's own tensors) the copies run on each process's GPU.
 
-use kvtier::copy::host::HostArenas;
+use kvtier::copy::host::MemcpyArenas;
 use kvtier::{EngineArenas, HostTier, LeaseToken, WaitFor};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -21,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let tier = HostTier::connect(&socket)?;
     let geometry = tier.geometry().with_pages(64)?; // this process's pages per arena
-    let arenas = Arc::new(HostArenas::new(&geometry)?);
+    let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
     let rank = tier.attach(arenas.backend()?)?;
     let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(42, i)).collect();
 

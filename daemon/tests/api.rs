@@ -2,7 +2,7 @@
 //! call. The daemon's server runs on a thread of this test process (`kvtier::remote::Server`), the
 //! clients are `HostTier::connect` handles on other threads.
 
-use kvtier::copy::host::HostArenas;
+use kvtier::copy::host::MemcpyArenas;
 use kvtier::remote::Server;
 use kvtier::{
     ArenaSpec, BackingChoice, CopyError, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig,
@@ -40,7 +40,7 @@ fn script(tier: &HostTier) -> Vec<String> {
     let mut out = Vec::new();
     let mut log = |s: String| out.push(s);
     let g = tier.geometry().with_pages(64).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     log(format!(
         "rank {} backend {} policy {} capacity {}",
@@ -143,7 +143,7 @@ fn leases_are_foreign_across_tiers_and_tokens_open_on_other_connections() {
     let b = HostTier::connect(&path).unwrap();
     let local = HostTier::new(config(8)).unwrap();
     let g = a.geometry().with_pages(8).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let ra = a.attach(arenas.backend().unwrap()).unwrap();
     let k: Vec<_> = (0..3).map(|i| a.namespace().trace_page_key(i, 0)).collect();
     arenas.fill(&[0, 1, 2], &k).unwrap();
@@ -230,7 +230,7 @@ fn hints_on_a_connected_tier_go_to_the_daemon() {
     assert!(!a.withdraw_hint(id), "withdrawn once");
     assert_eq!(a.live_hints(), 0);
     // A hint goes with the connection that gave it.
-    a.hint(&k, std::time::Duration::from_secs(3600));
+    let _ = a.hint(&k, std::time::Duration::from_secs(3600));
     assert_eq!(b.live_hints(), 1);
     drop(a);
     let t0 = std::time::Instant::now();
@@ -248,7 +248,7 @@ fn a_connected_rank_saves_and_restores_layer_wise() {
     let (_dir, path) = serve(8);
     let tier = HostTier::connect(&path).unwrap();
     let g = tier.geometry().with_pages(16).unwrap().with_layers(vec![0, 1]).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     assert_eq!(rank.layer_groups(2).unwrap().len(), 2, "the backend's layers");
     let k: Vec<_> = (0..3).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
@@ -274,12 +274,12 @@ fn submit_panic_script(tier: &HostTier) -> Vec<String> {
     use kvtier::copy::fault::{PanicSite, SubmitPanics};
     let mut out = Vec::new();
     let g = tier.geometry().with_pages(8).unwrap();
-    let a = Arc::new(HostArenas::new(&g).unwrap());
+    let a = Arc::new(MemcpyArenas::new(&g).unwrap());
     let good = tier.attach(a.backend().unwrap()).unwrap();
     let k: Vec<_> = (0..1).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
     a.fill(&[0], &k).unwrap();
     good.save(&k, &[0], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
-    let b = Arc::new(HostArenas::new(&g).unwrap());
+    let b = Arc::new(MemcpyArenas::new(&g).unwrap());
     let (bad, late) = SubmitPanics::new(b.backend().unwrap(), PanicSite::Restore);
     let bad = tier.attach(Box::new(bad)).unwrap();
     let lease = tier.query(&k);
@@ -287,7 +287,7 @@ fn submit_panic_script(tier: &HostTier) -> Vec<String> {
     out.push(format!("{:?}", r.map(|r| r.map(|_| ()))));
     let s = tier.stats();
     out.push(format!("quarantined pins {}", s.quarantined_pins));
-    let c = Arc::new(HostArenas::new(&g).unwrap());
+    let c = Arc::new(MemcpyArenas::new(&g).unwrap());
     let retry = tier.attach(c.backend().unwrap()).unwrap();
     let again = retry.restore(&lease, &[3], WaitFor::Nothing).map(|h| h.wait_timeout(WAIT).unwrap());
     out.push(format!("retry after a submission panic: {again:?}"));

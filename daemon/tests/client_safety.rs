@@ -6,7 +6,7 @@
 
 mod support;
 
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
 use kvtier::{ConnectOptions, ContentKey, EngineArenas, Error, HostTier, Limit, Rank, TierError, WaitFor};
 use nix::libc;
 use std::io::Read;
@@ -151,7 +151,7 @@ fn a_client_cannot_resize_the_pool_under_the_others() {
     let fd = hostile.pool().shared_fd().expect("a connected tier maps the daemon's memfd");
     let len = hostile.pool().mapped_bytes() as i64;
     let seals = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).unwrap() as u32;
-    assert_eq!(seals, kvtier::pool::POOL_SEALS, "the received memfd's seals");
+    assert_eq!(seals, kvtier::slab::POOL_SEALS, "the received memfd's seals");
     for size in [0, len / 2, len * 2] {
         assert_eq!(nix::unistd::ftruncate(fd, size), Err(nix::errno::Errno::EPERM), "ftruncate to {size} B");
     }

@@ -7,7 +7,7 @@
 
 mod support;
 
-use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::remote::proto::{self, Outcome, Reply, Request, Welcome, WireError};
 use kvtier::remote::{Limits, Server, ServerConfig};
 use kvtier::{
@@ -145,8 +145,8 @@ fn engine_is_served(socket: &Path, range: std::ops::Range<u64>) {
     let tier = HostTier::connect(socket).expect("a correct engine connects");
     let k = keys(&tier, range);
     let g = tier.geometry().with_pages(2 * k.len() as u64).unwrap();
-    let arenas = Arc::new(HostArenas::new(&g).unwrap());
-    let rank = tier.attach(Box::new(HostBackend::new(arenas.clone()))).unwrap();
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let rank = tier.attach(Box::new(MemcpyBackend::new(arenas.clone()))).unwrap();
     let src: Vec<u64> = (0..k.len() as u64).collect();
     arenas.fill(&src, &k).unwrap();
     let t = rank.save(&k, &src, WaitFor::Nothing).expect("the engine's save");

@@ -5,8 +5,8 @@
 
 mod support;
 
-use kvtier::copy::host::{HostArenas, HostBackend};
-use kvtier::copy::BackendKind;
+use kvtier::backend::BackendKind;
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::{
     Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Fit, Geometry, HostPool, HostTier,
     LeaseToken, SaveOptions, TierError, WaitFor,
@@ -77,7 +77,7 @@ fn save_all(tier: &HostTier, keys: &[ContentKey]) -> (Arc<dyn EngineArenas>, kvt
 /// first writes its bytes, then scribbles over them (a torn, half-written block); a restore copies
 /// nothing.
 struct StuckBackend {
-    inner: HostBackend,
+    inner: MemcpyBackend,
     pool: Option<(usize, u64)>,
 }
 
@@ -133,9 +133,9 @@ impl CopyBackend for StuckBackend {
     }
 }
 
-fn stuck_rank(tier: &HostTier) -> (Arc<HostArenas>, kvtier::Rank) {
-    let arenas = Arc::new(HostArenas::new(&rank_geometry(tier)).unwrap());
-    let backend = StuckBackend { inner: HostBackend::new(arenas.clone()), pool: None };
+fn stuck_rank(tier: &HostTier) -> (Arc<MemcpyArenas>, kvtier::Rank) {
+    let arenas = Arc::new(MemcpyArenas::new(&rank_geometry(tier)).unwrap());
+    let backend = StuckBackend { inner: MemcpyBackend::new(arenas.clone()), pool: None };
     let rank = tier.attach(Box::new(backend)).unwrap();
     (arenas, rank)
 }

@@ -6,7 +6,7 @@
 //! Everything here must run inside `loom::model` (the core's atomics are loom's).
 #![allow(dead_code)]
 
-use kvtier::pool::{BackingChoice, HostPool, PoolConfig};
+use kvtier::slab::{BackingChoice, HostPool, PoolConfig};
 use kvtier::testing::sync::Arc;
 use kvtier::testing::{Core, SlotState, SlotWord, Want, WriteReservation};
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotId, SlotRef};

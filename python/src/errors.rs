@@ -169,10 +169,9 @@ impl From<&CopyError> for Raised {
             C::DuplicateDestination { what, id } => r("DuplicateDestinationError").str("what", what).int("id", *id),
             C::Mismatch(m) => r("BackendMismatchError").str("detail", m),
             C::Device { call, message } => r("DeviceError").str("call", call).str("detail", message),
-            C::Cuda { call, source } => r("DeviceError")
-                .str("call", call)
-                .int("code", source.0 as u32)
-                .str("detail", kvtier::cuda::describe_driver_error(source)),
+            C::Cuda { call, detail, source } => {
+                r("DeviceError").str("call", call).int("code", source.0 as u32).str("detail", detail)
+            }
             C::Nvrtc { call, source, log } => r("DeviceError")
                 .str("call", call)
                 .int("code", source.0 as u32)
@@ -307,12 +306,12 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
             CopyError::Mismatch(s("pool slots differ")),
             CopyError::Device { call: s("injected"), message: s("a test's fault") },
             // The same class; the last example of a class is the one the tests read.
-            CopyError::Cuda {
-                call: "cuLaunchKernel",
-                source: kvtier::cuda::cudarc::driver::DriverError(
+            kvtier::cuda::driver_error(
+                "cuLaunchKernel",
+                kvtier::cuda::cudarc::driver::DriverError(
                     kvtier::cuda::cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
                 ),
-            },
+            ),
             CopyError::Unavailable { backend: "cuda", reason: s("no GPU") },
             CopyError::ShutDown,
             CopyError::BackendPanicked,

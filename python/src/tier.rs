@@ -14,9 +14,9 @@ use crate::convert::{count_of, handle_of, ints_of, key_of, keys_of, to_py, wait_
 use crate::errors::{IntoPyResult, Raised};
 use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
 use crate::reaper;
-use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
-use kvtier::pool::BackingChoice;
+use kvtier::slab::BackingChoice;
 use kvtier::{
     ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, LeaseToken, PolicyKind, Rank,
     SaveOptions, SaveTicket, TierConfig, TierError,
@@ -315,9 +315,9 @@ impl PyTier {
         // copy has finished; a drain that times out leaks the references instead (PyRank::close).
         // A tensor resized or given another storage is caught by the watch before each copy is
         // submitted (the rank's documented contract: not while its copies are in flight).
-        let arenas = unsafe { HostArenas::from_binding(&rg, binding) }.py()?;
+        let arenas = unsafe { MemcpyArenas::from_binding(&rg, binding) }.py()?;
         let watch = arena_watch(py, tensors, &views)?;
-        let backend = Box::new(HostBackend::new(Arc::new(arenas)));
+        let backend = Box::new(MemcpyBackend::new(Arc::new(arenas)));
         // A connected tier's attach is a daemon round trip.
         let rank = py.detach(|| self.inner.attach(backend)).py()?;
         Ok(new_rank(rank, watch, None))

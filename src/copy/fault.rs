@@ -9,7 +9,7 @@
 use super::{Completion, CopyBackend, CopyPair, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::Geometry;
-use crate::pool::HostPool;
+use crate::slab::pool::HostPool;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Where an injected failure shows up.
@@ -48,7 +48,7 @@ impl FaultyBackend {
 
     /// Decides the next batch's fate: `None` (no fault) or where it fails.
     fn roll(&self) -> Option<FaultSite> {
-        let x = crate::pattern::mix64(self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+        let x = crate::copy::pattern::mix64(self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
         let u = (x >> 11) as f64 / (1u64 << 53) as f64;
         if u >= self.rate {
             return None;

@@ -8,24 +8,24 @@
 
 use super::layers::{LayerCopy, LayerGroups, LayerReadiness};
 use super::{validate_batch, Completion, CopyBackend, CopyPair, Direction, EngineArenas, WaitFor};
+use crate::copy::pattern;
 use crate::error::{CopyError, Error, GeometryError};
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::pattern;
-use crate::pool::{HostPool, PoolRegion};
+use crate::slab::pool::{HostPool, PoolRegion};
 use std::sync::Arc;
 
 /// Arena memory for the host backend: one anonymous mapping per arena (or per fused buffer), laid
-/// out as the geometry says ([`HostArenas::new`]), or memory the caller owns
-/// ([`HostArenas::from_binding`]). Mapped pages are not touched until written, so a large page
+/// out as the geometry says ([`MemcpyArenas::new`]), or memory the caller owns
+/// ([`MemcpyArenas::from_binding`]). Mapped pages are not touched until written, so a large page
 /// count costs address space, not memory.
-pub struct HostArenas {
+pub struct MemcpyArenas {
     geometry: Geometry,
-    _buffers: Vec<crate::pool::Mapping>,
+    _buffers: Vec<crate::slab::pool::Mapping>,
     binding: ArenaBinding,
 }
 
-impl HostArenas {
+impl MemcpyArenas {
     /// Allocates arenas for `geometry` (`geometry.pages()` pages each).
     ///
     /// # Errors
@@ -33,11 +33,11 @@ impl HostArenas {
     /// (it cannot be for a valid geometry).
     pub fn new(geometry: &Geometry) -> Result<Self, Error> {
         let arenas = geometry.arenas();
-        let mut buffers: Vec<crate::pool::Mapping> = Vec::new();
+        let mut buffers: Vec<crate::slab::pool::Mapping> = Vec::new();
         let mut fused: Vec<(u32, usize)> = Vec::new();
         let mut bases = Vec::with_capacity(arenas.len());
         let map = |len: u64| {
-            crate::pool::Mapping::anonymous(len as usize)
+            crate::slab::pool::Mapping::anonymous(len as usize)
                 .map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
         };
         for a in arenas {
@@ -61,14 +61,14 @@ impl HostArenas {
             }
         }
         let binding = ArenaBinding::new(geometry, bases).map_err(|e: GeometryError| Error::Geometry(e))?;
-        Ok(HostArenas { geometry: geometry.clone(), _buffers: buffers, binding })
+        Ok(MemcpyArenas { geometry: geometry.clone(), _buffers: buffers, binding })
     }
 
     /// Host arenas over memory the caller owns (an engine's CPU KV tensors, numpy arrays, its own
     /// allocations): arena `i` of `geometry` at `binding.bases()[i]`, page `p` at byte
     /// `p * page_stride` from there. Nothing is allocated or freed; the arenas' placement is
     /// ignored (the binding says where they are). Wrap the result in an `Arc` and make a backend
-    /// with [`EngineArenas::backend`] or [`HostBackend::new`].
+    /// with [`EngineArenas::backend`] or [`MemcpyBackend::new`].
     ///
     /// # Safety
     /// For every arena, the `extent()` bytes from its base must be valid for reads and writes from
@@ -83,7 +83,7 @@ impl HostArenas {
     pub unsafe fn from_binding(geometry: &Geometry, binding: ArenaBinding) -> Result<Self, Error> {
         // Re-check against this geometry: a binding validated for another geometry proves nothing.
         let binding = ArenaBinding::new(geometry, binding.bases().to_vec())?;
-        Ok(HostArenas { geometry: geometry.clone(), _buffers: Vec::new(), binding })
+        Ok(MemcpyArenas { geometry: geometry.clone(), _buffers: Vec::new(), binding })
     }
 
     /// The geometry.
@@ -129,13 +129,13 @@ impl HostArenas {
     }
 }
 
-// SAFETY: HostArenas owns its mappings; the raw addresses it hands out are only dereferenced under
+// SAFETY: MemcpyArenas owns its mappings; the raw addresses it hands out are only dereferenced under
 // the callers' documented exclusivity contracts.
-unsafe impl Send for HostArenas {}
-// SAFETY: as above; &HostArenas methods only compute addresses.
-unsafe impl Sync for HostArenas {}
+unsafe impl Send for MemcpyArenas {}
+// SAFETY: as above; &MemcpyArenas methods only compute addresses.
+unsafe impl Sync for MemcpyArenas {}
 
-impl HostArenas {
+impl MemcpyArenas {
     fn check(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), Error> {
         crate::copy::check_pages_and_keys(&self.geometry, pages, keys)
     }
@@ -143,7 +143,7 @@ impl HostArenas {
 
 /// Host arenas as the engine side of a replay. Callers must not fill or verify pages that a copy is
 /// using (the replay only touches pages it owns).
-impl EngineArenas for Arc<HostArenas> {
+impl EngineArenas for Arc<MemcpyArenas> {
     fn geometry(&self) -> &Geometry {
         &self.geometry
     }
@@ -173,37 +173,37 @@ impl EngineArenas for Arc<HostArenas> {
         Ok(())
     }
     fn backend(&self) -> Result<Box<dyn CopyBackend>, Error> {
-        Ok(Box::new(HostBackend::new(self.clone())))
+        Ok(Box::new(MemcpyBackend::new(self.clone())))
     }
 }
 
 /// The host backend for one "rank".
-pub struct HostBackend {
-    arenas: Arc<HostArenas>,
+pub struct MemcpyBackend {
+    arenas: Arc<MemcpyArenas>,
     pool: Option<PoolRegion>,
 }
 
-impl HostBackend {
+impl MemcpyBackend {
     /// A backend over `arenas`.
-    pub fn new(arenas: Arc<HostArenas>) -> Self {
-        HostBackend { arenas, pool: None }
+    pub fn new(arenas: Arc<MemcpyArenas>) -> Self {
+        MemcpyBackend { arenas, pool: None }
     }
 
     /// The arenas.
-    pub fn arenas(&self) -> &Arc<HostArenas> {
+    pub fn arenas(&self) -> &Arc<MemcpyArenas> {
         &self.arenas
     }
 
     fn submit(&self, batch: &[CopyPair], dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
         let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
-        Ok(Box::new(HostCompletion {
-            job: Some(HostJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
+        Ok(Box::new(MemcpyCompletion {
+            job: Some(MemcpyJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
         }))
     }
 }
 
-impl CopyBackend for HostBackend {
+impl CopyBackend for MemcpyBackend {
     fn name(&self) -> &'static str {
         "host"
     }
@@ -235,7 +235,7 @@ impl CopyBackend for HostBackend {
 /// Layer-wise copies on the host: group by group, in group order, on whichever thread first needs
 /// a group (a layer wait, or the completion's `wait` on the rank's completion thread). Waits are
 /// ignored as in whole-block copies. The readiness is a CPU-side counter of copied groups.
-impl LayerCopy for HostBackend {
+impl LayerCopy for MemcpyBackend {
     unsafe fn copy_layers(
         &self,
         dir: Direction,
@@ -247,21 +247,21 @@ impl LayerCopy for HostBackend {
         groups.check(self.arenas.geometry.arenas().len())?;
         groups.check_waits(waits)?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
-        let job = HostJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir };
-        Ok(Box::new(HostLayerCompletion {
-            job: Arc::new(HostLayerJob { job, groups: groups.clone(), copied: std::sync::Mutex::new(0) }),
+        let job = MemcpyJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir };
+        Ok(Box::new(MemcpyLayerCompletion {
+            job: Arc::new(MemcpyLayerJob { job, groups: groups.clone(), copied: std::sync::Mutex::new(0) }),
         }))
     }
 }
 
-struct HostJob {
-    arenas: Arc<HostArenas>,
+struct MemcpyJob {
+    arenas: Arc<MemcpyArenas>,
     pool: PoolRegion,
     batch: Vec<CopyPair>,
     dir: Direction,
 }
 
-impl HostJob {
+impl MemcpyJob {
     fn run(&self) {
         self.run_arenas(0..self.arenas.geometry.arenas().len());
     }
@@ -291,11 +291,11 @@ impl HostJob {
     }
 }
 
-struct HostCompletion {
-    job: Option<HostJob>,
+struct MemcpyCompletion {
+    job: Option<MemcpyJob>,
 }
 
-impl Completion for HostCompletion {
+impl Completion for MemcpyCompletion {
     fn poll(&mut self) -> Result<bool, CopyError> {
         self.wait().map(|_| true)
     }
@@ -308,13 +308,13 @@ impl Completion for HostCompletion {
 }
 
 /// A layer-wise host copy: the job and how many of its groups have been copied.
-struct HostLayerJob {
-    job: HostJob,
+struct MemcpyLayerJob {
+    job: MemcpyJob,
     groups: LayerGroups,
     copied: std::sync::Mutex<usize>,
 }
 
-impl HostLayerJob {
+impl MemcpyLayerJob {
     /// Copies groups up to and including `g` that are not copied yet (in group order).
     fn advance(&self, g: usize) {
         let mut copied = self.copied.lock().unwrap_or_else(|p| p.into_inner());
@@ -325,7 +325,7 @@ impl HostLayerJob {
     }
 }
 
-impl LayerReadiness for HostLayerJob {
+impl LayerReadiness for MemcpyLayerJob {
     fn groups(&self) -> usize {
         self.groups.len()
     }
@@ -347,11 +347,11 @@ impl LayerReadiness for HostLayerJob {
     }
 }
 
-struct HostLayerCompletion {
-    job: Arc<HostLayerJob>,
+struct MemcpyLayerCompletion {
+    job: Arc<MemcpyLayerJob>,
 }
 
-impl Completion for HostLayerCompletion {
+impl Completion for MemcpyLayerCompletion {
     fn poll(&mut self) -> Result<bool, CopyError> {
         self.wait().map(|_| true)
     }
@@ -364,18 +364,18 @@ impl Completion for HostLayerCompletion {
     }
 }
 
-impl std::fmt::Debug for HostArenas {
+impl std::fmt::Debug for MemcpyArenas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostArenas")
+        f.debug_struct("MemcpyArenas")
             .field("model", &self.geometry.model())
             .field("pages", &self.geometry.pages())
             .finish()
     }
 }
 
-impl std::fmt::Debug for HostBackend {
+impl std::fmt::Debug for MemcpyBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostBackend").field("arenas", &self.arenas).field("pool", &self.pool).finish()
+        f.debug_struct("MemcpyBackend").field("arenas", &self.arenas).field("pool", &self.pool).finish()
     }
 }
 
@@ -383,7 +383,7 @@ impl std::fmt::Debug for HostBackend {
 mod tests {
     use super::*;
     use crate::geometry::ArenaSpec;
-    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::slab::pool::{BackingChoice, PoolConfig};
     use crate::tier::{HostTier, TierConfig};
 
     /// Two arenas of 64 B pages over caller-owned vectors: save, restore into other pages, and the
@@ -405,7 +405,7 @@ mod tests {
         {
             // SAFETY: k and v outlive the arenas, the rank (dropped at the end of this block, which
             // drains its copies) and every copy; nothing touches them while a copy runs.
-            let arenas = Arc::new(unsafe { HostArenas::from_binding(&g, bind) }.unwrap());
+            let arenas = Arc::new(unsafe { MemcpyArenas::from_binding(&g, bind) }.unwrap());
             let mut cfg = TierConfig::new(g.clone(), 4 * g.slot_bytes());
             cfg.pool = PoolConfig { bytes: 4 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
             let tier = HostTier::new(cfg).unwrap();
@@ -431,7 +431,7 @@ mod tests {
     }
 
     /// Four arenas in two layers over host memory the test owns.
-    fn two_layer_arenas() -> (Geometry, Arc<HostArenas>, crate::pool::HostPool) {
+    fn two_layer_arenas() -> (Geometry, Arc<MemcpyArenas>, crate::slab::pool::HostPool) {
         let g = Geometry::new(
             "layers",
             4,
@@ -445,9 +445,9 @@ mod tests {
         .unwrap()
         .with_layers(vec![0, 0, 1, 1])
         .unwrap();
-        let arenas = Arc::new(HostArenas::new(&g).unwrap());
+        let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
         let cfg = PoolConfig { bytes: 8 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
-        let pool = crate::pool::HostPool::new(g.slot_bytes(), &cfg).unwrap();
+        let pool = crate::slab::pool::HostPool::new(g.slot_bytes(), &cfg).unwrap();
         (g, arenas, pool)
     }
 
@@ -456,7 +456,7 @@ mod tests {
     #[test]
     fn a_layer_wait_makes_its_group_ready_before_later_groups() {
         let (g, arenas, pool) = two_layer_arenas();
-        let mut b = HostBackend::new(arenas.clone());
+        let mut b = MemcpyBackend::new(arenas.clone());
         b.bind_pool(&pool).unwrap();
         let ns = g.namespace();
         let keys: Vec<ContentKey> = (0..3u8).map(|i| ns.key_from_bytes(&[i])).collect();
@@ -487,7 +487,7 @@ mod tests {
                 // SAFETY: no copy writes these pages now (group 0 is done, group 1 not started).
                 let chunk = unsafe { arenas.chunk(a, p) };
                 let want = if a < 2 { &keys[i] } else { &old[i] };
-                assert_eq!(crate::pattern::first_mismatch(want, a, chunk), None, "page {p} arena {a}");
+                assert_eq!(crate::copy::pattern::first_mismatch(want, a, chunk), None, "page {p} arena {a}");
             }
         }
         c.wait().unwrap();
@@ -509,7 +509,7 @@ mod tests {
         let one = Geometry::new("one", 4, vec![ArenaSpec::packed("k", 64, 8)]).unwrap();
         let b = ArenaBinding::new(&one, vec![0x1000]).unwrap();
         // SAFETY: rejected before anything could use the address.
-        let e = unsafe { HostArenas::from_binding(&g, b) }.expect_err("base count differs");
+        let e = unsafe { MemcpyArenas::from_binding(&g, b) }.expect_err("base count differs");
         assert!(matches!(e, Error::Geometry(GeometryError::BaseCount { got: 1, want: 2 })), "{e:?}");
     }
 }

@@ -7,7 +7,7 @@
 use super::{Completion, CopyBackend, CopyPair, Done, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::Geometry;
-use crate::pool::HostPool;
+use crate::slab::pool::HostPool;
 
 /// A copy backend that moves nothing (see the module docs).
 #[derive(Debug, Clone)]
@@ -51,8 +51,8 @@ impl CopyBackend for NullBackend {
 mod tests {
     use super::*;
     use crate::geometry::ArenaSpec;
-    use crate::pool::HostPool;
-    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::slab::pool::HostPool;
+    use crate::slab::pool::{BackingChoice, PoolConfig};
 
     fn geometry(pages: u64) -> Geometry {
         Geometry::new("null-test", 64, vec![ArenaSpec::packed("kv", 16, pages)]).expect("a valid geometry")

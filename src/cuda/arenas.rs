@@ -4,11 +4,11 @@
 use super::backend::{CudaBackend, CudaOptions};
 use super::desc::{self, KvtPatternArgs};
 use super::device::{launch, Ctx, Device, DeviceBuffer, Event, Stream};
+use crate::copy::pattern;
 use crate::copy::{CopyBackend, EngineArenas};
 use crate::error::Error;
 use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
-use crate::pattern;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys;
 use std::sync::Arc;

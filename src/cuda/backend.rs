@@ -20,7 +20,7 @@ use super::green::{Isolation, Partition, Side, SmPartition};
 use crate::copy::{validate_batch, Completion, CopyBackend, CopyEvent, CopyPair, Direction, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::{ArenaBinding, Geometry};
-use crate::pool::{HostPool, PoolRegion};
+use crate::slab::pool::{HostPool, PoolRegion};
 use cudarc::driver::result as drv;
 use cudarc::driver::sys;
 use std::any::Any;
@@ -1076,10 +1076,10 @@ mod tests {
 
     #[test]
     fn a_driver_error_keeps_its_result_and_formats_without_a_driver() {
-        let e = CopyError::Cuda {
-            call: "cuLaunchKernel",
-            source: cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
-        };
+        let e = crate::cuda::driver_error(
+            "cuLaunchKernel",
+            cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        );
         let text = e.to_string();
         assert!(text.starts_with("CUDA driver call cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"), "{text}");
         match &e {

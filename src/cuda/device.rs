@@ -32,8 +32,14 @@ pub(crate) trait Ctx<T> {
 
 impl<T> Ctx<T> for Result<T, DriverError> {
     fn ctx(self, call: &'static str) -> Result<T, CopyError> {
-        self.map_err(|source| CopyError::Cuda { call, source })
+        self.map_err(|source| driver_error(call, source))
     }
+}
+
+/// [`CopyError::Cuda`] for the driver call `call` that returned `source`, its text
+/// ([`describe_driver_error`]) written now.
+pub fn driver_error(call: &'static str, source: DriverError) -> CopyError {
+    CopyError::Cuda { call, detail: describe_driver_error(&source), source }
 }
 
 /// Turns a raw driver result into `Ok` or [`CopyError::Cuda`] naming `call` (for driver calls that

@@ -26,7 +26,7 @@ mod green;
 
 pub use arenas::{CudaArenas, PatternJob};
 pub use backend::{CopyMode, CudaBackend, CudaOptions};
-pub use device::{cuda_available, describe_driver_error, device_count};
+pub use device::{cuda_available, describe_driver_error, device_count, driver_error};
 pub use green::{EngineStream, Isolation, SmPartition};
 
 /// The cudarc crate this build uses: its types appear in [`crate::CopyError::Cuda`]

@@ -1,7 +1,7 @@
 //! CLOCK / second chance (see [`super::PolicyKind::Clock`]).
 
 use super::{EvictionPolicy, InsertInfo, Residency};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU8, AtomicUsize, Ordering};
 
 /// CLOCK over the slot array: a hit sets a reference byte (lock-free); the hand clears set bytes and

@@ -4,7 +4,7 @@
 //! came before.
 
 use super::{ChainView, EvictionPolicy, InsertInfo, PolicyKind, Ranking};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use std::collections::BTreeSet;
 
 /// Selects up to `n` victims and evicts all of them (`on_remove`), as a tier whose claims all

@@ -1,7 +1,7 @@
 //! Exact LRU with lock-free recency updates (see [`super::PolicyKind::Lru`]).
 
 use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Exact LRU: a global tick per insert or hit, victims by lowest tick. Selection scans the slot

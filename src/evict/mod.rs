@@ -64,7 +64,7 @@ pub use residency::Residency;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
 
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use std::fmt;
 use std::str::FromStr;
 

@@ -3,7 +3,7 @@
 
 use super::minisim::Tuner;
 use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 
 /// Prefix-aware frequency-weighted recency (see [`super::PolicyKind::PrefixLfu`]). Inserts and hits take

@@ -1,7 +1,7 @@
 //! Queue building blocks of the FIFO-family policies (SIEVE, S3-FIFO): a lock-free log of inserts
 //! that the selector drains, and an intrusive doubly linked FIFO over slot ids.
 
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU64, Ordering};
 
 /// `u32::MAX`: no slot (end of a queue).

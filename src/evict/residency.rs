@@ -4,7 +4,7 @@
 //! both states, whichever policy it happened in.
 
 use super::Ranking;
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU8, Ordering};
 
 const ABSENT: u8 = 0;

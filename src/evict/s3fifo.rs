@@ -2,7 +2,7 @@
 
 use super::queue::{Fifo, InsertLog};
 use super::{EvictionPolicy, InsertInfo, Residency};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 
 /// S3-FIFO: a small and a main FIFO, a ghost table of recently evicted key hashes, and a 2-bit

@@ -2,7 +2,7 @@
 
 use super::queue::{Fifo, InsertLog, NIL};
 use super::{EvictionPolicy, InsertInfo, Residency};
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU8, Mutex, Ordering};
 
 /// SIEVE: one insertion-ordered queue, a visited byte per slot set by hits (lock-free), and a hand

@@ -21,7 +21,7 @@
 //!
 //! **Progress.** Readers never wait and never help: a reader treats `x|MOVED` exactly as `x`, so a
 //! reader walking a frozen table reads a consistent snapshot. Writers that meet a migration (a started
-//! freeze, a `MOVED` bucket, or a failed reservation) help finish it and retry in the new table; once
+//! freeze, a `MOVED` bucket, or a refused load grant) help finish it and retry in the new table; once
 //! every chunk has been claimed they spin (with [`crate::sync::spin_loop`]) until the last claimer
 //! finishes. So growth is lock-free for readers and *helping* (not lock-free) for writers: a writer can
 //! wait for a migrator that was descheduled in the middle of a chunk. Chunks are small (1024 bucket

@@ -27,12 +27,12 @@
 //!   entry -> tombstone; anything -> frozen) and never becomes empty again, so the first empty bucket
 //!   on a key's probe path is the only place that key can be inserted: two racing inserts of one key
 //!   meet at one bucket and exactly one CAS wins.
-//! - **Load reservations** (`reservation.rs`): an insert reserves a bucket before its CAS, from a
+//! - **Load grants** (`load.rs`): an insert takes a grant of a bucket before its CAS, from a
 //!   count that never passes half the buckets, so a table keeps at least half of its buckets empty
-//!   and every probe ends within a few buckets. Reservations are granted to per-thread stripes in
+//!   and every probe ends within a few buckets. LoadGrants are granted to per-thread stripes in
 //!   batches, and the live count is striped the same way, so inserts on different cores write
 //!   different cache lines.
-//! - **Migration** (`migrate.rs`): a reservation that finds the table full freezes it and copies its
+//! - **Migration** (`migrate.rs`): a grant request that finds the table full freezes it and copies its
 //!   live entries (the same pointers) into a new table sized for the live count: this grows, shrinks
 //!   and purges tombstones. Every writer that arrives helps; readers never help and never wait.
 //! - **The loom shim** (`shim.rs`): everything that differs in a model-checking build.
@@ -67,7 +67,7 @@
 //!   original inserts' `Release`, so entry contents are visible through `next` too (`migrate.rs`
 //!   walks through each edge).
 //! - **Counters.** `len`, `used` and the credits are plain counters updated with `Relaxed` RMWs:
-//!   atomicity alone makes the reservation bound exact (every grant is a CAS from the current value,
+//!   atomicity alone makes the grant bound exact (every grant is a CAS from the current value,
 //!   every credit unit is taken by a decrement-if-positive CAS, so no unit is spent twice). An insert
 //!   increments its thread's `len` stripe before the CAS that publishes the entry (decrements it if
 //!   that CAS fails), and a remove decrements its own thread's stripe. Since a remover must first
@@ -90,12 +90,12 @@
 //! models reach every path, and turns a reclaimed entry into a detectable "use after free" instead of
 //! freed memory. The models in `loom-tests/index.rs` check racing inserts of one key, removal against
 //! a lookup with reclamation, growth under a reader, removal racing a migration, two writers helping
-//! one two-chunk migration, and batched load reservations racing. The seeded bug
+//! one two-chunk migration, and batched load grants racing. The seeded bug
 //! `--cfg kvtier_seeded_bug="index-early-unpin"` makes [`BlockIndex::get`] unpin before reading the
 //! entry's value; `remove_races_get_with_reclamation` must catch it.
 
+mod load;
 mod migrate;
-mod reservation;
 mod shim;
 mod table;
 #[cfg(all(test, not(loom)))]
@@ -103,11 +103,11 @@ mod tests;
 
 use crate::error::IndexError;
 use crate::key::ContentKey;
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 use crate::sync::{spin_loop, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use crossbeam_utils::CachePadded;
-use reservation::LiveCount;
+use load::LiveCount;
 use std::fmt;
 use table::{fragment, Entry, Table, FRAG_MASK, MAX_BUCKETS, MIN_BUCKETS, MOVED, TOMBSTONE};
 
@@ -116,7 +116,7 @@ use table::{fragment, Entry, Table, FRAG_MASK, MAX_BUCKETS, MIN_BUCKETS, MOVED, 
 pub struct SlotRef {
     /// Host slot.
     pub slot: SlotId,
-    /// Slot generation at reservation.
+    /// Slot generation at the write reservation.
     pub generation: u64,
 }
 
@@ -199,14 +199,14 @@ impl BlockIndex {
                 self.help_migrate(t_sh, &guard);
                 continue 'retry;
             }
-            let mut reserved = false;
+            let mut granted = false;
             let mut i = 0;
             while i <= t.mask {
                 let b = t.bucket(h, i);
                 let cur = b.load(Ordering::Acquire, &guard);
                 if cur.tag() & MOVED != 0 {
-                    if reserved {
-                        t.load.unreserve(s);
+                    if granted {
+                        t.load.give_back(s);
                     }
                     self.help_migrate(t_sh, &guard);
                     continue 'retry;
@@ -217,12 +217,12 @@ impl BlockIndex {
                         continue;
                     }
                     // Empty: the first empty bucket of the chain, so `key` is absent; claim it.
-                    if !reserved {
-                        if !t.load.reserve(s) {
+                    if !granted {
+                        if !t.load.take(s) {
                             self.help_migrate(t_sh, &guard);
                             continue 'retry;
                         }
-                        reserved = true;
+                        granted = true;
                     }
                     let entry = new.take().unwrap_or_else(|| Owned::new(Entry::new(key, value)).with_tag(frag));
                     self.len.inc(s);
@@ -245,8 +245,8 @@ impl BlockIndex {
                 // SAFETY: published entry, protected by `guard` (see `Table::find`).
                 let e = unsafe { cur.deref() };
                 if e.key() == key {
-                    if reserved {
-                        t.load.unreserve(s);
+                    if granted {
+                        t.load.give_back(s);
                     }
                     return Err(e.value());
                 }

@@ -23,7 +23,7 @@
 use super::table::Entry;
 use crossbeam_epoch::{Guard, Shared};
 
-/// Counter stripes (a power of two): `len` and each table's load reservations are split over this
+/// Counter stripes (a power of two): `len` and each table's load grants are split over this
 /// many cache-line-padded counters, one per thread (threads share a stripe only beyond this count).
 #[cfg(not(loom))]
 pub(super) const STRIPES: usize = 32;
@@ -31,10 +31,10 @@ pub(super) const STRIPES: usize = 32;
 #[cfg(loom)]
 pub(super) const STRIPES: usize = 2;
 
-/// Largest batch of load reservations a stripe takes from its table's global count at once.
+/// Largest batch of load grants a stripe takes from its table's global count at once.
 #[cfg(not(loom))]
 pub(super) const MAX_BATCH: usize = 64;
-/// Largest batch of load reservations a stripe takes at once; two under loom so models exercise the
+/// Largest batch of load grants a stripe takes at once; two under loom so models exercise the
 /// batching, the credit and the stealing paths.
 #[cfg(loom)]
 pub(super) const MAX_BATCH: usize = 2;

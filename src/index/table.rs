@@ -22,11 +22,11 @@
 //! bucket never becomes empty again, which is what makes the probe chains race-free: the first empty
 //! bucket on a key's probe path is the only place that key can be inserted, so two racing inserts of
 //! one key meet at the same bucket and exactly one CAS wins (two saves of one key move bytes once).
-//! The load bound (module `reservation`) keeps at least half of the buckets empty, so every probe ends
+//! The load bound (module `load`) keeps at least half of the buckets empty, so every probe ends
 //! within a few buckets, and provably within one pass.
 
+use super::load::LoadGrants;
 use super::migrate::Migration;
-use super::reservation::Reservations;
 use super::shim::Liveness;
 use super::SlotRef;
 use crate::key::ContentKey;
@@ -95,7 +95,7 @@ impl Entry {
     }
 }
 
-/// One bucket array plus its load reservations and migration state.
+/// One bucket array plus its load grants and migration state.
 ///
 /// Field placement is about cache lines: the read-only header (`buckets`, `mask`, and the limit and
 /// batch size at the head of `load`) is read by every operation, so nothing that is written often may
@@ -105,15 +105,15 @@ pub(super) struct Table {
     pub(super) buckets: Box<[Atomic<Entry>]>,
     /// `buckets.len() - 1` (the length is a power of two).
     pub(super) mask: usize,
-    /// Reservations for inserts: the bound that keeps half of the buckets empty.
-    pub(super) load: Reservations,
+    /// LoadGrants for inserts: the bound that keeps half of the buckets empty.
+    pub(super) load: LoadGrants,
     /// Migration state, written only while migrating.
     pub(super) mig: CachePadded<Migration>,
 }
 
 impl Table {
     /// A table of `n` (a power of two, `MIN_BUCKETS..=MAX_BUCKETS`) empty buckets, with `used` load
-    /// reservations already granted (the entries a migration will copy in). Aborts if the allocation
+    /// grants already given (the entries a migration will copy in). Aborts if the allocation
     /// fails, like `Vec`.
     pub(super) fn new(n: usize, used: usize) -> Self {
         Self::with_buckets((0..n).map(|_| Atomic::null()).collect(), used)
@@ -131,7 +131,7 @@ impl Table {
         let n = buckets.len();
         debug_assert!(n.is_power_of_two() && (MIN_BUCKETS..=MAX_BUCKETS).contains(&n));
         debug_assert!(used <= n / 2);
-        Table { buckets, mask: n - 1, load: Reservations::new(n / 2, used), mig: CachePadded::new(Migration::new()) }
+        Table { buckets, mask: n - 1, load: LoadGrants::new(n / 2, used), mig: CachePadded::new(Migration::new()) }
     }
 
     /// Bucket `i` of the probe sequence of hash `h`.

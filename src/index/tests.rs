@@ -355,7 +355,7 @@ fn lookups_race_removals_of_the_same_keys() {
 }
 
 #[test]
-fn batched_reservations_fill_the_table_exactly() {
+fn batched_load_grants_fill_the_table_exactly() {
     // 512 buckets: limit 256, batches of 2. Another thread's insert leaves one unit of credit on
     // its stripe; this thread's 255 inserts must use it rather than migrate early.
     let ix = BlockIndex::with_capacity(128);

@@ -1,7 +1,10 @@
-//! The client side: a [`HostTier`] whose state machine runs in the tier daemon.
+//! The client side of the tier daemon's protocol, in wire terms: the connection ([`Conn`]), the
+//! daemon's leases as handles ([`RemoteLease`], [`LeaseToken`]), and the connect handshake. The
+//! connected tier that an engine sees (`crate::tier::connected`) builds its tickets, leases and
+//! handles from these; nothing here knows the in-process tier.
 //!
-//! [`HostTier::connect`] opens a Unix socket to `kvtierd`, receives the pool's memfd and maps it;
-//! the returned tier has the same API as an in-process one. Its ranks run their copies in this
+//! [`crate::HostTier::connect`] opens a Unix socket to `kvtierd`, receives the pool's memfd and
+//! maps it; the returned tier has the same API as an in-process one. Its ranks run their copies in this
 //! process, on this process's mapping of the pool, with their own backend; every state change
 //! (lease, pin, reservation, commit, eviction) is one message to the daemon, batched per call:
 //!
@@ -16,18 +19,11 @@
 //! connect again to go on.
 
 use super::proto::{self, Outcome, Reply, Request, WireBlock};
-use crate::copy::{CopyPair, Direction};
 use crate::error::{Error, Limit, TierError};
 use crate::evict::PolicyKind;
 use crate::geometry::{ArenaSpec, Geometry, Placement};
-use crate::handle::CopyHandle;
-use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::lease::{Lease, LeasedBlock};
-use crate::pool::{Backing, HostPool, SharedPoolLayout};
-use crate::slot::SlotId;
-use crate::tier::core::Core;
-use crate::tier::{CopyOutcome, Fit, HostTier, Launch, Rank, SaveOptions, SaveTicket, Settle};
+use crate::slab::pool::{Backing, HostPool, SharedPoolLayout};
 use std::io::{BufReader, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -148,11 +144,11 @@ pub(crate) struct Conn {
     limits: RequestLimits,
 }
 
-fn lost(reason: impl Into<String>) -> TierError {
+pub(crate) fn lost(reason: impl Into<String>) -> TierError {
     TierError::Disconnected { reason: reason.into() }
 }
 
-fn unexpected(r: &Reply) -> TierError {
+pub(crate) fn unexpected(r: &Reply) -> TierError {
     lost(format!("the daemon sent an unexpected reply: {r:?}"))
 }
 
@@ -222,7 +218,8 @@ impl Conn {
         }
     }
 
-    fn expect_done(&self, req: &Request) -> Result<(), TierError> {
+    /// [`Conn::call`] for a request whose reply is `Done`.
+    pub(crate) fn expect_done(&self, req: &Request) -> Result<(), TierError> {
         match self.call(req)? {
             Reply::Done => Ok(()),
             r => Err(unexpected(&r)),
@@ -274,29 +271,139 @@ impl Conn {
         self.count(&Request::ExpireLeases).map(|n| n as usize)
     }
 
-    pub(crate) fn stats(&self) -> Result<crate::TierStats, TierError> {
+    pub(crate) fn stats(&self) -> Result<proto::WireStats, TierError> {
         match self.call(&Request::Stats)? {
-            Reply::Stats(s) => Ok(s.into()),
+            Reply::Stats(s) => Ok(s),
             r => Err(unexpected(&r)),
         }
     }
 
-    /// The daemon's audit of its tier over `keys` (see [`Core::audit`]; `kvtier::testing`).
-    pub(crate) fn audit(&self, keys: &[ContentKey]) -> Result<Result<crate::tier::AuditReport, String>, TierError> {
+    /// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated
+    /// invariant).
+    pub(crate) fn audit(&self, keys: &[ContentKey]) -> Result<Result<proto::WireAudit, String>, TierError> {
         match self.call(&Request::Audit { keys: keys.to_vec() })? {
-            Reply::Audit(r) => Ok(r.map(|a| crate::tier::AuditReport {
-                free: a.free as usize,
-                writing: a.writing as usize,
-                ready: a.ready as usize,
-                evicting: a.evicting as usize,
-                pinned: a.pinned as usize,
-            })),
+            Reply::Audit(r) => Ok(r),
             r => Err(unexpected(&r)),
         }
     }
 }
 
-/// A lease held by the tier daemon, as a process sees it (see [`Lease`]).
+/// A save the daemon prepared ([`Conn::prepare_save`]): slots reserved for the keys at `saving`.
+#[derive(Debug)]
+pub(crate) struct PreparedSave {
+    /// The daemon's id of the save (0 if nothing is saved).
+    pub(crate) save: u64,
+    /// Indices into the keys of those saved, one per slot of `slots`.
+    pub(crate) saving: Vec<usize>,
+    /// The slots reserved (WRITING) for them.
+    pub(crate) slots: Vec<u32>,
+    /// Keys already resident.
+    pub(crate) resident: usize,
+    /// Keys being saved by another save.
+    pub(crate) in_flight: usize,
+    /// Keys repeated in this save.
+    pub(crate) duplicates: usize,
+    /// Keys dropped (did not fit or were not admitted).
+    pub(crate) dropped: usize,
+}
+
+impl Conn {
+    /// Asks the daemon to plan a save of `keys` (the daemon's fit, eviction and reservations).
+    /// Whatever it prepared that this call did not ask for is given back and refused.
+    ///
+    /// # Errors
+    /// The daemon's [`TierError`]; [`TierError::Disconnected`], also for a plan naming keys or
+    /// slots out of range (`capacity`: the pool's slots).
+    pub(crate) fn prepare_save(
+        &self,
+        keys: &[ContentKey],
+        prefix: bool,
+        prefix_depth: Option<u32>,
+        parent: Option<ContentKey>,
+        capacity: u32,
+    ) -> Result<PreparedSave, TierError> {
+        let req = Request::PrepareSave { keys: keys.to_vec(), prefix, prefix_depth, parent };
+        let p = match self.call(&req)? {
+            Reply::SavePrepared { save, saving, slots, resident, in_flight, duplicates, dropped } => PreparedSave {
+                save,
+                saving: saving.into_iter().map(|i| i as usize).collect(),
+                slots,
+                resident: resident as usize,
+                in_flight: in_flight as usize,
+                duplicates: duplicates as usize,
+                dropped: dropped as usize,
+            },
+            r => return Err(unexpected(&r)),
+        };
+        if p.saving.len() != p.slots.len()
+            || p.saving.iter().any(|&i| i >= keys.len())
+            || p.slots.iter().any(|&s| s >= capacity)
+        {
+            if p.save != 0 {
+                let _ = self.call(&Request::FinishSave { save: p.save, outcome: Outcome::NotSubmitted });
+            }
+            return Err(lost("the daemon prepared a save this rank did not ask for"));
+        }
+        Ok(p)
+    }
+
+    /// Asks for a lease on the longest ready prefix of `keys` with `uses` restores: the daemon's
+    /// lease and its blocks, checked to be a prefix of `keys` within `capacity` slots.
+    ///
+    /// # Errors
+    /// The daemon's [`TierError`]; [`TierError::Disconnected`].
+    pub(crate) fn query(
+        self: &Arc<Self>,
+        keys: &[ContentKey],
+        uses: u32,
+        capacity: u32,
+    ) -> Result<(RemoteLease, Vec<WireBlock>), TierError> {
+        match self.call(&Request::Query { keys: keys.to_vec(), uses })? {
+            Reply::Leased { lease, blocks } => {
+                check_blocks(Some(keys), &blocks, capacity)?;
+                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks))
+            }
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Opens the lease `token` names, taking a handle on it.
+    ///
+    /// # Errors
+    /// [`TierError::ForeignLease`] for a token of another daemon run; the daemon's
+    /// [`TierError`]; [`TierError::Disconnected`].
+    pub(crate) fn open_lease(
+        self: &Arc<Self>,
+        token: &LeaseToken,
+        capacity: u32,
+    ) -> Result<(RemoteLease, Vec<WireBlock>), TierError> {
+        if token.instance != self.instance {
+            return Err(TierError::ForeignLease);
+        }
+        match self.call(&Request::OpenLease { instance: token.instance, lease: token.lease })? {
+            Reply::Leased { lease, blocks } => {
+                check_blocks(None, &blocks, capacity)?;
+                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks))
+            }
+            r => Err(unexpected(&r)),
+        }
+    }
+}
+
+/// Refuses leased blocks that are not a prefix of `keys` (when given) or name slots beyond
+/// `capacity`.
+fn check_blocks(keys: Option<&[ContentKey]>, wire: &[WireBlock], capacity: u32) -> Result<(), TierError> {
+    let asked = |i: usize, b: &WireBlock| keys.is_none_or(|k| k[i] == b.key);
+    if keys.is_some_and(|k| wire.len() > k.len())
+        || wire.iter().any(|b| b.slot >= capacity)
+        || !wire.iter().enumerate().all(|(i, b)| asked(i, b))
+    {
+        return Err(lost("the daemon leased blocks this query did not ask for"));
+    }
+    Ok(())
+}
+
+/// A lease held by the tier daemon, as a process sees it (see [`crate::Lease`]).
 pub(crate) struct RemoteLease {
     conn: Arc<Conn>,
     /// The daemon's lease id; 0 for a lease settled from birth (nothing leased, or no use).
@@ -323,6 +430,21 @@ impl RemoteLease {
         }
     }
 
+    /// The connection the lease was leased over.
+    pub(crate) fn conn(&self) -> &Arc<Conn> {
+        &self.conn
+    }
+
+    /// The daemon's lease id; 0 for a lease settled from birth.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// This lease as a token (`None` for a lease settled from birth: nothing to share).
+    pub(crate) fn token(&self) -> Option<LeaseToken> {
+        (self.id != 0).then_some(LeaseToken { instance: self.conn.instance, lease: self.id })
+    }
+
     pub(crate) fn release(&self) -> bool {
         if self.id == 0 {
             return false;
@@ -340,8 +462,8 @@ impl Drop for RemoteLease {
     }
 }
 
-/// A lease of a connected tier as bytes another process can open ([`Lease::token`],
-/// [`HostTier::open_lease`]): the daemon run and the lease id. 16 bytes.
+/// A lease of a connected tier as bytes another process can open ([`crate::Lease::token`],
+/// [`crate::HostTier::open_lease`]): the daemon run and the lease id. 16 bytes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LeaseToken {
     instance: u64,
@@ -367,158 +489,6 @@ impl LeaseToken {
             instance: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
             lease: u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
         })
-    }
-}
-
-impl Lease {
-    /// This lease as a token another process connected to the same daemon opens with
-    /// [`HostTier::open_lease`], so several engine processes (data-parallel ranks) restore from one
-    /// lease, each with one of its uses (see [`HostTier::query_shared`]). Every handle, in any
-    /// process, keeps the lease alive; it settles as a lease does in one process (consumed,
-    /// released, or when the last handle is dropped; a process that exits drops its handles).
-    ///
-    /// `None` for a lease of an in-process tier, and for a lease settled from birth (nothing
-    /// leased): there is nothing to share.
-    pub fn token(&self) -> Option<LeaseToken> {
-        let r = self.remote()?;
-        (r.id != 0).then_some(LeaseToken { instance: r.conn.instance, lease: r.id })
-    }
-}
-
-fn blocks_of(keys: Option<&[ContentKey]>, wire: Vec<WireBlock>, capacity: u32) -> Result<Vec<LeasedBlock>, TierError> {
-    if keys.is_some_and(|k| wire.len() > k.len()) || wire.iter().any(|b| b.slot >= capacity) {
-        return Err(lost("the daemon leased blocks this query did not ask for"));
-    }
-    wire.into_iter()
-        .enumerate()
-        .map(|(i, b)| {
-            if keys.is_some_and(|k| k[i] != b.key) {
-                return Err(lost("the daemon leased blocks this query did not ask for"));
-            }
-            Ok(LeasedBlock { key: b.key, slot: SlotRef { slot: SlotId(b.slot), generation: b.generation } })
-        })
-        .collect()
-}
-
-/// [`HostTier::try_query_shared`] of a connected tier.
-pub(crate) fn query(core: &Arc<Core>, conn: &Arc<Conn>, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
-    match conn.call(&Request::Query { keys: keys.to_vec(), uses })? {
-        Reply::Leased { lease, blocks } => {
-            let blocks = blocks_of(Some(keys), blocks, core.pool().capacity())?;
-            Ok(Lease::remote_lease(core, blocks, RemoteLease { conn: conn.clone(), id: lease }))
-        }
-        r => Err(unexpected(&r)),
-    }
-}
-
-impl From<CopyOutcome> for Outcome {
-    fn from(o: CopyOutcome) -> Self {
-        match o {
-            CopyOutcome::Done => Outcome::Done,
-            CopyOutcome::Failed => Outcome::Failed,
-            CopyOutcome::Unknown => Outcome::Unknown,
-            CopyOutcome::SubmitPanicked if cfg!(kvtier_seeded_bug = "submit-panic-spends-use") => Outcome::Unknown,
-            CopyOutcome::SubmitPanicked => Outcome::SubmitPanicked,
-        }
-    }
-}
-
-/// A connected rank's save ([`Rank::save_with`], [`Rank::save_layers`]): the daemon plans and
-/// reserves, this process copies whole-block or layer-wise as `how` says, then reports the outcome.
-pub(crate) fn save_how(
-    rank: &Rank,
-    conn: &Arc<Conn>,
-    keys: &[ContentKey],
-    gpu_pages: &[u64],
-    how: Launch<'_>,
-    opts: SaveOptions,
-) -> Result<SaveTicket, TierError> {
-    let req = Request::PrepareSave {
-        keys: keys.to_vec(),
-        prefix: opts.fit == Fit::Prefix,
-        prefix_depth: opts.prefix_depth,
-        parent: opts.parent,
-    };
-    let (save, saving, slots, resident, in_flight, duplicates, dropped) = match conn.call(&req)? {
-        Reply::SavePrepared { save, saving, slots, resident, in_flight, duplicates, dropped } => {
-            (save, saving, slots, resident as usize, in_flight as usize, duplicates as usize, dropped as usize)
-        }
-        r => return Err(unexpected(&r)),
-    };
-    let saving: Vec<usize> = saving.into_iter().map(|i| i as usize).collect();
-    let capacity = rank_capacity(rank);
-    if saving.len() != slots.len() || saving.iter().any(|&i| i >= keys.len()) || slots.iter().any(|&s| s >= capacity) {
-        if save != 0 {
-            let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
-        }
-        return Err(lost("the daemon prepared a save this rank did not ask for"));
-    }
-    if saving.is_empty() {
-        return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
-    }
-    let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
-    let c = conn.clone();
-    let settle: Settle = Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
-    // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
-    // them before the FinishSave that `settle` sends after the copy has finished, or before this
-    // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
-    // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
-    match unsafe { rank.launch(Direction::Save, &batch, how, settle) } {
-        Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
-        Err(e) => {
-            let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
-            Err(e)
-        }
-    }
-}
-
-fn rank_capacity(rank: &Rank) -> u32 {
-    rank.core_pool_capacity()
-}
-
-/// A connected rank's restore ([`Rank::restore`], [`Rank::restore_layers`]): the daemon pins and
-/// takes the use, this process copies whole-block or layer-wise as `how` says.
-pub(crate) fn restore_how(
-    rank: &Rank,
-    lease: &RemoteLease,
-    gpu_pages: &[u64],
-    how: Launch<'_>,
-) -> Result<CopyHandle, TierError> {
-    let conn = &lease.conn;
-    if gpu_pages.is_empty() {
-        if lease.id != 0 {
-            conn.expect_done(&Request::ConsumeUse { lease: lease.id })?;
-        }
-        return Ok(CopyHandle::ready());
-    }
-    let (restore, slots) = match conn.call(&Request::Restore { lease: lease.id, blocks: gpu_pages.len() as u32 })? {
-        Reply::Restoring { restore, slots } => (restore, slots),
-        r => return Err(unexpected(&r)),
-    };
-    if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= rank_capacity(rank)) {
-        let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
-        return Err(lost("the daemon pinned slots this restore did not ask for"));
-    }
-    let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
-    let c = conn.clone();
-    let settle: Settle = Box::new(move |outcome| {
-        // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
-        let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
-        Ok(())
-    });
-    // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
-    // until the FinishRestore that `settle` sends after the copy has finished, or until this process
-    // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
-    // handle completes.
-    match unsafe { rank.launch(Direction::Restore, &batch, how, settle) } {
-        Ok(handle) => {
-            let _ = conn.call(&Request::RestoreSubmitted { restore });
-            Ok(handle)
-        }
-        Err(e) => {
-            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
-            Err(e)
-        }
     }
 }
 
@@ -573,7 +543,7 @@ fn geometry_of(w: &proto::Welcome) -> Result<Geometry, TierError> {
     Ok(g)
 }
 
-/// How [`HostTier::connect_with`] connects: the namespace to check and the uid the daemon must
+/// How [`crate::HostTier::connect_with`] connects: the namespace to check and the uid the daemon must
 /// run as.
 ///
 /// ```
@@ -596,7 +566,7 @@ impl ConnectOptions {
     }
 
     /// Checks that the daemon serves `geometry`'s namespace (model, page size, arenas and shard),
-    /// as [`HostTier::connect_as`] does.
+    /// as [`crate::HostTier::connect_as`] does.
     pub fn geometry(mut self, geometry: &Geometry) -> Self {
         self.geometry = Some(geometry.clone());
         self
@@ -646,7 +616,20 @@ fn keep_cloexec(fd: &impl AsRawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
+/// A connection made ([`connect`]): the connection, and the daemon's geometry, pool (mapped here)
+/// and policy.
+pub(crate) struct Connected {
+    pub(crate) conn: Conn,
+    pub(crate) geometry: Geometry,
+    pub(crate) pool: HostPool,
+    pub(crate) policy: PolicyKind,
+}
+
+/// Connects to the tier daemon at `path` (see [`crate::HostTier::connect`]).
+///
+/// # Errors
+/// As [`crate::HostTier::connect`].
+pub(crate) fn connect(path: &Path, opts: &ConnectOptions) -> Result<Connected, Error> {
     let expect = opts.geometry.as_ref();
     let stream = UnixStream::connect(path)
         .map_err(|e| lost(format!("connecting to the tier daemon at {}: {e}", path.display())))?;
@@ -692,88 +675,13 @@ fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
         SharedPoolLayout { slot_bytes: w.slot_bytes, capacity: w.capacity, mapped_bytes: w.mapped_bytes, backing };
     let pool = HostPool::attach_shared(fd, layout)?;
     let policy = w.policy.parse::<PolicyKind>().unwrap_or_default();
-    // The local core only holds the mapping and the geometry: a one-entry index, no lease clock.
-    let core = Core::new(geometry, pool, policy, Some(1), None)?;
     let conn = Conn {
         io: Mutex::new(Io { reader, writer: stream, buf, lost: None }),
         instance: w.instance,
         pid: std::process::id(),
         limits: RequestLimits::of_daemon(&w.limits),
     };
-    Ok(HostTier::from_remote(core, Arc::new(conn)))
-}
-
-impl HostTier {
-    /// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` and returns a
-    /// tier with the same API as [`HostTier::new`]'s: the daemon owns the index, the slots, the
-    /// leases and eviction over a pool in shared memory, which this process maps; ranks attached
-    /// here copy between their own GPU arenas and that mapping in this process. Every engine
-    /// process connects on its own; they share the daemon's blocks. The tier's geometry is the
-    /// daemon's (with the daemon's page count: give each rank's backend its own).
-    ///
-    /// Before the hello is sent, the daemon's uid (`SO_PEERCRED` of the socket) must be this
-    /// process's effective uid or root ([`HostTier::connect_with`] configures another). The pool's
-    /// memfd must be size-sealed and as long as the welcome says before it is mapped.
-    ///
-    /// Connect after forking: a connection serves the process that made it. Its sockets are
-    /// close-on-exec, and every call from another process (a child forked after the connection
-    /// was made) fails with [`TierError::ForkedChild`] before anything is sent.
-    ///
-    /// # Errors
-    /// [`Error::Tier`] with [`TierError::Disconnected`] (no daemon at `path`, or it hung up),
-    /// [`TierError::UntrustedDaemon`] (the socket's peer runs as another uid),
-    /// [`TierError::ProtocolMismatch`]; [`Error::Pool`] if the pool cannot be mapped
-    /// ([`crate::PoolError::UnsealedSharedPool`], [`crate::PoolError::SharedPoolTooShort`],
-    /// [`crate::PoolError::Map`]); [`Error::Tier`] with [`TierError::Index`] (never for the
-    /// one-entry local index).
-    pub fn connect(path: impl AsRef<Path>) -> Result<HostTier, Error> {
-        connect_impl(path.as_ref(), &ConnectOptions::new())
-    }
-
-    /// [`HostTier::connect`], checking that the daemon serves `geometry`'s namespace (model, page
-    /// size, arenas and shard).
-    ///
-    /// # Errors
-    /// As [`HostTier::connect`]; [`TierError::GeometryMismatch`] if the daemon's namespace differs.
-    pub fn connect_as(path: impl AsRef<Path>, geometry: &Geometry) -> Result<HostTier, Error> {
-        connect_impl(path.as_ref(), &ConnectOptions::new().geometry(geometry))
-    }
-
-    /// [`HostTier::connect`] with options: the namespace to check ([`ConnectOptions::geometry`])
-    /// and the uid the daemon must run as ([`ConnectOptions::expected_uid`]).
-    ///
-    /// # Errors
-    /// As [`HostTier::connect_as`].
-    pub fn connect_with(path: impl AsRef<Path>, options: &ConnectOptions) -> Result<HostTier, Error> {
-        connect_impl(path.as_ref(), options)
-    }
-
-    /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
-    pub fn is_connected_tier(&self) -> bool {
-        self.remote().is_some()
-    }
-
-    /// Opens a lease another process shared ([`Lease::token`]), taking a handle on it: the lease
-    /// lives while any handle does. The blocks are the lease's, in key order.
-    ///
-    /// # Errors
-    /// [`TierError::ForeignLease`] for an in-process tier or a token of another daemon run (the
-    /// daemon restarted since); [`TierError::LeaseSettled`] if every handle on it is gone;
-    /// [`TierError::Disconnected`].
-    pub fn open_lease(&self, token: &LeaseToken) -> Result<Lease, TierError> {
-        let conn = self.remote().ok_or(TierError::ForeignLease)?;
-        if token.instance != conn.instance {
-            return Err(TierError::ForeignLease);
-        }
-        match conn.call(&Request::OpenLease { instance: token.instance, lease: token.lease })? {
-            Reply::Leased { lease, blocks } => {
-                let core = self.core();
-                let blocks = blocks_of(None, blocks, core.pool().capacity())?;
-                Ok(Lease::remote_lease(core, blocks, RemoteLease { conn: conn.clone(), id: lease }))
-            }
-            r => Err(unexpected(&r)),
-        }
-    }
+    Ok(Connected { conn, geometry, pool, policy })
 }
 
 #[cfg(all(test, not(loom)))]

@@ -2,7 +2,7 @@
 //!
 //! One thread per connection runs the requests of [`super::proto`] against the tier with the same
 //! code an in-process rank runs: [`HostTier::query_shared`] for queries, the save preparation
-//! shared with [`crate::Rank::save_with`], and [`Lease`]'s restore claim, exactly as
+//! shared with [`crate::Rank::save_with`], and [`Lease`]'s restore hold, exactly as
 //! [`crate::Rank::restore`] takes it. What a connection holds is its own:
 //!
 //! - **lease handles**: a lease lives while any connection holds a handle on it (the one that
@@ -39,10 +39,10 @@
 use super::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
-use crate::guard::{SlotPins, WriteReservation};
 use crate::key::ContentKey;
-use crate::lease::{Lease, RestoreClaim};
 use crate::tier::core::{Core, Reserved};
+use crate::tier::lease::{Lease, RestoreHold};
+use crate::tier::pins::{SlotPins, WriteReservation};
 use crate::tier::prepare::prepare_save;
 use crate::tier::{Fit, HostTier, SaveOptions};
 use std::collections::{HashMap, HashSet};
@@ -108,7 +108,7 @@ pub struct Limits {
     /// [`Limit::LeasedBlocksPerConnection`]. A lease pins each of its slots once, so leases hold at
     /// most `connections × min(leases_per_connection, leased_blocks_per_connection)` pins of one
     /// slot; binding refuses limits whose product exceeds half of
-    /// [`crate::testing::SlotWord::LEASE_PINS`], so no number of leases makes a block unleasable.
+    /// [`crate::slab::slot::SlotWord::LEASE_PINS`], so no number of leases makes a block unleasable.
     pub leased_blocks_per_connection: usize,
     /// Saves and restores one connection has in flight, or withheld after an unknown outcome, at
     /// once (4,096, `--max-copies`).
@@ -187,7 +187,7 @@ impl Limits {
         }
         let per_slot =
             (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
-        let pins = crate::slot::SlotWord::LEASE_PINS as u128 / 2;
+        let pins = crate::slab::slot::SlotWord::LEASE_PINS as u128 / 2;
         if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
             return Err(Error::Config(format!(
                 "limits: {} connections × min({} leases, {} leased blocks) may pin one slot {per_slot} times, \
@@ -287,7 +287,7 @@ struct Shared {
 
 impl Shared {
     fn new(tier: HostTier, limits: Limits) -> Shared {
-        let core = crate::testing::core(&tier).clone();
+        let core = tier.core().clone();
         let g = core.geometry();
         let pool = core.pool();
         let welcome = proto::Welcome {
@@ -556,13 +556,13 @@ impl Drop for PendingSave {
 /// A restore in flight. Dropped without [`PendingRestore::take`] (an unwind anywhere), its pins
 /// are kept for good and its use stays spent: the reader may be alive and still copying.
 struct PendingRestore {
-    claim: Option<RestoreClaim>,
+    hold: Option<RestoreHold>,
     pins: Option<SlotPins>,
 }
 
 impl PendingRestore {
-    fn take(mut self) -> (Option<RestoreClaim>, SlotPins) {
-        (self.claim.take(), self.pins.take().expect("a pending restore's pins are taken once"))
+    fn take(mut self) -> (Option<RestoreHold>, SlotPins) {
+        (self.hold.take(), self.pins.take().expect("a pending restore's pins are taken once"))
     }
 }
 
@@ -574,7 +574,7 @@ impl Drop for PendingRestore {
         if let Some(p) = self.pins.take() {
             p.quarantine();
         }
-        if let Some(c) = self.claim.take() {
+        if let Some(c) = self.hold.take() {
             // Never panic out of a drop (it may run while unwinding).
             let _ = catch_unwind(AssertUnwindSafe(|| c.submitted()));
         }
@@ -861,21 +861,21 @@ impl Session {
             Request::Restore { lease, blocks } => {
                 let l = self.lease(lease)?;
                 self.check_copy()?;
-                let mut claim = l.begin_restore(blocks as usize)?;
-                let pins = claim.take_pins();
+                let mut hold = l.begin_restore(blocks as usize)?;
+                let pins = hold.take_pins();
                 let slots = pins.slots().iter().map(|s| s.0).collect();
                 let id = self.id();
-                self.restores.insert(id, PendingRestore { claim: Some(claim), pins: Some(pins) });
+                self.restores.insert(id, PendingRestore { hold: Some(hold), pins: Some(pins) });
                 Reply::Restoring { restore: id, slots }
             }
             Request::RestoreSubmitted { restore } => {
-                if let Some(claim) = self.restores.get_mut(&restore).and_then(|r| r.claim.take()) {
-                    claim.submitted();
+                if let Some(hold) = self.restores.get_mut(&restore).and_then(|r| r.hold.take()) {
+                    hold.submitted();
                 }
                 Reply::Done
             }
             Request::FinishRestore { restore, outcome } => {
-                let (claim, pins) = self
+                let (hold, pins) = self
                     .restores
                     .remove(&restore)
                     .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?
@@ -883,22 +883,22 @@ impl Session {
                 let blocks = pins.len() as u64;
                 match outcome {
                     Outcome::NotSubmitted => {
-                        // Pins first, then the use goes back (as an unsubmitted claim does).
+                        // Pins first, then the use goes back (as an unsubmitted hold does).
                         drop(pins);
-                        drop(claim);
+                        drop(hold);
                     }
                     Outcome::Done | Outcome::Failed => {
-                        if let Some(c) = claim {
+                        if let Some(c) = hold {
                             c.submitted();
                         }
                         drop(pins);
                     }
                     Outcome::Unknown => {
                         // The pins are parked before anything that may panic: an unwind in the
-                        // claim's settling cannot unpin under a live copy.
+                        // hold's settling cannot unpin under a live copy.
                         core.record_quarantined_pins(pins.len());
                         self.parked_pins.push(pins);
-                        if let Some(c) = claim {
+                        if let Some(c) = hold {
                             c.submitted();
                         }
                     }
@@ -907,7 +907,7 @@ impl Session {
                         // unknown outcome; the call failed, so the use goes back (as in process).
                         core.record_quarantined_pins(pins.len());
                         self.parked_pins.push(pins);
-                        drop(claim);
+                        drop(hold);
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
@@ -996,11 +996,11 @@ impl Session {
         // pending copies' drops.
         let restores: Vec<PendingRestore> = self.restores.drain().map(|(_, r)| r).collect();
         for r in restores {
-            let (claim, pins) = r.take();
+            let (hold, pins) = r.take();
             // The pins are parked first; the copy may have been submitted: the use is spent.
             core.record_quarantined_pins(pins.len());
             self.parked_pins.push(pins);
-            if let Some(c) = claim {
+            if let Some(c) = hold {
                 if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.submitted())) {
                     tracing::error!(
                         "process {:?}: settling a restore's use panicked: {}",

@@ -11,10 +11,13 @@
 //!   (the prefix was evicted and is being saved again: the suffix is re-attached);
 //! - a **resident-children count**, tagged with the slot's generation: how many blocks link to it.
 //!
-//! At selection the tier ranks each unpinned ready block: **orphan** (its parent's slot no longer
-//! holds the linked generation), **leaf** (no children), or **interior**; and passes that order to
-//! the policy ([`crate::evict::EvictionPolicy::select_ranked`]), which orders blocks within a class.
-//! The last class holds everything, so liveness is the policy's own.
+//! At selection the tier puts each unpinned ready block in one of two classes: **orphans** (the
+//! parent's slot no longer holds the linked generation) first, then the rest; and passes them to
+//! the policy ([`crate::evict::EvictionPolicy::select_ranked`]), which orders the rest by its own
+//! order weighed by the chains' subtree scores ([`crate::evict::Ranking::chain`]: a chain goes from
+//! its tail). [`ChainClass`] names where a block stands (orphan, leaf, interior) for audits and
+//! models; leaves and interior blocks share one class. The last class holds everything, so
+//! liveness is the policy's own.
 //!
 //! Concurrency: a link is only written for a block the writer owns (`WRITING`, reserved by its save)
 //! or pins (resident, pinned by its save's plan), by one CAS, and the parent's count is incremented
@@ -25,7 +28,7 @@
 //! (a count read mid-update) changes only the preference, never what may be evicted.
 
 use crate::index::SlotRef;
-use crate::slot::{SlotControl, SlotId};
+use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{AtomicU64, Ordering};
 
 /// No parent link.

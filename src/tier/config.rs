@@ -3,7 +3,7 @@
 use crate::evict::PolicyKind;
 use crate::geometry::Geometry;
 use crate::key::ContentKey;
-use crate::pool::{BackingChoice, PoolConfig};
+use crate::slab::pool::{BackingChoice, PoolConfig};
 use std::time::Duration;
 
 /// Tier construction options. Build with [`TierConfig::new`] and the `with_*` methods.
@@ -19,7 +19,8 @@ pub struct TierConfig {
     /// Chain-aware victims (default: on). Saves that say their keys form a chain
     /// ([`SaveOptions::prefix_depth`], [`SaveOptions::parent`]) link each block to the one before it;
     /// eviction then takes orphaned blocks (whose predecessor is gone: no query can reach them)
-    /// first, then the deepest block of each chain, then the rest, each class in the policy's order.
+    /// first, then the rest, in the policy's order weighed by each chain's subtree scores
+    /// ([`crate::evict::Ranking::chain`]), so a chain goes from its tail.
     /// Off, the policy's order alone decides (the classic policies, e.g. plain LRU).
     pub chain_aware: bool,
     /// Expected number of resident blocks for sizing the index (default: the pool's capacity).

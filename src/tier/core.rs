@@ -3,21 +3,21 @@
 //!
 //! The core sits *below* leases and guards: it pins and unpins slots, reserves, commits, aborts and
 //! quarantines them, claims and evicts victims ([`super::evictor`]) and plans saves
-//! ([`super::save`]); [`crate::lease`] and [`crate::guard`] hold pins and reservations on top of
+//! ([`super::save`]); [`crate::tier::lease`] and [`crate::tier::pins`] hold pins and reservations on top of
 //! it, and the facade ([`crate::HostTier`]) and ranks ([`crate::Rank`]) on top of those.
 
 use super::chain::{Chains, CHAIN_CLASSES};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
-use super::save::SavingKeys;
+use super::saving::SavingKeys;
 use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
 use crate::error::TierError;
 use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind};
 use crate::geometry::Geometry;
 use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
-use crate::pool::HostPool;
-use crate::slot::{PinError, SlotControl, SlotId, SlotState};
+use crate::slab::pool::HostPool;
+use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use std::time::Duration;
 
@@ -174,13 +174,13 @@ impl Core {
         Ok(())
     }
 
-    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`crate::slot::SlotWord::LEASE_PINS`]
+    /// A lease's pin on `slot`: [`Core::pin`] refused once leases hold [`crate::slab::slot::SlotWord::LEASE_PINS`]
     /// pins on it (the rest are for restores).
     ///
     /// # Errors
     /// As [`Core::pin`].
     pub(crate) fn pin_for_lease(&self, slot: SlotId, generation: u64) -> Result<(), PinError> {
-        if self.control().pin_up_to(slot, generation, crate::slot::SlotWord::LEASE_PINS)? == 1 {
+        if self.control().pin_up_to(slot, generation, crate::slab::slot::SlotWord::LEASE_PINS)? == 1 {
             add(&self.counters.pinned_slots, 1);
         }
         Ok(())
@@ -188,9 +188,12 @@ impl Core {
 
     /// Drops one pin of `slot`.
     pub fn unpin(&self, slot: SlotId) {
-        if self.control().unpin(slot) == 0 {
-            sub(&self.counters.pinned_slots, 1);
-        }
+        super::expiry::unpin(self.control(), &self.counters, slot);
+    }
+
+    /// Settles every lease older than the tier's lease TTL (none without one); returns how many.
+    pub fn expire_leases(&self) -> usize {
+        self.leases.expire_due(self.control(), &self.counters)
     }
 
     fn set_slot_key(&self, slot: SlotId, key: &ContentKey) {
@@ -317,8 +320,8 @@ impl Core {
     }
 
     /// The preference class of `slot` as a victim, or `None` if it may not be evicted now (not
-    /// `READY`, or pinned). Lower classes go first: with chain-aware ranking, orphans, leaves, the
-    /// rest ([`super::chain::ChainClass`]); with live hints (`hints`, at time `now` of
+    /// `READY`, or pinned). Lower classes go first: with chain-aware ranking, orphans, then the
+    /// rest (ordered by the policy with the chains' subtree scores, see [`super::chain`]); with live hints (`hints`, at time `now` of
     /// [`Hints::now`]), every hinted block after every unhinted one. See [`Core::victim_classes`].
     pub(crate) fn victim_class(&self, slot: SlotId, hints: bool, now: u32) -> Option<u8> {
         let w = self.control().load(slot);

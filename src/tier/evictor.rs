@@ -18,7 +18,7 @@ use super::stats::add;
 use crate::error::TierError;
 use crate::evict::{ChainView, Ranking};
 use crate::index::SlotRef;
-use crate::slot::SlotId;
+use crate::slab::slot::SlotId;
 
 /// Claimed victims (see the module docs). Dropping it cancels every claim still held.
 pub struct Claims<'a> {

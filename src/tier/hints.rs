@@ -16,7 +16,7 @@
 
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::{SlotControl, SlotId};
+use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -26,6 +26,7 @@ pub const MAX_HINT_TTL: Duration = Duration::from_millis(i32::MAX as u64 / 2);
 
 /// A hint given to [`crate::HostTier::hint`]; withdraw it with [`crate::HostTier::withdraw_hint`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[must_use = "a hint is withdrawn only by its id (or when its time-to-live runs out)"]
 pub struct HintId(u64);
 
 impl HintId {

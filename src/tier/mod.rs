@@ -7,12 +7,14 @@
 //!   any thread ----query-----------> HostTier --------------------------+     + EvictionPolicy + stats
 //! ```
 //!
-//! Files, bottom up: `core` (shared state, slot-level steps, victim classes), `chain` (parent links
-//! and children counts for chain-aware victims), `hints` (scheduler hints), `evictor` (two-phase
-//! eviction: claims), `save` (the save plan, chain links), `prepare` (a save's tier side: plan, fit,
-//! acquire, reserve), `expiry` (lease time-to-live), `stats` (counters), `config` (options), `rank`
-//! (saves, restores, completion threads), this file (the facade). Leases ([`crate::lease`]) and
-//! guards (`src/guard.rs`) sit between the core and the facade.
+//! Files, bottom up: `expiry` (a lease's settle state and the lease time-to-live clock), `saving`
+//! (the keys being saved), `chain` (parent links and children counts for chain-aware victims),
+//! `hints` (scheduler hints), `core` (shared state, slot-level steps, victim classes), `evictor`
+//! (two-phase eviction: claims), `save_plan` (the save plan, chain links), `pins` (RAII pins and
+//! write reservations), `prepare` (a save's tier side: plan, fit, acquire, reserve), `lease`
+//! (leases), `handle` (completion handles), `stats` (counters), `config` (options), `rank` (saves,
+//! restores, completion threads), `connected` (the connected tier, feature `remote`), this file
+//! (the facade).
 //!
 //! Flows (see `docs/design.md` for the invariants):
 //! - **save** ([`Rank::save_with`]): planned, fitted to the slots it can get (free first, then
@@ -25,21 +27,23 @@
 
 pub(crate) mod chain;
 mod config;
+#[cfg(feature = "remote")]
+pub(crate) mod connected;
 pub(crate) mod core;
 pub(crate) mod evictor;
-mod expiry;
+pub(crate) mod expiry;
+pub mod handle;
 mod hints;
+pub mod lease;
+pub(crate) mod pins;
 pub(crate) mod prepare;
 mod rank;
-pub(crate) mod save;
+pub(crate) mod save_plan;
+mod saving;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
 pub use hints::{HintId, MAX_HINT_TTL};
-#[cfg(feature = "remote")]
-pub(crate) use rank::layers::Launch;
-#[cfg(feature = "remote")]
-pub(crate) use rank::{CopyOutcome, Settle};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, TierStats};
 
@@ -48,10 +52,10 @@ use crate::copy::CopyBackend;
 use crate::error::{CopyError, Error, TierError};
 use crate::geometry::Geometry;
 use crate::key::{ContentKey, Namespace};
-use crate::lease::Lease;
-use crate::pool::HostPool;
-use crate::slot::SlotState;
+use crate::slab::pool::HostPool;
+use crate::slab::slot::SlotState;
 use crate::sync::Arc;
+use crate::tier::lease::Lease;
 
 /// The host tier: a shared handle (cloning is cheap and shares the tier).
 #[derive(Clone)]
@@ -70,6 +74,18 @@ impl HostTier {
     /// # Errors
     /// [`Error::Pool`] if the pool cannot be mapped (see [`HostPool::new`]); [`Error::Tier`] with
     /// [`TierError::Index`] if the index cannot be sized as asked.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvtier::{ArenaSpec, Geometry, HostTier, TierConfig};
+    ///
+    /// // One arena of 4 KiB pages, 8 GPU pages per rank, 16 tokens a page; a 1 MiB host pool.
+    /// let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// let tier = HostTier::new(TierConfig::new(geometry, 1 << 20))?;
+    /// assert!(tier.stats().capacity > 0); // slots of one block each
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
         let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
@@ -114,6 +130,21 @@ impl HostTier {
     /// [`TierError::GeometryMismatch`] if the backend's geometry has another model, page size, slot
     /// size or chunk layout than the tier's (a tensor-parallel shard may differ: its keys differ
     /// anyway); errors from [`CopyBackend::bind_pool`]; [`TierError::ShuttingDown`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig};
+    /// use std::sync::Arc;
+    ///
+    /// let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// // Host memory stands in for a GPU's arenas; on a GPU: kvtier::cuda::CudaArenas.
+    /// let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// let rank = tier.attach(arenas.backend()?)?; // one rank per GPU
+    /// # let _ = rank;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn attach(&self, mut backend: Box<dyn CopyBackend>) -> Result<Rank, TierError> {
         if self.core.is_shutting_down() {
             return Err(TierError::ShuttingDown);
@@ -142,6 +173,22 @@ impl HostTier {
     /// them (see [`Lease`]). Hits refresh the blocks' recency. The run also ends at the first key
     /// that repeats an earlier one (a lease pins each slot once), and at a block whose slot already
     /// holds the most pins leases may take ([`crate::testing::SlotWord::LEASE_PINS`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// rank.save(&keys[..2], &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+    /// let lease = tier.query(&keys); // the two leading blocks are resident: a lease on them
+    /// assert_eq!(lease.len(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn query(&self, keys: &[ContentKey]) -> Lease {
         self.query_shared(keys, 1)
     }
@@ -163,7 +210,7 @@ impl HostTier {
     pub fn try_query_shared(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return crate::remote::client::query(&self.core, conn, keys, uses);
+            return self.query_connected(conn, keys, uses);
         }
         Ok(Lease::acquire(&self.core, keys, uses))
     }
@@ -257,7 +304,7 @@ impl HostTier {
     pub fn try_stats(&self) -> Result<TierStats, TierError> {
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return conn.stats();
+            return self.stats_connected(conn);
         }
         Ok(self.core.stats())
     }

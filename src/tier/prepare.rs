@@ -7,9 +7,9 @@ use super::core::Core;
 use super::evictor::Want;
 use super::stats::add;
 use crate::error::TierError;
-use crate::guard::WriteReservation;
 use crate::key::ContentKey;
 use crate::sync::Arc;
+use crate::tier::pins::WriteReservation;
 
 /// A save whose slots are reserved (`WRITING`, indexed, invisible) and whose copy is next.
 #[derive(Debug)]
@@ -79,7 +79,7 @@ pub(crate) fn prepare_save(
         if reservation.reserve_at(keys[i], slot, depth, resumed) {
             saving.push(i);
         } else {
-            // Unreachable while the plan's claim is held; counted as in flight if it happens.
+            // Unreachable while the plan's saving entry is held; counted as in flight if it happens.
             lost += 1;
         }
     }
@@ -89,7 +89,7 @@ pub(crate) fn prepare_save(
         core.link_save(keys, opts, &plan, &saving, reservation.entries());
     }
     let (resident, in_flight, duplicates) = (plan.resident, plan.in_flight + lost, plan.duplicates);
-    // The index entries are in place: the keys' save claims can go.
+    // The index entries are in place: the keys' saving entries can go.
     drop(plan);
     Ok(PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped })
 }

@@ -16,10 +16,10 @@ use super::core::Core;
 use crate::copy::layers::copy_layers;
 use crate::copy::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::{CopyError, TierError};
-use crate::handle::{CopyHandle, HandleShared};
 use crate::key::{ContentKey, Namespace};
-use crate::lease::Lease;
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::tier::handle::{CopyHandle, HandleShared};
+use crate::tier::lease::Lease;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -30,6 +30,7 @@ use layers::Launch;
 /// What a save did.
 #[derive(Debug)]
 #[non_exhaustive]
+#[must_use = "a save ticket holds the copy's handle: the GPU pages may not be rewritten before it completes"]
 pub struct SaveTicket {
     /// Indices (into the keys given) of the blocks being copied, in order.
     pub saving: Vec<usize>,
@@ -418,6 +419,24 @@ impl Rank {
     ///
     /// # Errors
     /// As [`Rank::save_with`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// arenas.fill(&[0, 1, 2, 3], &keys)?; // "prefill": bytes derived from the keys
+    /// let ticket = rank.save(&keys, &[0, 1, 2, 3], WaitFor::Nothing)?; // GPU -> host, one batch
+    /// assert_eq!(ticket.saving.len(), 4);
+    /// ticket.handle.wait()?; // the GPU pages may be reused once the copy completed
+    /// assert!(tier.contains(&keys[3]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn save(&self, keys: &[ContentKey], gpu_pages: &[u64], wait: WaitFor) -> Result<SaveTicket, TierError> {
         self.save_with(keys, gpu_pages, wait, SaveOptions::default())
     }
@@ -467,7 +486,7 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(conn) = &self.remote {
-            return crate::remote::client::save_how(self, conn, keys, gpu_pages, how, opts);
+            return self.save_connected(conn, keys, gpu_pages, how, opts);
         }
         let prepared = super::prepare::prepare_save(&self.core, keys, &opts)?;
         let super::prepare::PreparedSave { saving, reservation, resident, in_flight, duplicates, dropped } = prepared;
@@ -500,7 +519,7 @@ impl Rank {
 
     /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
     /// GPU, one batch, after `wait`) and uses up one restore of the lease. The copy holds its own
-    /// pins, taken before the lease's use (see [`crate::lease`]), so the lease may settle (or be
+    /// pins, taken before the lease's use (see [`crate::tier::lease`]), so the lease may settle (or be
     /// dropped) while it runs. The GPU pages hold the bytes once the returned handle completes.
     ///
     /// An empty `gpu_pages` copies nothing and returns a completed handle (it still uses up one
@@ -514,6 +533,25 @@ impl Rank {
     /// retry is served even if another rank took the lease's last use meanwhile);
     /// [`CopyError::BackendPanicked`] if the backend panicked submitting the copy (its pins are
     /// kept for good, the lease keeps its use); [`TierError::ShuttingDown`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+    /// # use std::sync::Arc;
+    /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+    /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+    /// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+    /// # let rank = tier.attach(arenas.backend()?)?;
+    /// let keys: Vec<_> = (0..2).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+    /// arenas.fill(&[0, 1], &keys)?;
+    /// rank.save(&keys, &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+    /// let lease = tier.query(&keys);
+    /// rank.restore(&lease, &[5, 6], WaitFor::Nothing)?.wait()?; // host -> GPU pages 5 and 6
+    /// arenas.verify(&[5, 6], &keys)?; // the same bytes again
+    /// assert!(lease.is_settled()); // its one use is spent: its pins are gone
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn restore(&self, lease: &Lease, gpu_pages: &[u64], wait: WaitFor) -> Result<CopyHandle, TierError> {
         self.restore_how(lease, gpu_pages, Launch::Whole(wait))
     }
@@ -535,15 +573,15 @@ impl Rank {
         }
         #[cfg(feature = "remote")]
         if let Some(remote) = lease.remote() {
-            return crate::remote::client::restore_how(self, remote, gpu_pages, how);
+            return self.restore_connected(remote, gpu_pages, how);
         }
         if n == 0 {
             lease.consume_without_copy();
             return Ok(CopyHandle::ready());
         }
-        let mut claim = lease.begin_restore(n)?;
-        let batch: Vec<CopyPair> = gpu_pages.iter().zip(claim.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
-        let pins = claim.take_pins();
+        let mut hold = lease.begin_restore(n)?;
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(hold.slots()).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+        let pins = hold.take_pins();
         // SAFETY: every slot in `batch` is READY and pinned by `pins`, which the settle closure owns
         // until the copy has finished; the caller owns the GPU pages until the handle completes.
         let handle = unsafe {
@@ -560,7 +598,7 @@ impl Rank {
                 }),
             )
         }?;
-        claim.submitted();
+        hold.submitted();
         Ok(handle)
     }
 
@@ -650,7 +688,7 @@ mod job_tests {
     use super::{CopyOutcome, InFlight, Job};
     use crate::copy::{Completion, Direction};
     use crate::error::{CopyError, TierError};
-    use crate::handle::{CopyHandle, HandleShared};
+    use crate::tier::handle::{CopyHandle, HandleShared};
     use std::sync::atomic::Ordering;
     use std::sync::{Arc, Mutex};
 

@@ -1,6 +1,6 @@
 //! The tier's counters ([`TierStats`]) and the slot audit ([`AuditReport`]).
 //!
-//! Counters are recorded once per operation, from its outcome (a save's [`super::save::SavePlan`]
+//! Counters are recorded once per operation, from its outcome (a save's [`super::save_plan::SavePlan`]
 //! and the slots it got; a copy's completion), never piecemeal along the way.
 
 use crate::copy::Direction;

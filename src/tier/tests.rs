@@ -2,19 +2,19 @@
 
 use super::evictor::Claims;
 use super::*;
-use crate::copy::host::HostArenas;
+use crate::copy::host::MemcpyArenas;
 use crate::copy::{EngineArenas, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::ArenaSpec;
-use crate::pool::BackingChoice;
-use crate::pool::HostPool;
-use crate::slot::{SlotId, SlotWord};
+use crate::slab::pool::BackingChoice;
+use crate::slab::pool::HostPool;
+use crate::slab::slot::{SlotId, SlotWord};
 
-fn small_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank) {
+fn small_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
     let cfg = TierConfig::new(g.clone(), slots * g.slot_bytes()).with_backing(BackingChoice::Plain).with_policy(policy);
     let tier = HostTier::new(cfg).unwrap();
-    let arenas = std::sync::Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     (tier, arenas, rank)
 }
@@ -23,7 +23,7 @@ fn keys(tier: &HostTier, ids: std::ops::Range<u64>) -> Vec<ContentKey> {
     ids.map(|i| tier.namespace().trace_page_key(i, 0)).collect()
 }
 
-fn save_ready(tier: &HostTier, arenas: &std::sync::Arc<HostArenas>, rank: &Rank, k: &[ContentKey], pages: &[u64]) {
+fn save_ready(tier: &HostTier, arenas: &std::sync::Arc<MemcpyArenas>, rank: &Rank, k: &[ContentKey], pages: &[u64]) {
     arenas.fill(pages, k).unwrap();
     rank.save(k, pages, WaitFor::Nothing).unwrap().handle.wait().unwrap();
     assert!(k.iter().all(|k| tier.contains(k)));
@@ -91,7 +91,7 @@ fn a_key_under_eviction_is_planned_after_the_eviction_settles() {
     }
 }
 
-/// A plan holds a claim on each key it will save: a second plan of the same key sees it in flight
+/// A plan enters each key it will save in the set of keys being saved: a second plan of the same key sees it in flight
 /// and takes no slot for it (two saves of one prefix never both evict for it).
 #[test]
 fn a_second_plan_of_a_claimed_key_sees_it_in_flight() {
@@ -104,7 +104,7 @@ fn a_second_plan_of_a_claimed_key_sees_it_in_flight() {
     assert_eq!((second.missing().len(), second.in_flight), (0, 2));
     drop(first);
     let third = core.plan_save(&k[1..], &SaveOptions::new());
-    assert_eq!(third.missing(), &[0, 1], "claims are released when the plan goes");
+    assert_eq!(third.missing(), &[0, 1], "its entries are released when the plan goes");
 }
 
 /// A policy around a built-in one that runs a test's hook at the start of each selection, under the
@@ -148,11 +148,11 @@ impl crate::evict::EvictionPolicy for Hooked {
 }
 
 /// [`small_tier`] whose policy runs the returned hook at its next selection.
-fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<HostArenas>, Rank, Hook) {
+fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, Hook) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
     let pool = HostPool::new(
         g.slot_bytes(),
-        &crate::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain),
+        &crate::slab::pool::PoolConfig::new(slots * g.slot_bytes()).with_backing(BackingChoice::Plain),
     )
     .unwrap();
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
@@ -160,7 +160,7 @@ fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::A
     let inner = std::mem::replace(&mut core.policy, policy.build(1));
     core.policy = Box::new(Hooked { inner, hook: hook.clone() });
     let tier = HostTier::from_core(core);
-    let arenas = std::sync::Arc::new(HostArenas::new(&g).unwrap());
+    let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     (tier, arenas, rank, hook)
 }
@@ -215,11 +215,11 @@ fn a_use_given_back_after_another_rank_took_the_last_is_served() {
     save_ready(&tier, &arenas, &rank, &k, &[0]);
     let lease = tier.query_shared(&k, 2);
     // Rank A: the lease side of `Rank::restore`, up to a submission that will fail.
-    let claim_a = lease.begin_restore(1).unwrap();
+    let hold_a = lease.begin_restore(1).unwrap();
     // Rank B: a whole restore, the last use.
     rank.restore(&lease, &[1], WaitFor::Nothing).unwrap().wait().unwrap();
-    assert!(!lease.is_settled(), "a claimed use may still come back: the lease stays");
-    drop(claim_a); // A's submission failed: the use comes back
+    assert!(!lease.is_settled(), "a taken use may still come back: the lease stays");
+    drop(hold_a); // A's submission failed: the use comes back
     assert_eq!(lease.uses_left(), 1);
     // A's retry, through the real path.
     let e = rank.restore(&lease, &[u64::MAX], WaitFor::Nothing).unwrap_err();
@@ -292,7 +292,7 @@ fn leases_leave_a_reserve_of_pins_for_restores() {
     assert_eq!(tier.stats().pinned_slots, 0);
 }
 
-fn save_chain(rank: &Rank, arenas: &std::sync::Arc<HostArenas>, k: &[ContentKey], pages: &[u64], opts: SaveOptions) {
+fn save_chain(rank: &Rank, arenas: &std::sync::Arc<MemcpyArenas>, k: &[ContentKey], pages: &[u64], opts: SaveOptions) {
     arenas.fill(pages, k).unwrap();
     rank.save_with(k, pages, WaitFor::Nothing, opts).unwrap().handle.wait().unwrap();
 }
@@ -330,8 +330,9 @@ fn chain_links_count_children_detect_orphans_and_reattach() {
     }
     assert_eq!(core.chain_of(s[2]), (Some(s[1]), 0, ChainClass::Leaf), "its child left: a leaf");
     // Evict the head alone (the rest pinned): blocks 1 and 2 become orphans.
-    let pins = crate::guard::SlotPins::take(core, [1, 2].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
-    let other_pins = crate::guard::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
+    let pins = crate::tier::pins::SlotPins::take(core, [1, 2].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+    let other_pins =
+        crate::tier::pins::SlotPins::take(core, other.iter().map(|k| core.index().get(k).unwrap())).unwrap();
     let mut out = Vec::new();
     assert_eq!(core.evict_into(1, &mut out), 1);
     assert_eq!(out, vec![s[0]]);
@@ -361,7 +362,8 @@ fn orphans_are_evicted_first_with_every_policy() {
         // Evict the chain's head alone (the rest pinned).
         {
             let pins =
-                crate::guard::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+                crate::tier::pins::SlotPins::take(core, [1, 2, 3, 4, 5].map(|i| core.index().get(&k[i]).unwrap()))
+                    .unwrap();
             let mut out = Vec::new();
             assert_eq!(core.evict_into(1, &mut out), 1, "{policy}");
             drop(pins);

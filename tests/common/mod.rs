@@ -2,7 +2,7 @@
 //! backends that hold completions behind a gate or fail on demand.
 #![allow(dead_code)]
 
-use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::{
     ArenaSpec, Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Geometry, HostPool, HostTier,
     PolicyKind, TierConfig, WaitFor,
@@ -27,8 +27,8 @@ pub fn tier_config(slots: u64, policy: PolicyKind) -> TierConfig {
 }
 
 /// Fresh host arenas for `small_geometry`.
-pub fn arenas() -> Arc<HostArenas> {
-    Arc::new(HostArenas::new(&small_geometry()).unwrap())
+pub fn arenas() -> Arc<MemcpyArenas> {
+    Arc::new(MemcpyArenas::new(&small_geometry()).unwrap())
 }
 
 /// Keys 0..n in the tier's namespace.
@@ -55,7 +55,7 @@ impl Gate {
 
 /// A host backend whose copies complete only after `gate` opens, or fail if `fail` is set.
 pub struct TestBackend {
-    pub inner: HostBackend,
+    pub inner: MemcpyBackend,
     pub gate: Option<Gate>,
     pub fail: bool,
     /// `Completion::wait` panics (a buggy backend) instead of returning.
@@ -63,21 +63,21 @@ pub struct TestBackend {
 }
 
 impl TestBackend {
-    pub fn gated(arenas: &Arc<HostArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
+    pub fn gated(arenas: &Arc<MemcpyArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
         Box::new(TestBackend {
-            inner: HostBackend::new(arenas.clone()),
+            inner: MemcpyBackend::new(arenas.clone()),
             gate: Some(gate.clone()),
             fail: false,
             panic: false,
         })
     }
-    pub fn failing(arenas: &Arc<HostArenas>) -> Box<dyn CopyBackend> {
-        Box::new(TestBackend { inner: HostBackend::new(arenas.clone()), gate: None, fail: true, panic: false })
+    pub fn failing(arenas: &Arc<MemcpyArenas>) -> Box<dyn CopyBackend> {
+        Box::new(TestBackend { inner: MemcpyBackend::new(arenas.clone()), gate: None, fail: true, panic: false })
     }
     /// Copies that complete after `gate` opens, by panicking in `Completion::wait`.
-    pub fn panicking(arenas: &Arc<HostArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
+    pub fn panicking(arenas: &Arc<MemcpyArenas>, gate: &Gate) -> Box<dyn CopyBackend> {
         Box::new(TestBackend {
-            inner: HostBackend::new(arenas.clone()),
+            inner: MemcpyBackend::new(arenas.clone()),
             gate: Some(gate.clone()),
             fail: false,
             panic: true,
@@ -133,7 +133,12 @@ impl CopyBackend for TestBackend {
 }
 
 /// Fills pages with keys' bytes and saves them, waiting for completion.
-pub fn save_filled(rank: &kvtier::Rank, a: &Arc<HostArenas>, keys: &[ContentKey], pages: &[u64]) -> kvtier::SaveTicket {
+pub fn save_filled(
+    rank: &kvtier::Rank,
+    a: &Arc<MemcpyArenas>,
+    keys: &[ContentKey],
+    pages: &[u64],
+) -> kvtier::SaveTicket {
     a.fill(pages, keys).unwrap();
     let t = rank.save(keys, pages, WaitFor::Nothing).unwrap();
     t.handle.wait().unwrap();

@@ -29,7 +29,7 @@
 //! predicts which blocks survive (the newest that fit).
 #![allow(dead_code)]
 
-use kvtier::copy::host::{HostArenas, HostBackend};
+use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::testing::SlotState;
 use kvtier::SlotId;
 use kvtier::{
@@ -166,7 +166,7 @@ impl Control {
 }
 
 struct ControlledBackend {
-    inner: HostBackend,
+    inner: MemcpyBackend,
     control: Arc<Control>,
 }
 
@@ -346,8 +346,8 @@ pub struct Machine {
     /// Handles of rank A's pending saves / restores, oldest first.
     save_handles: VecDeque<CopyHandle>,
     restore_handles: VecDeque<(CopyHandle, Vec<u8>)>,
-    arenas_a: Arc<HostArenas>,
-    arenas_b: Arc<HostArenas>,
+    arenas_a: Arc<MemcpyArenas>,
+    arenas_b: Arc<MemcpyArenas>,
     control: Arc<Control>,
     // Declared before `tier`: ranks drop (draining) first. Dropping opens every pending signal.
     rank_a: Option<Rank>,
@@ -367,8 +367,8 @@ impl Machine {
     /// A machine with a `capacity`-slot tier evicting with `policy`.
     pub fn new(policy: PolicyKind, capacity: u8) -> Self {
         let geometry = geometry();
-        let arenas_a = Arc::new(HostArenas::new(&geometry).expect("arenas"));
-        let arenas_b = Arc::new(HostArenas::new(&geometry).expect("arenas"));
+        let arenas_a = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
+        let arenas_b = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
         let tier = Self::build_tier(&geometry, policy, capacity);
         let keys: Vec<ContentKey> = (0..KEYS as u64).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
         let pages: Vec<u64> = (0..KEYS as u64).collect();
@@ -408,7 +408,7 @@ impl Machine {
     }
 
     fn attach(&mut self) {
-        let a = ControlledBackend { inner: HostBackend::new(self.arenas_a.clone()), control: self.control.clone() };
+        let a = ControlledBackend { inner: MemcpyBackend::new(self.arenas_a.clone()), control: self.control.clone() };
         self.rank_a = Some(self.tier.attach(Box::new(a)).expect("attach A"));
         self.rank_b = Some(self.tier.attach(self.arenas_b.backend().expect("backend")).expect("attach B"));
     }
@@ -874,7 +874,7 @@ impl Machine {
             // and eviction happens only inside this thread's tier calls. The chunk lies inside the
             // slot (offset + copy unit <= slot_bytes).
             let chunk = unsafe { std::slice::from_raw_parts(base.add(off as usize), spec.bytes_per_page as usize) };
-            if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
+            if let Some(b) = kvtier::copy::pattern::first_mismatch(key, a, chunk) {
                 panic!("ready slot {} of key {k}: arena {a} byte {b} is not the key's pattern", slot.0);
             }
         }

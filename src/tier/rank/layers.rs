@@ -7,9 +7,9 @@ use super::{Rank, SaveTicket};
 use crate::copy::layers::LayerGroups;
 use crate::copy::WaitFor;
 use crate::error::TierError;
-use crate::handle::CopyHandle;
+use crate::tier::handle::CopyHandle;
 use crate::key::ContentKey;
-use crate::lease::Lease;
+use crate::tier::lease::Lease;
 use crate::tier::config::SaveOptions;
 
 /// How a rank submits a copy ([`Rank::launch`]): whole-block after one wait, or layer-wise
@@ -89,19 +89,19 @@ impl Rank {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use crate::copy::host::HostArenas;
+    use crate::copy::host::MemcpyArenas;
     use crate::copy::{EngineArenas, WaitFor};
     use crate::error::{CopyError, TierError};
     use crate::geometry::{ArenaSpec, Geometry};
-    use crate::pool::{BackingChoice, PoolConfig};
+    use crate::slab::pool::{BackingChoice, PoolConfig};
     use crate::tier::{HostTier, SaveOptions, TierConfig};
     use crate::ContentKey;
     use std::sync::Arc;
 
-    fn setup() -> (Geometry, Arc<HostArenas>, HostTier) {
+    fn setup() -> (Geometry, Arc<MemcpyArenas>, HostTier) {
         let arenas = (0..6).map(|i| ArenaSpec::packed(format!("a{i}"), 48, 16)).collect();
         let g = Geometry::new("layers", 4, arenas).unwrap().with_layers(vec![0, 0, 1, 2, 2, 2]).unwrap();
-        let host = Arc::new(HostArenas::new(&g).unwrap());
+        let host = Arc::new(MemcpyArenas::new(&g).unwrap());
         let mut cfg = TierConfig::new(g.clone(), 8 * g.slot_bytes());
         cfg.pool = PoolConfig { bytes: 8 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
         (g, host, HostTier::new(cfg).unwrap())

@@ -46,8 +46,8 @@
 //! are dropped before the memory is unmapped.
 
 use crate::error::PoolError;
-use crate::freelist::FreeList;
-use crate::slot::{SlotControl, SlotId, SlotState};
+use crate::slab::freelist::FreeList;
+use crate::slab::slot::{SlotControl, SlotId, SlotState};
 use crate::sync::Mutex;
 use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags};
 use std::any::Any;

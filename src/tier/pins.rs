@@ -10,7 +10,7 @@
 
 use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::{PinError, SlotId};
+use crate::slab::slot::{PinError, SlotId};
 use crate::sync::Arc;
 use crate::tier::core::{Core, Reserved};
 
@@ -35,7 +35,7 @@ impl SlotPins {
             #[cfg(kvtier_seeded_bug = "guard-borrows-lease-pin")]
             {
                 let w = core.pool().control().load(r.slot);
-                if w.generation() != r.generation || w.state() != crate::slot::SlotState::Ready {
+                if w.generation() != r.generation || w.state() != crate::slab::slot::SlotState::Ready {
                     return Err((i, PinError::Stale));
                 }
                 continue;

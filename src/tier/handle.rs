@@ -111,6 +111,7 @@ fn to_tier(r: &Result<(), TierError>) -> Result<(), TierError> {
 
 /// A handle to one submitted save or restore batch. Cloning shares it.
 #[derive(Clone)]
+#[must_use = "the GPU pages of a copy may not be reused or read before its handle completes: wait on it or poll it"]
 pub struct CopyHandle {
     shared: Arc<HandleShared>,
 }

@@ -1,15 +1,15 @@
-//! Load reservations (the bound that keeps half of a table empty) and the striped counters they and
+//! Load grants (the bound that keeps half of a table empty) and the striped counters they and
 //! the live count use.
 //!
-//! A table's *load* is bounded by `used`, the reservations granted for inserts: every bucket that
-//! went non-empty (live entries plus tombstones) was filled by an insert holding a reservation taken
+//! A table's *load* is bounded by `used`, the grants given for inserts: every bucket that
+//! went non-empty (live entries plus tombstones) was filled by an insert holding a grant taken
 //! before its CAS. `used` never exceeds `limit = buckets / 2` (it only grows by CASes that check the
-//! limit), and the non-empty buckets plus in-flight reservations plus unspent credit add up to at
+//! limit), and the non-empty buckets plus in-flight grants plus unspent credit add up to at
 //! most `used`, so a table always keeps at least half of its buckets empty and every probe ends
-//! within a few buckets (and provably within one pass). A reservation that finds no room fails and
+//! within a few buckets (and provably within one pass). A grant request that finds no room fails and
 //! starts a migration instead.
 //!
-//! Reservations are taken in batches so that inserts on different cores do not fight over one
+//! Grants are taken in batches so that inserts on different cores do not fight over one
 //! counter: a thread first spends its *stripe's* credit (a padded counter written by that thread
 //! alone unless more than `STRIPES` threads share the stripes); when it has none it CASes `used` up by
 //! a batch (`limit / BATCH_DIVISOR`, between 1 and `MAX_BATCH`), keeps one and credits the rest to
@@ -17,14 +17,14 @@
 //! giving up, so a table migrates only when every granted bucket is spent or in flight (or, in a
 //! narrow race, granted to a thread that has not yet credited the rest of its batch: an early
 //! migration, harmless since the next table is sized from the live count). An insert that gives its
-//! reservation back (the key was present) returns it as credit. Credit dies with its table; the next
+//! grant back (the key was present) returns it as credit. Credit dies with its table; the next
 //! table starts with `used` equal to the live count it was sized for.
 //!
 //! The live count is striped the same way ([`LiveCount`]): an insert increments its thread's stripe,
 //! a remove decrements its own thread's stripe (which may be another one), so stripes are wrapping
 //! counts and only their sum is meaningful.
 //!
-//! All counters here use `Relaxed` RMWs: atomicity alone makes the reservation bound exact (every
+//! All counters here use `Relaxed` RMWs: atomicity alone makes the grant bound exact (every
 //! grant is a CAS from the current value, every credit unit is taken by a decrement-if-positive CAS,
 //! so no unit is spent twice). The constants are in the `shim` module (they are smaller under loom).
 
@@ -37,23 +37,23 @@ fn striped_counters() -> Box<[CachePadded<AtomicUsize>]> {
     (0..STRIPES).map(|_| CachePadded::new(AtomicUsize::new(0))).collect()
 }
 
-/// A table's load reservations: `used` (granted, `<= limit`) and the per-stripe unspent credit.
-pub(super) struct Reservations {
+/// A table's load grants: `used` (granted, `<= limit`) and the per-stripe unspent credit.
+pub(super) struct LoadGrants {
     /// Most non-empty buckets allowed (`buckets / 2`). Read-only.
     pub(super) limit: usize,
-    /// Reservations a stripe takes from `used` at once. Read-only.
+    /// LoadGrants a stripe takes from `used` at once. Read-only.
     batch: usize,
     /// Buckets granted for inserts, `<= limit` at all times: non-empty buckets (live + tombstones)
-    /// plus in-flight reservations plus the unspent `credit` of every stripe.
+    /// plus in-flight grants plus the unspent `credit` of every stripe.
     pub(super) used: CachePadded<AtomicUsize>,
-    /// Per stripe: granted (counted in `used`) but not yet spent reservations.
+    /// Per stripe: granted (counted in `used`) but not yet spent grants.
     credit: Box<[CachePadded<AtomicUsize>]>,
 }
 
-impl Reservations {
-    /// Reservations of a table whose load limit is `limit`, `used` of them already granted.
+impl LoadGrants {
+    /// The load grants of a table whose load limit is `limit`, `used` of them already granted.
     pub(super) fn new(limit: usize, used: usize) -> Self {
-        Reservations {
+        LoadGrants {
             limit,
             batch: (limit / BATCH_DIVISOR).clamp(1, MAX_BATCH),
             used: CachePadded::new(AtomicUsize::new(used)),
@@ -78,16 +78,16 @@ impl Reservations {
         false
     }
 
-    /// Reserves one empty bucket for an insert by the thread of stripe `s`; false (and nothing
-    /// reserved) when the table is full.
+    /// Grants one empty bucket to an insert by the thread of stripe `s`; false (and nothing
+    /// granted) when the table is full.
     ///
     /// The fast path spends the stripe's own credit (one RMW on a line only this thread writes).
-    /// Otherwise it grants itself up to `batch` reservations from `used` by a CAS that never passes
+    /// Otherwise it takes up to `batch` grants from `used` by a CAS that never passes
     /// `limit` (keeping one, crediting the rest to its stripe); when `used` is at the limit it takes
     /// credit left over by other stripes before reporting the table full, so a table migrates only
     /// when every granted bucket is spent or in flight.
     #[inline]
-    pub(super) fn reserve(&self, s: usize) -> bool {
+    pub(super) fn take(&self, s: usize) -> bool {
         if self.take_credit(s) {
             return true;
         }
@@ -116,9 +116,9 @@ impl Reservations {
         (1..STRIPES).any(|d| self.take_credit((s + d) & (STRIPES - 1)))
     }
 
-    /// Returns an unused reservation (taken by stripe `s`) as that stripe's credit.
+    /// Returns an unused grant (taken by stripe `s`) as that stripe's credit.
     #[inline]
-    pub(super) fn unreserve(&self, s: usize) {
+    pub(super) fn give_back(&self, s: usize) {
         self.credit[s].fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -8,7 +8,7 @@
 //!   (a prefix with a hole at its head is worth nothing);
 //! - **in flight**: another save holds it (its copy is in flight, or it is between planning and
 //!   reserving);
-//! - **missing**: to be saved; the save holds a *claim* on each such key ([`SavingKeys`]) until its
+//! - **missing**: to be saved; the save *enters* each such key in the keys being saved ([`super::saving::SavingKeys`]) until its
 //!   slot is reserved in the index, so two saves of one key never both take slots for it (neither
 //!   evicts a block for a copy the other makes);
 //! - **refused**: missing keys from the policy's first admission refusal on
@@ -19,51 +19,21 @@
 //! The rank then fits the plan to the slots it can get and records the counters once, from the plan
 //! and the outcome.
 
+use super::config::{Fit, SaveOptions};
 use super::core::{Core, KeyState, Reserved};
 use super::stats::add;
-use super::SaveOptions;
 use crate::evict::InsertInfo;
 use crate::index::{IndexReader, SlotRef};
 use crate::key::ContentKey;
-use crate::slot::{PinError, SlotId};
-use crate::sync::Mutex;
-use crate::Fit;
+use crate::slab::slot::{PinError, SlotId};
 use std::collections::HashSet;
 
-/// Keys that a save has planned to copy and not yet reserved (see the module docs). Sharded by key
-/// hash; an uncontended claim is one short mutex hold.
-pub(crate) struct SavingKeys {
-    shards: Box<[Mutex<HashSet<ContentKey>>]>,
-}
-
-impl SavingKeys {
-    const SHARDS: usize = 16;
-
-    pub(crate) fn new() -> Self {
-        SavingKeys { shards: (0..Self::SHARDS).map(|_| Mutex::new(HashSet::new())).collect() }
-    }
-
-    fn shard(&self, key: &ContentKey) -> &Mutex<HashSet<ContentKey>> {
-        &self.shards[key.hash64() as usize % Self::SHARDS]
-    }
-
-    /// True if this call claimed `key` (no other save holds it).
-    fn claim(&self, key: ContentKey) -> bool {
-        crate::sync::lock(self.shard(&key)).insert(key)
-    }
-
-    fn release(&self, key: &ContentKey) {
-        let removed = crate::sync::lock(self.shard(key)).remove(key);
-        debug_assert!(removed, "released a save claim that was not held");
-    }
-}
-
-/// What a save will do (see the module docs). Dropping it releases the claims it still holds.
+/// What a save will do (see the module docs). Dropping it releases the entries it still holds.
 pub struct SavePlan<'a> {
     core: &'a Core,
-    /// Indices (into the keys given) of the keys to save, in order; each is claimed.
+    /// Indices (into the keys given) of the keys to save, in order; each is entered in the keys being saved.
     missing: Vec<usize>,
-    claimed: Vec<ContentKey>,
+    entered: Vec<ContentKey>,
     /// Resident blocks of this save, pinned until the plan is dropped.
     pinned: Vec<SlotId>,
     /// The pinned resident blocks by key position (first occurrences), for chain links.
@@ -84,9 +54,9 @@ impl SavePlan<'_> {
         &self.missing
     }
 
-    /// Keeps only the first `n` keys to save (the rest are dropped: their claims are released).
+    /// Keeps only the first `n` keys to save (the rest are dropped: their entries are released).
     pub fn truncate(&mut self, n: usize) {
-        for k in self.claimed.drain(n.min(self.missing.len())..) {
+        for k in self.entered.drain(n.min(self.missing.len())..) {
             self.core.saving.release(&k);
         }
         self.missing.truncate(n);
@@ -103,7 +73,7 @@ impl SavePlan<'_> {
 
 impl Drop for SavePlan<'_> {
     fn drop(&mut self) {
-        for k in self.claimed.drain(..) {
+        for k in self.entered.drain(..) {
             self.core.saving.release(&k);
         }
         for s in self.pinned.drain(..) {
@@ -131,7 +101,7 @@ impl Core {
         let mut plan = SavePlan {
             core: self,
             missing: Vec::new(),
-            claimed: Vec::new(),
+            entered: Vec::new(),
             pinned: Vec::new(),
             resident_at: Vec::new(),
             resident: 0,
@@ -151,7 +121,7 @@ impl Core {
                 }
             }
         }
-        // Keys under eviction: once the eviction lock is ours, no claim is outstanding.
+        // Keys under eviction: once the eviction lock is ours, no eviction claim is outstanding.
         while !evicting.is_empty() {
             drop(self.lock_eviction());
             let reader = self.index.reader();
@@ -247,15 +217,15 @@ impl Core {
                     return;
                 }
                 KeyState::Missing => {
-                    if !self.saving.claim(*k) {
+                    if !self.saving.enter(*k) {
                         plan.in_flight += 1;
                         return;
                     }
-                    // A save that held the key may have reserved it between the look and the claim.
+                    // A save that held the key may have reserved it between the look and the entry.
                     if self.classify(reader, k) == KeyState::Missing {
                         let at = plan.missing.partition_point(|&m| m < i);
                         plan.missing.insert(at, i);
-                        plan.claimed.insert(at, *k);
+                        plan.entered.insert(at, *k);
                         return;
                     }
                     self.saving.release(k);

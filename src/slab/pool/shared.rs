@@ -238,7 +238,7 @@ impl HostPool {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::slot::SlotId;
+    use crate::slab::slot::SlotId;
 
     #[test]
     fn two_mappings_of_one_memfd_share_bytes() {
@@ -324,8 +324,8 @@ mod tests {
     /// Hugetlb memfds accept the seals too (root reserves the 2 MiB pages for the test).
     #[test]
     fn a_hugetlb_shared_pool_is_size_sealed() {
-        let _g = crate::pool::tests::HUGETLB.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(_r) = crate::pool::tests::Reserve::set(2) else { return };
+        let _g = crate::slab::pool::tests::HUGETLB.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(_r) = crate::slab::pool::tests::Reserve::set(2) else { return };
         if hugetlb_free_pages(None) < 1 {
             eprintln!("skipping: no hugepage could be reserved");
             return;

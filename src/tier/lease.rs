@@ -30,99 +30,15 @@
 //! the whole copy, whatever happens to the lease.
 
 use crate::error::TierError;
-use crate::guard::SlotPins;
-use crate::index::SlotRef;
 use crate::key::ContentKey;
-use crate::slot::{PinError, SlotId};
-use crate::sync::{Arc, AtomicU64, AtomicU8, Ordering};
+use crate::slab::slot::{PinError, SlotId};
+use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
-use crate::tier::stats::{add, sub};
+pub use crate::tier::expiry::LeasedBlock;
+use crate::tier::expiry::{uses_word, LeaseState, Settled, TAKEN};
+use crate::tier::pins::SlotPins;
+use crate::tier::stats::add;
 use std::fmt;
-
-/// One leased block.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LeasedBlock {
-    /// The block's content key.
-    pub key: ContentKey,
-    /// Where it lives (pinned while the lease is unsettled).
-    pub slot: SlotRef,
-}
-
-/// How a lease settled (the `settled` byte of [`LeaseState`]).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Settled {
-    Live = 0,
-    Consumed = 1,
-    Released = 2,
-    Dropped = 3,
-    Expired = 4,
-}
-
-impl Settled {
-    fn from_u8(v: u8) -> Settled {
-        match v {
-            0 => Settled::Live,
-            1 => Settled::Consumed,
-            2 => Settled::Released,
-            3 => Settled::Dropped,
-            _ => Settled::Expired,
-        }
-    }
-}
-
-/// The part of a lease the tier's expiry clock may hold too: its blocks, uses and settle state.
-/// It holds no reference to the tier (the clock lives inside it).
-pub(crate) struct LeaseState {
-    blocks: Vec<LeasedBlock>,
-    /// `claimed << 32 | left`: uses not taken yet (`left`), and uses taken by restores whose copy
-    /// is not submitted yet (`claimed`; such a use may come back). The lease is consumed when both
-    /// reach 0, so a use given back always finds the lease unsettled (unless it was released,
-    /// dropped or expired, which no use can undo).
-    uses: AtomicU64,
-    settled: AtomicU8,
-}
-
-/// One claimed use in [`LeaseState::uses`].
-const CLAIM: u64 = 1 << 32;
-
-fn uses_word(left: u32) -> AtomicU64 {
-    AtomicU64::new(left as u64)
-}
-
-impl LeaseState {
-    /// Settles the lease as `how` if nobody has, dropping its pins; returns true if this call
-    /// settled it. The CAS is what makes settling exactly-once under races.
-    pub(crate) fn settle(&self, core: &Core, how: Settled) -> bool {
-        #[cfg(not(kvtier_seeded_bug = "lease-double-settle"))]
-        let first =
-            self.settled.compare_exchange(Settled::Live as u8, how as u8, Ordering::AcqRel, Ordering::Acquire).is_ok();
-        // Seeded bug (model checking only): check-then-act instead of one CAS.
-        #[cfg(kvtier_seeded_bug = "lease-double-settle")]
-        let first = self.settled.load(Ordering::Acquire) == Settled::Live as u8 && {
-            self.settled.store(how as u8, Ordering::Release);
-            true
-        };
-        if first {
-            for b in &self.blocks {
-                core.unpin(b.slot.slot);
-            }
-            sub(&core.counters.live_leases, 1);
-            if how == Settled::Expired {
-                add(&core.counters.expired_leases, 1);
-            }
-        }
-        first
-    }
-
-    pub(crate) fn how(&self) -> Settled {
-        Settled::from_u8(self.settled.load(Ordering::Acquire))
-    }
-
-    pub(crate) fn is_settled(&self) -> bool {
-        self.how() != Settled::Live
-    }
-}
 
 struct LeaseInner {
     core: Arc<Core>,
@@ -139,7 +55,7 @@ impl Drop for LeaseInner {
         if self.remote.is_some() {
             return;
         }
-        self.state.settle(&self.core, Settled::Dropped);
+        self.state.settle(self.core.control(), &self.core.counters, Settled::Dropped);
     }
 }
 
@@ -171,7 +87,28 @@ impl RepeatCheck {
 }
 
 /// A set of pinned ready blocks, in key order (see the module docs). Cloning shares the lease.
+///
+/// # Examples
+///
+/// ```
+/// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+/// # use std::sync::Arc;
+/// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
+/// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
+/// # let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
+/// # let rank = tier.attach(arenas.backend()?)?;
+/// let keys: Vec<_> = (0..3).map(|i| tier.namespace().trace_page_key(7, i)).collect();
+/// rank.save(&keys[..2], &[0, 1], WaitFor::Nothing)?.handle.wait()?;
+/// let lease = tier.query(&keys); // pins the resident prefix: 2 of the 3 blocks
+/// assert_eq!((lease.len(), lease.uses_left(), lease.is_settled()), (2, 1, false));
+/// assert!(lease.release()); // settles it now: the pins go
+/// let lease = tier.query_shared(&keys, 2); // one restore for each of two ranks
+/// assert_eq!(lease.uses_left(), 2);
+/// # drop(lease);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
+#[must_use = "a lease dropped at once settles and lets its blocks go: restore from it, or share it"]
 pub struct Lease {
     inner: Arc<LeaseInner>,
 }
@@ -215,7 +152,7 @@ impl Lease {
             }),
         };
         if empty || uses == 0 {
-            state.settle(core, Settled::Consumed);
+            state.settle(core.control(), &core.counters, Settled::Consumed);
         } else {
             core.leases.register(&state);
         }
@@ -306,7 +243,7 @@ impl Lease {
         if let Some(r) = self.remote() {
             return r.release();
         }
-        self.inner.state.settle(&self.inner.core, Settled::Released)
+        self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Released)
     }
 
     fn settled_error(&self) -> TierError {
@@ -318,15 +255,15 @@ impl Lease {
     }
 
     /// The lease side of a restore of the first `n` blocks: takes the restore's own pins on them,
-    /// then one use of the lease. The returned claim holds both; [`RestoreClaim::submitted`] keeps
-    /// the use (settling the lease if it was the last), dropping the claim unsubmitted gives the
+    /// then one use of the lease. The returned hold keeps both; [`RestoreHold::submitted`] keeps
+    /// the use (settling the lease if it was the last), dropping the hold unsubmitted gives the
     /// use back. [`crate::Rank::restore`] calls exactly this.
     ///
     /// # Errors
     /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::LeaseSettled`] /
     /// [`TierError::LeaseExpired`] if no use is left; [`TierError::TooManyPins`] if a slot's pin
     /// count is full (the lease stays usable).
-    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreClaim, TierError> {
+    pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreHold, TierError> {
         if n > self.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: self.len() });
         }
@@ -347,10 +284,10 @@ impl Lease {
             drop(pins);
             return Err(self.settled_error());
         }
-        Ok(RestoreClaim { lease: self.clone(), pins: Some(pins), submitted: false })
+        Ok(RestoreHold { lease: self.clone(), pins: Some(pins), submitted: false })
     }
 
-    /// Takes one use without settling (`left - 1`, `claimed + 1`): false if none is left or the
+    /// Takes one use without settling (`left - 1`, `taken + 1`): false if none is left or the
     /// lease is settled. The use is then either kept ([`Lease::keep_use`]) or given back
     /// ([`Lease::give_back_use`]).
     fn take_use(&self) -> bool {
@@ -360,7 +297,7 @@ impl Lease {
             if cur as u32 == 0 || self.is_settled() {
                 return false;
             }
-            match uses.compare_exchange_weak(cur, cur - 1 + CLAIM, Ordering::AcqRel, Ordering::Acquire) {
+            match uses.compare_exchange_weak(cur, cur - 1 + TAKEN, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return true,
                 Err(a) => {
                     cur = a;
@@ -370,28 +307,28 @@ impl Lease {
         }
     }
 
-    /// A taken use is kept (its copy was submitted): `claimed - 1`; the lease is consumed if that
-    /// was the last use and no other claimed use may still come back.
+    /// A taken use is kept (its copy was submitted): `taken - 1`; the lease is consumed if that
+    /// was the last use and no other taken use may still come back.
     fn keep_use(&self) {
-        let after = self.state().uses.fetch_sub(CLAIM, Ordering::AcqRel) - CLAIM;
+        let after = self.state().uses.fetch_sub(TAKEN, Ordering::AcqRel) - TAKEN;
         // Seeded bug (tests and model checking only): the old rule, consumed as soon as no use is
-        // left to take, although a claimed use may still come back. `restore-use-before-pin`
+        // left to take, although a taken use may still come back. `restore-use-before-pin`
         // plants the old code whole (that order and this rule): with the rule above alone, a use
-        // taken before the pins is no longer a fault, since the claimed use keeps the lease (and
-        // its pins) until the claim is submitted or given back.
+        // taken before the pins is no longer a fault, since the taken use keeps the lease (and
+        // its pins) until the hold is submitted or given back.
         #[cfg(any(kvtier_seeded_bug = "use-returned-to-settled-lease", kvtier_seeded_bug = "restore-use-before-pin"))]
         let after = after as u32 as u64;
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
         let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
         if last {
-            self.inner.state.settle(&self.inner.core, Settled::Consumed);
+            self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Consumed);
         }
     }
 
-    /// A taken use comes back (its restore was not submitted): `left + 1`, `claimed - 1`. The
-    /// lease cannot have been consumed meanwhile (a claimed use holds that off).
+    /// A taken use comes back (its restore was not submitted): `left + 1`, `taken - 1`. The
+    /// lease cannot have been consumed meanwhile (a taken use holds that off).
     fn give_back_use(&self) {
-        self.state().uses.fetch_sub(CLAIM - 1, Ordering::AcqRel);
+        self.state().uses.fetch_sub(TAKEN - 1, Ordering::AcqRel);
     }
 
     /// Uses up one restore of the lease without copying anything (a zero-page restore).
@@ -404,14 +341,14 @@ impl Lease {
 
 /// A restore's hold on a lease: its own pins on the blocks it copies and one use of the lease
 /// (see [`Lease::begin_restore`]). It holds a handle on the lease, so the tier daemon can keep a
-/// claim between a remote rank's messages.
-pub(crate) struct RestoreClaim {
+/// hold between a remote rank's messages.
+pub(crate) struct RestoreHold {
     lease: Lease,
     pins: Option<SlotPins>,
     submitted: bool,
 }
 
-impl RestoreClaim {
+impl RestoreHold {
     /// The pinned slots, in key order.
     pub(crate) fn slots(&self) -> &[SlotId] {
         self.pins.as_ref().map_or(&[], |p| p.slots())
@@ -429,7 +366,7 @@ impl RestoreClaim {
     }
 }
 
-impl Drop for RestoreClaim {
+impl Drop for RestoreHold {
     fn drop(&mut self) {
         if !self.submitted {
             // Not submitted: pins first, then the use goes back.

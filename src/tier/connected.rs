@@ -1,0 +1,343 @@
+//! The connected tier (feature `remote`): a [`HostTier`] whose state machine runs in the tier
+//! daemon. Its calls go over the connection of [`crate::remote::client`], which speaks in wire
+//! terms; this module turns the daemon's answers into the tier's own values (leases, save
+//! tickets, completion handles) and runs the copies on this process's ranks.
+
+use super::rank::layers::Launch;
+use super::rank::{CopyOutcome, Settle};
+use super::stats::{AuditReport, TierStats};
+use super::{Fit, HostTier, Rank, SaveOptions, SaveTicket};
+use crate::copy::{CopyPair, Direction};
+use crate::error::{Error, TierError};
+use crate::geometry::Geometry;
+use crate::index::SlotRef;
+use crate::key::ContentKey;
+use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
+use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireStats};
+use crate::slab::slot::SlotId;
+use crate::tier::core::Core;
+use crate::tier::handle::CopyHandle;
+use crate::tier::lease::{Lease, LeasedBlock};
+use std::path::Path;
+use std::sync::Arc;
+
+impl Lease {
+    /// This lease as a token another process connected to the same daemon opens with
+    /// [`HostTier::open_lease`], so several engine processes (data-parallel ranks) restore from one
+    /// lease, each with one of its uses (see [`HostTier::query_shared`]). Every handle, in any
+    /// process, keeps the lease alive; it settles as a lease does in one process (consumed,
+    /// released, or when the last handle is dropped; a process that exits drops its handles).
+    ///
+    /// `None` for a lease of an in-process tier, and for a lease settled from birth (nothing
+    /// leased): there is nothing to share.
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn token(&self) -> Option<LeaseToken> {
+        self.remote()?.token()
+    }
+}
+
+/// The daemon's leased blocks as the tier's (already checked by the connection).
+fn leased(wire: Vec<WireBlock>) -> Vec<LeasedBlock> {
+    wire.into_iter()
+        .map(|b| LeasedBlock { key: b.key, slot: SlotRef { slot: SlotId(b.slot), generation: b.generation } })
+        .collect()
+}
+
+impl HostTier {
+    /// [`HostTier::try_query_shared`] of a connected tier.
+    pub(super) fn query_connected(&self, conn: &Arc<Conn>, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
+        let core = self.core();
+        let (remote, blocks) = conn.query(keys, uses, core.pool().capacity())?;
+        Ok(Lease::remote_lease(core, leased(blocks), remote))
+    }
+
+    /// The daemon's statistics of its tier.
+    pub(super) fn stats_connected(&self, conn: &Conn) -> Result<TierStats, TierError> {
+        conn.stats().map(TierStats::from)
+    }
+}
+
+impl From<CopyOutcome> for Outcome {
+    fn from(o: CopyOutcome) -> Self {
+        match o {
+            CopyOutcome::Done => Outcome::Done,
+            CopyOutcome::Failed => Outcome::Failed,
+            CopyOutcome::Unknown => Outcome::Unknown,
+            CopyOutcome::SubmitPanicked if cfg!(kvtier_seeded_bug = "submit-panic-spends-use") => Outcome::Unknown,
+            CopyOutcome::SubmitPanicked => Outcome::SubmitPanicked,
+        }
+    }
+}
+
+impl Rank {
+    /// A connected rank's save ([`Rank::save_with`], [`Rank::save_layers`]; lengths and pages
+    /// already checked): the daemon plans and reserves, this process copies whole-block or
+    /// layer-wise as `how` says, then tells the daemon how the copy ended.
+    pub(super) fn save_connected(
+        &self,
+        conn: &Arc<Conn>,
+        keys: &[ContentKey],
+        gpu_pages: &[u64],
+        how: Launch<'_>,
+        opts: SaveOptions,
+    ) -> Result<SaveTicket, TierError> {
+        let p = conn.prepare_save(
+            keys,
+            opts.fit == Fit::Prefix,
+            opts.prefix_depth,
+            opts.parent,
+            self.core_pool_capacity(),
+        )?;
+        let client::PreparedSave { save, saving, slots, resident, in_flight, duplicates, dropped } = p;
+        if saving.is_empty() {
+            return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
+        }
+        let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
+        let c = conn.clone();
+        let settle: Settle =
+            Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
+        // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
+        // them before the FinishSave that `settle` sends after the copy has finished, or before this
+        // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
+        // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
+        match unsafe { self.launch(Direction::Save, &batch, how, settle) } {
+            Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
+            Err(e) => {
+                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
+                Err(e)
+            }
+        }
+    }
+
+    /// A connected rank's restore ([`Rank::restore`], [`Rank::restore_layers`]; lease and rank
+    /// checked to share the tier): the daemon takes the restore's pins and a use, this process
+    /// copies whole-block or layer-wise as `how` says, then tells the daemon.
+    pub(super) fn restore_connected(
+        &self,
+        lease: &RemoteLease,
+        gpu_pages: &[u64],
+        how: Launch<'_>,
+    ) -> Result<CopyHandle, TierError> {
+        let conn = lease.conn();
+        if gpu_pages.is_empty() {
+            if lease.id() != 0 {
+                conn.expect_done(&Request::ConsumeUse { lease: lease.id() })?;
+            }
+            return Ok(CopyHandle::ready());
+        }
+        let (restore, slots) =
+            match conn.call(&Request::Restore { lease: lease.id(), blocks: gpu_pages.len() as u32 })? {
+                crate::remote::proto::Reply::Restoring { restore, slots } => (restore, slots),
+                r => return Err(client::unexpected(&r)),
+            };
+        if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.core_pool_capacity()) {
+            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+            return Err(client::lost("the daemon pinned slots this restore did not ask for"));
+        }
+        let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
+        let c = conn.clone();
+        let settle: Settle = Box::new(move |outcome| {
+            // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
+            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
+            Ok(())
+        });
+        // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
+        // until the FinishRestore that `settle` sends after the copy has finished, or until this process
+        // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
+        // handle completes.
+        match unsafe { self.launch(Direction::Restore, &batch, how, settle) } {
+            Ok(handle) => {
+                let _ = conn.call(&Request::RestoreSubmitted { restore });
+                Ok(handle)
+            }
+            Err(e) => {
+                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated invariant).
+pub(crate) fn audit(conn: &Conn, keys: &[ContentKey]) -> Result<Result<AuditReport, String>, TierError> {
+    Ok(conn.audit(keys)?.map(|a: WireAudit| AuditReport {
+        free: a.free as usize,
+        writing: a.writing as usize,
+        ready: a.ready as usize,
+        evicting: a.evicting as usize,
+        pinned: a.pinned as usize,
+    }))
+}
+
+fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
+    let client::Connected { conn, geometry, pool, policy } = client::connect(path, opts)?;
+    // The local core only holds the mapping and the geometry: a one-entry index, no lease clock.
+    let core = Core::new(geometry, pool, policy, Some(1), None)?;
+    Ok(HostTier::from_remote(core, Arc::new(conn)))
+}
+
+impl HostTier {
+    /// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` and returns a
+    /// tier with the same API as [`HostTier::new`]'s: the daemon owns the index, the slots, the
+    /// leases and eviction over a pool in shared memory, which this process maps; ranks attached
+    /// here copy between their own GPU arenas and that mapping in this process. Every engine
+    /// process connects on its own; they share the daemon's blocks. The tier's geometry is the
+    /// daemon's (with the daemon's page count: give each rank's backend its own).
+    ///
+    /// Before the hello is sent, the daemon's uid (`SO_PEERCRED` of the socket) must be this
+    /// process's effective uid or root ([`HostTier::connect_with`] configures another). The pool's
+    /// memfd must be size-sealed and as long as the welcome says before it is mapped.
+    ///
+    /// Connect after forking: a connection serves the process that made it. Its sockets are
+    /// close-on-exec, and every call from another process (a child forked after the connection
+    /// was made) fails with [`TierError::ForkedChild`] before anything is sent.
+    ///
+    /// # Errors
+    /// [`Error::Tier`] with [`TierError::Disconnected`] (no daemon at `path`, or it hung up),
+    /// [`TierError::UntrustedDaemon`] (the socket's peer runs as another uid),
+    /// [`TierError::ProtocolMismatch`]; [`Error::Pool`] if the pool cannot be mapped
+    /// ([`crate::PoolError::UnsealedSharedPool`], [`crate::PoolError::SharedPoolTooShort`],
+    /// [`crate::PoolError::Map`]); [`Error::Tier`] with [`TierError::Index`] (never for the
+    /// one-entry local index).
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn connect(path: impl AsRef<Path>) -> Result<HostTier, Error> {
+        connect_impl(path.as_ref(), &ConnectOptions::new())
+    }
+
+    /// [`HostTier::connect`], checking that the daemon serves `geometry`'s namespace (model, page
+    /// size, arenas and shard).
+    ///
+    /// # Errors
+    /// As [`HostTier::connect`]; [`TierError::GeometryMismatch`] if the daemon's namespace differs.
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn connect_as(path: impl AsRef<Path>, geometry: &Geometry) -> Result<HostTier, Error> {
+        connect_impl(path.as_ref(), &ConnectOptions::new().geometry(geometry))
+    }
+
+    /// [`HostTier::connect`] with options: the namespace to check ([`ConnectOptions::geometry`])
+    /// and the uid the daemon must run as ([`ConnectOptions::expected_uid`]).
+    ///
+    /// # Errors
+    /// As [`HostTier::connect_as`].
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn connect_with(path: impl AsRef<Path>, options: &ConnectOptions) -> Result<HostTier, Error> {
+        connect_impl(path.as_ref(), options)
+    }
+
+    /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn is_connected_tier(&self) -> bool {
+        self.remote().is_some()
+    }
+
+    /// Opens a lease another process shared ([`Lease::token`]), taking a handle on it: the lease
+    /// lives while any handle does. The blocks are the lease's, in key order.
+    ///
+    /// # Errors
+    /// [`TierError::ForeignLease`] for an in-process tier or a token of another daemon run (the
+    /// daemon restarted since); [`TierError::LeaseSettled`] if every handle on it is gone;
+    /// [`TierError::Disconnected`].
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn open_lease(&self, token: &LeaseToken) -> Result<Lease, TierError> {
+        let conn = self.remote().ok_or(TierError::ForeignLease)?;
+        let core = self.core();
+        let (remote, blocks) = conn.open_lease(token, core.pool().capacity())?;
+        Ok(Lease::remote_lease(core, leased(blocks), remote))
+    }
+}
+
+impl From<TierStats> for WireStats {
+    fn from(s: TierStats) -> Self {
+        // Exhaustive on purpose: a field added to TierStats must be added here (and the protocol
+        // version bumped).
+        let TierStats {
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            save_skipped_resident,
+            save_skipped_in_flight,
+            save_skipped_duplicate,
+            save_dropped,
+            saves_refused,
+            save_failed_blocks,
+            restored_blocks,
+            restore_failed_blocks,
+            evictions,
+            bytes_saved,
+            bytes_restored,
+            expired_leases,
+            live_leases,
+            oldest_lease_age_ms,
+            quarantined_slots,
+            pinned_slots,
+            ready_slots,
+            writing_slots,
+            free_slots,
+            capacity,
+            index_entries,
+            quarantined_pins,
+        } = s;
+        WireStats {
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            save_skipped_resident,
+            save_skipped_in_flight,
+            save_skipped_duplicate,
+            save_dropped,
+            saves_refused,
+            save_failed_blocks,
+            restored_blocks,
+            restore_failed_blocks,
+            evictions,
+            bytes_saved,
+            bytes_restored,
+            expired_leases,
+            live_leases,
+            oldest_lease_age_ms,
+            quarantined_slots,
+            pinned_slots,
+            ready_slots,
+            writing_slots,
+            free_slots,
+            capacity,
+            index_entries,
+            quarantined_pins,
+        }
+    }
+}
+
+impl From<WireStats> for TierStats {
+    fn from(w: WireStats) -> Self {
+        TierStats {
+            queries: w.queries,
+            hit_blocks: w.hit_blocks,
+            miss_blocks: w.miss_blocks,
+            saved_blocks: w.saved_blocks,
+            save_skipped_resident: w.save_skipped_resident,
+            save_skipped_in_flight: w.save_skipped_in_flight,
+            save_skipped_duplicate: w.save_skipped_duplicate,
+            save_dropped: w.save_dropped,
+            saves_refused: w.saves_refused,
+            save_failed_blocks: w.save_failed_blocks,
+            restored_blocks: w.restored_blocks,
+            restore_failed_blocks: w.restore_failed_blocks,
+            evictions: w.evictions,
+            bytes_saved: w.bytes_saved,
+            bytes_restored: w.bytes_restored,
+            expired_leases: w.expired_leases,
+            live_leases: w.live_leases,
+            oldest_lease_age_ms: w.oldest_lease_age_ms,
+            quarantined_slots: w.quarantined_slots,
+            pinned_slots: w.pinned_slots,
+            ready_slots: w.ready_slots,
+            writing_slots: w.writing_slots,
+            free_slots: w.free_slots,
+            capacity: w.capacity,
+            index_entries: w.index_entries,
+            quarantined_pins: w.quarantined_pins,
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! The keys being saved: a save's entry for each key it has planned to copy and not yet reserved
+//! (see `save_plan.rs`), so that two saves of one prefix never both take slots for it.
+
+use crate::key::ContentKey;
+use crate::sync::Mutex;
+use std::collections::HashSet;
+
+/// Keys that a save has planned to copy and not yet reserved (see the module docs). Sharded by key
+/// hash; an uncontended entry is one short mutex hold.
+pub(crate) struct SavingKeys {
+    shards: Box<[Mutex<HashSet<ContentKey>>]>,
+}
+
+impl SavingKeys {
+    const SHARDS: usize = 16;
+
+    pub(crate) fn new() -> Self {
+        SavingKeys { shards: (0..Self::SHARDS).map(|_| Mutex::new(HashSet::new())).collect() }
+    }
+
+    fn shard(&self, key: &ContentKey) -> &Mutex<HashSet<ContentKey>> {
+        &self.shards[key.hash64() as usize % Self::SHARDS]
+    }
+
+    /// True if this call entered `key` (no other save holds it).
+    pub(crate) fn enter(&self, key: ContentKey) -> bool {
+        crate::sync::lock(self.shard(&key)).insert(key)
+    }
+
+    pub(crate) fn release(&self, key: &ContentKey) {
+        let removed = crate::sync::lock(self.shard(key)).remove(key);
+        debug_assert!(removed, "released a saving entry that was not held");
+    }
+}
