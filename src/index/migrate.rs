@@ -38,37 +38,8 @@
 use super::shim::MIGRATION_CHUNK;
 use super::table::{Table, FRAG_MASK, MAX_BUCKETS, MOVED, TOMBSTONE};
 use super::BlockIndex;
-use crate::sync::{spin_loop, AtomicUsize, Ordering};
-use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
-
-/// A table's migration progress.
-pub(super) struct Migration {
-    /// The table being filled by a migration of this one; null until the freeze phase ends.
-    pub(super) next: Atomic<Table>,
-    /// Freeze chunks claimed so far; non-zero means a migration has started.
-    freeze_claimed: AtomicUsize,
-    /// Freeze chunks finished.
-    freeze_done: AtomicUsize,
-    /// Live entries seen by the freeze.
-    frozen_live: AtomicUsize,
-    /// Copy chunks claimed.
-    copy_claimed: AtomicUsize,
-    /// Copy chunks finished.
-    copy_done: AtomicUsize,
-}
-
-impl Migration {
-    pub(super) fn new() -> Self {
-        Migration {
-            next: Atomic::null(),
-            freeze_claimed: AtomicUsize::new(0),
-            freeze_done: AtomicUsize::new(0),
-            frozen_live: AtomicUsize::new(0),
-            copy_claimed: AtomicUsize::new(0),
-            copy_done: AtomicUsize::new(0),
-        }
-    }
-}
+use crate::sync::{spin_loop, Ordering};
+use crossbeam_epoch::{Guard, Owned, Shared};
 
 impl Table {
     #[inline]

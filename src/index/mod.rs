@@ -315,7 +315,7 @@ impl BlockIndex {
                         self.len.dec(shim::stripe());
                         // SAFETY: our CAS unlinked `cur` from the live table (the only table writers
                         // change), so we retire it exactly once.
-                        unsafe { shim::retire_entry(&guard, cur) };
+                        unsafe { shim::retire_entry(&guard, cur, |e: &Entry| &e.alive) };
                         true
                     }
                     // A bucket holding an entry only becomes a tombstone (someone else removed it:

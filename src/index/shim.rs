@@ -20,7 +20,6 @@
 //! that races the destructor then fails in every explored interleaving where the destructor runs
 //! first, whatever the freed memory would have held.
 
-use super::table::Entry;
 use crossbeam_epoch::{Guard, Shared};
 
 /// Counter stripes (a power of two): `len` and each table's load grants are split over this
@@ -98,12 +97,14 @@ impl Liveness {
     }
 }
 
-/// Hands a removed entry to the epoch collector.
+/// Hands a removed entry to the epoch collector; `liveness` finds the entry's flag (used under
+/// loom only).
 ///
 /// # Safety
 /// `p` must be a non-null entry pointer that was just unlinked by this thread's successful CAS (so it
 /// is retired exactly once) and is no longer reachable from the live table.
-pub(super) unsafe fn retire_entry(guard: &Guard, p: Shared<'_, Entry>) {
+#[cfg_attr(not(loom), allow(unused_variables))]
+pub(super) unsafe fn retire_entry<T>(guard: &Guard, p: Shared<'_, T>, liveness: fn(&T) -> &Liveness) {
     #[cfg(not(loom))]
     // SAFETY: the caller unlinked `p` (exactly once) and it is unreachable from `root`; threads that
     // could still hold it are pinned, and crossbeam runs the destructor only after they unpin.
@@ -117,8 +118,8 @@ pub(super) unsafe fn retire_entry(guard: &Guard, p: Shared<'_, Entry>) {
         // that a late read is detected instead of being undefined behaviour (module docs).
         unsafe {
             guard.defer_unchecked(move || {
-                let e = &*(addr as *const Entry);
-                let was = e.alive.0.swap(false, crate::sync::Ordering::AcqRel);
+                let e = &*(addr as *const T);
+                let was = liveness(e).0.swap(false, crate::sync::Ordering::AcqRel);
                 assert!(was, "index entry reclaimed twice");
             })
         };

@@ -26,11 +26,10 @@
 //! within a few buckets, and provably within one pass.
 
 use super::load::LoadGrants;
-use super::migrate::Migration;
 use super::shim::Liveness;
 use super::SlotRef;
 use crate::key::ContentKey;
-use crate::sync::Ordering;
+use crate::sync::{AtomicUsize, Ordering};
 use crossbeam_epoch::{Atomic, Guard, Shared};
 use crossbeam_utils::CachePadded;
 use std::collections::TryReserveError;
@@ -92,6 +91,35 @@ impl Entry {
         let v = self.value;
         self.alive.check();
         v
+    }
+}
+
+/// A table's migration progress (the steps are in `migrate.rs`).
+pub(super) struct Migration {
+    /// The table being filled by a migration of this one; null until the freeze phase ends.
+    pub(super) next: Atomic<Table>,
+    /// Freeze chunks claimed so far; non-zero means a migration has started.
+    pub(super) freeze_claimed: AtomicUsize,
+    /// Freeze chunks finished.
+    pub(super) freeze_done: AtomicUsize,
+    /// Live entries seen by the freeze.
+    pub(super) frozen_live: AtomicUsize,
+    /// Copy chunks claimed.
+    pub(super) copy_claimed: AtomicUsize,
+    /// Copy chunks finished.
+    pub(super) copy_done: AtomicUsize,
+}
+
+impl Migration {
+    pub(super) fn new() -> Self {
+        Migration {
+            next: Atomic::null(),
+            freeze_claimed: AtomicUsize::new(0),
+            freeze_done: AtomicUsize::new(0),
+            frozen_live: AtomicUsize::new(0),
+            copy_claimed: AtomicUsize::new(0),
+            copy_done: AtomicUsize::new(0),
+        }
     }
 }
 
