@@ -21,6 +21,9 @@ pub mod key;
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub mod remote;
+#[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+pub mod server;
 pub mod slab;
 pub(crate) mod sync;
 pub mod tier;

@@ -10,7 +10,7 @@
 
 use clap::{Parser, Subcommand};
 use kvtier::copy::host::MemcpyArenas;
-use kvtier::remote::Server;
+use kvtier::server::Server;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, PoolConfig, TierConfig, WaitFor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

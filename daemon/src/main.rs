@@ -3,7 +3,7 @@
 //! daemon") for the protocol and what happens when an engine dies.
 
 use clap::Parser;
-use kvtier::remote::{Limits, Server, ServerConfig};
+use kvtier::server::{Limits, Server, ServerConfig};
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -1,9 +1,9 @@
 //! A connected tier answers like an in-process one: the same values and the same errors, call by
-//! call. The daemon's server runs on a thread of this test process (`kvtier::remote::Server`), the
+//! call. The daemon's server runs on a thread of this test process (`kvtier::server::Server`), the
 //! clients are `HostTier::connect` handles on other threads.
 
 use kvtier::copy::host::MemcpyArenas;
-use kvtier::remote::Server;
+use kvtier::server::Server;
 use kvtier::{
     ArenaSpec, BackingChoice, CopyError, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig,
     TierError, WaitFor,
@@ -28,8 +28,8 @@ fn serve(slots: u64) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvtierd.sock");
     // One process (this test) may hold the whole pool, as an in-process tier's caller may.
-    let limits = kvtier::remote::Limits { slots_per_process: slots as usize, ..Default::default() };
-    let server_config = kvtier::remote::ServerConfig { limits, group: None };
+    let limits = kvtier::server::Limits { slots_per_process: slots as usize, ..Default::default() };
+    let server_config = kvtier::server::ServerConfig { limits, group: None };
     let server = Server::bind_with(&path, HostTier::new_shared(config(slots)).unwrap(), server_config).unwrap();
     std::thread::spawn(move || server.run());
     (dir, path)

@@ -9,7 +9,7 @@ mod support;
 
 use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::remote::proto::{self, Outcome, Reply, Request, Welcome, WireError};
-use kvtier::remote::{Limits, Server, ServerConfig};
+use kvtier::server::{Limits, Server, ServerConfig};
 use kvtier::{
     ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, Limit, PoolConfig, TierConfig, TierError,
     WaitFor,

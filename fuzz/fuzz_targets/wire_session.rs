@@ -5,7 +5,7 @@
 //! or `EVICTING` slot, no pin, no lease, no hint.
 #![no_main]
 
-use kvtier::remote::server::drive_session;
+use kvtier::server::drive_session;
 use kvtier::remote::Limits;
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use libfuzzer_sys::fuzz_target;

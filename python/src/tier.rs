@@ -176,10 +176,10 @@ pub fn _serve(
         cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
     }
     // One test process is the daemon's only client: it may have the whole pool in flight.
-    let limits = kvtier::remote::Limits { slots_per_process: usize::MAX, ..Default::default() };
-    let config = kvtier::remote::ServerConfig { limits, group: None };
+    let limits = kvtier::server::Limits { slots_per_process: usize::MAX, ..Default::default() };
+    let config = kvtier::server::ServerConfig { limits, group: None };
     let server = py
-        .detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::remote::Server::bind_with(&path, t, config)))
+        .detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::server::Server::bind_with(&path, t, config)))
         .py()?;
     std::thread::Builder::new()
         .name("kvtier-serve".into())

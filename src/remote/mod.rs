@@ -9,17 +9,16 @@
 //! its copy backend once, and runs kvtier's copies between its own GPU memory and the pool; no GPU
 //! memory crosses processes. The connected tier has the in-process tier's API.
 //!
-//! - [`proto`]: the wire protocol (versioned frames, postcard);
-//! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`ConnectOptions`], [`LeaseToken`]);
-//! - [`server`]: the daemon's side ([`Server`], [`Limits`]), including what happens when an engine
-//!   dies.
+//! - `proto`: the wire protocol (versioned frames, postcard);
+//! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`ConnectOptions`], [`LeaseToken`]).
+//!
+//! Both sit below the tier: the tier's connected flavour (`tier/connected.rs`) calls the client.
+//! The daemon's side, [`crate::Server`], sits above the tier, in `server/`.
 
 pub(crate) mod client;
 pub mod proto;
-pub mod server;
 
 pub use client::{ConnectOptions, LeaseToken};
-pub use server::{Limits, Server, ServerConfig};
 
 use std::path::{Path, PathBuf};
 
@@ -32,7 +31,7 @@ use std::path::{Path, PathBuf};
 /// - else `/tmp/kvtierd-$UID/kvtierd.sock` (the daemon creates the directory `0700` and refuses to
 ///   use one it does not own or that others can write).
 ///
-/// Pure: creates nothing (the daemon's [`Server::bind`] makes the directory).
+/// Pure: creates nothing (the daemon's [`crate::Server::bind`] makes the directory).
 pub fn default_socket_path() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_absolute()) {
         return dir.join("kvtierd.sock");

@@ -1,6 +1,6 @@
 //! The daemon side: serves one [`HostTier`] (with its pool in shared memory) to engine processes.
 //!
-//! One thread per connection runs the requests of [`super::proto`] against the tier with the same
+//! One thread per connection runs the requests of `crate::remote::proto` against the tier with the same
 //! code an in-process rank runs: [`HostTier::query_shared`] for queries, the save preparation
 //! shared with [`crate::Rank::save_with`], and [`Lease`]'s restore hold, exactly as
 //! [`crate::Rank::restore`] takes it. What a connection holds is its own:
@@ -36,7 +36,7 @@
 //! since a copy may run as long as its process does. Without a pidfd they stay withheld for good.
 //! Copies whose outcome a rank reported unknown (its backend panicked) are withheld the same way.
 
-use super::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
+use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
 use crate::key::ContentKey;
@@ -1110,7 +1110,7 @@ fn euid() -> u32 {
 }
 
 /// Makes sure `dir` (the socket's directory) exists; creates it (`0700`, or `0750` of `group`) if
-/// it does not. The per-user fallback directory in `/tmp` (see [`super::default_socket_path`])
+/// it does not. The per-user fallback directory in `/tmp` (see [`crate::remote::default_socket_path`])
 /// must be a directory of ours that nobody else can write, or another user could have made it.
 fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
     let cfg = |m: String| Error::Config(m);
@@ -1128,7 +1128,7 @@ fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
         }
         Err(e) => Err(cfg(format!("the socket's directory {}: {e}", dir.display()))),
         Ok(m) => {
-            if super::is_per_user_tmp_dir(dir) && (!m.is_dir() || m.uid() != euid() || m.mode() & 0o022 != 0) {
+            if crate::remote::is_per_user_tmp_dir(dir) && (!m.is_dir() || m.uid() != euid() || m.mode() & 0o022 != 0) {
                 return Err(cfg(format!(
                     "{} is not a directory of uid {} that only it can write (owner {}, mode {:o}): another user \
                      may have made it; remove it or choose another --socket",
