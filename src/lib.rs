@@ -5,51 +5,88 @@
 //! An engine builds one [`HostTier`] (the pinned host pool, the content index, eviction), attaches
 //! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
-#![warn(missing_docs, missing_debug_implementations)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+// Items that only `internals` re-exports (for kvtier's own tests, models and benches) are unused
+// and unreachable in a build without it; the lints hold on the build with it (CI checks that one
+// with `-D warnings`).
+#![cfg_attr(not(feature = "internals"), allow(dead_code, unused_imports, unreachable_pub))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod backend;
-pub mod copy;
+// Every module is private: the public surface is the one `pub use` block below (docs/design.md
+// lists it), so every public type has exactly one path.
+mod backend;
+mod copy;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod error;
+mod evict;
+mod geometry;
+mod index;
+mod key;
+#[cfg(feature = "remote")]
+mod remote;
+#[cfg(feature = "remote")]
+mod server;
+mod slab;
+mod sync;
+mod tier;
+
+pub use backend::BackendKind;
+pub use copy::fault::{FaultSite, FaultyBackend, PanicSite, SubmitPanics, SubmitPanicsHandle};
+pub use copy::host::{MemcpyArenas, MemcpyBackend};
+pub use copy::null::NullBackend;
+pub use copy::pattern;
+pub use copy::{
+    Completion, CopyBackend, CopyEvent, CopyPair, Direction, Done, EngineArenas, LayerCopy, LayerGroups, LayerReadiness,
+    WaitFor,
+};
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub mod cuda;
-pub mod error;
-pub mod evict;
-pub mod geometry;
-pub mod index;
-pub mod key;
-#[cfg(feature = "remote")]
-#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
-pub mod remote;
-#[cfg(feature = "remote")]
-#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
-pub mod server;
-pub mod slab;
-pub(crate) mod sync;
-pub mod tier;
-
-pub use copy::{
-    Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, LayerGroups, LayerReadiness, WaitFor,
+pub use cuda::{
+    cuda_available, cudarc, device_count, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation,
+    PatternJob, SmPartition,
 };
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
-pub use evict::PolicyKind;
-pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
-pub use index::{BlockIndex, SlotRef};
+pub use evict::{PolicyKind, UnknownPolicy};
+pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
+pub use index::{BlockIndex, IndexReader, SlotRef};
 pub use key::{ContentKey, Namespace};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
-pub use remote::{ConnectOptions, LeaseToken};
-pub use slab::SlotId;
-pub use slab::{Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout};
+pub use remote::{default_socket_path, ConnectOptions, LeaseToken};
+#[cfg(feature = "remote")]
+#[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+pub use server::{Limits, Server, ServerConfig};
+pub use slab::{
+    hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
+    HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
+};
 pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
-pub use tier::{Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats};
+pub use tier::{
+    AuditReport, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats, MAX_HINT_TTL,
+};
 
-/// Internals for kvtier's own tests, loom models and benchmarks. **Not a stable API**: anything
-/// here may change in any release. Models and tests call these so that they exercise the very
-/// functions production calls.
+/// Internals for kvtier's own tests, loom models, benchmarks and fuzz targets (feature
+/// `internals`, off by default). **Not a stable API**: anything here may change in any release.
+/// Models and tests call these so that they exercise the very functions production calls.
+#[cfg(feature = "internals")]
 #[doc(hidden)]
-pub mod testing {
+pub mod internals {
+    pub use crate::copy::layers::copy_layers;
+    pub use crate::copy::{check_pages_and_keys, validate_batch};
+    pub use crate::evict::{ChainView, EvictionPolicy, InsertInfo, Ranking};
+    #[cfg(feature = "remote")]
+    pub use crate::remote::proto;
+    #[cfg(feature = "remote")]
+    pub use crate::server::drive_session;
+    /// The kernels' descriptors and raw driver access (benchmarks and GPU tests).
+    #[cfg(feature = "cuda")]
+    pub mod cuda {
+        pub use crate::cuda::desc;
+        pub use crate::cuda::raw::*;
+        pub use crate::cuda::{describe_driver_error, driver_error};
+    }
     pub use crate::slab::freelist::{FreeList, MAX_SHARDS};
     pub use crate::slab::slot::{PinError, SlotControl, SlotState, SlotWord};
     pub use crate::tier::pins::{SlotPins, WriteReservation};
