@@ -15,7 +15,7 @@
 //!   criterion's time is the probe's time per launch, the summary table adds the restores' GB/s;
 //! - a diagnostic table: the staged path's HBM scatter kernel alone and beside the compute probe;
 //! - `layers_save`, `layers_restore` (8, 43 and 256 blocks): layer-wise copies
-//!   (`kvtier::copy::layers`) at 78 groups (one per GLM-5.2 layer), 8 groups and 1 group, beside
+//!   (`kvtier`) at 78 groups (one per GLM-5.2 layer), 8 groups and 1 group, beside
 //!   the whole-block default and the contiguous copy, so the cost of per-layer readiness shows in
 //!   GB/s. `COPY_BANDWIDTH_LAYERS_ONLY=1` runs this group alone.
 //!
@@ -40,9 +40,9 @@ mod imp {
     use criterion::measurement::WallTime;
     use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
     use cudarc::driver::sys;
-    use kvtier::cuda::raw::ck;
-    use kvtier::cuda::{CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation};
+    use kvtier::internals::cuda::ck;
     use kvtier::{Completion, ContentKey, CopyBackend, CopyPair, Direction, Geometry, PoolRegion, WaitFor};
+    use kvtier::{CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation};
     use memmap2::MmapMut;
     use std::any::Any;
     use std::cell::RefCell;
@@ -209,9 +209,9 @@ mod imp {
             capacity: MAX_BLOCKS as u32,
         };
         let pages: Vec<u64> = (0..g.pages()).collect();
-        let keys: Vec<ContentKey> = pages.iter().map(|&p| ContentKey([p as u8 ^ 0x5a; 16])).collect();
-        kvtier::copy::EngineArenas::fill(&arenas, &pages, &keys).unwrap();
-        let sms = kvtier::cuda::raw::bind_device(0).unwrap();
+        let keys: Vec<ContentKey> = pages.iter().map(|&p| ContentKey::from_bytes([p as u8 ^ 0x5a; 16])).collect();
+        kvtier::EngineArenas::fill(&arenas, &pages, &keys).unwrap();
+        let sms = kvtier::internals::cuda::bind_device(0).unwrap();
         let mut stream: sys::CUstream = std::ptr::null_mut();
         let mut contiguous = 0u64;
         // SAFETY: driver setup calls on the bound device.
@@ -379,7 +379,7 @@ mod imp {
 
     /// Layer-wise saves and restores at 78, 8 and 1 groups against the whole-block default.
     fn layer_groups(c: &mut Criterion, s: &mut Setup, rec: &Record, timer: &Timer, auto: &CudaBackend) {
-        use kvtier::copy::layers::copy_layers;
+        use kvtier::internals::copy_layers;
         let block = s.g.block_bytes();
         let groups: Vec<(u32, kvtier::LayerGroups)> =
             [78u32, 8, 1].iter().map(|&n| (n, kvtier::LayerGroups::new(&s.g, n).unwrap())).collect();
@@ -620,7 +620,7 @@ mod imp {
             for i in 0..self.launches {
                 record(self.events[i], self.stream);
                 if self.decode {
-                    kvtier::cuda::raw::launch_decode_probe(
+                    kvtier::internals::cuda::launch_decode_probe(
                         0,
                         self.stream,
                         self.sms * 8,
@@ -632,7 +632,8 @@ mod imp {
                 } else {
                     // The same total work on any number of SMs: 64 items per CTA of the whole GPU.
                     let items = self.full_sms * 4 * 16;
-                    kvtier::cuda::raw::launch_probe(0, self.stream, self.sms * 4, self.out, 12_500, items).unwrap();
+                    kvtier::internals::cuda::launch_probe(0, self.stream, self.sms * 4, self.out, 12_500, items)
+                        .unwrap();
                 }
             }
             record(self.events[self.launches], self.stream);
@@ -732,7 +733,7 @@ mod imp {
             }
         };
         let engine: Option<EngineStream> = part.as_ref().map(|p| p.engine_stream(false).unwrap());
-        kvtier::cuda::raw::bind_device(0).unwrap();
+        kvtier::internals::cuda::bind_device(0).unwrap();
         let mut probe_stream: sys::CUstream = std::ptr::null_mut();
         let (mut out, mut buf) = (0u64, 0u64);
         // SAFETY: setup calls on the bound device; the decode probe's buffer is filled once.
@@ -864,7 +865,7 @@ mod imp {
             batch.iter().enumerate().map(|(i, p)| CopyPair::new(p.gpu_page, i as u32)).collect();
         let mut out = 0u64;
         let mut probe_stream: sys::CUstream = std::ptr::null_mut();
-        kvtier::cuda::raw::bind_device(0).unwrap();
+        kvtier::internals::cuda::bind_device(0).unwrap();
         // SAFETY: setup on the bound device.
         unsafe {
             ok("cuStreamCreate", sys::cuStreamCreate(&mut probe_stream, 1));

@@ -45,7 +45,7 @@ fn key(i: u64) -> ContentKey {
 
 #[inline]
 fn val(i: u64, generation: u64) -> SlotRef {
-    SlotRef { slot: SlotId(i as u32), generation }
+    SlotRef { slot: SlotId::new(i as u32), generation }
 }
 
 /// The operations every contender implements with the same meaning.

@@ -13,7 +13,7 @@
 //!
 //! Before each run a fresh list of `--capacity` ids (65,536) is made and `--prefill` (75%) of them
 //! are taken out, as by a pool that is 75% full; the free ids left are spread evenly over the
-//! list's shards. kvtier's list is `kvtier::testing::FreeList` (the allocator under `HostPool`).
+//! list's shards. kvtier's list is `kvtier::internals::FreeList` (the allocator under `HostPool`).
 //!
 //! `cargo bench --bench slab -- --help` lists the options; `-- --quick` runs in a few seconds.
 
@@ -22,8 +22,8 @@ mod harness;
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use harness::{Args, Measured, Recorder, Report, Row};
-use kvtier::slab::{hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig};
-use kvtier::testing::FreeList;
+use kvtier::internals::FreeList;
+use kvtier::{hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig};
 use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -5,8 +5,8 @@
 //! the default eviction policy unless `--policy` names another. Every operation works on a chain of
 //! 43 blocks (a long prompt). Two ways to drive it (the contenders):
 //!
-//! - **`core`**: synchronously on the worker thread, through `kvtier::testing`, calling the
-//!   functions the tier itself calls: the lease side of a restore (`testing::restore_with`: the
+//! - **`core`**: synchronously on the worker thread, through `kvtier::internals`, calling the
+//!   functions the tier itself calls: the lease side of a restore (`internals::restore_with`: the
 //!   restore's own pins, a use of the lease, settle), and a save's plan, slot acquisition (free
 //!   slots first, then eviction), index reservation and commit (what `Rank::save_with` does on the
 //!   engine's thread plus what its completion thread does once the copy is done).
@@ -37,12 +37,12 @@
 mod harness;
 
 use harness::{Args, Dist, Measured, Report, Rng, Row, Sampler};
-use kvtier::copy::null::NullBackend;
-use kvtier::copy::WaitFor;
-use kvtier::slab::BackingChoice;
-use kvtier::testing::{self, Core, Want, WriteReservation};
-use kvtier::tier::{HostTier, Rank, SaveOptions, TierConfig};
+use kvtier::internals::{self, Core, Want, WriteReservation};
+use kvtier::BackingChoice;
+use kvtier::NullBackend;
+use kvtier::WaitFor;
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
+use kvtier::{HostTier, Rank, SaveOptions, TierConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,7 +104,7 @@ fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
     let cfg = TierConfig::new(g, bytes).with_backing(BackingChoice::Plain).with_policy(policy);
     let tier = HostTier::new(cfg).expect("a tier of 16-byte slots");
     assert_eq!(tier.capacity() as u64, slots, "pool slot count");
-    let core = testing::core(&tier);
+    let core = internals::core(&tier);
     let w = harness::cpus().min(16) as u64;
     std::thread::scope(|s| {
         for t in 0..w {
@@ -163,7 +163,7 @@ fn query_restore(tier: &HostTier, w: &Worker, keys: &[ContentKey], errors: &Atom
     let h = lease.len();
     if h > 0 {
         let ok = match &w.rank {
-            None => testing::restore_with(&lease, h, |slots| std::hint::black_box(slots.len())).is_ok(),
+            None => internals::restore_with(&lease, h, |slots| std::hint::black_box(slots.len())).is_ok(),
             Some(r) => r.restore(&lease, &PAGE_IDS[..h], WaitFor::Nothing).is_ok(),
         };
         if !ok {
@@ -177,7 +177,7 @@ fn query_restore(tier: &HostTier, w: &Worker, keys: &[ContentKey], errors: &Atom
 fn save(tier: &HostTier, w: &Worker, keys: &[ContentKey], errors: &AtomicU64) {
     let opts = SaveOptions::default();
     let ok = match &w.rank {
-        None => save_core(testing::core(tier), keys, &opts).is_ok(),
+        None => save_core(internals::core(tier), keys, &opts).is_ok(),
         Some(r) => {
             let pages = &PAGE_IDS[CHAIN - keys.len()..];
             r.save_with(keys, pages, WaitFor::Nothing, opts).is_ok()

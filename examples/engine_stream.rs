@@ -16,12 +16,12 @@
 //! streams of `CudaBackend::sm_partition()` (this example only copies on its stream).
 
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
-use kvtier::cuda::{CudaBackend, CudaOptions};
 use kvtier::{ArenaBinding, ContentKey, Geometry, HostTier, TierConfig, WaitFor};
+use kvtier::{CudaBackend, CudaOptions};
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if !kvtier::cuda::cuda_available() {
+    if !kvtier::cuda_available() {
         eprintln!("engine_stream needs an NVIDIA GPU with its driver and NVRTC; none found");
         std::process::exit(2);
     }
@@ -60,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut host = vec![0u8; spec.extent() as usize];
         for (&p, k) in src.iter().zip(&keys) {
             let at = (p * spec.page_stride) as usize;
-            kvtier::copy::pattern::fill(k, a, &mut host[at..at + spec.bytes_per_page as usize]);
+            kvtier::pattern::fill(k, a, &mut host[at..at + spec.bytes_per_page as usize]);
         }
         compute.memcpy_htod(&host, arena)?;
     }
@@ -94,7 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let host = compute.clone_dtoh(arena)?;
         for (&p, k) in dst.iter().zip(&keys) {
             let at = (p * spec.page_stride) as usize;
-            if let Some(b) = kvtier::copy::pattern::first_mismatch(k, a, &host[at..at + spec.bytes_per_page as usize]) {
+            if let Some(b) = kvtier::pattern::first_mismatch(k, a, &host[at..at + spec.bytes_per_page as usize]) {
                 return Err(format!("page {p}, arena {}, byte {b}: not the saved bytes", spec.name).into());
             }
             checked += spec.bytes_per_page as usize;

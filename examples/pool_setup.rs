@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "pool of {bytes} B ({:.1} GiB), glm52 slots of {} B; hugetlb pages free: {}",
         bytes as f64 / (1u64 << 30) as f64,
         geometry.slot_bytes(),
-        kvtier::slab::hugetlb_free_pages(None)
+        kvtier::hugetlb_free_pages(None)
     );
     println!("{:<28} {:>10} {:>12} {:>10} {:>10}", "method", "map s", "prefault s", "register s", "total s");
     for (name, backing) in
@@ -75,7 +75,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(feature = "cuda")]
 fn register(pool: &HostPool, geometry: &Geometry) -> Result<Option<f64>, Box<dyn std::error::Error>> {
-    let arenas = kvtier::cuda::CudaArenas::new(0, geometry, kvtier::cuda::CudaOptions::default())?;
+    let arenas = kvtier::CudaArenas::new(0, geometry, kvtier::CudaOptions::default())?;
     let mut backend = kvtier::EngineArenas::backend(&arenas)?;
     let t = Instant::now();
     backend.bind_pool(pool)?;
@@ -90,16 +90,16 @@ fn register(_pool: &HostPool, _geometry: &Geometry) -> Result<Option<f64>, Box<d
 #[cfg(feature = "cuda")]
 fn host_alloc(bytes: u64) -> Result<Option<f64>, Box<dyn std::error::Error>> {
     use cudarc::driver::sys;
-    kvtier::cuda::raw::bind_device(0)?;
+    kvtier::internals::cuda::bind_device(0)?;
     let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
     let t = Instant::now();
     // SAFETY: p is a valid out-pointer; the allocation is freed below and never used otherwise.
-    kvtier::cuda::raw::ck("cuMemHostAlloc", unsafe {
+    kvtier::internals::cuda::ck("cuMemHostAlloc", unsafe {
         sys::cuMemHostAlloc(&mut p, bytes as usize, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)
     })?;
     let s = t.elapsed().as_secs_f64();
     // SAFETY: p came from cuMemHostAlloc above and nothing references it.
-    kvtier::cuda::raw::ck("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })?;
+    kvtier::internals::cuda::ck("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })?;
     Ok(Some(s))
 }
 

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use kvtier::testing::{query, SlotPins, SlotState};
+use kvtier::internals::{query, SlotPins, SlotState};
 use loom::thread;
 
 /// One thread looks the key up and then queries it (lookup + pin) while the main thread evicts. A
@@ -59,7 +59,7 @@ fn stale_lookup_after_reuse_fails() {
             let Some(r) = c.index().get(&a) else { return };
             thread::yield_now();
             if let Ok(guard) = SlotPins::take(&c, [r]) {
-                assert_eq!(c.index().get(&a), Some(r), "pinned slot {} no longer holds key A", r.slot.0);
+                assert_eq!(c.index().get(&a), Some(r), "pinned slot {} no longer holds key A", r.slot.get());
                 assert_holds(&c, r, "pinned slot");
                 drop(guard);
             }

@@ -1,4 +1,4 @@
-//! loom models of the slot free list (`kvtier::testing::FreeList`): concurrent pops and pushes never hand one slot id to
+//! loom models of the slot free list (`kvtier::internals::FreeList`): concurrent pops and pushes never hand one slot id to
 //! two owners (the ABA failure of an untagged Treiber stack), every id is back at the end, and a pop
 //! never reports the list empty while it was not (a sweep over the shards alone can miss an id).
 //!
@@ -13,7 +13,7 @@
 //!   fails with "pop returned None although an id was on the list throughout".
 #![cfg(loom)]
 
-use kvtier::testing::FreeList;
+use kvtier::internals::FreeList;
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;

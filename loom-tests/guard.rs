@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use kvtier::testing::{query, restore_with};
+use kvtier::internals::{query, restore_with};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;

@@ -17,7 +17,7 @@ fn k(i: u64) -> ContentKey {
 }
 
 fn v(slot: u32, generation: u64) -> SlotRef {
-    SlotRef { slot: SlotId(slot), generation }
+    SlotRef { slot: SlotId::new(slot), generation }
 }
 
 /// Runs `f` under loom with a preemption bound of 2 unless `LOOM_MAX_PREEMPTIONS` says otherwise,

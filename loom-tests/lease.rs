@@ -1,7 +1,7 @@
 //! loom models of leases over the real tier core: a query's pins hold off a concurrent eviction; a
 //! lease settles exactly once however restores, releases and the last drop race; a shared lease
 //! serves every rank that restores from it. Queries and restores go through the same functions as
-//! `HostTier::query_shared` and `Rank::restore` (`testing::query`, `testing::restore_with`).
+//! `HostTier::query_shared` and `Rank::restore` (`internals::query`, `internals::restore_with`).
 //!
 //! Run with `ci/loom.sh` (cfgs `loom`, `crossbeam_loom`, `crossbeam_sanitize`, feature `loom`,
 //! `LOOM_MAX_PREEMPTIONS=2`, release). Seeded bugs each model must catch (see docs/invariants.md):
@@ -13,8 +13,8 @@
 mod common;
 
 use common::*;
-use kvtier::testing::sync::Arc;
-use kvtier::testing::{query, restore_failing_submission, restore_with};
+use kvtier::internals::sync::Arc;
+use kvtier::internals::{query, restore_failing_submission, restore_with};
 use loom::thread;
 
 /// A query pins the ready block; an evictor racing it either evicts first (the query then finds

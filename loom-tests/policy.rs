@@ -1,6 +1,6 @@
 //! loom model of the eviction mechanism and the policy contract, for **every** built-in policy: a
 //! save's slot acquisition (select, claim, cancel on a pin, finish: `Core::acquire_slots`, what
-//! `Rank::save_with` calls) races a query that pins a block (`testing::query`, what
+//! `Rank::save_with` calls) races a query that pins a block (`internals::query`, what
 //! `HostTier::query` calls). Checked in every interleaving: a pinned block is never evicted; the
 //! save gets its slots whenever enough unpinned blocks exist; every proposal is settled with the
 //! policy exactly once (the policies' contract checks panic otherwise); and afterwards every
@@ -26,8 +26,8 @@
 mod common;
 
 use common::*;
-use kvtier::testing::SlotState;
-use kvtier::testing::{query, Want};
+use kvtier::internals::SlotState;
+use kvtier::internals::{query, Want};
 use kvtier::PolicyKind;
 use loom::thread;
 use std::time::Duration;

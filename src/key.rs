@@ -16,9 +16,21 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed, Xxh3Default};
 /// The 16-byte content key of one block, already folded with its [`Namespace`].
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct ContentKey(pub [u8; 16]);
+pub struct ContentKey(pub(crate) [u8; 16]);
 
 impl ContentKey {
+    /// The key of these 16 bytes (already namespaced: [`Namespace::key`] folds raw bytes in).
+    #[inline]
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        ContentKey(bytes)
+    }
+
+    /// The key's 16 bytes.
+    #[inline]
+    pub const fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
     /// The key as two little-endian 64-bit words (low, high).
     #[inline]
     pub fn words(&self) -> (u64, u64) {
@@ -72,7 +84,7 @@ impl fmt::Display for ContentKey {
 /// [`crate::Geometry::namespace`]).
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct Namespace(pub [u8; 16]);
+pub struct Namespace(pub(crate) [u8; 16]);
 
 impl fmt::Debug for Namespace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -81,6 +93,18 @@ impl fmt::Debug for Namespace {
 }
 
 impl Namespace {
+    /// The namespace of these 16 bytes (a digest, as [`Namespace::from_description`] makes).
+    #[inline]
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Namespace(bytes)
+    }
+
+    /// The namespace's 16 bytes.
+    #[inline]
+    pub const fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
     /// Digest of an arbitrary canonical description (used by [`crate::Geometry`]).
     pub fn from_description(bytes: &[u8]) -> Self {
         Namespace(xxh3_128(bytes).to_le_bytes())

@@ -37,14 +37,14 @@ pub use copy::host::{MemcpyArenas, MemcpyBackend};
 pub use copy::null::NullBackend;
 pub use copy::pattern;
 pub use copy::{
-    Completion, CopyBackend, CopyEvent, CopyPair, Direction, Done, EngineArenas, LayerCopy, LayerGroups, LayerReadiness,
-    WaitFor,
+    Completion, CopyBackend, CopyEvent, CopyPair, Direction, Done, EngineArenas, LayerCopy, LayerGroups,
+    LayerReadiness, WaitFor,
 };
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cuda::{
-    cuda_available, cudarc, device_count, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream, Isolation,
-    PatternJob, SmPartition,
+    cuda_available, cudarc, device_count, driver_error, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream,
+    Isolation, PatternJob, SmPartition,
 };
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 pub use evict::{PolicyKind, UnknownPolicy};
@@ -84,8 +84,8 @@ pub mod internals {
     #[cfg(feature = "cuda")]
     pub mod cuda {
         pub use crate::cuda::desc;
+        pub use crate::cuda::describe_driver_error;
         pub use crate::cuda::raw::*;
-        pub use crate::cuda::{describe_driver_error, driver_error};
     }
     pub use crate::slab::freelist::{FreeList, MAX_SHARDS};
     pub use crate::slab::slot::{PinError, SlotControl, SlotState, SlotWord};

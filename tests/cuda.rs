@@ -5,8 +5,8 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::sys;
-use kvtier::copy::EngineArenas;
-use kvtier::cuda::{cuda_available, CopyMode, CudaArenas, CudaBackend, CudaOptions, Isolation};
+use kvtier::EngineArenas;
+use kvtier::{cuda_available, CopyMode, CudaArenas, CudaBackend, CudaOptions, Isolation};
 use kvtier::{ArenaSpec, ContentKey, CopyBackend, CopyError, CopyPair, Direction, Geometry, PoolRegion, WaitFor};
 use memmap2::MmapMut;
 use std::any::Any;
@@ -48,7 +48,7 @@ struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        kvtier::copy::pattern::mix64(self.0)
+        kvtier::pattern::mix64(self.0)
     }
     /// `n` distinct values from `0..range` in random order.
     fn distinct(&mut self, n: usize, range: u64) -> Vec<u64> {
@@ -68,7 +68,7 @@ fn keys(rng: &mut Rng, n: usize) -> Vec<ContentKey> {
             let mut k = [0u8; 16];
             k[..8].copy_from_slice(&rng.next().to_le_bytes());
             k[8..].copy_from_slice(&rng.next().to_le_bytes());
-            ContentKey(k)
+            ContentKey::from_bytes(k)
         })
         .collect()
 }
@@ -78,7 +78,7 @@ fn check_slot(g: &Geometry, pool: &TestPool, s: u32, key: &ContentKey) {
     let slot = pool.slot(s);
     for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
         let chunk = &slot[off as usize..(off + spec.bytes_per_page) as usize];
-        if let Some(b) = kvtier::copy::pattern::first_mismatch(key, a, chunk) {
+        if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
             panic!("slot {s}, arena {} byte {b}: wrong bytes after save", spec.name);
         }
     }
@@ -88,7 +88,7 @@ fn fill_slot(g: &Geometry, pool: &mut TestPool, s: u32, key: &ContentKey) {
     let offs: Vec<(u64, u64)> = g.arenas().iter().zip(g.chunk_offsets()).map(|(a, &o)| (o, a.bytes_per_page)).collect();
     let slot = pool.slot_mut(s);
     for (a, (off, n)) in offs.into_iter().enumerate() {
-        kvtier::copy::pattern::fill(key, a, &mut slot[off as usize..(off + n) as usize]);
+        kvtier::pattern::fill(key, a, &mut slot[off as usize..(off + n) as usize]);
     }
 }
 
@@ -256,7 +256,7 @@ fn save_and_restore_run_concurrently() {
 fn new_stream() -> u64 {
     let mut s: sys::CUstream = std::ptr::null_mut();
     // SAFETY: writes one handle; the device context is current (CudaArenas::new bound it).
-    unsafe { kvtier::cuda::raw::ck("cuStreamCreate", sys::cuStreamCreate(&mut s, 1)).unwrap() };
+    unsafe { kvtier::internals::cuda::ck("cuStreamCreate", sys::cuStreamCreate(&mut s, 1)).unwrap() };
     s as u64
 }
 
@@ -264,8 +264,8 @@ fn record(stream: u64) -> u64 {
     let mut e: sys::CUevent = std::ptr::null_mut();
     // SAFETY: creates and records one event on a live stream.
     unsafe {
-        kvtier::cuda::raw::ck("cuEventCreate", sys::cuEventCreate(&mut e, 2)).unwrap();
-        kvtier::cuda::raw::ck("cuEventRecord", sys::cuEventRecord(e, stream as sys::CUstream)).unwrap();
+        kvtier::internals::cuda::ck("cuEventCreate", sys::cuEventCreate(&mut e, 2)).unwrap();
+        kvtier::internals::cuda::ck("cuEventRecord", sys::cuEventRecord(e, stream as sys::CUstream)).unwrap();
     }
     e as u64
 }
@@ -279,7 +279,7 @@ fn save_waits_for_the_kernel_that_wrote_the_pages() {
     let mut pool = TestPool::new(g.slot_bytes(), 16);
     let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
     pool.bind(&mut b);
-    kvtier::cuda::raw::bind_device(0).unwrap();
+    kvtier::internals::cuda::bind_device(0).unwrap();
     let engine = new_stream();
     let mut rng = Rng(5);
     let (old, new) = (keys(&mut rng, 8), keys(&mut rng, 8));
@@ -308,7 +308,7 @@ fn restore_is_ordered_after_old_readers_and_before_new_readers() {
     let mut pool = TestPool::new(g.slot_bytes(), 16);
     let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
     pool.bind(&mut b);
-    kvtier::cuda::raw::bind_device(0).unwrap();
+    kvtier::internals::cuda::bind_device(0).unwrap();
     let (readers, compute) = (new_stream(), new_stream());
     let mut rng = Rng(6);
     let (old, new) = (keys(&mut rng, 8), keys(&mut rng, 8));
@@ -325,7 +325,9 @@ fn restore_is_ordered_after_old_readers_and_before_new_readers() {
     // The compute stream waits on the completion event, then reads the restored pages.
     let ev = c.cuda_event().unwrap();
     // SAFETY: live stream and event (the completion is alive until after the wait).
-    unsafe { kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(compute as _, ev as _, 0)).unwrap() };
+    unsafe {
+        kvtier::internals::cuda::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(compute as _, ev as _, 0)).unwrap()
+    };
     let new_reader = arenas.pattern_on(compute, &pages, &new, true, 0).unwrap();
     new_reader.wait().unwrap();
     old_reader.wait().unwrap();
@@ -421,7 +423,7 @@ fn bind_pool_through_a_real_host_pool() {
             let pages = rng.distinct(n, g.pages());
             let slots: Vec<SlotId> = (0..n).map(|_| pool.alloc().expect("free slot")).collect();
             arenas.fill(&pages, &ks).unwrap();
-            let batch: Vec<CopyPair> = pages.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+            let batch: Vec<CopyPair> = pages.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.get())).collect();
             // SAFETY: the test owns the allocated slots and the pages until wait returns.
             unsafe { be.save(&batch, WaitFor::Nothing) }.unwrap().wait().unwrap();
             for (s, k) in slots.iter().zip(&ks) {
@@ -429,11 +431,11 @@ fn bind_pool_through_a_real_host_pool() {
                 let bytes = unsafe { std::slice::from_raw_parts(pool.slot_ptr(*s), g.slot_bytes() as usize) };
                 for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
                     let chunk = &bytes[off as usize..(off + spec.bytes_per_page) as usize];
-                    assert_eq!(kvtier::copy::pattern::first_mismatch(k, a, chunk), None, "round {round}, slot {}", s.0);
+                    assert_eq!(kvtier::pattern::first_mismatch(k, a, chunk), None, "round {round}, slot {}", s.get());
                 }
             }
             let pages2 = rng.distinct(n, g.pages());
-            let back: Vec<CopyPair> = pages2.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.0)).collect();
+            let back: Vec<CopyPair> = pages2.iter().zip(&slots).map(|(&p, s)| CopyPair::new(p, s.get())).collect();
             // SAFETY: as above.
             unsafe { be.restore(&back, WaitFor::Nothing) }.unwrap().wait().unwrap();
             arenas.verify(&pages2, &ks).unwrap();
@@ -460,7 +462,7 @@ fn tier_handle_stream_wait_orders_the_engine_stream() {
     let arenas = Arc::new(CudaArenas::new(0, &g, CudaOptions::default()).unwrap());
     let tier = HostTier::new(TierConfig::new(g.clone(), 16 * g.slot_bytes())).unwrap();
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
-    kvtier::cuda::raw::bind_device(0).unwrap();
+    kvtier::internals::cuda::bind_device(0).unwrap();
     let (readers, compute) = (new_stream(), new_stream());
     let ns = tier.namespace();
     let (old, new): (Vec<ContentKey>, Vec<ContentKey>) = (
@@ -485,7 +487,7 @@ fn tier_handle_stream_wait_orders_the_engine_stream() {
     // The completion is gone (the rank's thread dropped it); the handle still owns the event.
     let ev = h.cuda_event().expect("a CUDA copy has an event");
     // SAFETY: the event is live while `h` is.
-    unsafe { kvtier::cuda::raw::ck("cuEventSynchronize", sys::cuEventSynchronize(ev as _)).unwrap() };
+    unsafe { kvtier::internals::cuda::ck("cuEventSynchronize", sys::cuEventSynchronize(ev as _)).unwrap() };
     h.stream_wait(compute).unwrap();
     h.stream_wait(0).unwrap(); // the legacy default stream
 }
@@ -525,7 +527,7 @@ fn green_context_confines_copy_and_engine_kernels_to_disjoint_sms() {
     let o = CudaOptions { reserved_sms: 8, ..Default::default() };
     let arenas = CudaArenas::new(0, &g, o).unwrap();
     let b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
-    let sms = kvtier::cuda::raw::bind_device(0).unwrap();
+    let sms = kvtier::internals::cuda::bind_device(0).unwrap();
     let Isolation::GreenContext { copy_sms, engine_sms } = b.isolation().clone() else {
         panic!("no green context: {:?}", b.isolation());
     };
@@ -535,7 +537,7 @@ fn green_context_confines_copy_and_engine_kernels_to_disjoint_sms() {
     assert_eq!((part.copy_sms(), part.engine_sms()), (copy_sms, engine_sms));
     let grid = 8 * sms;
     let ids = |stream: u64| -> BTreeSet<u32> {
-        kvtier::cuda::raw::sm_ids(0, stream, grid, 50_000).unwrap().into_iter().collect()
+        kvtier::internals::cuda::sm_ids(0, stream, grid, 50_000).unwrap().into_iter().collect()
     };
     let copy_side = ids(b.stream(Direction::Restore));
     let copy_save = ids(b.stream(Direction::Save));
@@ -646,9 +648,9 @@ fn a_failed_driver_call_keeps_its_cuda_result() {
     }
 }
 
-// ---- Layer-wise copies (kvtier::copy::layers) ----
+// ---- Layer-wise copies (kvtier) ----
 
-use kvtier::copy::layers::copy_layers;
+use kvtier::internals::copy_layers;
 use kvtier::LayerGroups;
 
 /// A gate on the GPU: a kernel (`kvt_spin_until`) on a stream of its own that runs until the test
@@ -672,13 +674,19 @@ impl Gate {
         // SAFETY: allocates 4 B of pinned, device-mapped host memory, zeroes it and takes its
         // device address (the context is current).
         unsafe {
-            kvtier::cuda::raw::ck("cuMemHostAlloc", sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP))
-                .unwrap();
+            kvtier::internals::cuda::ck(
+                "cuMemHostAlloc",
+                sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP),
+            )
+            .unwrap();
             std::ptr::write_volatile(host as *mut u32, 0);
-            kvtier::cuda::raw::ck("cuMemHostGetDevicePointer", sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0))
-                .unwrap();
+            kvtier::internals::cuda::ck(
+                "cuMemHostGetDevicePointer",
+                sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0),
+            )
+            .unwrap();
         }
-        kvtier::cuda::raw::spin_until(0, stream, dev, 1).unwrap();
+        kvtier::internals::cuda::spin_until(0, stream, dev, 1).unwrap();
         Gate { flag: host as *mut u32, event: record(stream), stream }
     }
     fn open(&self) {
@@ -745,7 +753,7 @@ fn layer_restore(preset: &str, n: usize, groups: u32, options: CudaOptions, cons
     let mut pool = TestPool::new(g.slot_bytes(), cap);
     let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), options).unwrap();
     pool.bind(&mut b);
-    kvtier::cuda::raw::bind_device(0).unwrap();
+    kvtier::internals::cuda::bind_device(0).unwrap();
     let mut rng = Rng(seed);
     let (new, old) = (keys(&mut rng, n), keys(&mut rng, n));
     let pages = rng.distinct(n, g.pages());
@@ -837,7 +845,7 @@ fn layer_wise_save_waits_for_each_groups_event() {
         let mut pool = TestPool::new(g.slot_bytes(), 80);
         let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
         pool.bind(&mut b);
-        kvtier::cuda::raw::bind_device(0).unwrap();
+        kvtier::internals::cuda::bind_device(0).unwrap();
         let engine = new_stream();
         let mut rng = Rng(77 + n as u64);
         let (old, new) = (keys(&mut rng, n), keys(&mut rng, n));
@@ -855,8 +863,9 @@ fn layer_wise_save_waits_for_each_groups_event() {
         let engine_streams = [engine, both];
         // SAFETY: live stream and events.
         unsafe {
-            kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, e as _, 0)).unwrap();
-            kvtier::cuda::raw::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, gate.event as _, 0)).unwrap();
+            kvtier::internals::cuda::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, e as _, 0)).unwrap();
+            kvtier::internals::cuda::ck("cuStreamWaitEvent", sys::cuStreamWaitEvent(both as _, gate.event as _, 0))
+                .unwrap();
         }
         waits[last] = WaitFor::CudaEvent(record(both));
         let batch: Vec<CopyPair> = pages.iter().enumerate().map(|(i, &p)| CopyPair::new(p, 2 + i as u32)).collect();
@@ -893,7 +902,7 @@ fn tier_layer_wise_restore_and_save_through_a_rank() {
     let arenas = Arc::new(CudaArenas::new(0, &g, CudaOptions::default()).unwrap());
     let tier = HostTier::new(TierConfig::new(g.clone(), 40 * g.slot_bytes())).unwrap();
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
-    kvtier::cuda::raw::bind_device(0).unwrap();
+    kvtier::internals::cuda::bind_device(0).unwrap();
     let (engine, compute) = (new_stream(), new_stream());
     let ns = tier.namespace();
     let keys: Vec<ContentKey> = (0..32u32).map(|i| ns.key_from_bytes(format!("k-{i}").as_bytes())).collect();

@@ -80,7 +80,7 @@ fn rust_descriptors_match_the_cuda_header() {
     assert_eq!(std::mem::size_of::<CopyPair>(), 16);
     #[cfg(feature = "cuda")]
     {
-        use kvtier::cuda::desc::*;
+        use kvtier::internals::cuda::desc::*;
         check_struct!("kvt_pair", KvtPair, [gpu_page, slot, reserved]);
         check_struct!("kvt_arena", KvtArena, [base, page_stride, bytes_per_page, slot_offset]);
         check_struct!("kvt_seg", KvtSeg, [arena, offset, len, reserved]);
@@ -105,6 +105,6 @@ fn rust_descriptors_match_the_cuda_header() {
 #[test]
 fn geometry_alignment_matches_the_kernels() {
     // The kernels move 16 B per access and assume 16-byte aligned units, strides and bases.
-    assert_eq!(kvtier::geometry::COPY_ALIGN, 16);
-    assert_eq!(kvtier::geometry::SLOT_CHUNK_ALIGN % 16, 0);
+    assert_eq!(kvtier::COPY_ALIGN, 16);
+    assert_eq!(kvtier::SLOT_CHUNK_ALIGN % 16, 0);
 }

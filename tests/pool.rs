@@ -2,9 +2,9 @@
 //! -> write -> `commit` -> `begin_evict` -> `release` -> `free`, on 4 threads.
 #![cfg(not(loom))]
 
-use kvtier::slab::{BackingChoice, HostPool, PoolConfig};
-use kvtier::testing::SlotState;
+use kvtier::internals::SlotState;
 use kvtier::SlotId;
+use kvtier::{BackingChoice, HostPool, PoolConfig};
 
 #[test]
 fn slot_lifecycle_on_four_threads() {
@@ -17,7 +17,7 @@ fn slot_lifecycle_on_four_threads() {
             s.spawn(move || {
                 for r in 0..rounds {
                     let Some(slot) = pool.alloc() else { continue };
-                    let ctl = kvtier::testing::control(pool);
+                    let ctl = kvtier::internals::control(pool);
                     let g = ctl.reserve(slot);
                     let tag = t.wrapping_mul(61) ^ r as u8;
                     // SAFETY: reserve succeeded, so this thread owns the slot's bytes.
@@ -25,7 +25,7 @@ fn slot_lifecycle_on_four_threads() {
                     bytes.fill(tag);
                     ctl.commit(slot, g);
                     assert_eq!(ctl.pin(slot, g), Ok(1));
-                    assert!(bytes.iter().all(|&b| b == tag), "slot {} overwritten while owned", slot.0);
+                    assert!(bytes.iter().all(|&b| b == tag), "slot {} overwritten while owned", slot.get());
                     assert_eq!(ctl.unpin(slot), 0);
                     assert_eq!(ctl.begin_evict(slot), Some(g));
                     assert_eq!(ctl.release(slot), g + 1);
@@ -37,7 +37,7 @@ fn slot_lifecycle_on_four_threads() {
     assert_eq!(pool.free_count(), 32);
     let mut gens = 0;
     for s in 0..32 {
-        let w = kvtier::testing::control(&pool).load(SlotId(s));
+        let w = kvtier::internals::control(&pool).load(SlotId::new(s));
         assert_eq!(w.state(), SlotState::Free);
         gens += w.generation();
     }

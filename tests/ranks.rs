@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use kvtier::copy::fault::FaultyBackend;
+use kvtier::FaultyBackend;
 use kvtier::{EngineArenas, Fit, PolicyKind, SaveOptions, TierError, WaitFor};
 
 /// Each rank repeatedly saves a window of shared keys, queries a prefix, restores it into its own
@@ -71,7 +71,7 @@ fn churn(policy: PolicyKind, fault_rate: f64) {
     assert_eq!(s.pinned_slots, 0);
     assert_eq!(s.writing_slots, 0);
     assert!(s.evictions > 0);
-    let audit = kvtier::testing::core(&tier).audit(&all).unwrap();
+    let audit = kvtier::internals::core(&tier).audit(&all).unwrap();
     assert_eq!(audit.ready + audit.free, 24);
     assert_eq!(audit.ready as u64, s.index_entries);
 }
@@ -112,8 +112,8 @@ fn tensor_parallel_shards_do_not_share_blocks() {
     let tier = tier(16, PolicyKind::Lru);
     let g0 = small_geometry().with_shard(0, 2).unwrap();
     let g1 = small_geometry().with_shard(1, 2).unwrap();
-    let a0 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g0).unwrap());
-    let a1 = std::sync::Arc::new(kvtier::copy::host::MemcpyArenas::new(&g1).unwrap());
+    let a0 = std::sync::Arc::new(kvtier::MemcpyArenas::new(&g0).unwrap());
+    let a1 = std::sync::Arc::new(kvtier::MemcpyArenas::new(&g1).unwrap());
     let r0 = tier.attach(a0.backend().unwrap()).unwrap();
     let r1 = tier.attach(a1.backend().unwrap()).unwrap();
     assert_ne!(r0.namespace(), r1.namespace());

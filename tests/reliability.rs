@@ -5,10 +5,10 @@
 mod common;
 
 use common::*;
-use kvtier::copy::fault::{FaultyBackend, PanicSite, SubmitPanics};
 use kvtier::{
     CopyError, EngineArenas, Fit, HostTier, PolicyKind, SaveOptions, TierConfig, TierError, TierStats, WaitFor,
 };
+use kvtier::{FaultyBackend, PanicSite, SubmitPanics};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -96,7 +96,7 @@ fn no_policy_wedges_under_concurrent_prefix_saves_and_pins() {
         });
         assert_eq!(refused.load(Ordering::Relaxed), 0, "{policy}");
         let all = keys(&tier, 0..43);
-        kvtier::testing::core(&tier).audit(&all).unwrap();
+        kvtier::internals::core(&tier).audit(&all).unwrap();
         assert_all_unpinned_evictable(&tier, policy.name());
     }
 }
@@ -124,7 +124,7 @@ fn duplicate_keys_in_one_save_count_once() {
     assert_eq!(t2.stats().evictions, 1);
 }
 
-fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::copy::host::MemcpyArenas>, kvtier::Rank) {
+fn tier_with_blocks(n: u64) -> (HostTier, Arc<kvtier::MemcpyArenas>, kvtier::Rank) {
     let t = tier(n, PolicyKind::Lru);
     let a = arenas();
     let rank = t.attach(a.backend().unwrap()).unwrap();
@@ -395,7 +395,7 @@ fn a_backend_that_panics_in_save_after_queuing_quarantines_the_slot() {
     good.restore(&lease, &[5], WaitFor::Nothing).unwrap().wait().unwrap();
     a.verify(&[5], &k[1..2]).expect("a restore returned the bytes of the copy that landed late");
     bad.drain(Duration::from_secs(5)).unwrap();
-    kvtier::testing::core(&tier).audit(&k).unwrap();
+    kvtier::internals::core(&tier).audit(&k).unwrap();
 }
 
 /// Issue 19 item 9(b): a backend that panics in `CopyBackend::restore` after it queued its copy.

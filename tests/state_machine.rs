@@ -8,9 +8,9 @@
 
 mod machine;
 
-use kvtier::geometry::{COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
 use kvtier::SlotId;
 use kvtier::{ArenaBinding, ArenaSpec, BackingChoice, Geometry, HostPool, Placement, PolicyKind, PoolConfig};
+use kvtier::{COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
 use machine::{Machine, Op, KEYS, MAX_CAPACITY, MAX_SPAN};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -208,8 +208,8 @@ fn stamp(pool: &HostPool, s: SlotId) {
     // SAFETY: the caller owns slot `s` (allocated, not freed); its `slot_bytes` bytes are inside the
     // mapping (checked against the region by the caller) and nothing else writes them.
     unsafe {
-        p.cast::<u64>().write_unaligned(s.0 as u64);
-        p.add(sb - 8).cast::<u64>().write_unaligned(!(s.0 as u64));
+        p.cast::<u64>().write_unaligned(s.get() as u64);
+        p.add(sb - 8).cast::<u64>().write_unaligned(!(s.get() as u64));
     }
 }
 
@@ -218,7 +218,8 @@ fn stamped(pool: &HostPool, s: SlotId) -> bool {
     let p = pool.slot_ptr(s);
     // SAFETY: as in `stamp`; reads only.
     unsafe {
-        p.cast::<u64>().read_unaligned() == s.0 as u64 && p.add(sb - 8).cast::<u64>().read_unaligned() == !(s.0 as u64)
+        p.cast::<u64>().read_unaligned() == s.get() as u64
+            && p.add(sb - 8).cast::<u64>().read_unaligned() == !(s.get() as u64)
     }
 }
 
@@ -241,8 +242,8 @@ proptest! {
         prop_assert_eq!(pool.slot_bytes(), slot_bytes);
         let region = pool.region();
         prop_assert!(region.capacity as u64 * region.slot_bytes <= region.bytes, "capacity past the mapping");
-        prop_assert_eq!(region.host_base, pool.slot_ptr(SlotId(0)) as usize);
-        let last = pool.slot_ptr(SlotId(pool.capacity() - 1)) as usize;
+        prop_assert_eq!(region.host_base, pool.slot_ptr(SlotId::new(0)) as usize);
+        let last = pool.slot_ptr(SlotId::new(pool.capacity() - 1)) as usize;
         prop_assert!(last + slot_bytes as usize <= region.host_base + region.bytes as usize);
         let mut owned: Vec<SlotId> = Vec::new();
         let mut set = BTreeSet::new();
@@ -250,8 +251,8 @@ proptest! {
             match op {
                 PoolOp::Alloc => match pool.alloc() {
                     Some(s) => {
-                        prop_assert!(s.0 < pool.capacity(), "slot {} out of range", s.0);
-                        prop_assert!(set.insert(s), "slot {} handed out twice", s.0);
+                        prop_assert!(s.get() < pool.capacity(), "slot {} out of range", s.get());
+                        prop_assert!(set.insert(s), "slot {} handed out twice", s.get());
                         stamp(&pool, s);
                         owned.push(s);
                     }
@@ -259,7 +260,7 @@ proptest! {
                 },
                 PoolOp::Free(i) if !owned.is_empty() => {
                     let s = owned.swap_remove(i % owned.len());
-                    prop_assert!(stamped(&pool, s), "slot {} was overwritten by another owner", s.0);
+                    prop_assert!(stamped(&pool, s), "slot {} was overwritten by another owner", s.get());
                     set.remove(&s);
                     pool.free(s);
                 }
@@ -269,13 +270,13 @@ proptest! {
         }
         // Everything else is still reachable.
         while let Some(s) = pool.alloc() {
-            prop_assert!(set.insert(s), "slot {} handed out twice", s.0);
+            prop_assert!(set.insert(s), "slot {} handed out twice", s.get());
             stamp(&pool, s);
             owned.push(s);
         }
         prop_assert_eq!(owned.len() as u64, slots, "full capacity reachable");
         for &s in &owned {
-            prop_assert!(stamped(&pool, s), "slot {} overlaps another", s.0);
+            prop_assert!(stamped(&pool, s), "slot {} overlaps another", s.get());
         }
     }
 }

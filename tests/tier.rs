@@ -145,14 +145,14 @@ fn a_stale_lookup_fails_by_generation_after_reuse() {
     let rank = tier.attach(a.backend().unwrap()).unwrap();
     let k = keys(&tier, 0..2);
     let _ = save_filled(&rank, &a, &k[0..1], &[0]);
-    let stale = kvtier::testing::core(&tier).index().get(&k[0]).unwrap();
+    let stale = kvtier::internals::core(&tier).index().get(&k[0]).unwrap();
     let _ = save_filled(&rank, &a, &k[1..2], &[1]); // evicts k0, reuses its slot
-    let fresh = kvtier::testing::core(&tier).index().get(&k[1]).unwrap();
+    let fresh = kvtier::internals::core(&tier).index().get(&k[1]).unwrap();
     assert_eq!(fresh.slot, stale.slot);
     assert_eq!(fresh.generation, stale.generation + 1);
-    assert!(kvtier::testing::core(&tier).index().get(&k[0]).is_none());
-    let control = kvtier::testing::control(tier.pool());
-    assert_eq!(control.pin(stale.slot, stale.generation), Err(kvtier::testing::PinError::Stale));
+    assert!(kvtier::internals::core(&tier).index().get(&k[0]).is_none());
+    let control = kvtier::internals::control(tier.pool());
+    assert_eq!(control.pin(stale.slot, stale.generation), Err(kvtier::internals::PinError::Stale));
 }
 
 #[test]
@@ -329,7 +329,7 @@ fn audit_sees_a_consistent_tier_after_churn() {
         let _ = save_filled(&rank, &a, c, &[0, 1, 2]);
     }
     let lease = tier.query(&k[9..11]);
-    let rep = kvtier::testing::core(&tier).audit(&k).unwrap();
+    let rep = kvtier::internals::core(&tier).audit(&k).unwrap();
     assert_eq!((rep.ready, rep.free, rep.writing, rep.pinned), (4, 0, 0, lease.len()));
 }
 
@@ -390,14 +390,14 @@ fn slot_acquisition_that_cannot_be_satisfied_evicts_nothing() {
     let k = keys(&tier, 0..4);
     let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
     let lease = tier.query(&k[0..2]);
-    match kvtier::testing::core(&tier).acquire_slots(kvtier::testing::Want::Exactly(3)) {
+    match kvtier::internals::core(&tier).acquire_slots(kvtier::internals::Want::Exactly(3)) {
         Err(TierError::PoolExhausted { needed: 3, got: 2 }) => {}
         other => panic!("expected PoolExhausted, got {other:?}"),
     }
     assert!(k.iter().all(|key| tier.contains(key)), "every block is still resident");
     let s = tier.stats();
     assert_eq!((s.evictions, s.ready_slots, s.free_slots), (0, 4, 0));
-    kvtier::testing::core(&tier).audit(&k).unwrap();
+    kvtier::internals::core(&tier).audit(&k).unwrap();
     drop(lease);
 }
 
@@ -445,7 +445,7 @@ fn an_evict_of_any_size_returns_sanely_and_later_saves_still_evict() {
     let t = save_filled(&rank, &a, &k[11..12], &[11]);
     assert_eq!(t.saving.len(), 1);
     assert_eq!(tier.stats().evictions, 3 + 3 + 1 + 1);
-    kvtier::testing::core(&tier).audit(&k).unwrap();
+    kvtier::internals::core(&tier).audit(&k).unwrap();
 }
 
 /// Issue 19 item 1 (the audit): a deadline that cannot be represented (`Duration::MAX`) waits

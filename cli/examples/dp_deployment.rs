@@ -21,7 +21,7 @@
 
 use clap::Parser;
 use hdrhistogram::Histogram;
-use kvtier::backend::BackendKind;
+use kvtier::BackendKind;
 use kvtier::{ContentKey, EngineArenas, Fit, Geometry, HostTier, PolicyKind, Rank, SaveOptions, TierConfig, WaitFor};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -253,26 +253,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = TierConfig::new(geometry.clone(), pool_bytes);
     cfg.policy = PolicyKind::Lru;
     cfg.pool.prefault = true;
-    let free_before = kvtier::slab::hugetlb_free_pages(None);
+    let free_before = kvtier::hugetlb_free_pages(None);
     if args.reserve_hugepages {
         let need = pool_bytes.div_ceil(2 << 20);
         let want = hugepages_total() + need.saturating_sub(free_before);
         std::fs::write("/proc/sys/vm/nr_hugepages", want.to_string())
             .map_err(|e| format!("reserving {want} hugepages (needs root): {e}"))?;
-        if kvtier::slab::hugetlb_free_pages(None) >= need {
+        if kvtier::hugetlb_free_pages(None) >= need {
             cfg.pool.backing = kvtier::BackingChoice::HugeTlb;
         } else {
             println!(
                 "only {} of {need} hugepages could be reserved; the pool falls back to automatic backing",
-                kvtier::slab::hugetlb_free_pages(None)
+                kvtier::hugetlb_free_pages(None)
             );
         }
     }
-    let free_reserved = kvtier::slab::hugetlb_free_pages(None);
+    let free_reserved = kvtier::hugetlb_free_pages(None);
     let t0 = Instant::now();
     let tier = HostTier::new(cfg)?;
     let setup = t0.elapsed().as_secs_f64();
-    let free_after = kvtier::slab::hugetlb_free_pages(None);
+    let free_after = kvtier::hugetlb_free_pages(None);
     println!(
         "pool: {} slots x {} B = {:.2} GB, backing {}, mapped and prefaulted in {setup:.2} s; HugePages_Free {} -> {} \
          (reserved) -> {} (after mapping: dropped by {} = {:.2} GiB)",

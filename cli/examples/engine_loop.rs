@@ -38,8 +38,8 @@
 
 use clap::Parser;
 use hdrhistogram::Histogram;
-use kvtier::backend::BackendKind;
-use kvtier::copy::fault::FaultyBackend;
+use kvtier::BackendKind;
+use kvtier::FaultyBackend;
 use kvtier::{ContentKey, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig, WaitFor};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};

@@ -9,8 +9,8 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvtier::backend::BackendKind;
-use kvtier::evict::PolicyKind;
+use kvtier::BackendKind;
+use kvtier::PolicyKind;
 use kvtier::{BackingChoice, Geometry};
 use kvtier_cli::replay::{self, ReplayConfig};
 use kvtier_cli::simulate::{self, SimConfig};

@@ -8,7 +8,7 @@
 //! 2. `tier.query(keys)`: a lease over the longest run of leading resident pages (`h` hits);
 //! 3. restore the lease into the first `h` GPU pages and wait (the restore latency is measured from
 //!    submission to completion);
-//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`kvtier::copy::pattern`]);
+//! 4. verify those `h` pages byte for byte against the pattern of their keys ([`kvtier::pattern`]);
 //!    any mismatch fails the run;
 //! 5. "prefill" pages `h..n`: write the pattern of each key into its GPU page;
 //! 6. save pages `h..n` with [`Fit::Prefix`]: resident pages copy nothing (their recency is
@@ -24,11 +24,11 @@ use crate::error::{Error, ReplayError};
 use crate::simulate::HintQueue;
 use crate::trace::{pages_per_block, TraceRequest};
 use hdrhistogram::Histogram;
-use kvtier::copy::{EngineArenas, WaitFor};
-use kvtier::evict::PolicyKind;
-use kvtier::slab::BackingChoice;
-use kvtier::tier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use kvtier::BackingChoice;
+use kvtier::PolicyKind;
 use kvtier::TierError;
+use kvtier::{EngineArenas, WaitFor};
+use kvtier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
 use serde::Serialize;
 use std::fmt;
 use std::sync::{Condvar, Mutex};

@@ -19,7 +19,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 ///
 /// # Errors
 /// [`Error::Config`] for a bad number or unit, or a size below one slot or above
-/// [`kvtier::slab::MAX_SLOTS`] slots.
+/// [`kvtier::MAX_SLOTS`] slots.
 pub fn parse_slots(s: &str, slot_bytes: u64) -> Result<u32, Error> {
     let t = s.trim();
     let bad = || Error::Config(format!("bad pool size `{s}` (e.g. 32GiB, 500MB, 9952slots)"));
@@ -27,10 +27,10 @@ pub fn parse_slots(s: &str, slot_bytes: u64) -> Result<u32, Error> {
         Some(n) => n.trim().parse().map_err(|_| bad())?,
         None => parse_bytes(t).map_err(|_| bad())? / slot_bytes.max(1),
     };
-    if slots == 0 || slots > kvtier::slab::MAX_SLOTS as u64 {
+    if slots == 0 || slots > kvtier::MAX_SLOTS as u64 {
         return Err(Error::Config(format!(
             "pool size `{s}` is {slots} slots of {slot_bytes} B; it must hold 1 to {} slots",
-            kvtier::slab::MAX_SLOTS
+            kvtier::MAX_SLOTS
         )));
     }
     Ok(slots as u32)
@@ -62,7 +62,7 @@ mod tests {
         assert_eq!(parse_slots("9952slots", slot).unwrap(), 9952);
         assert_eq!(parse_slots(" 7 slots", slot).unwrap(), 7);
         let msg = |s: &str| parse_slots(s, slot).unwrap_err().to_string();
-        let max = kvtier::slab::MAX_SLOTS;
+        let max = kvtier::MAX_SLOTS;
         assert_eq!(
             msg("1MiB"),
             format!("invalid configuration: pool size `1MiB` is 0 slots of 3452160 B; it must hold 1 to {max} slots")

@@ -26,7 +26,7 @@
 //! `namespace.trace_page_key(hash_ids[j / ppb], j % ppb)` ([`TraceRequest::page_keys`]).
 
 use crate::error::TraceError;
-use kvtier::key::{ContentKey, Namespace};
+use kvtier::{ContentKey, Namespace};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::io::{BufRead, BufReader};

@@ -3,10 +3,10 @@
 
 mod support;
 
-use kvtier::copy::host::MemcpyArenas;
-use kvtier::copy::{CopyBackend, EngineArenas};
-use kvtier::evict::PolicyKind;
+use kvtier::MemcpyArenas;
+use kvtier::PolicyKind;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, Geometry};
+use kvtier::{CopyBackend, EngineArenas};
 use kvtier_cli::replay::{self, ReplayConfig, ReplayReport};
 use kvtier_cli::trace::{self, TraceRequest};
 use kvtier_cli::{Error, ReplayError, TraceError};
@@ -234,7 +234,7 @@ impl EngineArenas for Corrupting {
     }
     fn fill(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), kvtier::Error> {
         let keys: Vec<ContentKey> =
-            keys.iter().map(|k| if *k == self.victim { ContentKey([0xEE; 16]) } else { *k }).collect();
+            keys.iter().map(|k| if *k == self.victim { ContentKey::from_bytes([0xEE; 16]) } else { *k }).collect();
         self.inner.fill(pages, &keys)
     }
     fn verify(&self, pages: &[u64], keys: &[ContentKey]) -> Result<(), kvtier::Error> {

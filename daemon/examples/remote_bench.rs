@@ -9,8 +9,8 @@
 //! ```
 
 use clap::{Parser, Subcommand};
-use kvtier::copy::host::MemcpyArenas;
-use kvtier::server::Server;
+use kvtier::MemcpyArenas;
+use kvtier::Server;
 use kvtier::{ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, PoolConfig, TierConfig, WaitFor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -178,7 +178,7 @@ fn pool(bytes: &str, backing: &str) {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use kvtier::backend::BackendKind;
+    use kvtier::BackendKind;
     use std::io::{BufRead, Write};
 
     #[derive(clap::Args)]

@@ -6,18 +6,17 @@
 //! cargo run --release -p kvtierd -- --geometry llama3-8b --pool 1GiB &    # default_socket_path()
 //! cargo run --release -p kvtierd --example two_processes
 //! ```
-//! Host arenas stand in for GPU memory, so it runs anywhere; with `kvtier::cuda::CudaArenas` (or an
+//! Host arenas stand in for GPU memory, so it runs anywhere; with `kvtier::CudaArenas` (or an
 //! engine's own tensors) the copies run on each process's GPU.
 
-use kvtier::copy::host::MemcpyArenas;
+use kvtier::MemcpyArenas;
 use kvtier::{EngineArenas, HostTier, LeaseToken, WaitFor};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let socket =
-        std::env::var_os("KVTIERD_SOCKET").map_or_else(kvtier::remote::default_socket_path, std::path::PathBuf::from);
+    let socket = std::env::var_os("KVTIERD_SOCKET").map_or_else(kvtier::default_socket_path, std::path::PathBuf::from);
     let args: Vec<String> = std::env::args().collect();
     let tier = HostTier::connect(&socket)?;
     let geometry = tier.geometry().with_pages(64)?; // this process's pages per arena

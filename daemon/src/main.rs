@@ -3,8 +3,8 @@
 //! daemon") for the protocol and what happens when an engine dies.
 
 use clap::Parser;
-use kvtier::server::{Limits, Server, ServerConfig};
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
+use kvtier::{Limits, Server, ServerConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -217,7 +217,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvtier=info,kvtierd=info".into()),
         )
         .init();
-    let socket = args.socket.clone().unwrap_or_else(kvtier::remote::default_socket_path);
+    let socket = args.socket.clone().unwrap_or_else(kvtier::default_socket_path);
     let (cfg, server_cfg) = match config(&args).and_then(|c| Ok((c, server_config(&args)?))) {
         Ok(c) => c,
         Err(e) => {

@@ -1,9 +1,9 @@
 //! A connected tier answers like an in-process one: the same values and the same errors, call by
-//! call. The daemon's server runs on a thread of this test process (`kvtier::server::Server`), the
+//! call. The daemon's server runs on a thread of this test process (`kvtier::Server`), the
 //! clients are `HostTier::connect` handles on other threads.
 
-use kvtier::copy::host::MemcpyArenas;
-use kvtier::server::Server;
+use kvtier::MemcpyArenas;
+use kvtier::Server;
 use kvtier::{
     ArenaSpec, BackingChoice, CopyError, EngineArenas, Fit, Geometry, HostTier, PolicyKind, SaveOptions, TierConfig,
     TierError, WaitFor,
@@ -28,8 +28,8 @@ fn serve(slots: u64) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvtierd.sock");
     // One process (this test) may hold the whole pool, as an in-process tier's caller may.
-    let limits = kvtier::server::Limits { slots_per_process: slots as usize, ..Default::default() };
-    let server_config = kvtier::server::ServerConfig { limits, group: None };
+    let limits = kvtier::Limits { slots_per_process: slots as usize, ..Default::default() };
+    let server_config = kvtier::ServerConfig { limits, group: None };
     let server = Server::bind_with(&path, HostTier::new_shared(config(slots)).unwrap(), server_config).unwrap();
     std::thread::spawn(move || server.run());
     (dir, path)
@@ -131,9 +131,9 @@ fn a_connected_tier_answers_like_an_in_process_one() {
     }
     assert_eq!(a.len(), b.len());
     let keys: Vec<_> = (0..12).map(|i| remote.namespace().trace_page_key(i, 0)).collect();
-    let audit = kvtier::testing::remote_audit(&remote, &keys).unwrap().unwrap();
-    assert_eq!(audit, kvtier::testing::core(&local).audit(&keys).unwrap());
-    assert!(matches!(kvtier::testing::remote_audit(&local, &keys), Err(TierError::ForeignLease)));
+    let audit = kvtier::internals::remote_audit(&remote, &keys).unwrap().unwrap();
+    assert_eq!(audit, kvtier::internals::core(&local).audit(&keys).unwrap());
+    assert!(matches!(kvtier::internals::remote_audit(&local, &keys), Err(TierError::ForeignLease)));
 }
 
 #[test]
@@ -196,7 +196,7 @@ fn connecting_checks_the_namespace_and_a_missing_daemon_is_a_typed_error() {
 
 #[test]
 fn a_hello_of_another_protocol_version_is_refused() {
-    use kvtier::remote::proto::{self, Reply, Request, WireError};
+    use kvtier::internals::proto::{self, Reply, Request, WireError};
     use std::io::Read;
     let (_dir, path) = serve(4);
     let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
@@ -271,7 +271,7 @@ fn a_connected_rank_saves_and_restores_layer_wise() {
 /// the restore fails `BackendPanicked`, the copy's pins are withheld, and the lease keeps its use
 /// (a submission that panicked is a failed call), so a retry on another rank is served.
 fn submit_panic_script(tier: &HostTier) -> Vec<String> {
-    use kvtier::copy::fault::{PanicSite, SubmitPanics};
+    use kvtier::{PanicSite, SubmitPanics};
     let mut out = Vec::new();
     let g = tier.geometry().with_pages(8).unwrap();
     let a = Arc::new(MemcpyArenas::new(&g).unwrap());

@@ -6,7 +6,7 @@
 
 mod support;
 
-use kvtier::backend::BackendKind;
+use kvtier::BackendKind;
 use kvtier::{ConnectOptions, ContentKey, EngineArenas, Error, HostTier, Limit, Rank, TierError, WaitFor};
 use nix::libc;
 use std::io::Read;
@@ -50,7 +50,7 @@ fn restore_and_verify(tier: &HostTier, arenas: &dyn EngineArenas, rank: &Rank, k
 
 /// The daemon's audit balances and no slot is left quarantined, pinned or writing.
 fn assert_clean(tier: &HostTier, resident: &[ContentKey]) {
-    let audit = kvtier::testing::remote_audit(tier, resident).unwrap().unwrap();
+    let audit = kvtier::internals::remote_audit(tier, resident).unwrap().unwrap();
     assert_eq!((audit.writing, audit.pinned, audit.evicting), (0, 0, 0), "{audit:?}");
     let s = tier.try_stats().unwrap();
     assert_eq!(s.quarantined_slots, 0, "{s:?}");
@@ -151,7 +151,7 @@ fn a_client_cannot_resize_the_pool_under_the_others() {
     let fd = hostile.pool().shared_fd().expect("a connected tier maps the daemon's memfd");
     let len = hostile.pool().mapped_bytes() as i64;
     let seals = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).unwrap() as u32;
-    assert_eq!(seals, kvtier::slab::POOL_SEALS, "the received memfd's seals");
+    assert_eq!(seals, kvtier::POOL_SEALS, "the received memfd's seals");
     for size in [0, len / 2, len * 2] {
         assert_eq!(nix::unistd::ftruncate(fd, size), Err(nix::errno::Errno::EPERM), "ftruncate to {size} B");
     }
@@ -251,7 +251,7 @@ fn a_request_over_the_frame_limit_is_refused_and_the_connection_goes_on() {
     let ticket = rank.save(&k, &pages, WaitFor::Nothing).unwrap();
     assert_eq!(ticket.saving.len(), 4);
     // 4,194,304 keys: 1 + 4 + 16 x 4,194,304 + 1 B > 64 MiB.
-    let over: Vec<ContentKey> = (0..1u128 << 22).map(|i| ContentKey(i.to_le_bytes())).collect();
+    let over: Vec<ContentKey> = (0..1u128 << 22).map(|i| ContentKey::from_bytes(i.to_le_bytes())).collect();
     // The daemon's welcome states its bounds (keys per request: 1,048,576 by default), so the
     // client refuses on keys before it computes the frame; over the frame alone is the unit test
     // `remote::client::tests::a_request_over_the_frame_limit_is_refused_before_anything_is_sent`.

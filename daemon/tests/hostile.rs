@@ -7,13 +7,13 @@
 
 mod support;
 
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
-use kvtier::remote::proto::{self, Outcome, Reply, Request, Welcome, WireError};
-use kvtier::server::{Limits, Server, ServerConfig};
+use kvtier::internals::proto::{self, Outcome, Reply, Request, Welcome, WireError};
 use kvtier::{
     ArenaSpec, BackingChoice, ContentKey, EngineArenas, Geometry, HostTier, Limit, PoolConfig, TierConfig, TierError,
     WaitFor,
 };
+use kvtier::{Limits, Server, ServerConfig};
+use kvtier::{MemcpyArenas, MemcpyBackend};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -158,7 +158,7 @@ fn engine_is_served(socket: &Path, range: std::ops::Range<u64>) {
     arenas.verify(&dst, &k).expect("the engine restores its own bytes");
     drop(lease);
     rank.shutdown(DEADLINE).unwrap();
-    let a = kvtier::testing::remote_audit(&tier, &k).unwrap().expect("the audit balances");
+    let a = kvtier::internals::remote_audit(&tier, &k).unwrap().expect("the audit balances");
     assert_eq!(a.evicting, 0, "{a:?}");
     assert_eq!((a.free + a.ready + a.writing) as u64, tier.capacity() as u64, "{a:?}");
 }
@@ -179,7 +179,7 @@ fn nothing_left_over(tier: &HostTier, k: &[ContentKey]) {
             && s.quarantined_slots == 0
             && tier.live_hints() == 0
     });
-    let a = kvtier::testing::remote_audit(tier, k).unwrap().expect("the audit balances");
+    let a = kvtier::internals::remote_audit(tier, k).unwrap().expect("the audit balances");
     assert_eq!(a.writing + a.evicting + a.pinned, 0, "{a:?}");
     assert_eq!((a.free + a.ready) as u64, tier.capacity() as u64, "{a:?}");
 }
@@ -833,7 +833,7 @@ fn bind_replaces_only_a_stale_socket_and_makes_it_private() {
     assert_eq!(std::fs::metadata(&grouped).unwrap().gid(), gid);
     drop(server);
     // The default path is in a private runtime directory.
-    let p = kvtier::remote::default_socket_path();
+    let p = kvtier::default_socket_path();
     assert!(p.ends_with("kvtierd.sock"));
     assert!(!p.starts_with("/tmp/kvtierd.sock"));
 }

@@ -5,12 +5,12 @@
 
 mod support;
 
-use kvtier::backend::BackendKind;
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
+use kvtier::BackendKind;
 use kvtier::{
     Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Fit, Geometry, HostPool, HostTier,
     LeaseToken, SaveOptions, TierError, WaitFor,
 };
+use kvtier::{MemcpyArenas, MemcpyBackend};
 use std::sync::Arc;
 use std::time::Duration;
 use support::{eventually, Client, Daemon, DEADLINE};
@@ -129,7 +129,7 @@ impl CopyBackend for StuckBackend {
         Ok(Box::new(Stuck { scribble, inner: unsafe { self.inner.save(batch, wait) }? }))
     }
     unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Stuck { scribble: Vec::new(), inner: Box::new(kvtier::copy::Done(Ok(()))) }))
+        Ok(Box::new(Stuck { scribble: Vec::new(), inner: Box::new(kvtier::Done(Ok(()))) }))
     }
 }
 
@@ -352,8 +352,8 @@ fn observer(d: &Daemon) -> HostTier {
     HostTier::connect(&d.socket).unwrap()
 }
 
-fn audit(tier: &HostTier, keys: &[ContentKey]) -> kvtier::testing::AuditReport {
-    kvtier::testing::remote_audit(tier, keys).unwrap().unwrap()
+fn audit(tier: &HostTier, keys: &[ContentKey]) -> kvtier::internals::AuditReport {
+    kvtier::internals::remote_audit(tier, keys).unwrap().unwrap()
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! bases whose arenas share no byte (checked on the first and last pages of each pair).
 #![no_main]
 
-use kvtier::geometry::{COPY_ALIGN, SLOT_CHUNK_ALIGN};
+use kvtier::{COPY_ALIGN, SLOT_CHUNK_ALIGN};
 use kvtier::{ArenaBinding, ArenaSpec, Geometry, Placement};
 use libfuzzer_sys::fuzz_target;
 

@@ -4,7 +4,7 @@
 //! accepted request satisfies the format's rules and maps to page keys without panicking.
 #![no_main]
 
-use kvtier::key::Namespace;
+use kvtier::Namespace;
 use kvtier_cli::trace::{self, TraceRequest};
 use kvtier_cli::TraceError;
 use libfuzzer_sys::fuzz_target;

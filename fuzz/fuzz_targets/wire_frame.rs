@@ -4,7 +4,7 @@
 //! to the same request; the client's reply decoder takes the same bytes without panicking.
 #![no_main]
 
-use kvtier::remote::proto::{self, Incoming, Reply, Request};
+use kvtier::internals::proto::{self, Incoming, Reply, Request};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -5,8 +5,8 @@
 //! or `EVICTING` slot, no pin, no lease, no hint.
 #![no_main]
 
-use kvtier::server::drive_session;
-use kvtier::remote::Limits;
+use kvtier::internals::drive_session;
+use kvtier::Limits;
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use libfuzzer_sys::fuzz_target;
 
@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     if let Err(e) = drive_session(tier.clone(), limits, rest) {
         panic!("{e}");
     }
-    let a = kvtier::testing::core(&tier).audit(&[]).unwrap_or_else(|e| panic!("the audit fails: {e}"));
+    let a = kvtier::internals::core(&tier).audit(&[]).unwrap_or_else(|e| panic!("the audit fails: {e}"));
     assert_eq!((a.writing, a.evicting, a.pinned), (0, 0, 0), "left over after the session: {a:?}");
     assert_eq!(a.free + a.ready, tier.capacity() as usize, "{a:?}");
     let s = tier.stats();

@@ -6,10 +6,10 @@
 //! Everything here must run inside `loom::model` (the core's atomics are loom's).
 #![allow(dead_code)]
 
-use kvtier::slab::{BackingChoice, HostPool, PoolConfig};
-use kvtier::testing::sync::Arc;
-use kvtier::testing::{Core, SlotState, SlotWord, Want, WriteReservation};
+use kvtier::internals::sync::Arc;
+use kvtier::internals::{Core, SlotState, SlotWord, Want, WriteReservation};
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotId, SlotRef};
+use kvtier::{BackingChoice, HostPool, PoolConfig};
 
 /// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages), evicting by LRU.
 pub fn core(slots: u32) -> Arc<Core> {
@@ -73,7 +73,7 @@ pub fn assert_holds(core: &Core, r: SlotRef, what: &str) {
     assert!(
         w.state() == SlotState::Ready && w.generation() == r.generation,
         "{what}: slot {} should hold generation {} READY, found {w:?}",
-        r.slot.0,
+        r.slot.get(),
         r.generation
     );
 }
@@ -86,13 +86,13 @@ pub fn assert_quiescent(core: &Core, keys: &[ContentKey]) {
     for k in keys {
         if let Some(r) = core.index().get(k) {
             assert_holds(core, r, "indexed block");
-            assert_eq!(word(core, r.slot).pins(), 0, "pins left on slot {} at the end", r.slot.0);
-            assert!(owner[r.slot.index()].replace(*k).is_none(), "slot {} owned twice", r.slot.0);
+            assert_eq!(word(core, r.slot).pins(), 0, "pins left on slot {} at the end", r.slot.get());
+            assert!(owner[r.slot.index()].replace(*k).is_none(), "slot {} owned twice", r.slot.get());
         }
     }
     let mut free = 0;
     for s in 0..cap {
-        let w = word(core, SlotId(s));
+        let w = word(core, SlotId::new(s));
         match w.state() {
             SlotState::Free => {
                 assert_eq!(w.pins(), 0);

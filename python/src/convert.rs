@@ -30,7 +30,7 @@ pub fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<ContentKey> {
             format!("a content key is 16 bytes, got {} (derive keys with Namespace.key)", b.len()),
         ))
     })?;
-    Ok(ContentKey(raw))
+    Ok(ContentKey::from_bytes(raw))
 }
 
 /// A sequence of 16-byte content keys.

@@ -306,11 +306,9 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
             CopyError::Mismatch(s("pool slots differ")),
             CopyError::Device { call: s("injected"), message: s("a test's fault") },
             // The same class; the last example of a class is the one the tests read.
-            kvtier::cuda::driver_error(
+            kvtier::driver_error(
                 "cuLaunchKernel",
-                kvtier::cuda::cudarc::driver::DriverError(
-                    kvtier::cuda::cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
-                ),
+                kvtier::cudarc::driver::DriverError(kvtier::cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
             ),
             CopyError::Unavailable { backend: "cuda", reason: s("no GPU") },
             CopyError::ShutDown,

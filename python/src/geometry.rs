@@ -244,7 +244,7 @@ pub struct PyNamespace {
 }
 
 fn key_bytes<'py>(py: Python<'py>, k: &ContentKey) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &k.0)
+    PyBytes::new(py, k.as_bytes())
 }
 
 #[pymethods]
@@ -254,7 +254,7 @@ impl PyNamespace {
     /// Raises: `KeyLengthError` if `digest` is not 16 bytes.
     #[new]
     fn new(digest: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(PyNamespace { inner: Namespace(key_of(digest)?.0) })
+        Ok(PyNamespace { inner: Namespace::from_bytes(*key_of(digest)?.as_bytes()) })
     }
 
     /// A namespace digesting an arbitrary description (e.g. `b"my-model/tp0"`), for keys that do
@@ -267,7 +267,7 @@ impl PyNamespace {
     /// The 16 digest bytes.
     #[getter]
     fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.0)
+        PyBytes::new(py, self.inner.as_bytes())
     }
 
     /// The content key (16 `bytes`) of an engine block hash `data` of any length (bytes-like):
@@ -305,6 +305,6 @@ impl PyNamespace {
     }
 
     fn __repr__(&self) -> String {
-        format!("Namespace({})", ContentKey(self.inner.0))
+        format!("Namespace({})", ContentKey::from_bytes(*self.inner.as_bytes()))
     }
 }

@@ -33,7 +33,7 @@ fn _settle_dropped_leases(py: Python<'_>) {
 /// present. Never raises.
 #[pyfunction]
 fn cuda_available(py: Python<'_>) -> bool {
-    py.detach(kvtier::cuda::cuda_available)
+    py.detach(kvtier::cuda_available)
 }
 
 #[pymodule]

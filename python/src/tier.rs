@@ -14,13 +14,13 @@ use crate::convert::{count_of, handle_of, ints_of, key_of, keys_of, to_py, wait_
 use crate::errors::{IntoPyResult, Raised};
 use crate::geometry::{arena_views, ArenaView, PyGeometry, PyNamespace};
 use crate::reaper;
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
-use kvtier::cuda::{CopyMode, CudaBackend, CudaOptions};
-use kvtier::slab::BackingChoice;
+use kvtier::BackingChoice;
 use kvtier::{
     ArenaBinding, ArenaSpec, CopyError, CopyHandle, Fit, Geometry, HostTier, Lease, LeaseToken, PolicyKind, Rank,
     SaveOptions, SaveTicket, TierConfig, TierError,
 };
+use kvtier::{CopyMode, CudaBackend, CudaOptions};
+use kvtier::{MemcpyArenas, MemcpyBackend};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::mem::ManuallyDrop;
@@ -139,7 +139,7 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
 #[pyfunction]
 #[pyo3(signature = (path = None, geometry = None))]
 pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Option<&PyGeometry>) -> PyResult<PyTier> {
-    let path = path.unwrap_or_else(kvtier::remote::default_socket_path);
+    let path = path.unwrap_or_else(kvtier::default_socket_path);
     let expect = geometry.map(|g| g.inner.clone());
     let inner = py
         .detach(|| match &expect {
@@ -155,7 +155,7 @@ pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Optio
 /// `/tmp/kvtierd-$UID/kvtierd.sock` (directories only this user can reach).
 #[pyfunction]
 pub fn default_socket_path() -> std::path::PathBuf {
-    kvtier::remote::default_socket_path()
+    kvtier::default_socket_path()
 }
 
 /// Serves a new tier of `pool_bytes` (plain pages, in shared memory) on the Unix socket `path`
@@ -176,11 +176,10 @@ pub fn _serve(
         cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
     }
     // One test process is the daemon's only client: it may have the whole pool in flight.
-    let limits = kvtier::server::Limits { slots_per_process: usize::MAX, ..Default::default() };
-    let config = kvtier::server::ServerConfig { limits, group: None };
-    let server = py
-        .detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::server::Server::bind_with(&path, t, config)))
-        .py()?;
+    let limits = kvtier::Limits { slots_per_process: usize::MAX, ..Default::default() };
+    let config = kvtier::ServerConfig { limits, group: None };
+    let server =
+        py.detach(|| HostTier::new_shared(cfg).and_then(|t| kvtier::Server::bind_with(&path, t, config))).py()?;
     std::thread::Builder::new()
         .name("kvtier-serve".into())
         .spawn(move || server.run())
@@ -939,7 +938,7 @@ impl PyLease {
     /// The keys of the leased blocks (16-byte `bytes`), in order.
     #[getter]
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
-        self.inner.blocks().iter().map(|b| PyBytes::new(py, &b.key.0)).collect()
+        self.inner.blocks().iter().map(|b| PyBytes::new(py, b.key.as_bytes())).collect()
     }
     /// True once the lease has settled (its pins are gone). A connected tier's lease asks the
     /// daemon (GIL released); a lost connection counts as settled.

@@ -17,7 +17,6 @@ use super::{Completion, CopyBackend, CopyPair, Direction, WaitFor};
 use crate::error::CopyError;
 use crate::geometry::Geometry;
 use std::ops::Range;
-use std::sync::Arc;
 
 /// A partition of a geometry's arenas into groups of consecutive layers, in layer (= arena)
 /// order: the unit of readiness of a layer-wise copy.
@@ -237,9 +236,6 @@ pub unsafe fn copy_layers(
         }
     }
 }
-
-/// A readiness shared by a handle and the backend's completion.
-pub type SharedReadiness = Arc<dyn LayerReadiness>;
 
 #[cfg(all(test, not(loom)))]
 mod tests {

@@ -17,10 +17,10 @@
 //! compute stream waits on before it reads restored pages; [`Completion::shared_event`] hands out
 //! shared ownership of it, so a [`crate::CopyHandle`] keeps it valid after the completion is gone.
 
-pub mod fault;
-pub mod host;
-pub mod layers;
-pub mod null;
+pub(crate) mod fault;
+pub(crate) mod host;
+pub(crate) mod layers;
+pub(crate) mod null;
 pub mod pattern;
 
 pub use layers::{LayerCopy, LayerGroups, LayerReadiness};
@@ -102,7 +102,7 @@ pub trait Completion: Send {
     fn shared_event(&self) -> Option<Arc<dyn CopyEvent>> {
         None
     }
-    /// The per-layer-group readiness of a layer-wise copy ([`layers::copy_layers`]), shared: it
+    /// The per-layer-group readiness of a layer-wise copy (`layers::copy_layers`), shared: it
     /// stays valid while any clone lives. `None` for whole-block copies.
     fn layer_readiness(&self) -> Option<Arc<dyn LayerReadiness>> {
         None
@@ -161,7 +161,7 @@ pub trait CopyBackend: Send + Sync {
     /// As [`CopyBackend::save`].
     unsafe fn restore(&self, batch: &[CopyPair], wait: WaitFor) -> Result<Box<dyn Completion>, CopyError>;
     /// The backend's layer-wise submission ([`LayerCopy`]), if it has one; `None` (the default)
-    /// makes [`layers::copy_layers`] fall back to one whole-block copy.
+    /// makes `layers::copy_layers` fall back to one whole-block copy.
     fn layer_copy(&self) -> Option<&dyn LayerCopy> {
         None
     }

@@ -36,8 +36,8 @@ impl<T> Ctx<T> for Result<T, DriverError> {
     }
 }
 
-/// [`CopyError::Cuda`] for the driver call `call` that returned `source`, its text
-/// ([`describe_driver_error`]) written now.
+/// [`CopyError::Cuda`] for the driver call `call` that returned `source`, with the driver's name
+/// and description of the error written now (built here, in `cuda/`, not in the error's display).
 pub fn driver_error(call: &'static str, source: DriverError) -> CopyError {
     CopyError::Cuda { call, detail: describe_driver_error(&source), source }
 }
@@ -135,7 +135,7 @@ impl Device {
     /// # Errors
     /// [`CopyError::Unavailable`] when CUDA or NVRTC is missing or the ordinal does not exist;
     /// [`CopyError::Cuda`] for driver errors, [`CopyError::Nvrtc`] for compile errors (with the log).
-    pub fn get(ordinal: u32) -> Result<Arc<Device>, CopyError> {
+    pub(crate) fn get(ordinal: u32) -> Result<Arc<Device>, CopyError> {
         static CACHE: OnceLock<Mutex<HashMap<u32, Arc<Device>>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -204,7 +204,7 @@ impl Device {
     ///
     /// # Errors
     /// [`CopyError::Cuda`] from `cuCtxSetCurrent`.
-    pub fn bind(&self) -> Result<(), CopyError> {
+    pub(crate) fn bind(&self) -> Result<(), CopyError> {
         // SAFETY: ctx is a retained primary context, valid for the process.
         unsafe { drv::ctx::set_current(self.ctx) }.ctx("cuCtxSetCurrent")
     }
@@ -273,7 +273,7 @@ pub(crate) struct DeviceBuffer {
 
 impl DeviceBuffer {
     /// Allocates `bytes` (at least 1) bytes on `dev`.
-    pub fn new(dev: &Arc<Device>, bytes: usize) -> Result<Self, CopyError> {
+    pub(super) fn new(dev: &Arc<Device>, bytes: usize) -> Result<Self, CopyError> {
         dev.bind()?;
         // SAFETY: the context is current; the memory is only handed to kernels and copies that
         // write it before anything reads it.
@@ -282,7 +282,7 @@ impl DeviceBuffer {
     }
 
     /// A buffer holding a copy of `data` (synchronous upload).
-    pub fn from_slice<T: Copy>(dev: &Arc<Device>, data: &[T]) -> Result<Self, CopyError> {
+    pub(super) fn from_slice<T: Copy>(dev: &Arc<Device>, data: &[T]) -> Result<Self, CopyError> {
         let b = Self::new(dev, std::mem::size_of_val(data))?;
         if !data.is_empty() {
             // SAFETY: the buffer holds size_of_val(data) bytes; data is a live slice of that size.
@@ -315,13 +315,13 @@ unsafe impl Sync for Stream {}
 
 impl Stream {
     /// A non-blocking stream on `dev` of default priority.
-    pub fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
+    pub(crate) fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
         Self::with_priority(dev, false)
     }
 
     /// A non-blocking stream on `dev`; `high`: of the device's greatest stream priority (the block
     /// scheduler dispatches its pending CTAs before those of lower-priority streams).
-    pub fn with_priority(dev: &Arc<Device>, high: bool) -> Result<Self, CopyError> {
+    pub(crate) fn with_priority(dev: &Arc<Device>, high: bool) -> Result<Self, CopyError> {
         dev.bind()?;
         let priority = if high { drv::stream::get_priority_range().ctx("cuCtxGetStreamPriorityRange")?.1 } else { 0 };
         let raw = drv::stream::create_with_priority(drv::stream::StreamKind::NonBlocking, priority)
@@ -331,32 +331,32 @@ impl Stream {
 
     /// Takes ownership of `raw`, a stream of `dev`'s primary context or of one of its green
     /// contexts (synchronised and destroyed on drop).
-    pub fn from_raw(dev: &Arc<Device>, raw: sys::CUstream) -> Self {
+    pub(crate) fn from_raw(dev: &Arc<Device>, raw: sys::CUstream) -> Self {
         Stream { raw, dev: dev.clone() }
     }
 
     /// Blocks until all work queued on the stream has finished.
-    pub fn synchronize(&self) -> Result<(), CopyError> {
+    pub(crate) fn synchronize(&self) -> Result<(), CopyError> {
         self.dev.bind()?;
         // SAFETY: raw is a live stream.
         unsafe { drv::stream::synchronize(self.raw) }.ctx("cuStreamSynchronize")
     }
 
     /// Makes the stream wait for the last record of `event` (taken at this call).
-    pub fn wait_event(&self, event: sys::CUevent) -> Result<(), CopyError> {
+    pub(crate) fn wait_event(&self, event: sys::CUevent) -> Result<(), CopyError> {
         Self::wait_raw(self.raw, event)
     }
 
     /// Makes the raw `stream` wait for the last record of `event` (taken at this call). Both must
     /// be live handles of one device (the event's record may come from any of its contexts).
-    pub fn wait_raw(stream: sys::CUstream, event: sys::CUevent) -> Result<(), CopyError> {
+    pub(crate) fn wait_raw(stream: sys::CUstream, event: sys::CUevent) -> Result<(), CopyError> {
         // SAFETY: both handles are live (callers' contract; the caller's event by WaitFor's).
         unsafe { drv::stream::wait_event(stream, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .ctx("cuStreamWaitEvent")
     }
 
     /// Makes the stream wait for `wait` (see [`crate::WaitFor`]).
-    pub fn wait_for(&self, wait: crate::WaitFor) -> Result<(), CopyError> {
+    pub(crate) fn wait_for(&self, wait: crate::WaitFor) -> Result<(), CopyError> {
         match wait {
             crate::WaitFor::Nothing => Ok(()),
             // The caller passes a live recorded event (WaitFor's contract).
@@ -398,25 +398,25 @@ unsafe impl Sync for Event {}
 
 impl Event {
     /// A new event without timing.
-    pub fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
+    pub(super) fn new(dev: &Arc<Device>) -> Result<Self, CopyError> {
         Self::with_flags(dev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }
 
     /// A new event with `flags`.
-    pub fn with_flags(dev: &Arc<Device>, flags: sys::CUevent_flags) -> Result<Self, CopyError> {
+    pub(super) fn with_flags(dev: &Arc<Device>, flags: sys::CUevent_flags) -> Result<Self, CopyError> {
         dev.bind()?;
         let raw = drv::event::create(flags).ctx("cuEventCreate")?;
         Ok(Event { raw, dev: dev.clone() })
     }
 
     /// Records the event on `stream`.
-    pub fn record(&self, stream: sys::CUstream) -> Result<(), CopyError> {
+    pub(super) fn record(&self, stream: sys::CUstream) -> Result<(), CopyError> {
         // SAFETY: both handles are live.
         unsafe { drv::event::record(self.raw, stream) }.ctx("cuEventRecord")
     }
 
     /// Blocks until the event has completed.
-    pub fn synchronize(&self) -> Result<(), CopyError> {
+    pub(super) fn synchronize(&self) -> Result<(), CopyError> {
         self.dev.bind()?;
         // SAFETY: live event.
         unsafe { drv::event::synchronize(self.raw) }.ctx("cuEventSynchronize")
@@ -425,7 +425,7 @@ impl Event {
     /// Makes `stream` (any context's; 0 = the legacy default stream of this event's device) wait
     /// for the event without a host sync. The device's primary context is pushed for the call and
     /// popped after it, so the calling thread's current context (an engine's) is left as it was.
-    pub fn stream_wait(&self, stream: sys::CUstream) -> Result<(), CopyError> {
+    pub(super) fn stream_wait(&self, stream: sys::CUstream) -> Result<(), CopyError> {
         // Context push/pop have no `driver::result` wrapper.
         // SAFETY: ctx is a retained primary context (valid for the process); the push is undone
         // by the pop below on every path; raw is a live event; the stream is the caller's.
@@ -440,7 +440,7 @@ impl Event {
     }
 
     /// True if the event has completed.
-    pub fn query(&self) -> Result<bool, CopyError> {
+    pub(super) fn query(&self) -> Result<bool, CopyError> {
         self.dev.bind()?;
         // SAFETY: live event.
         match unsafe { drv::event::query(self.raw) } {

@@ -101,7 +101,7 @@ pub(crate) enum Side {
 impl Partition {
     /// The partition of `dev` with at least `reserved` SMs for copies, created on first use (and
     /// smoke-tested), or why there is none. Failures are cached too.
-    pub fn get(dev: &Arc<Device>, reserved: u32) -> Result<Arc<Partition>, String> {
+    pub(crate) fn get(dev: &Arc<Device>, reserved: u32) -> Result<Arc<Partition>, String> {
         type Cache = Mutex<HashMap<(i32, u32), Result<Arc<Partition>, String>>>;
         static CACHE: OnceLock<Cache> = OnceLock::new();
         let mut map = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
@@ -195,7 +195,7 @@ impl Partition {
     }
 
     /// A new non-blocking stream of one side of the partition; `high`: of the greatest priority.
-    pub fn stream(&self, side: Side, high: bool) -> Result<Stream, CopyError> {
+    pub(crate) fn stream(&self, side: Side, high: bool) -> Result<Stream, CopyError> {
         self.dev.bind()?;
         let priority = if high { drv::stream::get_priority_range().ctx("cuCtxGetStreamPriorityRange")?.1 } else { 0 };
         let g = if side == Side::Copy { self.copy } else { self.engine };
@@ -207,7 +207,7 @@ impl Partition {
     }
 
     /// The engine partition as a `CUcontext` (`cuCtxFromGreenCtx`).
-    pub fn engine_context(&self) -> Result<sys::CUcontext, CopyError> {
+    pub(crate) fn engine_context(&self) -> Result<sys::CUcontext, CopyError> {
         let mut c: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: engine is a live green context; writes one handle, valid while it lives.
         ck("cuCtxFromGreenCtx", unsafe { sys::cuCtxFromGreenCtx(&mut c, self.engine) })?;

@@ -37,7 +37,7 @@ pub use cudarc;
 /// Raw access for benchmarks and tests that compare the kernels against the driver's copy paths
 /// and measure interference with stand-ins for an engine's kernels. Not a stable API.
 #[doc(hidden)]
-pub mod raw {
+pub(crate) mod raw {
     pub use super::device::ck;
     use super::device::{launch_params, Ctx, Device, DeviceBuffer};
     use crate::error::CopyError;

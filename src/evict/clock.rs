@@ -7,7 +7,7 @@ use crate::sync::{AtomicU8, AtomicUsize, Ordering};
 /// CLOCK over the slot array: a hit sets a reference byte (lock-free); the hand clears set bytes and
 /// proposes slots whose byte is clear. Two laps visit every slot twice, so every offerable,
 /// evictable slot is reachable in one selection.
-pub struct Clock {
+pub(crate) struct Clock {
     referenced: Box<[AtomicU8]>,
     hand: AtomicUsize,
     residency: Residency,
@@ -15,7 +15,7 @@ pub struct Clock {
 
 impl Clock {
     /// A CLOCK for `capacity` slots.
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         Clock {
             referenced: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
             hand: AtomicUsize::new(0),

@@ -7,7 +7,7 @@ use crate::sync::{AtomicU64, Ordering};
 /// Exact LRU: a global tick per insert or hit, victims by lowest tick. Selection scans the slot
 /// array once per eviction batch: O(capacity), about 10 us for 10,000 slots, paid on the save path
 /// only when the pool is full.
-pub struct Lru {
+pub(crate) struct Lru {
     ticks: Box<[AtomicU64]>,
     clock: AtomicU64,
     residency: Residency,
@@ -15,7 +15,7 @@ pub struct Lru {
 
 impl Lru {
     /// An LRU for `capacity` slots.
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         Lru {
             ticks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
             clock: AtomicU64::new(1),

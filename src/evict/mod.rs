@@ -57,12 +57,12 @@ mod residency;
 mod s3fifo;
 mod sieve;
 
-pub use clock::Clock;
-pub use lru::Lru;
-pub use prefix_lfu::PrefixLfu;
-pub use residency::Residency;
-pub use s3fifo::S3Fifo;
-pub use sieve::Sieve;
+pub(crate) use clock::Clock;
+pub(crate) use lru::Lru;
+pub(crate) use prefix_lfu::PrefixLfu;
+pub(crate) use residency::Residency;
+pub(crate) use s3fifo::S3Fifo;
+pub(crate) use sieve::Sieve;
 
 use crate::slab::slot::SlotId;
 use std::fmt;
@@ -201,7 +201,7 @@ pub enum PolicyKind {
     /// Least recently used, exact: every insert and hit takes a tick from one global counter, and
     /// victims are the unpinned ready blocks with the smallest ticks. With chain-aware eviction
     /// ([`crate::TierConfig::chain_aware`]) a block ranks by the newest tick in its chain's resident
-    /// subtree, deeper blocks first on ties ([`Ranking::chain`]): a chain goes whole, from its tail,
+    /// subtree, deeper blocks first on ties (`Ranking::chain`): a chain goes whole, from its tail,
     /// in the order of its last use, instead of losing its head first. The baseline every other
     /// policy is measured against (`docs/benchmarks.md`).
     Lru,

@@ -12,7 +12,7 @@ use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 /// lock-free. Selection scans the slot array once per batch, as [`super::Lru`]. With the doorkeeper
 /// ([`PrefixLfu::with_doorkeeper`], [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
 /// history counters and, for a refused key, bumps them: also lock-free.
-pub struct PrefixLfu {
+pub(crate) struct PrefixLfu {
     /// Per slot, packed so a selection reads one word: last touch tick (high 44 bits), prompt depth
     /// (16 bits, saturated) and the key's history count as of that touch (low 4 bits).
     meta: Box<[AtomicU64]>,
@@ -47,7 +47,7 @@ impl PrefixLfu {
     const HISTORY_PER_SLOT: u64 = 256;
 
     /// A prefix-aware LFU for `capacity` slots.
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         let c = capacity.max(1) as u64;
         let hist = (Self::HISTORY_PER_SLOT * c).next_power_of_two();
         PrefixLfu {
@@ -69,13 +69,13 @@ impl PrefixLfu {
 
     /// A prefix-aware LFU for `capacity` slots that admits only keys with a history reference
     /// (see [`super::PolicyKind::PrefixTinyLfu`]).
-    pub fn with_doorkeeper(capacity: u32) -> Self {
+    pub(crate) fn with_doorkeeper(capacity: u32) -> Self {
         PrefixLfu { doorkeeper: true, ..Self::new(capacity) }
     }
 
     /// A prefix-aware LFU for `capacity` slots whose weight is tuned online by miniature
     /// simulations (see [`super::PolicyKind::AdaptiveLfu`]); it starts as LRU (weight 0).
-    pub fn adaptive(capacity: u32) -> Self {
+    pub(crate) fn adaptive(capacity: u32) -> Self {
         let tuner = Tuner::new(capacity);
         PrefixLfu {
             weight: AtomicU64::new(0),
@@ -83,11 +83,6 @@ impl PrefixLfu {
             tuner: Some(Mutex::new(tuner)),
             ..Self::new(capacity)
         }
-    }
-
-    /// The weight of one reference of history, in ticks.
-    pub fn weight(&self) -> u64 {
-        self.weight.load(Ordering::Relaxed)
     }
 
     /// Replays a reference of key hash `h`, whose history count is now `count`, through the

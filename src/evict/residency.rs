@@ -21,18 +21,18 @@ fn state_name(s: u8) -> &'static str {
 }
 
 /// Per-slot policy-contract state (one byte per slot). Shared by every built-in policy.
-pub struct Residency {
+pub(crate) struct Residency {
     state: Box<[AtomicU8]>,
 }
 
 impl Residency {
     /// Every slot of `0..capacity` absent.
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         Residency { state: (0..capacity).map(|_| AtomicU8::new(ABSENT)).collect() }
     }
 
     /// Slots tracked.
-    pub fn capacity(&self) -> u32 {
+    pub(crate) fn capacity(&self) -> u32 {
         self.state.len() as u32
     }
 
@@ -48,39 +48,33 @@ impl Residency {
     }
 
     /// `on_insert`: `ABSENT -> RESIDENT`.
-    pub fn insert(&self, slot: SlotId) {
+    pub(crate) fn insert(&self, slot: SlotId) {
         self.transition(slot, ABSENT, RESIDENT, "on_insert");
     }
 
     /// A selection proposes `slot`: `RESIDENT -> PROPOSED`.
-    pub fn propose(&self, slot: SlotId) {
+    pub(crate) fn propose(&self, slot: SlotId) {
         self.transition(slot, RESIDENT, PROPOSED, "select_victims");
     }
 
     /// `on_cancel`: `PROPOSED -> RESIDENT`.
-    pub fn cancel(&self, slot: SlotId) {
+    pub(crate) fn cancel(&self, slot: SlotId) {
         self.transition(slot, PROPOSED, RESIDENT, "on_cancel");
     }
 
     /// `on_remove`: `PROPOSED -> ABSENT`.
-    pub fn remove(&self, slot: SlotId) {
+    pub(crate) fn remove(&self, slot: SlotId) {
         self.transition(slot, PROPOSED, ABSENT, "on_remove");
     }
 
     /// True if `slot` is resident and not proposed: a selection may offer it.
     #[inline]
-    pub fn offerable(&self, slot: SlotId) -> bool {
+    pub(crate) fn offerable(&self, slot: SlotId) -> bool {
         self.state[slot.index()].load(Ordering::Relaxed) == RESIDENT
     }
 
-    /// True if `slot` is proposed (a claim is pending).
-    #[inline]
-    pub fn is_proposed(&self, slot: SlotId) -> bool {
-        self.state[slot.index()].load(Ordering::Relaxed) == PROPOSED
-    }
-
     /// Resident slots (proposed ones included); for tests and reports.
-    pub fn resident(&self) -> usize {
+    pub(crate) fn resident(&self) -> usize {
         self.state.iter().filter(|s| s.load(Ordering::Relaxed) != ABSENT).count()
     }
 }
@@ -94,7 +88,7 @@ impl std::fmt::Debug for Residency {
 impl Residency {
     /// The selection of the scan-based policies (LRU, prefix-LFU): proposes the `n` offerable,
     /// evictable slots with the lowest `score`, lowest first (ties by slot id). O(capacity).
-    pub fn propose_lowest<S: Ord + Copy>(
+    pub(crate) fn propose_lowest<S: Ord + Copy>(
         &self,
         n: usize,
         evictable: &dyn Fn(SlotId) -> bool,
@@ -109,7 +103,7 @@ impl Residency {
     /// `(class, score)` first (ties by slot id). With [`Ranking::chain`], a slot's score is the
     /// highest score of its resident subtree, ties going to the deeper block. One pass over the
     /// slots (two with chains), O(capacity).
-    pub fn propose_lowest_ranked<S: Ord + Copy>(
+    pub(crate) fn propose_lowest_ranked<S: Ord + Copy>(
         &self,
         n: usize,
         ranking: &Ranking<'_>,

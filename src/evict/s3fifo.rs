@@ -9,7 +9,7 @@ use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 /// frequency per slot bumped by hits (lock-free). Queues and the ghost are private to the selector.
 /// A proposed block leaves its queue; a cancelled proposal goes back (as the newest) to the queue it
 /// came from, and the ghost learns a small-queue key only when its block is really evicted.
-pub struct S3Fifo {
+pub(crate) struct S3Fifo {
     freq: Box<[AtomicU8]>,
     key_hash: Box<[AtomicU64]>,
     residency: Residency,
@@ -33,7 +33,7 @@ impl S3Fifo {
     const GHOST_FACTOR: u64 = 4;
 
     /// An S3-FIFO for `capacity` slots (small FIFO: 10% of them, at least 1).
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         let ghost = (Self::GHOST_FACTOR * capacity.max(1) as u64).next_power_of_two() as usize;
         S3Fifo {
             freq: (0..capacity).map(|_| AtomicU8::new(0)).collect(),

@@ -10,7 +10,7 @@ use crate::sync::{AtomicU8, Mutex, Ordering};
 /// insert log; the queue and the hand are private to the selector. A proposed block stays in
 /// place (skipped by the hand) until the tier cancels the proposal (it is offered again from where
 /// it stands) or removes it (it is unlinked).
-pub struct Sieve {
+pub(crate) struct Sieve {
     visited: Box<[AtomicU8]>,
     residency: Residency,
     log: InsertLog,
@@ -25,7 +25,7 @@ struct SieveState {
 
 impl Sieve {
     /// A SIEVE for `capacity` slots.
-    pub fn new(capacity: u32) -> Self {
+    pub(crate) fn new(capacity: u32) -> Self {
         Sieve {
             visited: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
             residency: Residency::new(capacity),

@@ -36,10 +36,10 @@
 //! since a copy may run as long as its process does. Without a pidfd they stay withheld for good.
 //! Copies whose outcome a rank reported unknown (its backend panicked) are withheld the same way.
 
-use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, TierError};
 use crate::key::ContentKey;
+use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::tier::core::{Core, Reserved};
 use crate::tier::lease::{Lease, RestoreHold};
 use crate::tier::pins::{SlotPins, WriteReservation};
@@ -67,8 +67,8 @@ const MAX_REFUSED: usize = 64;
 const KEEP_BUFFER: usize = 1 << 20;
 
 /// Every bound the daemon holds a connection to. A request over one is answered
-/// [`WireError::LimitExceeded`] (the [`Limit`] named) and does nothing. The welcome sends them
-/// ([`WireLimits`]) so a client can check before sending. Defaults in parentheses; `kvtierd`'s
+/// `WireError::LimitExceeded` (the [`Limit`] named) and does nothing. The welcome sends them
+/// (`WireLimits`) so a client can check before sending. Defaults in parentheses; `kvtierd`'s
 /// flag for each in the field's docs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -91,7 +91,7 @@ pub struct Limits {
     /// connection is closed (a client that never reads its replies).
     pub write_timeout: Duration,
     /// Largest request frame payload, bytes (24 MiB = 25,165,824 B, `--max-frame-bytes`; at most
-    /// [`proto::MAX_FRAME`]). A larger frame is read and discarded in 4 KiB pieces and answered
+    /// `proto::MAX_FRAME`). A larger frame is read and discarded in 4 KiB pieces and answered
     /// [`Limit::FrameBytes`].
     pub frame_bytes: usize,
     /// Keys one query, save, hint or audit may name (2^20 = 1,048,576, `--max-keys-per-request`).
@@ -108,7 +108,7 @@ pub struct Limits {
     /// [`Limit::LeasedBlocksPerConnection`]. A lease pins each of its slots once, so leases hold at
     /// most `connections × min(leases_per_connection, leased_blocks_per_connection)` pins of one
     /// slot; binding refuses limits whose product exceeds half of
-    /// [`crate::slab::slot::SlotWord::LEASE_PINS`], so no number of leases makes a block unleasable.
+    /// `crate::slab::slot::SlotWord::LEASE_PINS`, so no number of leases makes a block unleasable.
     pub leased_blocks_per_connection: usize,
     /// Saves and restores one connection has in flight, or withheld after an unknown outcome, at
     /// once (4,096, `--max-copies`).
@@ -1266,7 +1266,7 @@ impl Server {
     /// # Errors
     /// [`Error::Config`] if `tier`'s pool is not in shared memory (make it with
     /// [`HostTier::new_shared`]), if the limits are invalid (a zero bound, a frame bound above
-    /// [`proto::MAX_FRAME`]), if something other than a stale socket is at `path`, if the
+    /// `proto::MAX_FRAME`), if something other than a stale socket is at `path`, if the
     /// per-user directory in `/tmp` is not ours, if `PATH.lock` cannot be opened or locked, or
     /// if the socket cannot be bound or given its mode.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {

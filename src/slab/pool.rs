@@ -599,14 +599,14 @@ impl HostPool {
     }
 
     /// Pops a free slot id (lock-free, no syscall), or `None` when none is free. The slot's word is
-    /// left as it is (`FREE`); the caller takes ownership with [`SlotControl::reserve`].
+    /// left as it is (`FREE`); the caller takes ownership with `SlotControl::reserve`.
     #[inline]
     pub fn alloc(&self) -> Option<SlotId> {
         self.free.pop().map(SlotId)
     }
 
     /// Pushes an owned slot back on the free list (lock-free, no syscall). The caller has already
-    /// moved its word to `FREE` ([`SlotControl::release`]); debug builds assert that, and that the
+    /// moved its word to `FREE` (`SlotControl::release`); debug builds assert that, and that the
     /// slot is not freed twice.
     ///
     /// Panics if `slot.0 >= capacity()`.

@@ -29,9 +29,22 @@ use std::fmt;
 /// Index of a host slot in the pool (`0..capacity`).
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct SlotId(pub u32);
+pub struct SlotId(pub(crate) u32);
 
 impl SlotId {
+    /// The slot of index `index` (a slot of a pool of capacity `c` has `index < c`; a pool's
+    /// methods refuse a larger one with an out-of-range error).
+    #[inline]
+    pub const fn new(index: u32) -> Self {
+        SlotId(index)
+    }
+
+    /// The index as a `u32`.
+    #[inline]
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
     /// The id as a `usize` index.
     #[inline]
     pub fn index(self) -> usize {

@@ -20,7 +20,7 @@ pub struct TierConfig {
     /// ([`SaveOptions::prefix_depth`], [`SaveOptions::parent`]) link each block to the one before it;
     /// eviction then takes orphaned blocks (whose predecessor is gone: no query can reach them)
     /// first, then the rest, in the policy's order weighed by each chain's subtree scores
-    /// ([`crate::evict::Ranking::chain`]), so a chain goes from its tail.
+    /// (`crate::evict::Ranking::chain`), so a chain goes from its tail.
     /// Off, the policy's order alone decides (the classic policies, e.g. plain LRU).
     pub chain_aware: bool,
     /// Expected number of resident blocks for sizing the index (default: the pool's capacity).
@@ -93,7 +93,7 @@ pub enum Fit {
     #[default]
     AllOrNothing,
     /// Save the longest leading run of missing keys that fits and that the eviction policy admits
-    /// ([`crate::evict::EvictionPolicy::admit`]); report the rest as dropped. Never fails for lack
+    /// (`crate::evict::EvictionPolicy::admit`); report the rest as dropped. Never fails for lack
     /// of slots: under concurrency it saves the prefix it could get slots for.
     Prefix,
 }

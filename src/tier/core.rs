@@ -45,7 +45,7 @@ pub enum KeyState {
     Missing,
 }
 
-/// The shared state of a tier. Not a stable API: reached through [`crate::testing`] by kvtier's
+/// The shared state of a tier. Not a stable API: reached through `kvtier::internals` by kvtier's
 /// own tests and loom models, which call the same functions production calls.
 pub struct Core {
     pub(super) geometry: Geometry,

@@ -20,7 +20,7 @@
 //!
 //! A lease holds **at most one pin per slot**: the query stops at the first key repeated in its
 //! keys (a content key is a lineage hash, so a repeat cannot continue the prefix), and leases
-//! together hold at most [`crate::testing::SlotWord::LEASE_PINS`] pins of a slot (the query stops
+//! together hold at most `SlotWord::LEASE_PINS` pins of a slot (the query stops
 //! at a slot that has them), so restores from leases already held always find pins left.
 //!
 //! A restore ([`crate::Rank::restore`]) first takes its **own pins** on the blocks it copies, then
@@ -34,7 +34,7 @@ use crate::key::ContentKey;
 use crate::slab::slot::{PinError, SlotId};
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
-pub use crate::tier::expiry::LeasedBlock;
+pub(crate) use crate::tier::expiry::LeasedBlock;
 use crate::tier::expiry::{uses_word, LeaseState, Settled, TAKEN};
 use crate::tier::pins::SlotPins;
 use crate::tier::stats::add;

@@ -32,9 +32,9 @@ pub(crate) mod connected;
 pub(crate) mod core;
 pub(crate) mod evictor;
 pub(crate) mod expiry;
-pub mod handle;
+pub(crate) mod handle;
 mod hints;
-pub mod lease;
+pub(crate) mod lease;
 pub(crate) mod pins;
 pub(crate) mod prepare;
 mod rank;
@@ -139,7 +139,7 @@ impl HostTier {
     ///
     /// let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
     /// let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
-    /// // Host memory stands in for a GPU's arenas; on a GPU: kvtier::cuda::CudaArenas.
+    /// // Host memory stands in for a GPU's arenas; on a GPU: kvtier::CudaArenas.
     /// let arenas = Arc::new(MemcpyArenas::new(&geometry)?);
     /// let rank = tier.attach(arenas.backend()?)?; // one rank per GPU
     /// # let _ = rank;
@@ -172,7 +172,7 @@ impl HostTier {
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
     /// them (see [`Lease`]). Hits refresh the blocks' recency. The run also ends at the first key
     /// that repeats an earlier one (a lease pins each slot once), and at a block whose slot already
-    /// holds the most pins leases may take ([`crate::testing::SlotWord::LEASE_PINS`]).
+    /// holds the most pins leases may take (`SlotWord::LEASE_PINS`).
     ///
     /// # Examples
     ///

@@ -519,7 +519,7 @@ impl Rank {
 
     /// Restores the first `gpu_pages.len()` blocks of `lease` into GPU pages `gpu_pages[i]` (host ->
     /// GPU, one batch, after `wait`) and uses up one restore of the lease. The copy holds its own
-    /// pins, taken before the lease's use (see [`crate::tier::lease`]), so the lease may settle (or be
+    /// pins, taken before the lease's use (see `crate::tier::lease`), so the lease may settle (or be
     /// dropped) while it runs. The GPU pages hold the bytes once the returned handle completes.
     ///
     /// An empty `gpu_pages` copies nothing and returns a completed handle (it still uses up one

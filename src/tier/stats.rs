@@ -105,7 +105,7 @@ pub(crate) struct Counters {
 
 impl Counters {
     /// Records a finished copy of `blocks` blocks (`bytes` payload bytes) in direction `dir`.
-    pub fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool) {
+    pub(crate) fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool) {
         match (dir, ok) {
             (Direction::Save, true) => {
                 add(&self.saved_blocks, blocks);
@@ -121,7 +121,7 @@ impl Counters {
     }
 
     /// Records a query that leased `hits` of `asked` keys.
-    pub fn record_query(&self, asked: usize, hits: usize) {
+    pub(crate) fn record_query(&self, asked: usize, hits: usize) {
         add(&self.queries, 1);
         add(&self.hit_blocks, hits as u64);
         add(&self.miss_blocks, (asked - hits) as u64);
@@ -148,7 +148,7 @@ pub(crate) fn load(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
 
-/// Slot counts by state, from [`crate::testing::Core::audit`].
+/// Slot counts by state, from `Core::audit`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AuditReport {

@@ -2,11 +2,11 @@
 //! backends that hold completions behind a gate or fail on demand.
 #![allow(dead_code)]
 
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
 use kvtier::{
     ArenaSpec, Completion, ContentKey, CopyBackend, CopyError, CopyPair, EngineArenas, Geometry, HostPool, HostTier,
     PolicyKind, TierConfig, WaitFor,
 };
+use kvtier::{MemcpyArenas, MemcpyBackend};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Two arenas (4,096 B and 1,024 B per page), 64 pages: 5,120 B slots.

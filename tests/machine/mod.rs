@@ -29,14 +29,14 @@
 //! predicts which blocks survive (the newest that fit).
 #![allow(dead_code)]
 
-use kvtier::copy::host::{MemcpyArenas, MemcpyBackend};
-use kvtier::testing::SlotState;
+use kvtier::internals::SlotState;
 use kvtier::SlotId;
 use kvtier::{
     ArenaSpec, BackingChoice, Completion, ContentKey, CopyBackend, CopyError, CopyHandle, CopyPair, EngineArenas, Fit,
     Geometry, HintId, HostPool, HostTier, Lease, PolicyKind, Rank, SaveOptions, TierConfig, TierError, TierStats,
     WaitFor,
 };
+use kvtier::{MemcpyArenas, MemcpyBackend};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -800,7 +800,7 @@ impl Machine {
     /// Checks every invariant of the tier against the model (see the module docs).
     pub fn check(&self) {
         let m = &self.model;
-        let core = kvtier::testing::core(&self.tier);
+        let core = kvtier::internals::core(&self.tier);
         let control = core.control();
         let cap = self.tier.capacity();
         assert_eq!(cap as usize, m.capacity, "capacity");
@@ -819,16 +819,16 @@ impl Machine {
             match (entry, want) {
                 (None, None) => {}
                 (Some(r), Some((state, pins))) => {
-                    assert!(r.slot.0 < cap, "key {k}: slot {} out of range", r.slot.0);
+                    assert!(r.slot.get() < cap, "key {k}: slot {} out of range", r.slot.get());
                     let w = control.load(r.slot);
                     assert_eq!(
                         (w.state(), w.pins(), w.generation()),
                         (state, pins, r.generation),
                         "key {k} in slot {}: word {w:?}",
-                        r.slot.0
+                        r.slot.get()
                     );
                     if let Some(other) = owner[r.slot.index()].replace(k) {
-                        panic!("slot {} owned by keys {other} and {k}", r.slot.0);
+                        panic!("slot {} owned by keys {other} and {k}", r.slot.get());
                     }
                     if state == SlotState::Ready {
                         self.check_bytes(k, r.slot);
@@ -841,7 +841,7 @@ impl Machine {
         // Unowned slots are free, and exactly those are on the free list.
         let mut free = 0;
         for s in 0..cap {
-            let w = control.load(SlotId(s));
+            let w = control.load(SlotId::new(s));
             if owner[s as usize].is_none() {
                 assert_eq!((w.state(), w.pins()), (SlotState::Free, 0), "unowned slot {s}: {w:?}");
                 free += 1;
@@ -874,8 +874,8 @@ impl Machine {
             // and eviction happens only inside this thread's tier calls. The chunk lies inside the
             // slot (offset + copy unit <= slot_bytes).
             let chunk = unsafe { std::slice::from_raw_parts(base.add(off as usize), spec.bytes_per_page as usize) };
-            if let Some(b) = kvtier::copy::pattern::first_mismatch(key, a, chunk) {
-                panic!("ready slot {} of key {k}: arena {a} byte {b} is not the key's pattern", slot.0);
+            if let Some(b) = kvtier::pattern::first_mismatch(key, a, chunk) {
+                panic!("ready slot {} of key {k}: arena {a} byte {b} is not the key's pattern", slot.get());
             }
         }
     }
