@@ -1,0 +1,572 @@
+//! One connection's session ([`Session`]): what it holds (lease handles, saves and restores in
+//! flight, hints), each request run against the tier under `catch_unwind`, and the session's end,
+//! the same however it ends (see the docs of [`crate::server`]).
+
+use super::limits::limit;
+use super::peer::exited;
+use super::shared::{Parked, Shared};
+use crate::copy::Direction;
+use crate::error::{Limit, TierError};
+use crate::key::ContentKey;
+use crate::remote::proto::{Outcome, Reply, Request, WireAudit, WireBlock, WireError};
+use crate::tier::core::Reserved;
+use crate::tier::lease::{Lease, RestoreHold};
+use crate::tier::pins::{SlotPins, WriteReservation};
+use crate::tier::prepare::prepare_save;
+use crate::tier::{Fit, SaveOptions};
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn misuse(reason: impl Into<String>) -> TierError {
+    if cfg!(kvtier_seeded_bug = "misuse-untyped") {
+        return TierError::Disconnected { reason: reason.into() };
+    }
+    TierError::Protocol { reason: reason.into() }
+}
+
+/// A save in flight. Dropped without [`PendingSave::take`] (an unwind anywhere), its slots are
+/// withheld for good: the writer may be alive and still copying into them.
+pub(super) struct PendingSave {
+    reservation: Option<WriteReservation>,
+}
+
+impl PendingSave {
+    fn take(mut self) -> WriteReservation {
+        self.reservation.take().expect("a pending save's reservation is taken once")
+    }
+}
+
+impl Drop for PendingSave {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            if !cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+                r.quarantine();
+            }
+        }
+    }
+}
+
+/// A restore in flight. Dropped without [`PendingRestore::take`] (an unwind anywhere), its pins
+/// are kept for good and its use stays spent: the reader may be alive and still copying.
+pub(super) struct PendingRestore {
+    hold: Option<RestoreHold>,
+    pins: Option<SlotPins>,
+}
+
+impl PendingRestore {
+    fn take(mut self) -> (Option<RestoreHold>, SlotPins) {
+        (self.hold.take(), self.pins.take().expect("a pending restore's pins are taken once"))
+    }
+}
+
+impl Drop for PendingRestore {
+    fn drop(&mut self) {
+        if cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+            return;
+        }
+        if let Some(p) = self.pins.take() {
+            p.quarantine();
+        }
+        if let Some(c) = self.hold.take() {
+            // Never panic out of a drop (it may run while unwinding).
+            let _ = catch_unwind(AssertUnwindSafe(|| c.submitted()));
+        }
+    }
+}
+
+/// A hint this connection gave.
+struct OwnedHint {
+    id: u64,
+    keys: usize,
+    /// When the tier drops it by itself (`None`: not within this process's clock range).
+    expires: Option<Instant>,
+}
+
+/// One connection's state. Dropping it ends the session (see the module docs): whatever way its
+/// thread ends, nothing it holds is freed under a copy that may still run, and nothing it holds
+/// outlives it except what such a copy still needs.
+pub(super) struct Session {
+    shared: Arc<Shared>,
+    pid: Option<u32>,
+    pidfd: Option<OwnedFd>,
+    /// Lease id -> handles this connection holds.
+    leases: HashMap<u64, u64>,
+    /// Handles over `leases`.
+    lease_handles: usize,
+    /// Lease id -> its blocks, for the leases this connection holds handles on.
+    lease_sizes: HashMap<u64, usize>,
+    /// Blocks over this connection's handles (each handle counts its lease's blocks).
+    leased_blocks: usize,
+    pub(super) saves: HashMap<u64, PendingSave>,
+    pub(super) restores: HashMap<u64, PendingRestore>,
+    hints: Vec<OwnedHint>,
+    next_id: u64,
+    parked: Vec<Reserved>,
+    parked_pins: Vec<SlotPins>,
+    /// The process is known to be gone when the session ends (fuzzing: nothing runs a copy), so
+    /// what it withheld is released at once.
+    pub(super) gone_at_end: bool,
+}
+
+impl Session {
+    pub(super) fn new(shared: Arc<Shared>, pid: Option<u32>, pidfd: Option<OwnedFd>) -> Session {
+        Session {
+            shared,
+            pid,
+            pidfd,
+            leases: HashMap::new(),
+            lease_handles: 0,
+            lease_sizes: HashMap::new(),
+            leased_blocks: 0,
+            saves: HashMap::new(),
+            restores: HashMap::new(),
+            hints: Vec::new(),
+            next_id: 0,
+            parked: Vec::new(),
+            parked_pins: Vec::new(),
+            gone_at_end: false,
+        }
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// The lease `id`, which this connection must hold a handle on.
+    fn lease(&self, id: u64) -> Result<Lease, TierError> {
+        if !self.leases.contains_key(&id) {
+            return Err(TierError::ForeignLease);
+        }
+        let leases = self.shared.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.get(&id).map(|e| e.lease.clone()).ok_or(TierError::LeaseSettled)
+    }
+
+    fn leased(lease: u64, l: &Lease) -> Reply {
+        let blocks = l
+            .blocks()
+            .iter()
+            .map(|b| WireBlock { key: b.key, slot: b.slot.slot.0, generation: b.slot.generation })
+            .collect();
+        Reply::Leased { lease, blocks }
+    }
+
+    fn check_keys(&self, n: usize) -> Result<(), TierError> {
+        let max = self.shared.limits.keys_per_request;
+        if n > max {
+            return Err(limit(Limit::KeysPerRequest, n, max));
+        }
+        Ok(())
+    }
+
+    fn check_lease_handle(&self) -> Result<(), TierError> {
+        let max = self.shared.limits.leases_per_connection;
+        if self.lease_handles >= max {
+            return Err(limit(Limit::LeasesPerConnection, self.lease_handles + 1, max));
+        }
+        Ok(())
+    }
+
+    /// Refuses a handle on `n` more leased blocks over
+    /// [`Limits::leased_blocks_per_connection`](super::Limits::leased_blocks_per_connection).
+    fn check_leased_blocks(&self, n: usize) -> Result<(), TierError> {
+        let max = self.shared.limits.leased_blocks_per_connection;
+        let asked = self.leased_blocks.saturating_add(n);
+        if asked > max && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+            return Err(limit(Limit::LeasedBlocksPerConnection, asked, max));
+        }
+        Ok(())
+    }
+
+    /// Copies this connection has in flight or withheld.
+    fn copies(&self) -> usize {
+        self.saves.len() + self.restores.len() + self.parked.len() + self.parked_pins.len()
+    }
+
+    fn check_copy(&self) -> Result<(), TierError> {
+        let max = self.shared.limits.copies_per_connection;
+        if self.copies() >= max {
+            return Err(limit(Limit::CopiesPerConnection, self.copies() + 1, max));
+        }
+        Ok(())
+    }
+
+    /// Runs one request: a panic fails it with [`TierError::Panicked`] and leaves the session as it
+    /// was (its maps change only after the work that can fail).
+    pub(super) fn run(&mut self, req: Request) -> Reply {
+        let name = req.name();
+        #[cfg(kvtier_seeded_bug = "request-panic-unwinds")]
+        return self.handle(req).unwrap_or_else(|e| Reply::Error(WireError::from(&e)));
+        #[allow(unreachable_code)]
+        match catch_unwind(AssertUnwindSafe(|| self.handle(req))) {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => Reply::Error(WireError::from(&e)),
+            Err(payload) => {
+                let message = panic_message(&*payload);
+                tracing::error!("process {:?}: request {name} panicked: {message}", self.pid);
+                Reply::Error(WireError::Panicked { request: name.into(), message })
+            }
+        }
+    }
+
+    fn handle(&mut self, req: Request) -> Result<Reply, TierError> {
+        if self.shared.panic_hook.get().is_some_and(|h| h(&req)) {
+            panic!("a panic injected into {} (Server::panic_on_requests)", req.name());
+        }
+        let core = self.shared.core.clone();
+        let block_bytes = core.geometry().block_bytes();
+        Ok(match req {
+            Request::Hello { .. } => return Err(misuse("a second hello on a connection that said hello")),
+            Request::Attach => Reply::Attached { rank: core.next_rank_id() },
+            Request::Query { keys, uses } => {
+                self.check_keys(keys.len())?;
+                if uses > self.shared.limits.lease_uses {
+                    return Err(limit(Limit::LeaseUses, uses as usize, self.shared.limits.lease_uses as usize));
+                }
+                self.check_lease_handle()?;
+                // A prompt's chained keys never repeat: the lease is a prefix, so it ends before
+                // the first repeated key and names each slot once.
+                let mut seen = HashSet::with_capacity(keys.len().min(4096));
+                let distinct = keys.iter().take_while(|k| seen.insert(**k)).count();
+                self.check_leased_blocks(distinct)?;
+                let lease = self.shared.tier.query_shared(&keys[..distinct], uses);
+                if lease.is_settled() {
+                    return Ok(Self::leased(0, &lease));
+                }
+                let reply_blocks = Self::leased(0, &lease);
+                let n = lease.len();
+                let id = self.shared.register(lease);
+                *self.leases.entry(id).or_default() += 1;
+                self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
+                match reply_blocks {
+                    Reply::Leased { blocks, .. } => Reply::Leased { lease: id, blocks },
+                    r => r,
+                }
+            }
+            Request::OpenLease { instance, lease: id } => {
+                if instance != self.shared.welcome.instance {
+                    return Err(TierError::ForeignLease);
+                }
+                self.check_lease_handle()?;
+                let reply = {
+                    let mut leases = self.shared.leases.lock().unwrap_or_else(|p| p.into_inner());
+                    let e = leases.get_mut(&id).ok_or(TierError::LeaseSettled)?;
+                    self.check_leased_blocks(e.lease.len())?;
+                    e.holders += 1;
+                    Self::leased(id, &e.lease)
+                };
+                let n = match &reply {
+                    Reply::Leased { blocks, .. } => blocks.len(),
+                    _ => 0,
+                };
+                *self.leases.entry(id).or_default() += 1;
+                self.lease_handles += 1;
+                self.lease_sizes.insert(id, n);
+                self.leased_blocks += n;
+                reply
+            }
+            Request::DropLease { lease: id } => {
+                if let Some(n) = self.leases.get_mut(&id) {
+                    *n -= 1;
+                    let size = self.lease_sizes.get(&id).copied().unwrap_or(0);
+                    if *n == 0 {
+                        self.leases.remove(&id);
+                        self.lease_sizes.remove(&id);
+                    }
+                    self.leased_blocks = self.leased_blocks.saturating_sub(size);
+                    self.lease_handles -= 1;
+                    self.shared.drop_handles(id, 1);
+                }
+                Reply::Done
+            }
+            Request::LeaseInfo { lease } => {
+                let l = self.lease(lease)?;
+                Reply::LeaseInfo { settled: l.is_settled(), expired: l.is_expired(), uses_left: l.uses_left() }
+            }
+            Request::ReleaseLease { lease } => Reply::Bool(self.lease(lease)?.release()),
+            Request::ConsumeUse { lease } => {
+                self.lease(lease)?.consume_without_copy();
+                Reply::Done
+            }
+            Request::PrepareSave { keys, prefix, prefix_depth, parent } => {
+                self.check_keys(keys.len())?;
+                self.check_copy()?;
+                // At most one slot a key: taken from the process's bound before anything is
+                // reserved, the unused part given back once the reservation is known.
+                // (never more than the pool holds: a larger save is the tier's CannotFit).
+                let want = keys.len().min(core.pool().capacity() as usize);
+                self.shared.take_slots(self.pid, want)?;
+                let mut opts = SaveOptions::new().fit(if prefix { Fit::Prefix } else { Fit::AllOrNothing });
+                opts.prefix_depth = prefix_depth;
+                opts.parent = parent;
+                let p = match prepare_save(&core, &keys, &opts) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.shared.give_slots(self.pid, want);
+                        return Err(e);
+                    }
+                };
+                self.shared.give_slots(self.pid, want - p.reservation.len().min(want));
+                let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
+                let save = if slots.is_empty() {
+                    0
+                } else {
+                    let id = self.id();
+                    self.saves.insert(id, PendingSave { reservation: Some(p.reservation) });
+                    id
+                };
+                Reply::SavePrepared {
+                    save,
+                    saving: p.saving.iter().map(|&i| i as u32).collect(),
+                    slots,
+                    resident: p.resident as u32,
+                    in_flight: p.in_flight as u32,
+                    duplicates: p.duplicates as u32,
+                    dropped: p.dropped as u32,
+                }
+            }
+            Request::FinishSave { save, outcome } => {
+                let reservation = self
+                    .saves
+                    .remove(&save)
+                    .ok_or_else(|| misuse(format!("no save {save} in flight on this connection")))?
+                    .take();
+                let blocks = reservation.len() as u64;
+                match outcome {
+                    Outcome::Done => {
+                        reservation.commit();
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
+                    Outcome::Failed | Outcome::NotSubmitted => {
+                        drop(reservation);
+                        self.shared.give_slots(self.pid, blocks as usize);
+                    }
+                    Outcome::Unknown | Outcome::SubmitPanicked => {
+                        self.parked.extend_from_slice(reservation.entries());
+                        reservation.quarantine();
+                    }
+                }
+                let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
+                core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done);
+                Reply::Done
+            }
+            Request::Restore { lease, blocks } => {
+                let l = self.lease(lease)?;
+                self.check_copy()?;
+                let mut hold = l.begin_restore(blocks as usize)?;
+                let pins = hold.take_pins();
+                let slots = pins.slots().iter().map(|s| s.0).collect();
+                let id = self.id();
+                self.restores.insert(id, PendingRestore { hold: Some(hold), pins: Some(pins) });
+                Reply::Restoring { restore: id, slots }
+            }
+            Request::RestoreSubmitted { restore } => {
+                if let Some(hold) = self.restores.get_mut(&restore).and_then(|r| r.hold.take()) {
+                    hold.submitted();
+                }
+                Reply::Done
+            }
+            Request::FinishRestore { restore, outcome } => {
+                let (hold, pins) = self
+                    .restores
+                    .remove(&restore)
+                    .ok_or_else(|| misuse(format!("no restore {restore} in flight on this connection")))?
+                    .take();
+                let blocks = pins.len() as u64;
+                match outcome {
+                    Outcome::NotSubmitted => {
+                        // Pins first, then the use goes back (as an unsubmitted hold does).
+                        drop(pins);
+                        drop(hold);
+                    }
+                    Outcome::Done | Outcome::Failed => {
+                        if let Some(c) = hold {
+                            c.submitted();
+                        }
+                        drop(pins);
+                    }
+                    Outcome::Unknown => {
+                        // The pins are parked before anything that may panic: an unwind in the
+                        // hold's settling cannot unpin under a live copy.
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
+                        if let Some(c) = hold {
+                            c.submitted();
+                        }
+                    }
+                    Outcome::SubmitPanicked => {
+                        // The backend may have queued the copy: the pins are parked as for an
+                        // unknown outcome; the call failed, so the use goes back (as in process).
+                        core.record_quarantined_pins(pins.len());
+                        self.parked_pins.push(pins);
+                        drop(hold);
+                    }
+                }
+                let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
+                core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done);
+                Reply::Done
+            }
+            Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),
+            Request::Evict { blocks } => {
+                // Evicting more than the pool holds is evicting all of it: the tier never sees a
+                // count above its capacity.
+                let n = blocks.min(core.pool().capacity() as u64) as usize;
+                Reply::Count(self.shared.tier.evict(n) as u64)
+            }
+            Request::Hint { keys, ttl_ms } => self.hint(&keys, ttl_ms)?,
+            Request::WithdrawHint { id } => {
+                // Only this connection's own hints: another's id is no hint of this connection.
+                match self.hints.iter().position(|h| h.id == id) {
+                    Some(i) => {
+                        self.hints.swap_remove(i);
+                        Reply::Bool(self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(id)))
+                    }
+                    None => Reply::Bool(false),
+                }
+            }
+            Request::LiveHints => Reply::Count(self.shared.tier.live_hints() as u64),
+            Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
+            Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
+            Request::Audit { keys } => {
+                self.check_keys(keys.len())?;
+                Reply::Audit(core.audit(&keys).map(|a| WireAudit {
+                    free: a.free as u64,
+                    writing: a.writing as u64,
+                    ready: a.ready as u64,
+                    evicting: a.evicting as u64,
+                    pinned: a.pinned as u64,
+                }))
+            }
+        })
+    }
+
+    /// A hint on the distinct `keys`, owned by this connection and bounded in count and keys.
+    fn hint(&mut self, keys: &[ContentKey], ttl_ms: u64) -> Result<Reply, TierError> {
+        self.check_keys(keys.len())?;
+        let now = Instant::now();
+        // The tier drops expired hints by itself; they no longer count against this connection.
+        self.hints.retain(|h| h.expires.is_none_or(|t| t > now));
+        let limits = &self.shared.limits;
+        if self.hints.len() >= limits.hints_per_connection {
+            return Err(limit(Limit::HintsPerConnection, self.hints.len() + 1, limits.hints_per_connection));
+        }
+        let mut seen = HashSet::with_capacity(keys.len().min(4096));
+        let distinct: Vec<ContentKey> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+        let held: usize = self.hints.iter().map(|h| h.keys).sum();
+        if held + distinct.len() > limits.hint_keys_per_connection {
+            return Err(limit(Limit::HintKeysPerConnection, held + distinct.len(), limits.hint_keys_per_connection));
+        }
+        // The tier cuts a hint at MAX_HINT_TTL; the connection counts it no longer than that.
+        let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
+        let id = self.shared.tier.hint(&distinct, ttl).get();
+        self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
+        Ok(Reply::Count(id))
+    }
+
+    /// Ends the session (see the type's docs); idempotent.
+    fn end(&mut self) {
+        let leases = std::mem::take(&mut self.leases);
+        let shared = self.shared.clone();
+        if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
+            for (id, n) in leases {
+                shared.drop_handles(id, n);
+            }
+        })) {
+            tracing::error!("process {:?}: dropping its lease handles panicked: {}", self.pid, panic_message(&*p));
+        }
+        self.lease_handles = 0;
+        self.lease_sizes.clear();
+        self.leased_blocks = 0;
+        for h in std::mem::take(&mut self.hints) {
+            if !cfg!(kvtier_seeded_bug = "hints-outlive-connection") {
+                self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(h.id));
+            }
+        }
+        let core = self.shared.core.clone();
+        // Each step runs under catch_unwind (this may run while the thread unwinds: a panic here
+        // would abort the daemon); whatever a panicking step left is withheld for good by the
+        // pending copies' drops.
+        let restores: Vec<PendingRestore> = self.restores.drain().map(|(_, r)| r).collect();
+        for r in restores {
+            let (hold, pins) = r.take();
+            // The pins are parked first; the copy may have been submitted: the use is spent.
+            core.record_quarantined_pins(pins.len());
+            self.parked_pins.push(pins);
+            if let Some(c) = hold {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.submitted())) {
+                    tracing::error!(
+                        "process {:?}: settling a restore's use panicked: {}",
+                        self.pid,
+                        panic_message(&*p)
+                    );
+                }
+            }
+        }
+        let saves: Vec<PendingSave> = self.saves.drain().map(|(_, s)| s).collect();
+        for s in saves {
+            let reservation = s.take();
+            self.parked.extend_from_slice(reservation.entries());
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| reservation.quarantine())) {
+                tracing::error!("process {:?}: withholding a save's slots panicked: {}", self.pid, panic_message(&*p));
+            }
+        }
+        let parked = Parked {
+            pid: self.pid,
+            pidfd: self.pidfd.take(),
+            reserved: std::mem::take(&mut self.parked),
+            pins: std::mem::take(&mut self.parked_pins),
+        };
+        if parked.is_empty() {
+            return;
+        }
+        if self.gone_at_end {
+            self.shared.release_parked(parked);
+            return;
+        }
+        match &parked.pidfd {
+            Some(fd) if exited(fd) => self.shared.release_parked(parked),
+            Some(_) => {
+                tracing::info!(
+                    "process {:?} disconnected with {} slots being written and {} pinned restores: \
+                     withheld until it exits",
+                    parked.pid,
+                    parked.reserved.len(),
+                    parked.pins.len()
+                );
+                self.shared.park(parked);
+            }
+            None => {
+                tracing::warn!(
+                    "process {:?} disconnected with copies in flight and no pidfd: {} slots and {} restores' pins \
+                     are withheld for good",
+                    parked.pid,
+                    parked.reserved.len(),
+                    parked.pins.len()
+                );
+                std::mem::forget(parked);
+            }
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        #[cfg(not(kvtier_seeded_bug = "session-drop-skips-close"))]
+        self.end();
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
