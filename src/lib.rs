@@ -31,7 +31,7 @@ pub mod tier;
 pub use copy::{
     Completion, CopyBackend, CopyEvent, CopyPair, Direction, EngineArenas, LayerGroups, LayerReadiness, WaitFor,
 };
-pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
+pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, TierError};
 pub use evict::PolicyKind;
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement};
 pub use index::{BlockIndex, SlotRef};

@@ -38,7 +38,7 @@
 
 use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
-use crate::error::{Error, Limit, TierError};
+use crate::error::{Error, Limit, LimitsError, TierError};
 use crate::key::ContentKey;
 use crate::tier::core::{Core, Reserved};
 use crate::tier::lease::{Lease, RestoreHold};
@@ -174,33 +174,30 @@ impl Limits {
             || zero(self.frame_timeout)
             || zero(self.write_timeout)
         {
-            return Err(Error::Config(
-                "limits: connections, connections per process and every timeout must be above zero".into(),
-            ));
+            return Err(LimitsError::Zero.into());
         }
         let now = Instant::now();
         for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
             // Each connection computes `now + t`: a timeout the clock cannot add is refused here.
             if now.checked_add(t).and_then(|x| x.checked_add(Duration::from_secs(365 * 86_400))).is_none() {
-                return Err(Error::Config(format!("limits: the {name} timeout of {t:?} is too large for the clock")));
+                return Err(LimitsError::TimeoutTooLarge { which: name, timeout: t }.into());
             }
         }
         let per_slot =
             (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
         let pins = crate::slab::slot::SlotWord::LEASE_PINS as u128 / 2;
         if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
-            return Err(Error::Config(format!(
-                "limits: {} connections × min({} leases, {} leased blocks) may pin one slot {per_slot} times, \
-                 above the {pins} the daemon allows leases",
-                self.connections, self.leases_per_connection, self.leased_blocks_per_connection
-            )));
+            return Err(LimitsError::LeasePins {
+                connections: self.connections,
+                leases: self.leases_per_connection,
+                leased_blocks: self.leased_blocks_per_connection,
+                pins_per_slot: per_slot,
+                max: pins,
+            }
+            .into());
         }
         if self.frame_bytes > proto::MAX_FRAME {
-            return Err(Error::Config(format!(
-                "limits: a frame bound of {} B is above the protocol's {} B",
-                self.frame_bytes,
-                proto::MAX_FRAME
-            )));
+            return Err(LimitsError::FrameTooLarge { bytes: self.frame_bytes, max: proto::MAX_FRAME }.into());
         }
         Ok(())
     }
@@ -1113,30 +1110,28 @@ fn euid() -> u32 {
 /// it does not. The per-user fallback directory in `/tmp` (see [`crate::remote::default_socket_path`])
 /// must be a directory of ours that nobody else can write, or another user could have made it.
 fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
-    let cfg = |m: String| Error::Config(m);
+    let io = |what: &'static str| move |source| Error::Io { what, path: dir.to_path_buf(), source };
     match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             std::fs::DirBuilder::new()
                 .mode(if group.is_some() { 0o750 } else { 0o700 })
                 .create(dir)
-                .map_err(|e| cfg(format!("creating the socket's directory {}: {e}", dir.display())))?;
+                .map_err(io("creating the socket's directory"))?;
             if let Some(gid) = group {
                 std::os::unix::fs::chown(dir, None, Some(gid))
-                    .map_err(|e| cfg(format!("giving {} to group {gid}: {e}", dir.display())))?;
+                    .map_err(|source| Error::Chown { path: dir.to_path_buf(), gid, source })?;
             }
             Ok(())
         }
-        Err(e) => Err(cfg(format!("the socket's directory {}: {e}", dir.display()))),
+        Err(e) => Err(io("reading the socket's directory")(e)),
         Ok(m) => {
             if crate::remote::is_per_user_tmp_dir(dir) && (!m.is_dir() || m.uid() != euid() || m.mode() & 0o022 != 0) {
-                return Err(cfg(format!(
-                    "{} is not a directory of uid {} that only it can write (owner {}, mode {:o}): another user \
-                     may have made it; remove it or choose another --socket",
-                    dir.display(),
-                    euid(),
-                    m.uid(),
-                    m.mode() & 0o7777
-                )));
+                return Err(Error::UnsafeSocketDir {
+                    path: dir.to_path_buf(),
+                    uid: euid(),
+                    owner: m.uid(),
+                    mode: m.mode() & 0o7777,
+                });
             }
             Ok(())
         }
@@ -1152,7 +1147,7 @@ fn clear_stale_socket(path: &Path) -> Result<(), Error> {
     }
     let m = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
+        Err(source) => return Err(Error::Io { what: "reading the socket path", path: path.to_path_buf(), source }),
         Ok(m) => m,
     };
     if !m.file_type().is_socket() {
@@ -1165,19 +1160,14 @@ fn clear_stale_socket(path: &Path) -> Result<(), Error> {
         } else {
             "not a socket"
         };
-        return Err(Error::Config(format!(
-            "{} exists and is {what}, not a socket: refusing to replace it (choose another --socket)",
-            path.display()
-        )));
+        return Err(Error::SocketPathTaken { path: path.to_path_buf(), found: what });
     }
     match UnixStream::connect(path) {
-        Ok(_) => Err(Error::Config(format!("a tier daemon already listens at {}", path.display()))),
-        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path)
-            .map_err(|e| Error::Config(format!("removing the stale socket {}: {e}", path.display()))),
-        Err(e) => Err(Error::Config(format!(
-            "{} is a socket that cannot be probed ({e}): refusing to replace it",
-            path.display()
-        ))),
+        Ok(_) => Err(Error::DaemonRunning { path: path.to_path_buf() }),
+        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path).map_err(|source| {
+            Error::Io { what: "removing the stale socket", path: path.to_path_buf(), source }
+        }),
+        Err(source) => Err(Error::SocketUnprobed { path: path.to_path_buf(), source }),
     }
 }
 
@@ -1202,7 +1192,7 @@ fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&lp)
-        .map_err(|e| Error::Config(format!("opening the socket's lock file {}: {e}", lp.display())))?;
+        .map_err(|source| Error::Io { what: "opening the socket's lock file", path: lp.clone(), source })?;
     if cfg!(kvtier_seeded_bug = "bind-unlocked") {
         return Ok(f);
     }
@@ -1211,9 +1201,9 @@ fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
             return Ok(f);
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::Config(format!("locking {}: {e}", lp.display())));
+        let source = std::io::Error::last_os_error();
+        if source.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Io { what: "locking", path: lp, source });
         }
     }
 }
@@ -1241,7 +1231,7 @@ fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Error> {
         // SAFETY: as above; restores the mask read when it was set.
         unsafe { libc::umask(old) };
     }
-    bound.map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))
+    bound.map_err(|source| Error::Io { what: "binding the socket", path: path.to_path_buf(), source })
 }
 
 impl Server {
@@ -1264,15 +1254,18 @@ impl Server {
     /// daemons starting at once on one path the second waits and then finds the first listening.
     ///
     /// # Errors
-    /// [`Error::Config`] if `tier`'s pool is not in shared memory (make it with
-    /// [`HostTier::new_shared`]), if the limits are invalid (a zero bound, a frame bound above
-    /// [`proto::MAX_FRAME`]), if something other than a stale socket is at `path`, if the
-    /// per-user directory in `/tmp` is not ours, if `PATH.lock` cannot be opened or locked, or
-    /// if the socket cannot be bound or given its mode.
+    /// [`Error::PrivatePool`] if `tier`'s pool is not in shared memory (make it with
+    /// [`HostTier::new_shared`]); [`Error::Limits`] if the limits are invalid (a zero bound, a
+    /// frame bound above [`proto::MAX_FRAME`]); [`Error::DaemonRunning`],
+    /// [`Error::SocketPathTaken`] or [`Error::SocketUnprobed`] if something other than a stale
+    /// socket is at `path`; [`Error::UnsafeSocketDir`] if the per-user directory in `/tmp` is not
+    /// ours; [`Error::Io`] if the directory cannot be made, `PATH.lock` cannot be opened or
+    /// locked, or the socket cannot be bound or given its mode; [`Error::Chown`] if the socket
+    /// or its directory cannot be given to `config.group`.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
         if tier.pool().shared_fd().is_none() {
-            return Err(Error::Config("the tier's pool is private: build it with HostTier::new_shared".into()));
+            return Err(Error::PrivatePool);
         }
         config.limits.check()?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -1284,13 +1277,16 @@ impl Server {
         let listener = bind_socket(&path)?;
         let mode = if let Some(gid) = config.group {
             std::os::unix::fs::chown(&path, None, Some(gid))
-                .map_err(|e| Error::Config(format!("giving the socket {} to group {gid}: {e}", path.display())))?;
+                .map_err(|source| Error::Chown { path: path.clone(), gid, source })?;
             0o660
         } else {
             0o600
         };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| Error::Config(format!("setting the socket {} to mode {mode:o}: {e}", path.display())))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).map_err(|source| Error::Io {
+            what: if mode == 0o660 { "setting mode 0660 on the socket" } else { "setting mode 0600 on the socket" },
+            path: path.clone(),
+            source,
+        })?;
         let shared = Arc::new(Shared::new(tier, config.limits));
         Ok(Server { listener, shared, path })
     }
@@ -1854,7 +1850,9 @@ mod tests {
     fn limits_under_which_leases_could_saturate_a_slots_pins_are_refused_at_bind() {
         let l = Limits { connections: 1 << 12, leases_per_connection: 1 << 12, ..Limits::default() };
         match l.check() {
-            Err(Error::Config(m)) => assert!(m.contains("may pin one slot"), "{m}"),
+            Err(e @ Error::Limits(LimitsError::LeasePins { connections: 4096, leases: 4096, .. })) => {
+                assert!(e.to_string().contains("may pin one slot"), "{e}")
+            }
             r => panic!("limits that let leases pin one slot 2^24 times were accepted: {r:?}"),
         }
         Limits::default().check().unwrap();
@@ -1895,7 +1893,9 @@ mod tests {
         for t in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
             let l = Limits { frame_timeout: t, ..Limits::default() };
             match l.check() {
-                Err(Error::Config(m)) => assert!(m.contains("frame timeout"), "{m}"),
+                Err(e @ Error::Limits(LimitsError::TimeoutTooLarge { which: "frame", .. })) => {
+                    assert!(e.to_string().contains("frame timeout"), "{e}")
+                }
                 r => panic!("a frame timeout of {t:?} was accepted: {r:?}"),
             }
         }
