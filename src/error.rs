@@ -251,9 +251,7 @@ pub enum CopyError {
         geometry: u64,
     },
     /// A pool region whose base is not 16-byte aligned or that is shorter than its slots.
-    #[error(
-        "backend mismatch: pool region at {base:#x} ({bytes} B) is misaligned or shorter than {capacity} slots"
-    )]
+    #[error("backend mismatch: pool region at {base:#x} ({bytes} B) is misaligned or shorter than {capacity} slots")]
     BadPoolRegion {
         /// Host address of the region.
         base: u64,
@@ -281,7 +279,9 @@ pub enum CopyError {
         geometry: u64,
     },
     /// An arena's copy unit (bytes per page) is too large for the copy kernels.
-    #[error("backend mismatch: arena `{arena}`: a {bytes} B copy unit is too large for the CUDA kernels (below {max} B)")]
+    #[error(
+        "backend mismatch: arena `{arena}`: a {bytes} B copy unit is too large for the CUDA kernels (below {max} B)"
+    )]
     ChunkTooLarge {
         /// Arena name.
         arena: String,
@@ -736,7 +736,9 @@ pub enum Error {
 #[non_exhaustive]
 pub enum LimitsError {
     /// A connection count or a timeout is zero.
-    #[error("invalid configuration: limits: connections, connections per process and every timeout must be above zero")]
+    #[error(
+        "invalid configuration: limits: connections, connections per process and every timeout must be above zero"
+    )]
     Zero,
     /// A timeout the clock cannot add to the current instant (plus a year of margin).
     #[error("invalid configuration: limits: the {which} timeout of {timeout:?} is too large for the clock")]
@@ -771,4 +773,30 @@ pub enum LimitsError {
         /// The protocol's largest frame, bytes.
         max: usize,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    /// The typed variants keep their OS error as the source and name their values in the message.
+    #[test]
+    fn typed_errors_keep_their_source_and_name_their_values() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let e = Error::Io { what: "binding the socket", path: "/run/kvtier/x.sock".into(), source: io() };
+        assert_eq!(e.source().map(|s| s.to_string()), Some(io().to_string()));
+        assert!(e.to_string().starts_with("invalid configuration: binding the socket /run/kvtier/x.sock: "), "{e}");
+        let e = Error::ArenaMemory { bytes: 4096, source: io() };
+        assert!(e.source().is_some() && e.to_string().contains("4096 B"), "{e}");
+        let e = Error::Chown { path: "/tmp/d".into(), gid: 1234, source: io() };
+        assert!(e.source().is_some() && e.to_string().contains("group 1234"), "{e}");
+        let e = CopyError::SlotSizeMismatch { pool: 512, geometry: 1024 };
+        assert_eq!(e.to_string(), "backend mismatch: pool slots are 512 B, geometry slots 1024 B");
+        let e = Error::from(LimitsError::FrameTooLarge { bytes: 1 << 27, max: 1 << 26 });
+        assert!(matches!(e, Error::Limits(LimitsError::FrameTooLarge { .. })));
+        assert!(e.to_string().contains(&format!("{} B is above the protocol's {} B", 1 << 27, 1 << 26)), "{e}");
+        let e = Error::Verification { page: 3, arena: "k".into(), byte: 17, key: ContentKey([0; 16]) };
+        assert!(e.to_string().starts_with("verification failed: GPU page 3, arena `k`, byte 17:"), "{e}");
+    }
 }

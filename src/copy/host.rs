@@ -192,7 +192,7 @@ impl MemcpyBackend {
     }
 
     fn submit(&self, batch: &[CopyPair], dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::PoolNotBound)?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
         Ok(Box::new(MemcpyCompletion {
             job: Some(MemcpyJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
@@ -239,7 +239,7 @@ impl LayerCopy for MemcpyBackend {
         groups: &LayerGroups,
         waits: &[WaitFor],
     ) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::PoolNotBound)?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         groups.check(self.arenas.geometry.arenas().len())?;
         groups.check_waits(waits)?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;

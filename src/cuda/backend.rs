@@ -369,7 +369,7 @@ impl CudaBackend {
             ("restore_ctas", options.restore_ctas as u64),
             ("staged_ctas", options.staged_ctas as u64),
             ("staged_piece_blocks", options.staged_piece_blocks as u64),
-            ("staged_first_piece_bytes", options.staged_first_piece_bytes as u64),
+            ("staged_first_piece_bytes", options.staged_first_piece_bytes),
         ] {
             if v == 0 {
                 return Err(CopyError::BadArgument { name, value: 0, allowed: "at least 1" });
@@ -607,7 +607,7 @@ impl CudaBackend {
     }
 
     fn submit(&self, batch: &[CopyPair], wait: WaitFor, dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::PoolNotBound)?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         let inner = &self.inner;
         validate_batch(batch, inner.geometry.pages(), pool.capacity, dir)?;
         inner.dev.bind()?;

@@ -36,10 +36,10 @@
 //! since a copy may run as long as its process does. Without a pidfd they stay withheld for good.
 //! Copies whose outcome a rank reported unknown (its backend panicked) are withheld the same way.
 
-use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::copy::Direction;
 use crate::error::{Error, Limit, LimitsError, TierError};
 use crate::key::ContentKey;
+use crate::remote::proto::{self, Incoming, Outcome, Reply, Request, WireAudit, WireBlock, WireError, WireLimits};
 use crate::tier::core::{Core, Reserved};
 use crate::tier::lease::{Lease, RestoreHold};
 use crate::tier::pins::{SlotPins, WriteReservation};
@@ -1118,8 +1118,11 @@ fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
                 .create(dir)
                 .map_err(io("creating the socket's directory"))?;
             if let Some(gid) = group {
-                std::os::unix::fs::chown(dir, None, Some(gid))
-                    .map_err(|source| Error::Chown { path: dir.to_path_buf(), gid, source })?;
+                std::os::unix::fs::chown(dir, None, Some(gid)).map_err(|source| Error::Chown {
+                    path: dir.to_path_buf(),
+                    gid,
+                    source,
+                })?;
             }
             Ok(())
         }
@@ -1164,9 +1167,8 @@ fn clear_stale_socket(path: &Path) -> Result<(), Error> {
     }
     match UnixStream::connect(path) {
         Ok(_) => Err(Error::DaemonRunning { path: path.to_path_buf() }),
-        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path).map_err(|source| {
-            Error::Io { what: "removing the stale socket", path: path.to_path_buf(), source }
-        }),
+        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path)
+            .map_err(|source| Error::Io { what: "removing the stale socket", path: path.to_path_buf(), source }),
         Err(source) => Err(Error::SocketUnprobed { path: path.to_path_buf(), source }),
     }
 }
@@ -1276,8 +1278,11 @@ impl Server {
         clear_stale_socket(&path)?;
         let listener = bind_socket(&path)?;
         let mode = if let Some(gid) = config.group {
-            std::os::unix::fs::chown(&path, None, Some(gid))
-                .map_err(|source| Error::Chown { path: path.clone(), gid, source })?;
+            std::os::unix::fs::chown(&path, None, Some(gid)).map_err(|source| Error::Chown {
+                path: path.clone(),
+                gid,
+                source,
+            })?;
             0o660
         } else {
             0o600
