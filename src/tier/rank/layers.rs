@@ -7,10 +7,10 @@ use super::{Rank, SaveTicket};
 use crate::copy::layers::LayerGroups;
 use crate::copy::WaitFor;
 use crate::error::TierError;
-use crate::tier::handle::CopyHandle;
 use crate::key::ContentKey;
-use crate::tier::lease::Lease;
 use crate::tier::config::SaveOptions;
+use crate::tier::handle::CopyHandle;
+use crate::tier::lease::Lease;
 
 /// How a rank submits a copy ([`Rank::launch`]): whole-block after one wait, or layer-wise
 /// ([`crate::copy::layers::copy_layers`]), group by group after one wait or one per group.
@@ -29,7 +29,7 @@ impl Rank {
     /// # Errors
     /// [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`.
     pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
-        let (tier, backend) = (self.core.geometry(), self.backend.geometry());
+        let (tier, backend) = (self.tier.geometry(), self.backend.geometry());
         let g = if tier.layer_count() == 1 && backend.layer_count() > 1 { backend } else { tier };
         Ok(LayerGroups::new(g, groups)?)
     }
