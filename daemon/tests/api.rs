@@ -199,7 +199,9 @@ fn a_connected_tier_keeps_its_shutdown_and_its_leases_to_its_connection() {
     ra.save(&k, &[0, 1], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
     rl.save(&k, &[0, 1], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
     let (la, ll) = (a.query(&k), local.query(&k));
-    let foreign = |r: Result<kvtier::CopyHandle, TierError>| assert!(matches!(r, Err(TierError::ForeignLease)), "{r:?}");
+    let foreign = |r: Result<kvtier::CopyHandle, TierError>| {
+        assert!(matches!(r, Err(TierError::ForeignLease)), "a lease restores on its own tier's ranks only: {r:?}")
+    };
     foreign(rb.restore(&la, &[4], WaitFor::Nothing));
     foreign(ra.restore(&ll, &[4], WaitFor::Nothing));
     foreign(rl.restore(&la, &[4], WaitFor::Nothing));

@@ -13,7 +13,7 @@
 //! - `client`: the connected tier's side ([`crate::HostTier::connect`], [`ConnectOptions`], [`LeaseToken`]).
 //!
 //! Both sit below the tier: the tier's connected flavour (`tier/connected.rs`) calls the client.
-//! The daemon's side, [`crate::Server`], sits above the tier, in `server/`.
+//! The daemon's side, [`crate::server::Server`], sits above the tier, in `server/`.
 
 pub(crate) mod client;
 pub mod proto;
@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 /// - else `/tmp/kvtierd-$UID/kvtierd.sock` (the daemon creates the directory `0700` and refuses to
 ///   use one it does not own or that others can write).
 ///
-/// Pure: creates nothing (the daemon's [`crate::Server::bind`] makes the directory).
+/// Pure: creates nothing (the daemon's [`crate::server::Server::bind`] makes the directory).
 pub fn default_socket_path() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_absolute()) {
         return dir.join("kvtierd.sock");

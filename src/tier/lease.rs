@@ -53,7 +53,7 @@ pub(crate) enum LeaseOf {
 /// A lease of an in-process tier: its core and its settle state (which the core's lease clock may
 /// hold too). Dropped unsettled, it settles.
 pub(crate) struct InProcessLease {
-    pub(crate) core: Arc<Core>,
+    pub(super) core: Arc<Core>,
     state: Arc<LeaseState>,
 }
 
