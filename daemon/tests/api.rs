@@ -177,6 +177,50 @@ fn leases_are_foreign_across_tiers_and_tokens_open_on_other_connections() {
     assert_eq!(a.stats().pinned_slots, 3, "only the lease's pins");
 }
 
+/// A connected tier's handles share its shutdown (the daemon goes on serving), a lease restores
+/// only on a rank of the connection it was leased over (not on another connection's, not across
+/// flavours), and the policy and the pool are the daemon's.
+#[test]
+fn a_connected_tier_keeps_its_shutdown_and_its_leases_to_its_connection() {
+    let (_dir, path) = serve(8);
+    let a = HostTier::connect(&path).unwrap();
+    let b = HostTier::connect(&path).unwrap();
+    let local = HostTier::new(config(8)).unwrap();
+    assert_eq!((a.policy_name(), a.capacity()), (local.policy_name(), local.capacity()));
+    let g = a.geometry().with_pages(8).unwrap();
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let (ra, rb, rl) = (
+        a.attach(arenas.backend().unwrap()).unwrap(),
+        b.attach(arenas.backend().unwrap()).unwrap(),
+        local.attach(arenas.backend().unwrap()).unwrap(),
+    );
+    let k: Vec<_> = (0..2).map(|i| a.namespace().trace_page_key(i, 0)).collect();
+    arenas.fill(&[0, 1], &k).unwrap();
+    ra.save(&k, &[0, 1], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
+    rl.save(&k, &[0, 1], WaitFor::Nothing).unwrap().handle.wait_timeout(WAIT).unwrap().unwrap();
+    let (la, ll) = (a.query(&k), local.query(&k));
+    let foreign = |r: Result<kvtier::CopyHandle, TierError>| {
+        assert!(matches!(r, Err(TierError::ForeignLease)), "a lease restores on its own tier's ranks only: {r:?}")
+    };
+    foreign(rb.restore(&la, &[4], WaitFor::Nothing));
+    foreign(ra.restore(&ll, &[4], WaitFor::Nothing));
+    foreign(rl.restore(&la, &[4], WaitFor::Nothing));
+    assert_eq!((la.uses_left(), ll.uses_left()), (1, 1), "a refused restore takes no use");
+    // A clone shares the handle's shutdown; another connection and the daemon go on.
+    let a2 = a.clone();
+    a2.shutdown();
+    assert!(matches!(a.attach(arenas.backend().unwrap()), Err(TierError::ShuttingDown)));
+    assert!(matches!(ra.save(&k, &[0, 1], WaitFor::Nothing), Err(TierError::ShuttingDown)));
+    assert!(matches!(ra.restore(&la, &[4], WaitFor::Nothing), Err(TierError::ShuttingDown)));
+    assert!(a.contains(&k[0]), "queries still answer");
+    rb.restore(&b.query(&k), &[4, 5], WaitFor::Nothing).unwrap().wait_timeout(WAIT).unwrap().unwrap();
+    arenas.verify(&[4, 5], &k).unwrap();
+    // The drop is a one-way message on connection `a`: a round trip there orders it.
+    drop((la, ll));
+    let _ = a.stats();
+    assert_eq!(b.stats().pinned_slots, 0, "every lease settled");
+}
+
 #[test]
 fn connecting_checks_the_namespace_and_a_missing_daemon_is_a_typed_error() {
     let (dir, path) = serve(4);
@@ -309,4 +353,19 @@ fn a_restore_whose_backend_panics_at_submission_keeps_its_use_connected_as_in_pr
     assert_eq!(a[2], "retry after a submission panic: Ok(Ok(()))", "in process: {a:?}");
     let b = submit_panic_script(&remote);
     assert_eq!(a, b, "a connected tier must keep the use of a restore whose submission panicked, as in process");
+}
+
+/// A connected tier cannot be served again by a second daemon: it owns no state to serve (it has
+/// no core), so `bind` refuses it with a typed error instead of serving, or panicking on, nothing.
+#[test]
+fn a_connected_tier_is_refused_by_a_second_server() {
+    let (dir, path) = serve(4);
+    let connected = HostTier::connect(&path).unwrap();
+    let second = dir.path().join("second.sock");
+    match Server::bind(&second, connected) {
+        Err(e @ kvtier::Error::ServeConnected) => assert!(e.to_string().contains("connected"), "{e}"),
+        Err(e) => panic!("a connected tier was refused with the wrong error: {e}"),
+        Ok(_) => panic!("a second daemon served a connected tier"),
+    }
+    assert!(!second.exists(), "nothing was bound");
 }

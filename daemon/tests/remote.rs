@@ -312,6 +312,14 @@ fn client_role() {
             let lost = |e: TierError| assert!(matches!(e, TierError::Disconnected { .. }), "{e:?}");
             lost(tier.try_query_shared(&k, 1).unwrap_err());
             assert_eq!(tier.query(&k).len(), 0, "a lost daemon answers queries with a miss");
+            // The miss is a lease settled from birth: no use, nothing to share or release, and a
+            // restore from it copies nothing.
+            let miss = tier.query_shared(&k, 2);
+            assert_eq!((miss.is_settled(), miss.is_expired(), miss.uses_left()), (true, false, 0));
+            assert!(miss.token().is_none());
+            assert!(matches!(rank.restore(&miss, &[32], WaitFor::Nothing), Err(TierError::LeaseTooShort { .. })));
+            rank.restore(&miss, &[], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).expect("ready").unwrap();
+            assert!(!miss.release());
             lost(rank.save(&k, &[0, 1, 2, 3], WaitFor::Nothing).unwrap_err());
             lost(rank.restore(&lease, &[32, 33], WaitFor::Nothing).unwrap_err());
             lost(tier.try_stats().unwrap_err());

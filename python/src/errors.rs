@@ -274,6 +274,7 @@ impl From<&Error> for Raised {
             | Error::DaemonRunning { .. }
             | Error::UnsafeSocketDir { .. }
             | Error::PrivatePool
+            | Error::ServeConnected
             | Error::Limits(_) => Raised::new("ConfigError", e).str("detail", detail(e, "invalid configuration: ")),
             // Trace and replay errors come from the CLI's paths, which the binding does not call.
             _ => Raised::new("KvtierError", e),

@@ -419,6 +419,11 @@ pub(crate) struct LeaseInfo {
 }
 
 impl RemoteLease {
+    /// A lease settled from birth over `conn` (nothing leased; the daemon holds nothing for it).
+    pub(crate) fn settled(conn: Arc<Conn>) -> RemoteLease {
+        RemoteLease { conn, id: 0 }
+    }
+
     pub(crate) fn info(&self) -> LeaseInfo {
         let gone = LeaseInfo { settled: true, expired: false, uses_left: 0 };
         if self.id == 0 {

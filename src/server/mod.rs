@@ -100,7 +100,8 @@ impl Server {
     ///
     /// # Errors
     /// [`Error::PrivatePool`] if `tier`'s pool is not in shared memory (make it with
-    /// [`HostTier::new_shared`]); [`Error::Limits`] if the limits are invalid (a zero bound, a
+    /// [`HostTier::new_shared`]); [`Error::ServeConnected`] if `tier` is itself a connected tier;
+    /// [`Error::Limits`] if the limits are invalid (a zero bound, a
     /// frame bound above the protocol's `MAX_FRAME`); [`Error::DaemonRunning`],
     /// [`Error::SocketPathTaken`] or [`Error::SocketUnprobed`] if something other than a stale
     /// socket is at `path`; [`Error::UnsafeSocketDir`] if the per-user directory in `/tmp` is not
@@ -109,6 +110,9 @@ impl Server {
     /// or its directory cannot be given to `config.group`.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
+        if tier.is_connected_tier() && !cfg!(kvtier_seeded_bug = "serve-connected") {
+            return Err(Error::ServeConnected);
+        }
         if tier.pool().shared_fd().is_none() {
             return Err(Error::PrivatePool);
         }

@@ -2,24 +2,84 @@
 //! daemon. Its calls go over the connection of [`crate::remote::client`], which speaks in wire
 //! terms; this module turns the daemon's answers into the tier's own values (leases, save
 //! tickets, completion handles) and runs the copies on this process's ranks.
+//!
+//! A connected tier is the [`Flavor::Connected`] flavour of [`HostTier`]: it holds a
+//! [`ConnectedTier`] (the connection, the daemon's geometry and policy, this process's mapping of
+//! the shared pool), never a [`crate::tier::core::Core`]. Its ranks hold the same, to copy; its
+//! leases hold the daemon's lease and the blocks as the daemon leased them.
 
 use super::rank::layers::Launch;
 use super::rank::{CopyOutcome, Settle};
 use super::stats::{AuditReport, TierStats};
-use super::{Fit, HostTier, Rank, SaveOptions, SaveTicket};
+use super::{Fit, Flavor, HostTier, Rank, SaveOptions, SaveTicket};
 use crate::copy::{CopyPair, Direction};
 use crate::error::{Error, TierError};
+use crate::evict::PolicyKind;
 use crate::geometry::Geometry;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
 use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireStats};
+use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotId;
-use crate::tier::core::Core;
 use crate::tier::handle::CopyHandle;
-use crate::tier::lease::{Lease, LeasedBlock};
+use crate::tier::lease::{Lease, LeaseOf, LeasedBlock};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+/// What a connected tier holds in this process (shared by the tier handle, its clones and its
+/// ranks): the daemon owns the index, the slots, the leases and eviction.
+pub(crate) struct ConnectedTier {
+    /// The connection to the daemon.
+    pub(super) conn: Arc<Conn>,
+    /// The daemon's block layout (with the daemon's page count: each rank's backend has its own).
+    pub(super) geometry: Geometry,
+    /// This process's mapping of the daemon's pool: ranks copy to and from its slots; its free
+    /// list is not the daemon's.
+    pub(super) pool: HostPool,
+    /// The daemon's eviction policy.
+    pub(super) policy: PolicyKind,
+    /// Set by [`HostTier::shutdown`] on this handle or a clone (the daemon goes on serving).
+    shutting_down: AtomicBool,
+}
+
+impl ConnectedTier {
+    pub(super) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    pub(super) fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+    }
+
+    /// [`HostTier::try_query_shared`]: the daemon's lease on the longest ready prefix of `keys`.
+    pub(super) fn query(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
+        let (remote, blocks) = self.conn.query(keys, uses, self.pool.capacity())?;
+        Ok(Lease::connected(leased(blocks), remote))
+    }
+
+    /// The lease [`HostTier::query_shared`] answers when the daemon is gone: settled from birth,
+    /// nothing leased (a miss).
+    pub(super) fn settled_lease(&self) -> Lease {
+        Lease::connected(Vec::new(), RemoteLease::settled(self.conn.clone()))
+    }
+
+    /// [`HostTier::try_stats`]: the daemon's statistics of its tier.
+    pub(super) fn stats(&self) -> Result<TierStats, TierError> {
+        self.conn.stats().map(TierStats::from)
+    }
+}
+
+impl std::fmt::Debug for ConnectedTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectedTier")
+            .field("model", &self.geometry.model())
+            .field("capacity", &self.pool.capacity())
+            .field("policy", &self.policy.name())
+            .finish()
+    }
+}
 
 impl Lease {
     /// This lease as a token another process connected to the same daemon opens with
@@ -32,7 +92,10 @@ impl Lease {
     /// leased): there is nothing to share.
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn token(&self) -> Option<LeaseToken> {
-        self.remote()?.token()
+        match self.of() {
+            LeaseOf::InProcess(_) => None,
+            LeaseOf::Connected { remote, .. } => remote.token(),
+        }
     }
 }
 
@@ -41,20 +104,6 @@ fn leased(wire: Vec<WireBlock>) -> Vec<LeasedBlock> {
     wire.into_iter()
         .map(|b| LeasedBlock { key: b.key, slot: SlotRef { slot: SlotId(b.slot), generation: b.generation } })
         .collect()
-}
-
-impl HostTier {
-    /// [`HostTier::try_query_shared`] of a connected tier.
-    pub(super) fn query_connected(&self, conn: &Arc<Conn>, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
-        let core = self.core();
-        let (remote, blocks) = conn.query(keys, uses, core.pool().capacity())?;
-        Ok(Lease::remote_lease(core, leased(blocks), remote))
-    }
-
-    /// The daemon's statistics of its tier.
-    pub(super) fn stats_connected(&self, conn: &Conn) -> Result<TierStats, TierError> {
-        conn.stats().map(TierStats::from)
-    }
 }
 
 impl From<CopyOutcome> for Outcome {
@@ -75,19 +124,15 @@ impl Rank {
     /// layer-wise as `how` says, then tells the daemon how the copy ended.
     pub(super) fn save_connected(
         &self,
-        conn: &Arc<Conn>,
+        tier: &ConnectedTier,
         keys: &[ContentKey],
         gpu_pages: &[u64],
         how: Launch<'_>,
         opts: SaveOptions,
     ) -> Result<SaveTicket, TierError> {
-        let p = conn.prepare_save(
-            keys,
-            opts.fit == Fit::Prefix,
-            opts.prefix_depth,
-            opts.parent,
-            self.core_pool_capacity(),
-        )?;
+        let conn = &tier.conn;
+        let p =
+            conn.prepare_save(keys, opts.fit == Fit::Prefix, opts.prefix_depth, opts.parent, tier.pool.capacity())?;
         let client::PreparedSave { save, saving, slots, resident, in_flight, duplicates, dropped } = p;
         if saving.is_empty() {
             return Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle: CopyHandle::ready() });
@@ -98,8 +143,8 @@ impl Rank {
             Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
         // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
         // them before the FinishSave that `settle` sends after the copy has finished, or before this
-        // process is gone; the pool is mapped as long as this rank's tier core lives, which the rank
-        // holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
+        // process is gone; the pool is mapped as long as this rank's connected tier lives, which the
+        // rank holds. The GPU pages are the caller's, who may not rewrite them before the handle completes.
         match unsafe { self.launch(Direction::Save, &batch, how, settle) } {
             Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
             Err(e) => {
@@ -130,7 +175,7 @@ impl Rank {
                 crate::remote::proto::Reply::Restoring { restore, slots } => (restore, slots),
                 r => return Err(client::unexpected(&r)),
             };
-        if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.core_pool_capacity()) {
+        if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.tier.pool().capacity()) {
             let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
             return Err(client::lost("the daemon pinned slots this restore did not ask for"));
         }
@@ -143,8 +188,8 @@ impl Rank {
         });
         // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
         // until the FinishRestore that `settle` sends after the copy has finished, or until this process
-        // is gone; the pool stays mapped while the rank lives. The caller owns the GPU pages until the
-        // handle completes.
+        // is gone; the pool stays mapped while the rank lives (it holds its connected tier). The caller
+        // owns the GPU pages until the handle completes.
         match unsafe { self.launch(Direction::Restore, &batch, how, settle) } {
             Ok(handle) => {
                 let _ = conn.call(&Request::RestoreSubmitted { restore });
@@ -171,9 +216,8 @@ pub(crate) fn audit(conn: &Conn, keys: &[ContentKey]) -> Result<Result<AuditRepo
 
 fn connect_impl(path: &Path, opts: &ConnectOptions) -> Result<HostTier, Error> {
     let client::Connected { conn, geometry, pool, policy } = client::connect(path, opts)?;
-    // The local core only holds the mapping and the geometry: a one-entry index, no lease clock.
-    let core = Core::new(geometry, pool, policy, Some(1), None)?;
-    Ok(HostTier::from_remote(core, Arc::new(conn)))
+    let tier = ConnectedTier { conn: Arc::new(conn), geometry, pool, policy, shutting_down: AtomicBool::new(false) };
+    Ok(HostTier { flavor: Flavor::Connected(Arc::new(tier)) })
 }
 
 impl HostTier {
@@ -197,8 +241,7 @@ impl HostTier {
     /// [`TierError::UntrustedDaemon`] (the socket's peer runs as another uid),
     /// [`TierError::ProtocolMismatch`]; [`Error::Pool`] if the pool cannot be mapped
     /// ([`crate::PoolError::UnsealedSharedPool`], [`crate::PoolError::SharedPoolTooShort`],
-    /// [`crate::PoolError::Map`]); [`Error::Tier`] with [`TierError::Index`] (never for the
-    /// one-entry local index).
+    /// [`crate::PoolError::Map`]).
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn connect(path: impl AsRef<Path>) -> Result<HostTier, Error> {
         connect_impl(path.as_ref(), &ConnectOptions::new())
@@ -227,7 +270,15 @@ impl HostTier {
     /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn is_connected_tier(&self) -> bool {
-        self.remote().is_some()
+        matches!(&self.flavor, Flavor::Connected(_))
+    }
+
+    /// The daemon connection of a connected tier (`None` in process).
+    pub(crate) fn remote(&self) -> Option<&Arc<Conn>> {
+        match &self.flavor {
+            Flavor::InProcess(_) => None,
+            Flavor::Connected(d) => Some(&d.conn),
+        }
     }
 
     /// Opens a lease another process shared ([`Lease::token`]), taking a handle on it: the lease
@@ -239,10 +290,9 @@ impl HostTier {
     /// [`TierError::Disconnected`].
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn open_lease(&self, token: &LeaseToken) -> Result<Lease, TierError> {
-        let conn = self.remote().ok_or(TierError::ForeignLease)?;
-        let core = self.core();
-        let (remote, blocks) = conn.open_lease(token, core.pool().capacity())?;
-        Ok(Lease::remote_lease(core, leased(blocks), remote))
+        let Flavor::Connected(d) = &self.flavor else { return Err(TierError::ForeignLease) };
+        let (remote, blocks) = d.conn.open_lease(token, d.pool.capacity())?;
+        Ok(Lease::connected(leased(blocks), remote))
     }
 }
 

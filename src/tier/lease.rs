@@ -40,22 +40,32 @@ use crate::tier::pins::SlotPins;
 use crate::tier::stats::add;
 use std::fmt;
 
-struct LeaseInner {
-    core: Arc<Core>,
-    state: Arc<LeaseState>,
-    /// The daemon's lease, for a lease of a connected tier: the daemon holds the pins, and `state`
-    /// only this process's copy of the blocks (never settled here). Dropping it tells the daemon.
+/// A lease as its tier's flavour holds it ([`super::Flavor`]).
+pub(crate) enum LeaseOf {
+    /// A lease of an in-process tier: this process holds the pins.
+    InProcess(InProcessLease),
+    /// A lease of a connected tier: the daemon holds the pins; this process has the blocks as the
+    /// daemon leased them and the daemon's lease (dropping it tells the daemon).
     #[cfg(feature = "remote")]
-    remote: Option<crate::remote::client::RemoteLease>,
+    Connected { blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease },
 }
 
-impl Drop for LeaseInner {
+/// A lease of an in-process tier: its core and its settle state (which the core's lease clock may
+/// hold too). Dropped unsettled, it settles.
+pub(crate) struct InProcessLease {
+    pub(super) core: Arc<Core>,
+    state: Arc<LeaseState>,
+}
+
+impl Drop for InProcessLease {
     fn drop(&mut self) {
-        #[cfg(feature = "remote")]
-        if self.remote.is_some() {
-            return;
-        }
-        self.state.settle(self.core.control(), &self.core.counters, Settled::Dropped);
+        self.settle(Settled::Dropped);
+    }
+}
+
+impl InProcessLease {
+    fn settle(&self, how: Settled) -> bool {
+        self.state.settle(self.core.control(), &self.core.counters, how)
     }
 }
 
@@ -110,7 +120,7 @@ impl RepeatCheck {
 #[derive(Clone)]
 #[must_use = "a lease dropped at once settles and lets its blocks go: restore from it, or share it"]
 pub struct Lease {
-    inner: Arc<LeaseInner>,
+    inner: Arc<LeaseOf>,
 }
 
 impl Lease {
@@ -143,14 +153,8 @@ impl Lease {
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
-        let lease = Lease {
-            inner: Arc::new(LeaseInner {
-                core: core.clone(),
-                state: state.clone(),
-                #[cfg(feature = "remote")]
-                remote: None,
-            }),
-        };
+        let lease =
+            Lease { inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone() })) };
         if empty || uses == 0 {
             state.settle(core.control(), &core.counters, Settled::Consumed);
         } else {
@@ -161,97 +165,72 @@ impl Lease {
 
     /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there.
     #[cfg(feature = "remote")]
-    pub(crate) fn remote_lease(
-        core: &Arc<Core>,
-        blocks: Vec<LeasedBlock>,
-        remote: crate::remote::client::RemoteLease,
-    ) -> Lease {
-        let state = Arc::new(LeaseState { blocks, uses: uses_word(0), settled: AtomicU8::new(0) });
-        Lease { inner: Arc::new(LeaseInner { core: core.clone(), state, remote: Some(remote) }) }
+    pub(crate) fn connected(blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease) -> Lease {
+        Lease { inner: Arc::new(LeaseOf::Connected { blocks, remote }) }
     }
 
-    /// The daemon's lease, for a lease of a connected tier.
-    #[cfg(feature = "remote")]
-    pub(crate) fn remote(&self) -> Option<&crate::remote::client::RemoteLease> {
-        self.inner.remote.as_ref()
+    /// The lease as its tier's flavour holds it.
+    pub(crate) fn of(&self) -> &LeaseOf {
+        &self.inner
     }
 
-    pub(crate) fn core(&self) -> &Arc<Core> {
-        &self.inner.core
-    }
-
-    fn state(&self) -> &LeaseState {
-        &self.inner.state
+    /// The in-process lease, or `None` for a lease of a connected tier (whose daemon restores it).
+    fn in_process(&self) -> Option<&InProcessLease> {
+        match_flavor!(self.of(), LeaseOf::InProcess(l) => Some(l), LeaseOf::Connected { .. } => None)
     }
 
     /// Number of leased blocks: the length of the resident prefix the query found.
     pub fn len(&self) -> usize {
-        self.state().blocks.len()
+        self.blocks().len()
     }
 
     /// True if the query found no leading resident block.
     pub fn is_empty(&self) -> bool {
-        self.state().blocks.is_empty()
+        self.blocks().is_empty()
     }
 
     /// The leased blocks, in key order.
     pub fn blocks(&self) -> &[LeasedBlock] {
-        &self.state().blocks
+        match_flavor!(self.of(), LeaseOf::InProcess(l) => &l.state.blocks, LeaseOf::Connected { blocks, .. } => blocks)
     }
 
     /// The host slots of the leased blocks, in key order.
     pub fn slots(&self) -> impl Iterator<Item = SlotId> + '_ {
-        self.state().blocks.iter().map(|b| b.slot.slot)
+        self.blocks().iter().map(|b| b.slot.slot)
     }
 
     /// True once the lease has settled (consumed, released, dropped or expired); its pins are gone.
     /// (A connected tier asks its daemon; a lost connection counts as settled.)
     pub fn is_settled(&self) -> bool {
-        #[cfg(feature = "remote")]
-        if let Some(r) = self.remote() {
-            return r.info().settled;
-        }
-        self.state().is_settled()
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => l.state.is_settled(),
+            LeaseOf::Connected { remote, .. } => remote.info().settled,
+        )
     }
 
     /// True if the tier settled the lease because it outlived [`crate::TierConfig::lease_ttl`].
     pub fn is_expired(&self) -> bool {
-        #[cfg(feature = "remote")]
-        if let Some(r) = self.remote() {
-            return r.info().expired;
-        }
-        self.state().how() == Settled::Expired
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => l.state.how() == Settled::Expired,
+            LeaseOf::Connected { remote, .. } => remote.info().expired,
+        )
     }
 
     /// Restores this lease still allows (0 once settled).
     pub fn uses_left(&self) -> u32 {
-        #[cfg(feature = "remote")]
-        if let Some(r) = self.remote() {
-            return r.info().uses_left;
-        }
-        if self.is_settled() {
-            0
-        } else {
-            self.state().uses.load(Ordering::Acquire) as u32
-        }
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => if l.state.is_settled() { 0 } else { l.state.uses.load(Ordering::Acquire) as u32 },
+            LeaseOf::Connected { remote, .. } => remote.info().uses_left,
+        )
     }
 
     /// Settles the lease now, dropping its pins. Restores already submitted keep their own pins
     /// and complete normally. Returns true if this call settled it (false if it already was).
     pub fn release(self) -> bool {
-        #[cfg(feature = "remote")]
-        if let Some(r) = self.remote() {
-            return r.release();
-        }
-        self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Released)
-    }
-
-    fn settled_error(&self) -> TierError {
-        if self.is_expired() {
-            TierError::LeaseExpired
-        } else {
-            TierError::LeaseSettled
-        }
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => l.settle(Settled::Released),
+            LeaseOf::Connected { remote, .. } => remote.release(),
+        )
     }
 
     /// The lease side of a restore of the first `n` blocks: takes the restore's own pins on them,
@@ -260,41 +239,63 @@ impl Lease {
     /// use back. [`crate::Rank::restore`] calls exactly this.
     ///
     /// # Errors
-    /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::LeaseSettled`] /
+    /// [`TierError::LeaseTooShort`] if `n > len()`; [`TierError::ForeignLease`] for a lease of a
+    /// connected tier (its daemon takes a restore's pins); [`TierError::LeaseSettled`] /
     /// [`TierError::LeaseExpired`] if no use is left; [`TierError::TooManyPins`] if a slot's pin
     /// count is full (the lease stays usable).
     pub(crate) fn begin_restore(&self, n: usize) -> Result<RestoreHold, TierError> {
         if n > self.len() {
             return Err(TierError::LeaseTooShort { asked: n, held: self.len() });
         }
+        let l = self.in_process().ok_or(TierError::ForeignLease)?;
         let blocks = &self.blocks()[..n];
         // Seeded bug (model checking only): the old order, a use taken before the pins, lets a
         // rank that holds a use fail to pin because another rank settled and the block was evicted.
         #[cfg(kvtier_seeded_bug = "restore-use-before-pin")]
-        if !self.take_use() {
-            return Err(self.settled_error());
+        if !l.take_use() {
+            return Err(l.settled_error());
         }
-        let pins = SlotPins::take(self.core(), blocks.iter().map(|b| b.slot)).map_err(|(i, e)| match e {
+        let pins = SlotPins::take(&l.core, blocks.iter().map(|b| b.slot)).map_err(|(i, e)| match e {
             PinError::Overflow => TierError::TooManyPins { slot: blocks[i].slot.slot.0 },
             // Only a settled lease lets its blocks go: the use check below would fail too.
-            PinError::Stale | PinError::NotReady => self.settled_error(),
+            PinError::Stale | PinError::NotReady => l.settled_error(),
         })?;
         #[cfg(not(kvtier_seeded_bug = "restore-use-before-pin"))]
-        if !self.take_use() {
+        if !l.take_use() {
             drop(pins);
-            return Err(self.settled_error());
+            return Err(l.settled_error());
         }
         Ok(RestoreHold { lease: self.clone(), pins: Some(pins), submitted: false })
     }
 
+    /// Uses up one restore of the lease without copying anything (a zero-page restore; a lease of
+    /// a connected tier is its daemon's to use up).
+    pub(crate) fn consume_without_copy(&self) {
+        if let Some(l) = self.in_process() {
+            if l.take_use() {
+                l.keep_use();
+            }
+        }
+    }
+}
+
+impl InProcessLease {
+    fn settled_error(&self) -> TierError {
+        if self.state.how() == Settled::Expired {
+            TierError::LeaseExpired
+        } else {
+            TierError::LeaseSettled
+        }
+    }
+
     /// Takes one use without settling (`left - 1`, `taken + 1`): false if none is left or the
-    /// lease is settled. The use is then either kept ([`Lease::keep_use`]) or given back
-    /// ([`Lease::give_back_use`]).
+    /// lease is settled. The use is then either kept ([`InProcessLease::keep_use`]) or given back
+    /// ([`InProcessLease::give_back_use`]).
     fn take_use(&self) -> bool {
-        let uses = &self.state().uses;
+        let uses = &self.state.uses;
         let mut cur = uses.load(Ordering::Acquire);
         loop {
-            if cur as u32 == 0 || self.is_settled() {
+            if cur as u32 == 0 || self.state.is_settled() {
                 return false;
             }
             match uses.compare_exchange_weak(cur, cur - 1 + TAKEN, Ordering::AcqRel, Ordering::Acquire) {
@@ -310,7 +311,7 @@ impl Lease {
     /// A taken use is kept (its copy was submitted): `taken - 1`; the lease is consumed if that
     /// was the last use and no other taken use may still come back.
     fn keep_use(&self) {
-        let after = self.state().uses.fetch_sub(TAKEN, Ordering::AcqRel) - TAKEN;
+        let after = self.state.uses.fetch_sub(TAKEN, Ordering::AcqRel) - TAKEN;
         // Seeded bug (tests and model checking only): the old rule, consumed as soon as no use is
         // left to take, although a taken use may still come back. `restore-use-before-pin`
         // plants the old code whole (that order and this rule): with the rule above alone, a use
@@ -321,21 +322,14 @@ impl Lease {
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
         let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
         if last {
-            self.inner.state.settle(self.inner.core.control(), &self.inner.core.counters, Settled::Consumed);
+            self.settle(Settled::Consumed);
         }
     }
 
     /// A taken use comes back (its restore was not submitted): `left + 1`, `taken - 1`. The
     /// lease cannot have been consumed meanwhile (a taken use holds that off).
     fn give_back_use(&self) {
-        self.state().uses.fetch_sub(TAKEN - 1, Ordering::AcqRel);
-    }
-
-    /// Uses up one restore of the lease without copying anything (a zero-page restore).
-    pub(crate) fn consume_without_copy(&self) {
-        if self.take_use() {
-            self.keep_use();
-        }
+        self.state.uses.fetch_sub(TAKEN - 1, Ordering::AcqRel);
     }
 }
 
@@ -349,6 +343,11 @@ pub(crate) struct RestoreHold {
 }
 
 impl RestoreHold {
+    /// The in-process lease held ([`Lease::begin_restore`] gives holds on no other).
+    fn held(&self) -> &InProcessLease {
+        self.lease.in_process().expect("a restore hold is taken on an in-process lease")
+    }
+
     /// The pinned slots, in key order.
     pub(crate) fn slots(&self) -> &[SlotId] {
         self.pins.as_ref().map_or(&[], |p| p.slots())
@@ -362,7 +361,7 @@ impl RestoreHold {
     /// The copy was submitted: the use stays taken, and the lease settles if it was the last.
     pub(crate) fn submitted(mut self) {
         self.submitted = true;
-        self.lease.keep_use();
+        self.held().keep_use();
     }
 }
 
@@ -371,17 +370,19 @@ impl Drop for RestoreHold {
         if !self.submitted {
             // Not submitted: pins first, then the use goes back.
             drop(self.pins.take());
-            self.lease.give_back_use();
+            self.held().give_back_use();
         }
     }
 }
 
 impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease")
-            .field("blocks", &self.len())
-            .field("uses_left", &self.uses_left())
-            .field("settled", &self.state().how())
-            .finish()
+        let mut d = f.debug_struct("Lease");
+        d.field("blocks", &self.len()).field("uses_left", &self.uses_left());
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => d.field("settled", &l.state.how()),
+            LeaseOf::Connected { .. } => d.field("settled", &self.is_settled()),
+        );
+        d.finish()
     }
 }

@@ -25,6 +25,22 @@
 //! - **restore** ([`Rank::restore`]): takes its own pins on the leased slots, then a use of the
 //!   lease, and submits the host -> GPU batch; its pins drop when the copy completes.
 
+/// A `match` on where a tier lives ([`Flavor`]), or on a pair of such things (a rank's tier and
+/// a lease's): the first arm is the in-process one; every further arm is compiled with feature
+/// `remote` only. This macro is the one place that feature splits the tier's code paths, so the
+/// flavours' arms sit side by side in each method and nowhere else.
+macro_rules! match_flavor {
+    ($on:expr, $local:pat => $l:expr $(, $remote:pat => $r:expr)* $(,)?) => {
+        match $on {
+            $local => $l,
+            $(
+                #[cfg(feature = "remote")]
+                $remote => $r,
+            )*
+        }
+    };
+}
+
 pub(crate) mod chain;
 mod config;
 #[cfg(feature = "remote")]
@@ -57,15 +73,53 @@ use crate::slab::slot::SlotState;
 use crate::sync::Arc;
 use crate::tier::lease::Lease;
 
+/// Where a tier lives, the one switch between the two flavours of [`HostTier`] (its ranks and
+/// leases follow their tier's): in this process, or in the tier daemon this process is connected
+/// to. Cloning shares the tier.
+#[derive(Clone)]
+pub(crate) enum Flavor {
+    /// In this process: the core holds the pool, the index, the policy, the leases and the counters.
+    InProcess(Arc<Core>),
+    /// In the tier daemon ([`HostTier::connect`]), which owns the state machine: this process holds
+    /// the connection, the daemon's geometry and policy, and its own mapping of the shared pool.
+    #[cfg(feature = "remote")]
+    Connected(std::sync::Arc<connected::ConnectedTier>),
+}
+
+impl Flavor {
+    /// The block layout.
+    pub(crate) fn geometry(&self) -> &Geometry {
+        match_flavor!(self, Flavor::InProcess(core) => core.geometry(), Flavor::Connected(d) => &d.geometry)
+    }
+
+    /// The pool (a connected tier's: this process's mapping of the daemon's).
+    pub(crate) fn pool(&self) -> &HostPool {
+        match_flavor!(self, Flavor::InProcess(core) => core.pool(), Flavor::Connected(d) => &d.pool)
+    }
+
+    /// True once [`HostTier::shutdown`] was called on this tier (a connected tier: on this handle
+    /// or one of its clones).
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        match_flavor!(self,
+            Flavor::InProcess(core) => core.is_shutting_down(),
+            Flavor::Connected(d) => d.is_shutting_down(),
+        )
+    }
+
+    /// Counts a copy of `blocks` blocks (`bytes` bytes) that ended `ok` or not, in an in-process
+    /// tier's counters (a connected tier's daemon counts the copies its ranks report).
+    pub(crate) fn record_copy(&self, dir: crate::copy::Direction, blocks: u64, bytes: u64, ok: bool) {
+        match_flavor!(self,
+            Flavor::InProcess(core) => core.counters.record_copy(dir, blocks, bytes, ok),
+            Flavor::Connected(_) => (),
+        )
+    }
+}
+
 /// The host tier: a shared handle (cloning is cheap and shares the tier).
 #[derive(Clone)]
 pub struct HostTier {
-    core: Arc<Core>,
-    /// The tier daemon connection of a connected tier ([`HostTier::connect`]): the daemon owns the
-    /// state machine, and `core` holds only this process's mapping of the shared pool and the
-    /// geometry (its index, free list and policy stay empty).
-    #[cfg(feature = "remote")]
-    remote: Option<std::sync::Arc<crate::remote::client::Conn>>,
+    flavor: Flavor,
 }
 
 impl HostTier {
@@ -106,22 +160,7 @@ impl HostTier {
     }
 
     pub(crate) fn from_core(core: Core) -> Self {
-        HostTier {
-            core: Arc::new(core),
-            #[cfg(feature = "remote")]
-            remote: None,
-        }
-    }
-
-    /// The daemon connection of a connected tier.
-    #[cfg(feature = "remote")]
-    pub(crate) fn remote(&self) -> Option<&std::sync::Arc<crate::remote::client::Conn>> {
-        self.remote.as_ref()
-    }
-
-    #[cfg(feature = "remote")]
-    pub(crate) fn from_remote(core: Core, conn: std::sync::Arc<crate::remote::client::Conn>) -> Self {
-        HostTier { core: Arc::new(core), remote: Some(conn) }
+        HostTier { flavor: Flavor::InProcess(Arc::new(core)) }
     }
 
     /// Attaches one rank's copy backend (its device and GPU arenas) and returns its [`Rank`].
@@ -146,10 +185,10 @@ impl HostTier {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn attach(&self, mut backend: Box<dyn CopyBackend>) -> Result<Rank, TierError> {
-        if self.core.is_shutting_down() {
+        if self.flavor.is_shutting_down() {
             return Err(TierError::ShuttingDown);
         }
-        let (bg, tg) = (backend.geometry(), self.core.geometry());
+        let (bg, tg) = (backend.geometry(), self.flavor.geometry());
         if bg.model() != tg.model()
             || bg.page_tokens() != tg.page_tokens()
             || bg.slot_bytes() != tg.slot_bytes()
@@ -157,16 +196,12 @@ impl HostTier {
         {
             return Err(TierError::GeometryMismatch { backend: bg.model().to_string(), tier: tg.model().to_string() });
         }
-        backend.bind_pool(self.core.pool()).map_err(|e: CopyError| TierError::Copy(e))?;
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            let id = conn.attach()?;
-            let mut rank = Rank::start(self.core.clone(), std::sync::Arc::from(backend), id);
-            rank.remote = Some(conn.clone());
-            return Ok(rank);
-        }
-        let id = self.core.next_rank_id();
-        Ok(Rank::start(self.core.clone(), std::sync::Arc::from(backend), id))
+        backend.bind_pool(self.flavor.pool()).map_err(|e: CopyError| TierError::Copy(e))?;
+        let id = match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.next_rank_id(),
+            Flavor::Connected(d) => d.conn.attach()?,
+        );
+        Ok(Rank::start(self.flavor.clone(), std::sync::Arc::from(backend), id))
     }
 
     /// Pins the longest run of leading `keys` whose blocks are ready and returns a one-use lease on
@@ -200,7 +235,12 @@ impl HostTier {
     /// A connected tier whose daemon is gone answers with an empty lease (a miss: the engine
     /// prefills); [`HostTier::try_query_shared`] reports the error instead.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> Lease {
-        self.try_query_shared(keys, uses).unwrap_or_else(|_| Lease::acquire(&self.core, &[], uses))
+        self.try_query_shared(keys, uses).unwrap_or_else(|_| {
+            match_flavor!(&self.flavor,
+                Flavor::InProcess(core) => Lease::acquire(core, &[], uses),
+                Flavor::Connected(d) => d.settled_lease(),
+            )
+        })
     }
 
     /// [`HostTier::query_shared`], reporting a lost daemon connection.
@@ -208,23 +248,21 @@ impl HostTier {
     /// # Errors
     /// [`TierError::Disconnected`] (connected tiers only; an in-process tier always answers).
     pub fn try_query_shared(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return self.query_connected(conn, keys, uses);
-        }
-        Ok(Lease::acquire(&self.core, keys, uses))
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => Ok(Lease::acquire(core, keys, uses)),
+            Flavor::Connected(d) => d.query(keys, uses),
+        )
     }
 
     /// True if `key`'s block is ready (does not pin or refresh it).
     pub fn contains(&self, key: &ContentKey) -> bool {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return conn.contains(key).unwrap_or(false);
-        }
-        self.core.index().get(key).is_some_and(|r| {
-            let w = self.core.control().load(r.slot);
-            w.state() == SlotState::Ready && w.generation() == r.generation
-        })
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.index().get(key).is_some_and(|r| {
+                let w = core.control().load(r.slot);
+                w.state() == SlotState::Ready && w.generation() == r.generation
+            }),
+            Flavor::Connected(d) => d.conn.contains(key).unwrap_or(false),
+        )
     }
 
     /// Scheduler hint: the engine's queued requests will look up `keys` within `ttl`. Until the
@@ -238,46 +276,43 @@ impl HostTier {
     /// On a connected tier (`HostTier::connect`, feature `remote`) the hint goes to the daemon's tier; if the daemon
     /// is gone the hint is lost (a hint is advice, never an error) and its id withdraws nothing.
     pub fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> HintId {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return HintId::from_number(conn.hint(keys, ttl).unwrap_or(0));
-        }
-        self.core.hint(keys, ttl)
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.hint(keys, ttl),
+            Flavor::Connected(d) => HintId::from_number(d.conn.hint(keys, ttl).unwrap_or(0)),
+        )
     }
 
     /// Withdraws a hint (the request was admitted or dropped). Returns false if it had already been
     /// withdrawn or had expired (or, on a connected tier, if the daemon is gone).
     pub fn withdraw_hint(&self, id: HintId) -> bool {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return conn.withdraw_hint(id.get()).unwrap_or(false);
-        }
-        self.core.withdraw_hint(id)
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.withdraw_hint(id),
+            Flavor::Connected(d) => d.conn.withdraw_hint(id.get()).unwrap_or(false),
+        )
     }
 
     /// Hints given and neither withdrawn nor found expired yet (expiry is noticed by the next
     /// `hint` or `withdraw_hint`).
     pub fn live_hints(&self) -> usize {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return conn.live_hints().unwrap_or(0);
-        }
-        self.core.hints.live()
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.hints.live(),
+            Flavor::Connected(d) => d.conn.live_hints().unwrap_or(0),
+        )
     }
 
     /// Evicts up to `n` unpinned ready blocks by the policy and returns how many it freed (at most
     /// the pool's capacity: a larger `n`, `usize::MAX` included, means "every evictable block" and
     /// allocates nothing sized by `n`). Never panics; pinned and half-written blocks stay.
     pub fn evict(&self, n: usize) -> usize {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return conn.evict(n).unwrap_or(0);
-        }
+        let core = match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core,
+            Flavor::Connected(d) => return d.conn.evict(n).unwrap_or(0),
+        );
         let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(self.capacity() as usize) };
         let mut slots = Vec::with_capacity(n.min(1024));
-        let freed = self.core.evict_into(n, &mut slots);
+        let freed = core.evict_into(n, &mut slots);
         for s in slots {
-            self.core.pool().free(s);
+            core.pool().free(s);
         }
         freed
     }
@@ -285,11 +320,10 @@ impl HostTier {
     /// Settles every lease older than [`TierConfig::lease_ttl`] now (saves do it themselves when
     /// the pool is short of slots); returns how many it settled. A no-op without a TTL.
     pub fn expire_leases(&self) -> usize {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return conn.expire_leases().unwrap_or(0);
-        }
-        self.core.expire_leases()
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.expire_leases(),
+            Flavor::Connected(d) => d.conn.expire_leases().unwrap_or(0),
+        )
     }
 
     /// Live counters (a connected tier's daemon's; all zero once its connection is lost).
@@ -302,54 +336,66 @@ impl HostTier {
     /// # Errors
     /// [`TierError::Disconnected`] (connected tiers only).
     pub fn try_stats(&self) -> Result<TierStats, TierError> {
-        #[cfg(feature = "remote")]
-        if let Some(conn) = &self.remote {
-            return self.stats_connected(conn);
-        }
-        Ok(self.core.stats())
+        match_flavor!(&self.flavor, Flavor::InProcess(core) => Ok(core.stats()), Flavor::Connected(d) => d.stats())
     }
 
     /// The block layout.
     pub fn geometry(&self) -> &Geometry {
-        self.core.geometry()
+        self.flavor.geometry()
     }
 
     /// The namespace folded into this tier's content keys.
     pub fn namespace(&self) -> Namespace {
-        self.core.geometry().namespace()
+        self.flavor.geometry().namespace()
     }
 
     /// The host pool (capacity, backing). For a connected tier, this process's mapping of the
     /// daemon's pool: its free list is not the daemon's (use [`HostTier::stats`]).
     pub fn pool(&self) -> &HostPool {
-        self.core.pool()
+        self.flavor.pool()
     }
 
     /// Slots in the pool.
     pub fn capacity(&self) -> u32 {
-        self.core.pool().capacity()
+        self.flavor.pool().capacity()
     }
 
     /// The eviction policy's name.
     pub fn policy_name(&self) -> &'static str {
-        self.core.policy().name()
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.policy().name(),
+            Flavor::Connected(d) => d.policy.name(),
+        )
     }
 
     /// Stops accepting saves, restores and attaches (queries still answer). In-flight copies
     /// complete normally; drain each rank with [`Rank::shutdown`]. For a connected tier this stops
     /// this handle (and its clones) only, not the daemon.
     pub fn shutdown(&self) {
-        self.core.begin_shutdown();
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.begin_shutdown(),
+            Flavor::Connected(d) => d.begin_shutdown(),
+        )
     }
 
+    /// The core of an in-process tier (the tier daemon serves one, tests inspect one).
+    ///
+    /// # Panics
+    /// For a connected tier, which has no core: its state lives in the daemon.
     pub(crate) fn core(&self) -> &Arc<Core> {
-        &self.core
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core,
+            Flavor::Connected(_) => panic!("a connected tier has no core: its state lives in the tier daemon"),
+        )
     }
 }
 
 impl std::fmt::Debug for HostTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostTier").field("core", &self.core).finish()
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => f.debug_struct("HostTier").field("core", core).finish(),
+            Flavor::Connected(d) => f.debug_struct("HostTier").field("connected", d).finish(),
+        )
     }
 }
 

@@ -29,7 +29,7 @@ impl Rank {
     /// # Errors
     /// [`TierError::Copy`] with [`CopyError::BadArgument`](crate::error::CopyError::BadArgument) for `groups == 0`.
     pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
-        let (tier, backend) = (self.core.geometry(), self.backend.geometry());
+        let (tier, backend) = (self.tier.geometry(), self.backend.geometry());
         let g = if tier.layer_count() == 1 && backend.layer_count() > 1 { backend } else { tier };
         Ok(LayerGroups::new(g, groups)?)
     }
