@@ -708,25 +708,38 @@ impl Drop for Gate {
 }
 
 /// Opens a gate after 60 s unless finished first: a test whose work waits for the gated group
-/// (or whose submission blocks on it) fails with a message instead of hanging.
+/// (or whose submission blocks on it, or whose host thread waits for the whole device, as
+/// `cuMemFree` does) fails with a message instead of hanging.
 struct Watchdog {
     tx: std::sync::mpsc::Sender<()>,
     dog: std::thread::JoinHandle<bool>,
+    fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Watchdog {
     fn start(gate: &Gate) -> Self {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let flag = gate.flag as usize;
+        let fired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f = fired.clone();
         let dog = std::thread::spawn(move || {
             if rx.recv_timeout(std::time::Duration::from_secs(60)).is_err() {
+                f.store(true, std::sync::atomic::Ordering::SeqCst);
                 // SAFETY: the gate (and its flag) outlives this thread: `finish` joins it first.
                 unsafe { std::ptr::write_volatile(flag as *mut u32, 1) };
                 return true;
             }
             false
         });
-        Watchdog { tx, dog }
+        Watchdog { tx, dog, fired }
+    }
+    /// Fails if the watchdog has opened the gate: what the test observed since then (a group
+    /// ready, a reader done) may be due to the opened gate, not to the order under test.
+    fn check(&self, what: &str) {
+        assert!(
+            !self.fired.load(std::sync::atomic::Ordering::SeqCst),
+            "{what}: the work before the gate waited for the gated last group (the watchdog opened the gate)"
+        );
     }
     fn finish(self, what: &str) {
         let _ = self.tx.send(());
@@ -746,6 +759,9 @@ fn destroy_stream(s: u64) {
 /// groups: the bytes equal those of the slots. With the last group's copy held by a gate, the
 /// reader of the groups before it runs (and sees their bytes and the old bytes of the last
 /// group), the last group is not ready, and the last reader sees everything once the gate opens.
+/// While the gate is closed the host calls nothing that waits for the whole device (a pattern job
+/// frees no device memory: `cuMemFree` would wait for the gate); the watchdog's check says so if
+/// it does.
 fn layer_restore(preset: &str, n: usize, groups: u32, options: CudaOptions, consecutive: bool, seed: u64) {
     let g = Geometry::preset(preset, 128).unwrap();
     let arenas = CudaArenas::new(0, &g, options).unwrap();
@@ -786,7 +802,8 @@ fn layer_restore(preset: &str, n: usize, groups: u32, options: CudaOptions, cons
         // The first mismatch is the first arena of the gated group (of the first page).
         let want = format!("GPU page {}, arena `{}`", pages[0], g.arenas()[lg.arenas(lg.len() - 1).start].name);
         assert!(e.to_string().contains(&want), "{what}: {e} (want {want})");
-        assert!(!ready.is_ready(lg.len() - 1).unwrap(), "the gated group is not ready");
+        dog.check(&what);
+        assert!(!ready.is_ready(lg.len() - 1).unwrap(), "{what}: the gated group is not ready");
         assert!(!c.poll().unwrap(), "nor is the copy");
     }
     dog.finish(&what);
@@ -879,7 +896,8 @@ fn layer_wise_save_waits_for_each_groups_event() {
             let reader = new_stream();
             ready.stream_wait(last - 1, reader).unwrap();
             arenas.pattern_on(reader, &pages, &new, true, 0).unwrap().wait().unwrap();
-            assert!(!ready.is_ready(last).unwrap());
+            dog.check(preset);
+            assert!(!ready.is_ready(last).unwrap(), "{preset}: the gated last group is not ready");
             destroy_stream(reader);
         }
         dog.finish(preset);

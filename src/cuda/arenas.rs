@@ -11,7 +11,7 @@ use crate::geometry::{ArenaBinding, Geometry, Placement};
 use crate::key::ContentKey;
 use cudarc::driver::result as drv;
 use cudarc::driver::sys;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Device arenas for a geometry on one device.
 pub struct CudaArenas {
@@ -24,18 +24,28 @@ pub struct CudaArenas {
     segs_per_block: u32,
     stream: Stream,
     options: CudaOptions,
+    /// Device buffers of finished pattern jobs, with their sizes in bytes, for the next jobs: a job
+    /// never frees device memory (`cuMemFree` waits for all the device's work, so an engine
+    /// stand-in that freed would wait for every copy in flight, e.g. a gated layer group).
+    scratch: Mutex<Vec<(usize, DeviceBuffer)>>,
 }
 
 /// A fill or verify queued on a stream; [`PatternJob::wait`] blocks for it (dropping it waits too,
-/// since the kernel reads the job's buffers).
+/// since the kernel reads the job's buffer). Neither frees device memory: the job's buffer goes back
+/// to its [`CudaArenas`] for the next job, so ending a job waits for its own kernel only, never for
+/// other work on the device.
 pub struct PatternJob {
     event: Event,
-    mismatch: Option<DeviceBuffer>,
-    _bufs: (DeviceBuffer, DeviceBuffer),
+    /// The job's device buffer (its size in bytes and the buffer): the pages (`n` words), the
+    /// seeds (`n` words) and the verify's mismatch word.
+    scratch: Option<(usize, DeviceBuffer)>,
+    /// Device address of the mismatch word, for a verify.
+    mismatch: Option<u64>,
     pages: Vec<u64>,
     keys: Vec<ContentKey>,
     arenas: Arc<CudaArenas>,
-    done: bool,
+    /// The kernel has completed (its event was synchronised): the buffer is free to reuse.
+    finished: bool,
 }
 
 impl PatternJob {
@@ -44,13 +54,13 @@ impl PatternJob {
     /// # Errors
     /// [`Error::Verification`] naming the first mismatching page, arena and byte; device errors.
     pub fn wait(mut self) -> Result<(), Error> {
-        self.done = true;
         self.event.synchronize()?;
-        let Some(m) = &self.mismatch else { return Ok(()) };
+        self.finished = true;
+        let Some(m) = self.mismatch else { return Ok(()) };
         let mut code = [0u64];
         self.arenas.dev.bind()?;
-        // SAFETY: m holds one u64, written by the completed kernel.
-        unsafe { drv::memcpy_dtoh_sync(&mut code, m.ptr) }.ctx("cuMemcpyDtoH")?;
+        // SAFETY: m is one u64 of the job's buffer, written by the completed kernel.
+        unsafe { drv::memcpy_dtoh_sync(&mut code, m) }.ctx("cuMemcpyDtoH")?;
         let code = code[0];
         if code == u64::MAX {
             return Ok(());
@@ -72,9 +82,16 @@ impl PatternJob {
 
 impl Drop for PatternJob {
     fn drop(&mut self) {
-        if !self.done {
-            let _ = self.event.synchronize();
+        if !self.finished {
+            self.finished = self.event.synchronize().is_ok();
         }
+        // Seeded bug: the job frees its buffer (`cuMemFree`, which waits for the whole device).
+        if self.finished && !cfg!(kvtier_seeded_bug = "pattern-job-frees") {
+            if let Some(b) = self.scratch.take() {
+                self.arenas.scratch.lock().unwrap_or_else(|p| p.into_inner()).push(b);
+            }
+        }
+        // Otherwise (a failed synchronisation: the context is broken) the buffer is freed here.
     }
 }
 
@@ -121,6 +138,7 @@ impl CudaArenas {
             binding,
             options,
             dev,
+            scratch: Mutex::new(Vec::new()),
         }))
     }
 
@@ -158,38 +176,71 @@ impl CudaArenas {
         delay_ns: u64,
     ) -> Result<PatternJob, Error> {
         self.check(pages, keys)?;
-        let seeds: Vec<u64> = keys.iter().map(pattern::seed).collect();
-        let pbuf = DeviceBuffer::from_slice(&self.dev, pages)?;
-        let sbuf = DeviceBuffer::from_slice(&self.dev, &seeds)?;
-        let mismatch = if verify { Some(DeviceBuffer::from_slice(&self.dev, &[u64::MAX])?) } else { None };
+        self.dev.bind()?;
+        let n = pages.len();
+        // One buffer: the pages, the seeds, the mismatch word (no match yet: u64::MAX).
+        let mut words = Vec::with_capacity(2 * n + 1);
+        words.extend_from_slice(pages);
+        words.extend(keys.iter().map(pattern::seed));
+        words.push(u64::MAX);
+        let bytes = std::mem::size_of_val(&words[..]);
+        let (size, buf) = self.take_scratch(bytes)?;
         let args = KvtPatternArgs {
             arenas: self.arena_table.ptr,
             segs: self.seg_table.ptr,
-            pages: pbuf.ptr,
-            seeds: sbuf.ptr,
-            mismatch: mismatch.as_ref().map_or(0, |m| m.ptr),
-            n: pages.len() as u64,
+            pages: buf.ptr,
+            seeds: buf.ptr + 8 * n as u64,
+            mismatch: if verify { buf.ptr + 16 * n as u64 } else { 0 },
+            n: n as u64,
             delay_ns,
             segs_per_block: self.segs_per_block,
             n_arenas: self.geometry.arenas().len() as u32,
         };
+        let mismatch = verify.then_some(args.mismatch);
         let k = &self.dev.kernels;
         let f = if verify { k.verify } else { k.fill };
         let event = Event::new(&self.dev)?;
         let grid = (self.dev.sm_count * 4).max(1);
-        // SAFETY: args is kvt_pattern_args; its buffers live in the returned job, whose drop waits
-        // for the kernel; pages were checked against the arenas' page count.
-        unsafe { launch(f, grid, 256, stream as sys::CUstream, &args)? };
-        event.record(stream as sys::CUstream)?;
+        let queued = (|| -> Result<(), crate::CopyError> {
+            // Ordered on the caller's stream (no legacy-stream copy); the driver stages pageable
+            // memory before the call returns, so `words` may go.
+            // SAFETY: the buffer holds at least `bytes` bytes and no queued work uses it (a new
+            // allocation, or one given back after its job's kernel completed).
+            unsafe { drv::memcpy_htod_async(args.pages, &words, stream as sys::CUstream) }.ctx("cuMemcpyHtoDAsync")?;
+            // SAFETY: args is kvt_pattern_args; its buffer lives in the returned job, whose drop
+            // waits for the kernel; pages were checked against the arenas' page count.
+            unsafe { launch(f, grid, 256, stream as sys::CUstream, &args)? };
+            event.record(stream as sys::CUstream)
+        })();
+        if let Err(e) = queued {
+            // Work may be queued on the buffer: it is freed (`cuMemFree` waits for it), not reused.
+            drop(buf);
+            return Err(e.into());
+        }
         Ok(PatternJob {
             event,
+            scratch: Some((size, buf)),
             mismatch,
-            _bufs: (pbuf, sbuf),
             pages: pages.to_vec(),
             keys: keys.to_vec(),
             arenas: self.clone(),
-            done: false,
+            finished: false,
         })
+    }
+
+    /// A free device buffer of at least `bytes` bytes: the smallest fitting one that a finished job
+    /// gave back, else a new one (`cuMemAlloc` of `bytes` rounded up to a power of two, so buffers
+    /// are reused across batch sizes).
+    fn take_scratch(&self, bytes: usize) -> Result<(usize, DeviceBuffer), Error> {
+        let mut free = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let best =
+            free.iter().enumerate().filter(|(_, (s, _))| *s >= bytes).min_by_key(|(_, (s, _))| *s).map(|(i, _)| i);
+        if let Some(i) = best {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        let size = bytes.next_power_of_two();
+        Ok((size, DeviceBuffer::new(&self.dev, size)?))
     }
 }
 
@@ -221,6 +272,6 @@ impl std::fmt::Debug for CudaArenas {
 
 impl std::fmt::Debug for PatternJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PatternJob").field("pages", &self.pages.len()).field("done", &self.done).finish()
+        f.debug_struct("PatternJob").field("pages", &self.pages.len()).field("finished", &self.finished).finish()
     }
 }

@@ -91,7 +91,7 @@ impl RepeatCheck {
 /// # Examples
 ///
 /// ```
-/// # use kvtier::{copy::host::MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
+/// # use kvtier::{MemcpyArenas, ArenaSpec, EngineArenas, Geometry, HostTier, TierConfig, WaitFor};
 /// # use std::sync::Arc;
 /// # let geometry = Geometry::new("doc", 16, vec![ArenaSpec::packed("kv", 4096, 8)])?;
 /// # let tier = HostTier::new(TierConfig::new(geometry.clone(), 1 << 20))?;
