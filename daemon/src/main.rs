@@ -3,8 +3,8 @@
 //! daemon") for the protocol and what happens when an engine dies.
 
 use clap::Parser;
-use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use kvtier::prometheus_client::registry::Registry;
+use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
 use kvtier::{Limits, PoolHealth, Server, ServerConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
