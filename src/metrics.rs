@@ -402,7 +402,7 @@ mod tests {
 
     /// The samples of an OpenMetrics text, `name{labels}` to value; checks that every sample's
     /// family has a `# HELP` with text and a `# TYPE`, and that the text ends with `# EOF`.
-    pub(crate) fn parse(text: &str) -> HashMap<String, f64> {
+    fn parse(text: &str) -> HashMap<String, f64> {
         let (mut help, mut types, mut samples) = (HashMap::new(), HashMap::new(), HashMap::new());
         assert!(text.ends_with("# EOF\n"), "no EOF marker: {text}");
         for line in text.lines() {

@@ -112,7 +112,7 @@ struct Args {
     metrics: Option<String>,
     /// Seconds the pool may have no free or evictable slot (every slot pinned, being written or
     /// quarantined) before /healthz answers 503.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, requires = "metrics")]
     healthz_bound: f64,
 }
 
