@@ -110,6 +110,15 @@ fn the_daemon_serves_its_tiers_counters_as_openmetrics() {
     assert_eq!(v("kvtierd_sessions"), 1.0);
     assert_eq!(v("kvtierd_sessions_begun_total"), 1.0);
     assert_eq!(v("kvtierd_connections"), 1.0);
+    // One definition: the connected tier's own registry reports the daemon's tier the same way.
+    let mut registry = kvtier::prometheus_client::registry::Registry::default();
+    tier.register_metrics(&mut registry);
+    let mut text = String::new();
+    kvtier::prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    let mine = parse(&text);
+    let theirs: HashMap<_, _> =
+        m.iter().filter(|(k, _)| k.starts_with("kvtier_")).map(|(k, v)| (k.clone(), *v)).collect();
+    assert_eq!(mine, theirs, "a connected tier's metrics are its daemon's tier's");
     drop(held);
     rank.shutdown(DEADLINE).unwrap();
 }
