@@ -6,6 +6,8 @@
 
 use thiserror::Error;
 
+use crate::key::ContentKey;
+
 /// A geometry (arena layout) or an arena binding (device base addresses) that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
@@ -236,17 +238,101 @@ pub enum CopyError {
         /// The repeated id.
         id: u64,
     },
-    /// The backend was built for another geometry or pool than the one given.
-    #[error("backend mismatch: {0}")]
-    Mismatch(String),
-    /// A device error of a backend without a typed error of its own (also injected faults in
-    /// tests). The CUDA backend (feature `cuda`) reports `CopyError::Cuda` and `CopyError::Nvrtc` instead.
-    #[error("device error in {call}: {message}")]
-    Device {
-        /// Call or stage that failed.
-        call: String,
-        /// What went wrong.
-        message: String,
+    /// The backend was asked to copy before a pool was bound to it ([`crate::CopyBackend::bind_pool`];
+    /// attaching a backend to a tier binds the tier's pool).
+    #[error("backend mismatch: no pool is bound to the backend (bind_pool was not called)")]
+    PoolNotBound,
+    /// The pool's slot size differs from the backend geometry's slot size.
+    #[error("backend mismatch: pool slots are {pool} B, geometry slots {geometry} B")]
+    SlotSizeMismatch {
+        /// The pool's slot size in bytes.
+        pool: u64,
+        /// The geometry's slot size ([`crate::Geometry::slot_bytes`]) in bytes.
+        geometry: u64,
+    },
+    /// A pool region whose base is not 16-byte aligned or that is shorter than its slots.
+    #[error("backend mismatch: pool region at {base:#x} ({bytes} B) is misaligned or shorter than {capacity} slots")]
+    BadPoolRegion {
+        /// Host address of the region.
+        base: u64,
+        /// Length of the region in bytes.
+        bytes: u64,
+        /// Slots the region claims to hold.
+        capacity: u32,
+    },
+    /// A binding (or a list of tensors) gives another number of arenas than the geometry has.
+    #[error("backend mismatch: {given} arena bases (tensors) for a geometry of {arenas} arenas")]
+    ArenaCount {
+        /// Arena bases (tensors) given.
+        given: usize,
+        /// Arenas in the geometry.
+        arenas: usize,
+    },
+    /// An arena's memory (a tensor) holds another number of bytes per page than the geometry says.
+    #[error("backend mismatch: arena `{arena}`: the tensor holds {given} B per page, the geometry {geometry} B")]
+    PageBytesMismatch {
+        /// Arena name.
+        arena: String,
+        /// Bytes per page of the given memory.
+        given: u64,
+        /// Bytes per page of the geometry's arena.
+        geometry: u64,
+    },
+    /// An arena's copy unit (bytes per page) is too large for the copy kernels.
+    #[error(
+        "backend mismatch: arena `{arena}`: a {bytes} B copy unit is too large for the CUDA kernels (below {max} B)"
+    )]
+    ChunkTooLarge {
+        /// Arena name.
+        arena: String,
+        /// Bytes per page of the arena.
+        bytes: u64,
+        /// The bound in bytes (exclusive): 4 GiB, as segment offsets are 32-bit.
+        max: u64,
+    },
+    /// A backend option or call argument out of its allowed range (an unroll factor, a CTA count,
+    /// a layer-group count, the pairs of one staged batch). Nothing was done.
+    #[error("backend mismatch: {name} = {value} is not allowed: it must be {allowed}")]
+    BadArgument {
+        /// The option or argument.
+        name: &'static str,
+        /// The value given.
+        value: u64,
+        /// What is allowed, e.g. `4 or 8`, `at least 1`.
+        allowed: &'static str,
+    },
+    /// A layer position the geometry does not have (see [`crate::copy::layers::LayerGroups`]).
+    #[error("backend mismatch: layer {layer} does not exist: the geometry has {layers} layers")]
+    NoSuchLayer {
+        /// The 0-based layer position asked for.
+        layer: u32,
+        /// Distinct layers of the geometry.
+        layers: u32,
+    },
+    /// Layer groups that do not tile the backend's arenas (groups made for another geometry).
+    #[error("backend mismatch: layer groups {groups:?} (arena ranges) do not tile {arenas} arenas")]
+    LayerGroupsMismatch {
+        /// Each group's range of arena indices.
+        groups: Vec<std::ops::Range<usize>>,
+        /// Arenas of the backend's geometry.
+        arenas: usize,
+    },
+    /// A layer-wise copy was given a number of waits other than one or one per layer group.
+    #[error("backend mismatch: {waits} waits for {groups} layer groups: give one, or one per group")]
+    WaitCount {
+        /// Waits given.
+        waits: usize,
+        /// Layer groups of the copy.
+        groups: usize,
+    },
+    /// A fault injected by [`crate::copy::fault::FaultyBackend`] or by a test's backend: the call
+    /// failed as a device fault would (nothing copied at submission; at completion, a restore's
+    /// pages hold garbage). The CUDA backend (feature `cuda`) reports its real faults as
+    /// `CopyError::Cuda` and `CopyError::Nvrtc`.
+    #[error("device error in {call}: injected fault")]
+    Injected {
+        /// Call or stage that failed: `save`, `restore`, `completion`, or the test's name.
+        call: &'static str,
     },
     /// A CUDA driver call failed (feature `cuda`); `source` keeps the driver's `CUresult`
     /// (`source.0`), e.g. `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from a failed copy kernel.
@@ -536,11 +622,181 @@ pub enum Error {
     /// See [`TierError`].
     #[error(transparent)]
     Tier(#[from] TierError),
-    /// Restored bytes that did not match their keys ([`crate::EngineArenas::verify`]), or another
-    /// failed check.
-    #[error("verification failed: {0}")]
-    Verification(String),
-    /// Invalid configuration or arguments (e.g. page and key counts that differ).
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// Restored bytes that do not match their keys ([`crate::EngineArenas::verify`]): the first
+    /// mismatching page, arena and byte.
+    #[error(
+        "verification failed: GPU page {page}, arena `{arena}`, byte {byte}: bytes differ from those of key {key}"
+    )]
+    Verification {
+        /// GPU page id.
+        page: u64,
+        /// Arena name.
+        arena: String,
+        /// Byte offset of the first wrong byte in the page's chunk of the arena.
+        byte: u64,
+        /// The content key whose pattern the page should hold.
+        key: ContentKey,
+    },
+    /// Page and key lists of differing lengths ([`crate::EngineArenas::fill`] and `verify` take
+    /// one key per GPU page).
+    #[error("invalid configuration: {pages} pages but {keys} keys: each page needs one key")]
+    PageKeyCount {
+        /// GPU pages given.
+        pages: usize,
+        /// Keys given.
+        keys: usize,
+    },
+    /// Host memory for engine arenas ([`crate::copy::host::MemcpyArenas`]) could not be mapped.
+    #[error("invalid configuration: mapping {bytes} B of host arena memory failed: {source}")]
+    ArenaMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file-system call on the tier daemon's socket, its directory or its lock file failed.
+    #[error("invalid configuration: {what} {}: {source}", path.display())]
+    Io {
+        /// What was being done, e.g. `binding the socket`.
+        what: &'static str,
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tier daemon's socket or its directory could not be given to the daemon's group.
+    #[error("invalid configuration: giving {} to group {gid}: {source}", path.display())]
+    Chown {
+        /// The socket or directory.
+        path: std::path::PathBuf,
+        /// The group id.
+        gid: u32,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something other than a socket is at the tier daemon's socket path; it was left alone.
+    #[error(
+        "invalid configuration: {} exists and is {found}, not a socket: refusing to replace it (choose another --socket)",
+        path.display()
+    )]
+    SocketPathTaken {
+        /// The socket path.
+        path: std::path::PathBuf,
+        /// What is there: `a directory`, `a symbolic link`, `a regular file` or `not a socket`.
+        found: &'static str,
+    },
+    /// A socket that cannot be probed is at the tier daemon's socket path; it was left alone.
+    #[error(
+        "invalid configuration: {} is a socket that cannot be probed ({source}): refusing to replace it",
+        path.display()
+    )]
+    SocketUnprobed {
+        /// The socket path.
+        path: std::path::PathBuf,
+        /// The error of the probing `connect`.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tier daemon already listens at the socket path.
+    #[error("invalid configuration: a tier daemon already listens at {}", path.display())]
+    DaemonRunning {
+        /// The socket path.
+        path: std::path::PathBuf,
+    },
+    /// The per-user socket directory in `/tmp` is not a directory of this uid that only it can
+    /// write: another user may have made it.
+    #[error(
+        "invalid configuration: {} is not a directory of uid {uid} that only it can write (owner {owner}, \
+         mode {mode:o}): another user may have made it; remove it or choose another --socket",
+        path.display()
+    )]
+    UnsafeSocketDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// This process's effective uid.
+        uid: u32,
+        /// The directory's owner uid.
+        owner: u32,
+        /// Its permission bits (`mode & 0o7777`).
+        mode: u32,
+    },
+    /// A tier whose pool is private memory cannot be served by the daemon.
+    #[error("invalid configuration: the tier's pool is private: build it with HostTier::new_shared")]
+    PrivatePool,
+    /// Daemon limits that cannot be used.
+    #[error(transparent)]
+    Limits(#[from] LimitsError),
+}
+
+/// Tier daemon limits (`server::Limits`) that cannot be used; the daemon refuses to start.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum LimitsError {
+    /// A connection count or a timeout is zero.
+    #[error(
+        "invalid configuration: limits: connections, connections per process and every timeout must be above zero"
+    )]
+    Zero,
+    /// A timeout the clock cannot add to the current instant (plus a year of margin).
+    #[error("invalid configuration: limits: the {which} timeout of {timeout:?} is too large for the clock")]
+    TimeoutTooLarge {
+        /// `hello`, `frame` or `write`.
+        which: &'static str,
+        /// The timeout.
+        timeout: std::time::Duration,
+    },
+    /// Leases over all connections could pin one slot more times than the slot word allows.
+    #[error(
+        "invalid configuration: limits: {connections} connections × min({leases} leases, {leased_blocks} leased \
+         blocks) may pin one slot {pins_per_slot} times, above the {max} the daemon allows leases"
+    )]
+    LeasePins {
+        /// Connections.
+        connections: usize,
+        /// Leases per connection.
+        leases: usize,
+        /// Leased blocks per connection.
+        leased_blocks: usize,
+        /// Pins one slot could get: `connections × min(leases, leased_blocks)`.
+        pins_per_slot: u128,
+        /// Pins the daemon allows leases on one slot.
+        max: u128,
+    },
+    /// A frame bound above the protocol's.
+    #[error("invalid configuration: limits: a frame bound of {bytes} B is above the protocol's {max} B")]
+    FrameTooLarge {
+        /// The bound asked for, bytes.
+        bytes: usize,
+        /// The protocol's largest frame, bytes.
+        max: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    /// The typed variants keep their OS error as the source and name their values in the message.
+    #[test]
+    fn typed_errors_keep_their_source_and_name_their_values() {
+        let io = || std::io::Error::from_raw_os_error(libc::EACCES);
+        let e = Error::Io { what: "binding the socket", path: "/run/kvtier/x.sock".into(), source: io() };
+        assert_eq!(e.source().map(|s| s.to_string()), Some(io().to_string()));
+        assert!(e.to_string().starts_with("invalid configuration: binding the socket /run/kvtier/x.sock: "), "{e}");
+        let e = Error::ArenaMemory { bytes: 4096, source: io() };
+        assert!(e.source().is_some() && e.to_string().contains("4096 B"), "{e}");
+        let e = Error::Chown { path: "/tmp/d".into(), gid: 1234, source: io() };
+        assert!(e.source().is_some() && e.to_string().contains("group 1234"), "{e}");
+        let e = CopyError::SlotSizeMismatch { pool: 512, geometry: 1024 };
+        assert_eq!(e.to_string(), "backend mismatch: pool slots are 512 B, geometry slots 1024 B");
+        let e = Error::from(LimitsError::FrameTooLarge { bytes: 1 << 27, max: 1 << 26 });
+        assert!(matches!(e, Error::Limits(LimitsError::FrameTooLarge { .. })));
+        assert!(e.to_string().contains(&format!("{} B is above the protocol's {} B", 1 << 27, 1 << 26)), "{e}");
+        let e = Error::Verification { page: 3, arena: "k".into(), byte: 17, key: ContentKey([0; 16]) };
+        assert!(e.to_string().starts_with("verification failed: GPU page 3, arena `k`, byte 17:"), "{e}");
+    }
 }

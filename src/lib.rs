@@ -48,7 +48,7 @@ pub use cuda::{
     cuda_available, cudarc, device_count, driver_error, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream,
     Isolation, PatternJob, SmPartition,
 };
-pub use error::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
+pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, TierError};
 pub use evict::{PolicyKind, UnknownPolicy};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
 pub use index::{BlockIndex, IndexReader, SlotRef};

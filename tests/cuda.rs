@@ -344,7 +344,7 @@ fn bad_batches_are_rejected_with_nothing_written() {
     let mut b = CudaBackend::new(0, &g, arenas.binding().clone(), o).unwrap();
     // Not bound yet.
     // SAFETY: nothing is copied.
-    assert!(matches!(unsafe { b.save(&[CopyPair::new(0, 0)], WaitFor::Nothing) }, Err(CopyError::Mismatch(_))));
+    assert!(matches!(unsafe { b.save(&[CopyPair::new(0, 0)], WaitFor::Nothing) }, Err(CopyError::PoolNotBound)));
     pool.bind(&mut b);
     let ks = keys(&mut Rng(8), 4);
     let pages = [0u64, 1, 2, 31];

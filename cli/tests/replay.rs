@@ -256,7 +256,9 @@ fn corrupted_restore_fails_the_run() {
     let config =
         ReplayConfig { pool_bytes: 1_000 * g.slot_bytes(), backing: BackingChoice::Plain, ..Default::default() };
     match replay::run(reqs, &config, &arenas, &|_| {}) {
-        Err(Error::Kvtier(kvtier::Error::Verification(m))) => assert!(m.contains("GPU page 3"), "{m}"),
+        Err(Error::Kvtier(e @ kvtier::Error::Verification { .. })) => {
+            assert!(e.to_string().contains("GPU page 3"), "{e}")
+        }
         other => panic!("expected a verification failure, got {other:?}"),
     }
 }

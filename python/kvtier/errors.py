@@ -257,7 +257,8 @@ class BackendMismatchError(CopyError, ValueError):
 class DeviceError(CopyError):
     """A CUDA driver (or NVRTC) error. Attributes: ``call`` (the failed function), ``code`` (the
     driver's ``CUresult``, or the ``nvrtcResult`` when ``call`` starts with ``nvrtc``, as an int;
-    ``None`` for a device error without one) and ``detail`` (the driver's message)."""
+    ``None`` for a device error without one, such as a fault a test injected) and ``detail`` (the
+    driver's message)."""
 
     code: int | None = None
 

@@ -61,6 +61,13 @@ impl From<Raised> for PyErr {
     }
 }
 
+/// The `detail` attribute of an error whose message starts with its kind (`backend mismatch: `,
+/// `invalid configuration: `): the message without that prefix.
+fn detail(e: &impl std::fmt::Display, prefix: &str) -> String {
+    let m = e.to_string();
+    m.strip_prefix(prefix).map(str::to_string).unwrap_or(m)
+}
+
 fn usize_(v: usize) -> u64 {
     v as u64
 }
@@ -167,8 +174,17 @@ impl From<&CopyError> for Raised {
                 r("SlotOutOfRangeError").int("slot", *slot).int("capacity", *capacity)
             }
             C::DuplicateDestination { what, id } => r("DuplicateDestinationError").str("what", what).int("id", *id),
-            C::Mismatch(m) => r("BackendMismatchError").str("detail", m),
-            C::Device { call, message } => r("DeviceError").str("call", call).str("detail", message),
+            C::PoolNotBound
+            | C::SlotSizeMismatch { .. }
+            | C::BadPoolRegion { .. }
+            | C::ArenaCount { .. }
+            | C::PageBytesMismatch { .. }
+            | C::ChunkTooLarge { .. }
+            | C::BadArgument { .. }
+            | C::NoSuchLayer { .. }
+            | C::LayerGroupsMismatch { .. }
+            | C::WaitCount { .. } => r("BackendMismatchError").str("detail", detail(e, "backend mismatch: ")),
+            C::Injected { call } => r("DeviceError").str("call", call).str("detail", "injected fault"),
             C::Cuda { call, detail, source } => {
                 r("DeviceError").str("call", call).int("code", source.0 as u32).str("detail", detail)
             }
@@ -246,8 +262,19 @@ impl From<&Error> for Raised {
             Error::Pool(p) => p.into(),
             Error::Copy(c) => c.into(),
             Error::Tier(t) => t.into(),
-            Error::Verification(m) => Raised::new("VerificationError", e).str("detail", m),
-            Error::Config(m) => Raised::new("ConfigError", e).str("detail", m),
+            Error::Verification { .. } => {
+                Raised::new("VerificationError", e).str("detail", detail(e, "verification failed: "))
+            }
+            Error::PageKeyCount { .. }
+            | Error::ArenaMemory { .. }
+            | Error::Io { .. }
+            | Error::Chown { .. }
+            | Error::SocketPathTaken { .. }
+            | Error::SocketUnprobed { .. }
+            | Error::DaemonRunning { .. }
+            | Error::UnsafeSocketDir { .. }
+            | Error::PrivatePool
+            | Error::Limits(_) => Raised::new("ConfigError", e).str("detail", detail(e, "invalid configuration: ")),
             // Trace and replay errors come from the CLI's paths, which the binding does not call.
             _ => Raised::new("KvtierError", e),
         }
@@ -303,8 +330,8 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
             CopyError::PageOutOfRange { page: 99, pages: 64 },
             CopyError::SlotOutOfRange { slot: 9, capacity: 4 },
             CopyError::DuplicateDestination { what: "GPU page", id: 3 },
-            CopyError::Mismatch(s("pool slots differ")),
-            CopyError::Device { call: s("injected"), message: s("a test's fault") },
+            CopyError::SlotSizeMismatch { pool: 512, geometry: 1024 },
+            CopyError::Injected { call: "injected" },
             // The same class; the last example of a class is the one the tests read.
             kvtier::driver_error(
                 "cuLaunchKernel",
@@ -346,8 +373,13 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
     out.extend(limits.iter().map(Raised::from));
     // Wrapped variants map to the inner error's class.
     out.extend(copy().into_iter().map(|c| Raised::from(&TierError::Copy(c))));
-    out.push(Raised::from(&Error::Verification(s("page 3 differs"))));
-    out.push(Raised::from(&Error::Config(s("bad"))));
+    out.push(Raised::from(&Error::Verification {
+        page: 3,
+        arena: s("k"),
+        byte: 0,
+        key: kvtier::ContentKey::from_bytes([7; 16]),
+    }));
+    out.push(Raised::from(&Error::PageKeyCount { pages: 2, keys: 3 }));
     out.into_iter().map(|r| (r.class, r)).collect()
 }
 

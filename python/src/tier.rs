@@ -67,20 +67,16 @@ pub struct PyTier {
 
 fn rank_geometry(tier: &Geometry, views: &[ArenaView]) -> PyResult<Geometry> {
     if views.len() != tier.arenas().len() {
-        return Err(Raised::from(&CopyError::Mismatch(format!(
-            "{} tensors for a geometry of {} arenas",
-            views.len(),
-            tier.arenas().len()
-        )))
-        .into());
+        return Err(Raised::from(&CopyError::ArenaCount { given: views.len(), arenas: tier.arenas().len() }).into());
     }
     let mut specs = Vec::with_capacity(views.len());
     for (v, a) in views.iter().zip(tier.arenas()) {
         if v.bytes_per_page != a.bytes_per_page {
-            return Err(Raised::from(&CopyError::Mismatch(format!(
-                "arena `{}`: the tensor holds {} B per page, the geometry {} B",
-                a.name, v.bytes_per_page, a.bytes_per_page
-            )))
+            return Err(Raised::from(&CopyError::PageBytesMismatch {
+                arena: a.name.clone(),
+                given: v.bytes_per_page,
+                geometry: a.bytes_per_page,
+            })
             .into());
         }
         specs.push(ArenaSpec { page_stride: v.page_stride, pages: v.pages, ..a.clone() });

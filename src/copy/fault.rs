@@ -15,9 +15,9 @@ use crate::sync::{AtomicU64, Ordering};
 /// Where an injected failure shows up.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FaultSite {
-    /// `save`/`restore` return [`CopyError::Device`] and nothing is copied.
+    /// `save`/`restore` return [`CopyError::Injected`] and nothing is copied.
     Submit,
-    /// The copy is submitted but its completion reports [`CopyError::Device`].
+    /// The copy is submitted but its completion reports [`CopyError::Injected`].
     Completion,
 }
 
@@ -57,8 +57,8 @@ impl FaultyBackend {
         Some(if x & 1 == 0 { FaultSite::Submit } else { FaultSite::Completion })
     }
 
-    fn fault(what: &str) -> CopyError {
-        CopyError::Device { call: what.to_string(), message: "injected fault".into() }
+    fn fault(call: &'static str) -> CopyError {
+        CopyError::Injected { call }
     }
 }
 

@@ -29,7 +29,7 @@ impl MemcpyArenas {
     /// Allocates arenas for `geometry` (`geometry.pages()` pages each).
     ///
     /// # Errors
-    /// [`Error::Config`] if a mapping fails; [`GeometryError`] if the resulting binding is invalid
+    /// [`Error::ArenaMemory`] if a mapping fails; [`GeometryError`] if the resulting binding is invalid
     /// (it cannot be for a valid geometry).
     pub fn new(geometry: &Geometry) -> Result<Self, Error> {
         let arenas = geometry.arenas();
@@ -38,7 +38,7 @@ impl MemcpyArenas {
         let mut bases = Vec::with_capacity(arenas.len());
         let map = |len: u64| {
             crate::slab::pool::Mapping::anonymous(len as usize)
-                .map_err(|e| Error::Config(format!("mapping {len} B of host arena memory failed: {e}")))
+                .map_err(|source| Error::ArenaMemory { bytes: len, source })
         };
         for a in arenas {
             match a.placement {
@@ -163,10 +163,7 @@ impl EngineArenas for Arc<MemcpyArenas> {
             for (a, spec) in self.geometry.arenas().iter().enumerate() {
                 // SAFETY: the caller owns page p; nothing writes it while we read.
                 if let Some(off) = pattern::first_mismatch(k, a, unsafe { self.chunk(a, p) }) {
-                    return Err(Error::Verification(format!(
-                        "GPU page {p}, arena `{}`, byte {off}: bytes differ from those of key {k}",
-                        spec.name
-                    )));
+                    return Err(Error::Verification { page: p, arena: spec.name.clone(), byte: off as u64, key: *k });
                 }
             }
         }
@@ -195,7 +192,7 @@ impl MemcpyBackend {
     }
 
     fn submit(&self, batch: &[CopyPair], dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
         Ok(Box::new(MemcpyCompletion {
             job: Some(MemcpyJob { arenas: self.arenas.clone(), pool, batch: batch.to_vec(), dir }),
@@ -212,11 +209,10 @@ impl CopyBackend for MemcpyBackend {
     }
     fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
         if pool.slot_bytes() != self.arenas.geometry.slot_bytes() {
-            return Err(CopyError::Mismatch(format!(
-                "pool slots are {} B, geometry slots {} B",
-                pool.slot_bytes(),
-                self.arenas.geometry.slot_bytes()
-            )));
+            return Err(CopyError::SlotSizeMismatch {
+                pool: pool.slot_bytes(),
+                geometry: self.arenas.geometry.slot_bytes(),
+            });
         }
         self.pool = Some(pool.region());
         Ok(())
@@ -243,7 +239,7 @@ impl LayerCopy for MemcpyBackend {
         groups: &LayerGroups,
         waits: &[WaitFor],
     ) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         groups.check(self.arenas.geometry.arenas().len())?;
         groups.check_waits(waits)?;
         validate_batch(batch, self.arenas.geometry.pages(), pool.capacity, dir)?;
@@ -500,7 +496,7 @@ mod tests {
         }
         .err()
         .expect("three waits for two groups");
-        assert!(matches!(e, CopyError::Mismatch(_)), "{e:?}");
+        assert!(matches!(e, CopyError::WaitCount { waits: 3, groups: 2 }), "{e:?}");
     }
 
     #[test]

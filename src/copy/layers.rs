@@ -38,10 +38,10 @@ impl LayerGroups {
     /// layer: one group.
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] for `groups == 0`.
+    /// [`CopyError::BadArgument`] for `groups == 0`.
     pub fn new(geometry: &Geometry, groups: u32) -> Result<Self, CopyError> {
         if groups == 0 {
-            return Err(CopyError::Mismatch("layer groups must be at least 1".into()));
+            return Err(CopyError::BadArgument { name: "layer groups", value: 0, allowed: "at least 1" });
         }
         let ids = geometry.layers();
         // Position of each arena's layer among the distinct layers.
@@ -101,13 +101,10 @@ impl LayerGroups {
     /// The group holding layer `layer` (0-based position among the distinct layers).
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] for `layer >= layer_count()`.
+    /// [`CopyError::NoSuchLayer`] for `layer >= layer_count()`.
     pub fn group_of_layer(&self, layer: u32) -> Result<usize, CopyError> {
         if layer >= self.layer_count {
-            return Err(CopyError::Mismatch(format!(
-                "layer {layer} does not exist: the geometry has {} layers",
-                self.layer_count
-            )));
+            return Err(CopyError::NoSuchLayer { layer, layers: self.layer_count });
         }
         Ok(self.layers.partition_point(|r| r.end <= layer))
     }
@@ -115,7 +112,7 @@ impl LayerGroups {
     /// Checks that the groups tile the `arenas` arenas of a backend's geometry.
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] if they do not (groups made for another geometry).
+    /// [`CopyError::LayerGroupsMismatch`] if they do not (groups made for another geometry).
     pub fn check(&self, arenas: usize) -> Result<(), CopyError> {
         let tiles = self.arenas.first().is_some_and(|r| r.start == 0)
             && self.arenas.windows(2).all(|w| w[0].end == w[1].start)
@@ -124,23 +121,19 @@ impl LayerGroups {
         if tiles {
             Ok(())
         } else {
-            Err(CopyError::Mismatch(format!("layer groups {:?} do not tile {arenas} arenas", self.arenas)))
+            Err(CopyError::LayerGroupsMismatch { groups: self.arenas.clone(), arenas })
         }
     }
 
     /// Checks a list of per-group waits: one (before everything) or one per group.
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] for another count.
+    /// [`CopyError::WaitCount`] for another count.
     pub fn check_waits(&self, waits: &[WaitFor]) -> Result<(), CopyError> {
         if waits.len() == 1 || waits.len() == self.len() {
             Ok(())
         } else {
-            Err(CopyError::Mismatch(format!(
-                "{} waits for {} layer groups: give one, or one per group",
-                waits.len(),
-                self.len()
-            )))
+            Err(CopyError::WaitCount { waits: waits.len(), groups: self.len() })
         }
     }
 }
@@ -191,7 +184,7 @@ pub trait LayerCopy {
     /// See the trait-level contract.
     ///
     /// # Errors
-    /// As [`CopyBackend::save`]; [`CopyError::Mismatch`] for groups that do not tile the arenas or
+    /// As [`CopyBackend::save`]; [`CopyError::LayerGroupsMismatch`] / [`CopyError::WaitCount`] for groups that do not tile the arenas or
     /// a wait count other than 1 or `groups.len()`.
     unsafe fn copy_layers(
         &self,

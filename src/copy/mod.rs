@@ -141,7 +141,7 @@ pub trait CopyBackend: Send + Sync {
     /// (once per pool, kept until the pool is dropped) and obtains its device alias.
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] if the pool's slot size differs from the geometry's; driver errors.
+    /// [`CopyError::SlotSizeMismatch`] if the pool's slot size differs from the geometry's; driver errors.
     fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError>;
     /// Gathers every arena of `batch[i].gpu_page` into host slot `batch[i].slot`, after `wait`.
     ///
@@ -197,14 +197,14 @@ pub fn validate_batch(batch: &[CopyPair], pages: u64, capacity: u32, dir: Direct
 /// every page below `geometry.pages()`.
 ///
 /// # Errors
-/// [`crate::Error::Config`] for differing lengths, [`CopyError::PageOutOfRange`] for a page id.
+/// [`crate::Error::PageKeyCount`] for differing lengths, [`CopyError::PageOutOfRange`] for a page id.
 pub fn check_pages_and_keys(
     geometry: &Geometry,
     pages: &[u64],
     keys: &[crate::ContentKey],
 ) -> Result<(), crate::Error> {
     if pages.len() != keys.len() {
-        return Err(crate::Error::Config(format!("{} pages but {} keys", pages.len(), keys.len())));
+        return Err(crate::Error::PageKeyCount { pages: pages.len(), keys: keys.len() });
     }
     if let Some(&p) = pages.iter().find(|&&p| p >= geometry.pages()) {
         return Err(CopyError::PageOutOfRange { page: p, pages: geometry.pages() }.into());
@@ -236,13 +236,14 @@ pub trait EngineArenas: Send + Sync {
     /// Returns after the bytes are in place (a copy started afterwards sees them).
     ///
     /// # Errors
-    /// [`crate::Error::Config`] if the lengths differ or a page is out of range; device errors.
+    /// [`crate::Error::PageKeyCount`] if the lengths differ, [`CopyError::PageOutOfRange`] if a page
+    /// is out of range; device errors.
     fn fill(&self, pages: &[u64], keys: &[crate::ContentKey]) -> Result<(), crate::Error>;
     /// Checks that every arena of GPU page `pages[i]` holds the pattern of `keys[i]`.
     ///
     /// # Errors
     /// [`crate::Error::Verification`] naming the first mismatching page, arena and byte offset;
-    /// [`crate::Error::Config`] for bad input; device errors.
+    /// [`crate::Error::PageKeyCount`] / [`CopyError::PageOutOfRange`] for bad input; device errors.
     fn verify(&self, pages: &[u64], keys: &[crate::ContentKey]) -> Result<(), crate::Error>;
     /// A new copy backend over these arenas, to attach to a tier as one rank.
     ///

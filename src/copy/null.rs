@@ -31,11 +31,7 @@ impl CopyBackend for NullBackend {
     }
     fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
         if pool.slot_bytes() != self.geometry.slot_bytes() {
-            return Err(CopyError::Mismatch(format!(
-                "pool slots are {} B, geometry slots {} B",
-                pool.slot_bytes(),
-                self.geometry.slot_bytes()
-            )));
+            return Err(CopyError::SlotSizeMismatch { pool: pool.slot_bytes(), geometry: self.geometry.slot_bytes() });
         }
         Ok(())
     }
@@ -69,7 +65,7 @@ mod tests {
         let other =
             HostPool::new(2 * g.slot_bytes(), &PoolConfig::new(4 * g.slot_bytes()).with_backing(BackingChoice::Plain))
                 .expect("a pool");
-        assert!(matches!(b.bind_pool(&other), Err(CopyError::Mismatch(_))));
+        assert!(matches!(b.bind_pool(&other), Err(CopyError::SlotSizeMismatch { .. })));
         // SAFETY: the null backend dereferences nothing.
         let mut c = unsafe { b.save(&[], WaitFor::Nothing) }.expect("a save");
         assert!(c.poll().expect("no error"));

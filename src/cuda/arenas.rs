@@ -73,10 +73,7 @@ impl PatternJob {
         // SAFETY: src..src+len lies inside arena a (page validated); chunk has len bytes.
         unsafe { drv::memcpy_dtoh_sync(&mut chunk, src) }.ctx("cuMemcpyDtoH")?;
         let off = pattern::first_mismatch(&self.keys[i], a, &chunk).unwrap_or(0);
-        Err(Error::Verification(format!(
-            "GPU page {}, arena `{}`, byte {off}: bytes differ from those of key {}",
-            self.pages[i], spec.name, self.keys[i]
-        )))
+        Err(Error::Verification { page: self.pages[i], arena: spec.name.clone(), byte: off as u64, key: self.keys[i] })
     }
 }
 
@@ -166,7 +163,7 @@ impl CudaArenas {
     /// (ordering tests use it to make the kernel slow). Returns at once.
     ///
     /// # Errors
-    /// [`Error::Config`] / [`crate::CopyError::PageOutOfRange`] for bad input (nothing queued); device errors.
+    /// [`Error::PageKeyCount`] / [`crate::CopyError::PageOutOfRange`] for bad input (nothing queued); device errors.
     pub fn pattern_on(
         self: &Arc<Self>,
         stream: u64,

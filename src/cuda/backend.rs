@@ -343,8 +343,9 @@ impl CudaBackend {
     /// and segment tables.
     ///
     /// # Errors
-    /// [`CopyError::Unavailable`] without a usable CUDA device or NVRTC; [`CopyError::Mismatch`] for
-    /// a binding of another geometry, a chunk of 4 GiB or more, or bad options; driver errors.
+    /// [`CopyError::Unavailable`] without a usable CUDA device or NVRTC; [`CopyError::ArenaCount`]
+    /// for a binding of another geometry, [`CopyError::ChunkTooLarge`] for a chunk of 4 GiB or
+    /// more, [`CopyError::BadArgument`] for bad options; driver errors.
     pub fn new(
         device: u32,
         geometry: &Geometry,
@@ -352,11 +353,7 @@ impl CudaBackend {
         options: CudaOptions,
     ) -> Result<Self, CopyError> {
         if binding.bases().len() != geometry.arenas().len() {
-            return Err(CopyError::Mismatch(format!(
-                "binding has {} bases, geometry {} arenas",
-                binding.bases().len(),
-                geometry.arenas().len()
-            )));
+            return Err(CopyError::ArenaCount { given: binding.bases().len(), arenas: geometry.arenas().len() });
         }
         for (what, v) in [
             ("save_unroll", options.save_unroll),
@@ -364,18 +361,19 @@ impl CudaBackend {
             ("staged_unroll", options.staged_unroll),
         ] {
             if v != 4 && v != 8 {
-                return Err(CopyError::Mismatch(format!("{what} must be 4 or 8, not {v}")));
+                return Err(CopyError::BadArgument { name: what, value: v.into(), allowed: "4 or 8" });
             }
         }
-        if options.save_ctas == 0
-            || options.restore_ctas == 0
-            || options.staged_ctas == 0
-            || options.staged_piece_blocks == 0
-            || options.staged_first_piece_bytes == 0
-        {
-            return Err(CopyError::Mismatch(
-                "CTA counts, staged_piece_blocks and staged_first_piece_bytes must be at least 1".into(),
-            ));
+        for (name, v) in [
+            ("save_ctas", options.save_ctas as u64),
+            ("restore_ctas", options.restore_ctas as u64),
+            ("staged_ctas", options.staged_ctas as u64),
+            ("staged_piece_blocks", options.staged_piece_blocks as u64),
+            ("staged_first_piece_bytes", options.staged_first_piece_bytes),
+        ] {
+            if v == 0 {
+                return Err(CopyError::BadArgument { name, value: 0, allowed: "at least 1" });
+            }
         }
         let dev = Device::get(device)?;
         let segs = desc::segment_table(geometry)?;
@@ -473,7 +471,7 @@ impl CudaBackend {
     /// buffer until the kernel completes; `stream` must be a live stream of this device.
     ///
     /// # Errors
-    /// [`CopyError::PageOutOfRange`], [`CopyError::Mismatch`] for more than 64 pairs or a bad
+    /// [`CopyError::PageOutOfRange`], [`CopyError::BadArgument`] for more than 64 pairs or a zero
     /// `ctas`; driver errors.
     #[doc(hidden)]
     pub unsafe fn launch_hbm_kernel(
@@ -485,8 +483,15 @@ impl CudaBackend {
         ctas: u32,
     ) -> Result<(), CopyError> {
         let inner = &self.inner;
-        if batch.len() > INLINE_PAIRS || ctas == 0 {
-            return Err(CopyError::Mismatch(format!("{} pairs, {ctas} CTAs", batch.len())));
+        if batch.len() > INLINE_PAIRS {
+            return Err(CopyError::BadArgument {
+                name: "pairs of an HBM-staged batch",
+                value: batch.len() as u64,
+                allowed: "at most 64",
+            });
+        }
+        if ctas == 0 {
+            return Err(CopyError::BadArgument { name: "ctas", value: 0, allowed: "at least 1" });
         }
         validate_batch(batch, inner.geometry.pages(), batch.len() as u32, dir)?;
         inner.dev.bind()?;
@@ -535,8 +540,9 @@ impl CudaBackend {
     /// inside it) is dropped; the registry must be dropped before the memory is unmapped.
     ///
     /// # Errors
-    /// [`CopyError::Mismatch`] if the slot size differs from the geometry's or the region is not
-    /// 16-byte aligned or shorter than its slots; driver errors.
+    /// [`CopyError::SlotSizeMismatch`] if the slot size differs from the geometry's,
+    /// [`CopyError::BadPoolRegion`] if the region is not 16-byte aligned or shorter than its
+    /// slots; driver errors.
     pub unsafe fn bind_region(
         &mut self,
         region: PoolRegion,
@@ -544,17 +550,14 @@ impl CudaBackend {
     ) -> Result<(), CopyError> {
         let g = &self.inner.geometry;
         if region.slot_bytes != g.slot_bytes() {
-            return Err(CopyError::Mismatch(format!(
-                "pool slots are {} B, geometry slots {} B",
-                region.slot_bytes,
-                g.slot_bytes()
-            )));
+            return Err(CopyError::SlotSizeMismatch { pool: region.slot_bytes, geometry: g.slot_bytes() });
         }
         if region.host_base % 16 != 0 || (region.capacity as u64) * region.slot_bytes > region.bytes {
-            return Err(CopyError::Mismatch(format!(
-                "pool region at {:#x} ({} B) is misaligned or shorter than {} slots",
-                region.host_base, region.bytes, region.capacity
-            )));
+            return Err(CopyError::BadPoolRegion {
+                base: region.host_base as u64,
+                bytes: region.bytes,
+                capacity: region.capacity,
+            });
         }
         self.drain()?;
         let dev = &self.inner.dev;
@@ -604,7 +607,7 @@ impl CudaBackend {
     }
 
     fn submit(&self, batch: &[CopyPair], wait: WaitFor, dir: Direction) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         let inner = &self.inner;
         validate_batch(batch, inner.geometry.pages(), pool.capacity, dir)?;
         inner.dev.bind()?;

@@ -123,15 +123,12 @@ pub fn arena_table(geometry: &Geometry, binding: &ArenaBinding) -> Vec<KvtArena>
 /// The segment table of a geometry: each arena's chunk cut into pieces of at most [`SEG_BYTES`].
 ///
 /// # Errors
-/// [`CopyError::Mismatch`] if a chunk is 4 GiB or larger (segment offsets are 32-bit).
+/// [`CopyError::ChunkTooLarge`] if a chunk is 4 GiB or larger (segment offsets are 32-bit).
 pub fn segment_table(geometry: &Geometry) -> Result<Vec<KvtSeg>, CopyError> {
     let mut segs = Vec::new();
     for (i, a) in geometry.arenas().iter().enumerate() {
         if a.bytes_per_page >= 1 << 32 {
-            return Err(CopyError::Mismatch(format!(
-                "arena `{}`: a {} B copy unit is too large for the CUDA kernels (< 4 GiB)",
-                a.name, a.bytes_per_page
-            )));
+            return Err(CopyError::ChunkTooLarge { arena: a.name.clone(), bytes: a.bytes_per_page, max: 1 << 32 });
         }
         let mut off = 0;
         while off < a.bytes_per_page {

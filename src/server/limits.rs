@@ -1,7 +1,7 @@
 //! The bounds every connection is held to ([`Limits`]), how the daemon is set up besides its tier
 //! ([`ServerConfig`]), and the typed refusal of a request over a bound ([`limit`]).
 
-use crate::error::{Error, Limit, TierError};
+use crate::error::{Error, Limit, LimitsError, TierError};
 use crate::remote::proto::{self, WireLimits};
 use std::time::{Duration, Instant};
 
@@ -113,33 +113,30 @@ impl Limits {
             || zero(self.frame_timeout)
             || zero(self.write_timeout)
         {
-            return Err(Error::Config(
-                "limits: connections, connections per process and every timeout must be above zero".into(),
-            ));
+            return Err(LimitsError::Zero.into());
         }
         let now = Instant::now();
         for (name, t) in [("hello", self.hello_timeout), ("frame", self.frame_timeout), ("write", self.write_timeout)] {
             // Each connection computes `now + t`: a timeout the clock cannot add is refused here.
             if now.checked_add(t).and_then(|x| x.checked_add(Duration::from_secs(365 * 86_400))).is_none() {
-                return Err(Error::Config(format!("limits: the {name} timeout of {t:?} is too large for the clock")));
+                return Err(LimitsError::TimeoutTooLarge { which: name, timeout: t }.into());
             }
         }
         let per_slot =
             (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
         let pins = crate::slab::slot::SlotWord::LEASE_PINS as u128 / 2;
         if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
-            return Err(Error::Config(format!(
-                "limits: {} connections × min({} leases, {} leased blocks) may pin one slot {per_slot} times, \
-                 above the {pins} the daemon allows leases",
-                self.connections, self.leases_per_connection, self.leased_blocks_per_connection
-            )));
+            return Err(LimitsError::LeasePins {
+                connections: self.connections,
+                leases: self.leases_per_connection,
+                leased_blocks: self.leased_blocks_per_connection,
+                pins_per_slot: per_slot,
+                max: pins,
+            }
+            .into());
         }
         if self.frame_bytes > proto::MAX_FRAME {
-            return Err(Error::Config(format!(
-                "limits: a frame bound of {} B is above the protocol's {} B",
-                self.frame_bytes,
-                proto::MAX_FRAME
-            )));
+            return Err(LimitsError::FrameTooLarge { bytes: self.frame_bytes, max: proto::MAX_FRAME }.into());
         }
         Ok(())
     }

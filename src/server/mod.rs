@@ -101,15 +101,18 @@ impl Server {
     /// daemons starting at once on one path the second waits and then finds the first listening.
     ///
     /// # Errors
-    /// [`Error::Config`] if `tier`'s pool is not in shared memory (make it with
-    /// [`HostTier::new_shared`]), if the limits are invalid (a zero bound, a frame bound above
-    /// `MAX_FRAME`), if something other than a stale
-    /// socket is at `path`, if the per-user directory in `/tmp` is not ours, if `PATH.lock` cannot
-    /// be opened or locked, or if the socket cannot be bound or given its mode.
+    /// [`Error::PrivatePool`] if `tier`'s pool is not in shared memory (make it with
+    /// [`HostTier::new_shared`]); [`Error::Limits`] if the limits are invalid (a zero bound, a
+    /// frame bound above the protocol's `MAX_FRAME`); [`Error::DaemonRunning`],
+    /// [`Error::SocketPathTaken`] or [`Error::SocketUnprobed`] if something other than a stale
+    /// socket is at `path`; [`Error::UnsafeSocketDir`] if the per-user directory in `/tmp` is not
+    /// ours; [`Error::Io`] if the directory cannot be made, `PATH.lock` cannot be opened or
+    /// locked, or the socket cannot be bound or given its mode; [`Error::Chown`] if the socket
+    /// or its directory cannot be given to `config.group`.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
         if tier.pool().shared_fd().is_none() {
-            return Err(Error::Config("the tier's pool is private: build it with HostTier::new_shared".into()));
+            return Err(Error::PrivatePool);
         }
         config.limits.check()?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -120,14 +123,20 @@ impl Server {
         clear_stale_socket(&path)?;
         let listener = bind_socket(&path)?;
         let mode = if let Some(gid) = config.group {
-            std::os::unix::fs::chown(&path, None, Some(gid))
-                .map_err(|e| Error::Config(format!("giving the socket {} to group {gid}: {e}", path.display())))?;
+            std::os::unix::fs::chown(&path, None, Some(gid)).map_err(|source| Error::Chown {
+                path: path.clone(),
+                gid,
+                source,
+            })?;
             0o660
         } else {
             0o600
         };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| Error::Config(format!("setting the socket {} to mode {mode:o}: {e}", path.display())))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).map_err(|source| Error::Io {
+            what: if mode == 0o660 { "setting mode 0660 on the socket" } else { "setting mode 0600 on the socket" },
+            path: path.clone(),
+            source,
+        })?;
         let shared = Arc::new(Shared::new(tier, config.limits));
         Ok(Server { listener, shared, path })
     }

@@ -18,30 +18,31 @@ fn euid() -> u32 {
 /// it does not. The per-user fallback directory in `/tmp` (see [`crate::remote::default_socket_path`])
 /// must be a directory of ours that nobody else can write, or another user could have made it.
 pub(super) fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
-    let cfg = |m: String| Error::Config(m);
+    let io = |what: &'static str| move |source| Error::Io { what, path: dir.to_path_buf(), source };
     match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             std::fs::DirBuilder::new()
                 .mode(if group.is_some() { 0o750 } else { 0o700 })
                 .create(dir)
-                .map_err(|e| cfg(format!("creating the socket's directory {}: {e}", dir.display())))?;
+                .map_err(io("creating the socket's directory"))?;
             if let Some(gid) = group {
-                std::os::unix::fs::chown(dir, None, Some(gid))
-                    .map_err(|e| cfg(format!("giving {} to group {gid}: {e}", dir.display())))?;
+                std::os::unix::fs::chown(dir, None, Some(gid)).map_err(|source| Error::Chown {
+                    path: dir.to_path_buf(),
+                    gid,
+                    source,
+                })?;
             }
             Ok(())
         }
-        Err(e) => Err(cfg(format!("the socket's directory {}: {e}", dir.display()))),
+        Err(e) => Err(io("reading the socket's directory")(e)),
         Ok(m) => {
             if crate::remote::is_per_user_tmp_dir(dir) && (!m.is_dir() || m.uid() != euid() || m.mode() & 0o022 != 0) {
-                return Err(cfg(format!(
-                    "{} is not a directory of uid {} that only it can write (owner {}, mode {:o}): another user \
-                     may have made it; remove it or choose another --socket",
-                    dir.display(),
-                    euid(),
-                    m.uid(),
-                    m.mode() & 0o7777
-                )));
+                return Err(Error::UnsafeSocketDir {
+                    path: dir.to_path_buf(),
+                    uid: euid(),
+                    owner: m.uid(),
+                    mode: m.mode() & 0o7777,
+                });
             }
             Ok(())
         }
@@ -57,7 +58,7 @@ pub(super) fn clear_stale_socket(path: &Path) -> Result<(), Error> {
     }
     let m = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::Config(format!("{}: {e}", path.display()))),
+        Err(source) => return Err(Error::Io { what: "reading the socket path", path: path.to_path_buf(), source }),
         Ok(m) => m,
     };
     if !m.file_type().is_socket() {
@@ -70,19 +71,13 @@ pub(super) fn clear_stale_socket(path: &Path) -> Result<(), Error> {
         } else {
             "not a socket"
         };
-        return Err(Error::Config(format!(
-            "{} exists and is {what}, not a socket: refusing to replace it (choose another --socket)",
-            path.display()
-        )));
+        return Err(Error::SocketPathTaken { path: path.to_path_buf(), found: what });
     }
     match UnixStream::connect(path) {
-        Ok(_) => Err(Error::Config(format!("a tier daemon already listens at {}", path.display()))),
+        Ok(_) => Err(Error::DaemonRunning { path: path.to_path_buf() }),
         Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => std::fs::remove_file(path)
-            .map_err(|e| Error::Config(format!("removing the stale socket {}: {e}", path.display()))),
-        Err(e) => Err(Error::Config(format!(
-            "{} is a socket that cannot be probed ({e}): refusing to replace it",
-            path.display()
-        ))),
+            .map_err(|source| Error::Io { what: "removing the stale socket", path: path.to_path_buf(), source }),
+        Err(source) => Err(Error::SocketUnprobed { path: path.to_path_buf(), source }),
     }
 }
 
@@ -107,7 +102,7 @@ pub(super) fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&lp)
-        .map_err(|e| Error::Config(format!("opening the socket's lock file {}: {e}", lp.display())))?;
+        .map_err(|source| Error::Io { what: "opening the socket's lock file", path: lp.clone(), source })?;
     if cfg!(kvtier_seeded_bug = "bind-unlocked") {
         return Ok(f);
     }
@@ -116,9 +111,9 @@ pub(super) fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
             return Ok(f);
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::Config(format!("locking {}: {e}", lp.display())));
+        let source = std::io::Error::last_os_error();
+        if source.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Io { what: "locking", path: lp, source });
         }
     }
 }
@@ -146,5 +141,5 @@ pub(super) fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Erro
         // SAFETY: as above; restores the mask read when it was set.
         unsafe { libc::umask(old) };
     }
-    bound.map_err(|e| Error::Config(format!("binding the socket {}: {e}", path.display())))
+    bound.map_err(|source| Error::Io { what: "binding the socket", path: path.to_path_buf(), source })
 }

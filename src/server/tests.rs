@@ -4,7 +4,7 @@ use super::session::Session;
 use super::shared::Shared;
 use super::socket::{bind_under_private_umask, lock_bind, lock_path, UMASK};
 use super::Server;
-use crate::error::Error;
+use crate::error::{Error, LimitsError};
 use crate::key::ContentKey;
 use crate::remote::proto::{Outcome, Reply, Request, WireError};
 use crate::tier::HostTier;
@@ -158,7 +158,9 @@ fn a_panicking_request_is_a_typed_error_and_the_session_goes_on() {
 fn limits_under_which_leases_could_saturate_a_slots_pins_are_refused_at_bind() {
     let l = Limits { connections: 1 << 12, leases_per_connection: 1 << 12, ..Limits::default() };
     match l.check() {
-        Err(Error::Config(m)) => assert!(m.contains("may pin one slot"), "{m}"),
+        Err(e @ Error::Limits(LimitsError::LeasePins { connections: 4096, leases: 4096, .. })) => {
+            assert!(e.to_string().contains("may pin one slot"), "{e}")
+        }
         r => panic!("limits that let leases pin one slot 2^24 times were accepted: {r:?}"),
     }
     Limits::default().check().unwrap();
@@ -197,7 +199,9 @@ fn a_timeout_the_clock_cannot_add_is_refused_at_bind() {
     for t in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
         let l = Limits { frame_timeout: t, ..Limits::default() };
         match l.check() {
-            Err(Error::Config(m)) => assert!(m.contains("frame timeout"), "{m}"),
+            Err(e @ Error::Limits(LimitsError::TimeoutTooLarge { which: "frame", .. })) => {
+                assert!(e.to_string().contains("frame timeout"), "{e}")
+            }
             r => panic!("a frame timeout of {t:?} was accepted: {r:?}"),
         }
     }

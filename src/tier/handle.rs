@@ -243,7 +243,7 @@ impl CopyHandle {
     /// covers every layer before it.
     ///
     /// # Errors
-    /// [`TierError::Copy`] with [`crate::CopyError::Mismatch`] for a layer the geometry does not have.
+    /// [`TierError::Copy`] with [`crate::CopyError::NoSuchLayer`] for a layer the geometry does not have.
     pub fn layer_event(&self, layer: u32) -> Result<Option<u64>, TierError> {
         match self.layer_group(layer)? {
             Some((g, ready)) => Ok(ready.cuda_event(g)),
@@ -261,8 +261,8 @@ impl CopyHandle {
     /// layers `0..l`.
     ///
     /// # Errors
-    /// As [`CopyHandle::stream_wait`]; [`TierError::Copy`] with [`crate::CopyError::Mismatch`] for
-    /// a layer the geometry does not have (nothing queued).
+    /// As [`CopyHandle::stream_wait`]; [`TierError::Copy`] with [`crate::CopyError::NoSuchLayer`]
+    /// for a layer the geometry does not have (nothing queued).
     pub fn wait_layer(&self, layer: u32, stream: u64) -> Result<(), TierError> {
         match self.layer_group(layer)? {
             Some((g, ready)) => {
@@ -391,9 +391,9 @@ mod tests {
     fn stream_wait_reports_a_failed_copy_and_waits_on_the_host_without_an_event() {
         let (waits, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let shared = HandleShared::with_event(1, 16, Some(Arc::new(FakeEvent { waits: waits.clone(), drops })));
-        shared.complete(&Err(CopyError::Device { call: "kernel".into(), message: "boom".into() }.into()));
+        shared.complete(&Err(CopyError::Injected { call: "kernel" }.into()));
         let e = CopyHandle::new(shared).stream_wait(0x5_7ea3).unwrap_err();
-        assert!(matches!(e, TierError::Copy(CopyError::Device { .. })), "{e:?}");
+        assert!(matches!(e, TierError::Copy(CopyError::Injected { call: "kernel" })), "{e:?}");
         assert_eq!(waits.load(Ordering::Relaxed), 0, "no wait is queued on a failed copy");
 
         // No event (host backend): stream_wait blocks until the copy completes on another thread.

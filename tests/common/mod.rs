@@ -104,7 +104,7 @@ impl Completion for TestCompletion {
             panic!("test backend: Completion::wait panicked");
         }
         if self.fail {
-            return Err(CopyError::Device { call: "test".into(), message: "injected copy failure".into() });
+            return Err(CopyError::Injected { call: "test" });
         }
         self.inner.wait()
     }

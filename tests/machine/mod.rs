@@ -182,7 +182,7 @@ impl Completion for ControlledCompletion {
     fn wait(&mut self) -> Result<(), CopyError> {
         if !self.signal.wait() {
             // The copy "failed on the device": nothing was copied.
-            return Err(CopyError::Device { call: "machine".into(), message: "injected copy failure".into() });
+            return Err(CopyError::Injected { call: "machine" });
         }
         self.inner.wait()
     }

@@ -84,7 +84,7 @@ impl LayerCopy for CudaBackend {
         groups: &LayerGroups,
         waits: &[WaitFor],
     ) -> Result<Box<dyn Completion>, CopyError> {
-        let pool = self.pool.ok_or_else(|| CopyError::Mismatch("bind_pool was not called".into()))?;
+        let pool = self.pool.ok_or(CopyError::PoolNotBound)?;
         let inner = &self.inner;
         groups.check(inner.geometry.arenas().len())?;
         groups.check_waits(waits)?;

@@ -27,7 +27,7 @@ impl Rank {
     /// layer ids; a geometry rebuilt from an engine's tensors), those of the rank's backend.
     ///
     /// # Errors
-    /// [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`.
+    /// [`TierError::Copy`] with [`CopyError::BadArgument`](crate::error::CopyError::BadArgument) for `groups == 0`.
     pub fn layer_groups(&self, groups: u32) -> Result<LayerGroups, TierError> {
         let (tier, backend) = (self.core.geometry(), self.backend.geometry());
         let g = if tier.layer_count() == 1 && backend.layer_count() > 1 { backend } else { tier };
@@ -46,7 +46,7 @@ impl Rank {
     /// handle's layer waits then wait for the whole copy.
     ///
     /// # Errors
-    /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`.
+    /// As [`Rank::restore`]; [`TierError::Copy`] with [`CopyError::BadArgument`](crate::error::CopyError::BadArgument) for `groups == 0`.
     pub fn restore_layers(
         &self,
         lease: &Lease,
@@ -71,8 +71,9 @@ impl Rank {
     /// backend without layer-wise submission saves the whole batch after `waits`' last entry.
     ///
     /// # Errors
-    /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::Mismatch`](crate::error::CopyError::Mismatch) for `groups == 0`
-    /// or a wait count other than 1 or the group count (nothing reserved).
+    /// As [`Rank::save_with`]; [`TierError::Copy`] with [`CopyError::BadArgument`](crate::error::CopyError::BadArgument)
+    /// for `groups == 0` or [`CopyError::WaitCount`](crate::error::CopyError::WaitCount) for a wait
+    /// count other than 1 or the group count (nothing reserved).
     pub fn save_layers(
         &self,
         keys: &[ContentKey],
@@ -119,7 +120,7 @@ mod tests {
         let groups = rank.layer_groups(3).unwrap();
         assert_eq!((groups.len(), groups.arenas(1)), (3, 2..3));
         let e = rank.save_layers(&keys, &[0, 1, 2, 3], &[WaitFor::Nothing; 2], 3, SaveOptions::default());
-        assert!(matches!(e, Err(TierError::Copy(CopyError::Mismatch(_)))), "{e:?}");
+        assert!(matches!(e, Err(TierError::Copy(CopyError::WaitCount { waits: 2, groups: 3 }))), "{e:?}");
         let t = rank.save_layers(&keys, &[0, 1, 2, 3], &[WaitFor::Nothing; 3], 3, SaveOptions::default()).unwrap();
         assert_eq!(t.handle.layer_groups().map(|l| l.len()), Some(3));
         t.handle.wait().unwrap();
@@ -129,7 +130,7 @@ mod tests {
         assert_eq!(h.layer_groups().map(|l| (l.len(), l.layer_count())), Some((2, 3)));
         assert_eq!(h.layer_event(0).unwrap(), None, "the host backend has no device events");
         let bad = h.wait_layer(3, 0).unwrap_err();
-        assert!(matches!(bad, TierError::Copy(CopyError::Mismatch(_))), "{bad:?}");
+        assert!(matches!(bad, TierError::Copy(CopyError::NoSuchLayer { layer: 3, layers: 3 })), "{bad:?}");
         assert!(bad.to_string().contains("layer 3 does not exist"), "{bad}");
         for layer in 0..3 {
             h.wait_layer(layer, 0).unwrap();
