@@ -726,7 +726,7 @@ pub enum Error {
     /// A tier whose pool is private memory cannot be served by the daemon.
     #[error("invalid configuration: the tier's pool is private: build it with HostTier::new_shared")]
     PrivatePool,
-    /// A connected tier ([`crate::HostTier::connect`]) cannot be served again: a daemon serves a
+    /// A connected tier (`HostTier::connect`, feature `remote`) cannot be served again: a daemon serves a
     /// tier whose state it owns.
     #[error(
         "invalid configuration: the tier is connected to another daemon: serve a tier built with HostTier::new_shared"

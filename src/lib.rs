@@ -23,6 +23,8 @@ mod evict;
 mod geometry;
 mod index;
 mod key;
+#[cfg(feature = "metrics")]
+mod metrics;
 #[cfg(feature = "remote")]
 mod remote;
 #[cfg(feature = "remote")]
@@ -51,6 +53,9 @@ pub use evict::{PolicyKind, UnknownPolicy};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
 pub use index::{BlockIndex, IndexReader, SlotRef};
 pub use key::{ContentKey, Namespace};
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use metrics::{prometheus_client, Health, PoolHealth};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ConnectOptions, LeaseToken};

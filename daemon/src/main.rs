@@ -3,8 +3,9 @@
 //! daemon") for the protocol and what happens when an engine dies.
 
 use clap::Parser;
+use kvtier::prometheus_client::registry::Registry;
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
-use kvtier::{Limits, Server, ServerConfig};
+use kvtier::{Limits, PoolHealth, Server, ServerConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -104,6 +105,15 @@ struct Args {
     /// Bind the pool to this NUMA node.
     #[arg(long)]
     numa_node: Option<u32>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
+    /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
+    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
+    /// Seconds the pool may have no free or evictable slot (every slot pinned, being written or
+    /// quarantined) before /healthz answers 503.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, requires = "metrics")]
+    healthz_bound: f64,
 }
 
 fn geometry(a: &Args) -> Result<Geometry, String> {
@@ -209,6 +219,71 @@ fn raise_fd_limit() {
     }
 }
 
+/// The `--metrics` endpoint: an HTTP server bound to its address, the daemon's metrics and the
+/// pool's health.
+struct MetricsEndpoint {
+    http: tiny_http::Server,
+    addr: std::net::SocketAddr,
+    registry: Registry,
+    health: PoolHealth,
+}
+
+fn metrics_endpoint(addr: &str, a: &Args, server: &Server) -> Result<MetricsEndpoint, String> {
+    let bound = seconds("healthz-bound", a.healthz_bound)?;
+    let http = tiny_http::Server::http(addr).map_err(|e| e.to_string())?;
+    let addr = http.server_addr().to_ip().ok_or("not an IP address")?;
+    let mut registry = Registry::default();
+    server.register_metrics(&mut registry);
+    Ok(MetricsEndpoint { http, addr, registry, health: PoolHealth::new(server.tier(), bound) })
+}
+
+impl MetricsEndpoint {
+    /// Answers `/metrics` and `/healthz` (one request at a time), sampling the pool's health every
+    /// quarter of the bound (at most every second) in between, so an exhaustion is timed from
+    /// when it began rather than from the first probe.
+    fn serve(self) {
+        let tick = (self.health.bound() / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        loop {
+            // A sample, so the exhaustion clock runs between probes.
+            let _ = self.health.check();
+            let req = match self.http.recv_timeout(tick) {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!("metrics endpoint: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let text = |status: u16, body: String, kind: &str| {
+                let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("a valid header");
+                tiny_http::Response::from_string(body).with_status_code(status).with_header(header)
+            };
+            let plain = "text/plain; charset=utf-8";
+            let get = matches!(req.method(), tiny_http::Method::Get | tiny_http::Method::Head);
+            let path = req.url().split('?').next().unwrap_or("").to_string();
+            let resp = match path.as_str() {
+                _ if !get => text(405, "only GET and HEAD\n".into(), plain),
+                "/metrics" => {
+                    let mut body = String::new();
+                    match kvtier::prometheus_client::encoding::text::encode(&mut body, &self.registry) {
+                        Ok(()) => text(200, body, "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                        Err(e) => text(500, format!("encoding the metrics: {e}\n"), plain),
+                    }
+                }
+                "/healthz" => {
+                    let h = self.health.check();
+                    text(if h.is_healthy() { 200 } else { 503 }, format!("{h}\n"), plain)
+                }
+                _ => text(404, "not found: /metrics and /healthz are served here\n".into(), plain),
+            };
+            if let Err(e) = req.respond(resp) {
+                tracing::debug!("metrics endpoint: answering: {e}");
+            }
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -250,11 +325,25 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let metrics = match &args.metrics {
+        None => None,
+        Some(addr) => match metrics_endpoint(addr, &args, &server) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("kvtierd: --metrics {addr}: {e}");
+                std::process::exit(1);
+            }
+        },
+    };
     let t = server.tier();
     let g = t.geometry();
+    let at = match &metrics {
+        Some(m) => format!(", metrics at http://{}/metrics", m.addr),
+        None => String::new(),
+    };
     println!(
         "kvtierd: serving {} (namespace {:?}) at {}: {} slots of {} B ({:.2} GiB mapped, {} pages), policy {}, \
-         pool set up in {:.1} ms, pid {}",
+         pool set up in {:.1} ms, pid {}{at}",
         g.model(),
         g.namespace(),
         socket.display(),
@@ -276,6 +365,12 @@ fn main() {
             }
         })
         .expect("spawning the accept thread");
+    if let Some(m) = metrics {
+        std::thread::Builder::new()
+            .name("kvtierd-metrics".into())
+            .spawn(move || m.serve())
+            .expect("spawning the metrics thread");
+    }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
     eprintln!("kvtierd: {sig:?}: stopped");

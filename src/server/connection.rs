@@ -4,7 +4,7 @@
 
 use super::peer::peer_process;
 use super::session::Session;
-use super::shared::{ConnSlot, Shared};
+use super::shared::{ConnSlot, SessionCount, Shared};
 use crate::error::Limit;
 use crate::remote::proto::{self, Incoming, Reply, Request, WireError};
 use std::io::{BufReader, IoSlice, Read};
@@ -144,6 +144,9 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
         }
     };
     let reply = hello_reply(&shared, &hello);
+    if let Reply::Error(e) = &reply {
+        shared.note_refusal(e);
+    }
     let accepted = matches!(reply, Reply::Welcome(_));
     if send_answer(stream, &shared, &reply, &mut buf).is_err() || !accepted {
         return;
@@ -155,7 +158,8 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     let pidfd_raw = pidfd.as_ref().map(|f| f.as_raw_fd());
     #[cfg(kvtier_seeded_bug = "session-outlives-process")]
     let pidfd_raw = None;
-    let mut session = Session::new(shared, pid, pidfd);
+    let counted = SessionCount::new(shared.clone());
+    let mut session = Session::new(shared.clone(), pid, pidfd);
     let mut writer = proto::NoSigPipe(stream);
     let mut out = Vec::new();
     loop {
@@ -214,6 +218,9 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
             buf = Vec::new();
         }
         if let Some(reply) = reply {
+            if let Reply::Error(e) = &reply {
+                shared.note_refusal(e);
+            }
             if let Err(e) = proto::write_frame(&mut writer, &reply, &mut out) {
                 tracing::warn!("process {pid:?}: sending a reply: {e}; closing its connection");
                 break;
@@ -225,6 +232,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     }
     tracing::info!("process {pid:?} disconnected");
     drop(session);
+    drop(counted);
     // Whoever still holds the socket (a forked child) learns the session is over.
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }

@@ -39,6 +39,8 @@
 mod connection;
 mod drive;
 mod limits;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod peer;
 mod session;
 mod shared;
@@ -195,6 +197,7 @@ impl Server {
                 }
             };
             n += 1;
+            self.shared.accepted.fetch_add(1, Ordering::Relaxed);
             let live = self.shared.live.fetch_add(1, Ordering::AcqRel) + 1;
             let mut slot = ConnSlot::new(self.shared.clone());
             let stream = Arc::new(stream);
@@ -254,6 +257,7 @@ impl std::fmt::Debug for Server {
 /// moment ([`REFUSED_LINGER`], the reaper drains its hello) so the client reads the refusal rather
 /// than a reset.
 fn refuse(shared: &Shared, stream: Arc<UnixStream>, e: WireError) {
+    shared.note_refusal(&e);
     if stream.set_nonblocking(true).is_err() {
         return;
     }

@@ -1,11 +1,12 @@
 //! What the daemon holds for all its connections ([`Shared`]): the tier and its welcome, the lease
 //! table and its handles, the slots and pins withheld for processes that may still copy
-//! ([`Parked`]), each process's slots held, and the connection counts ([`ConnSlot`]).
+//! ([`Parked`]), each process's slots held, the connection and session counts ([`ConnSlot`],
+//! [`SessionCount`]) and the refusals over a bound.
 
 use super::limits::{limit, Limits};
 use super::peer::exited;
 use crate::error::{Limit, TierError};
-use crate::remote::proto::{self, Request};
+use crate::remote::proto::{self, Request, WireError};
 use crate::tier::core::{Core, Reserved};
 use crate::tier::lease::Lease;
 use crate::tier::pins::SlotPins;
@@ -14,7 +15,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -69,6 +70,14 @@ pub(super) struct Shared {
     live_by_pid: Mutex<HashMap<u32, usize>>,
     /// Refused connections kept open a moment so the refusal reaches the client.
     pub(super) refused: Mutex<Vec<(Arc<UnixStream>, Instant)>>,
+    /// Connections accepted since the daemon started (refused ones included).
+    pub(super) accepted: AtomicU64,
+    /// Sessions open now (a connection whose hello was accepted, until it ends).
+    pub(super) sessions: AtomicUsize,
+    /// Sessions begun since the daemon started.
+    pub(super) sessions_begun: AtomicU64,
+    /// Requests and connections refused over a bound, by bound (in order of first refusal).
+    pub(super) refusals: Mutex<Vec<(Limit, u64)>>,
     /// Tests: requests for which this returns true panic in the daemon (see
     /// [`Server::panic_on_requests`](super::Server::panic_on_requests)).
     pub(super) panic_hook: OnceLock<PanicHook>,
@@ -124,7 +133,21 @@ impl Shared {
             live: AtomicUsize::new(0),
             live_by_pid: Mutex::new(HashMap::new()),
             refused: Mutex::new(Vec::new()),
+            accepted: AtomicU64::new(0),
+            sessions: AtomicUsize::new(0),
+            sessions_begun: AtomicU64::new(0),
+            refusals: Mutex::new(Vec::new()),
             panic_hook: OnceLock::new(),
+        }
+    }
+
+    /// Counts `e` among the refusals if it is one over a bound ([`WireError::LimitExceeded`]).
+    pub(super) fn note_refusal(&self, e: &WireError) {
+        let WireError::LimitExceeded { limit, .. } = e else { return };
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        match r.iter_mut().find(|(l, _)| l == limit) {
+            Some((_, n)) => *n += 1,
+            None => r.push((*limit, 1)),
         }
     }
 
@@ -222,6 +245,23 @@ impl Shared {
 /// One connection counted in [`Shared::live`] (and in [`Shared::live_by_pid`] under its
 /// process's pid, once [`ConnSlot::count_process`] took it) until dropped, however its thread ends.
 pub(super) struct ConnSlot(Arc<Shared>, Option<u32>);
+
+/// One session counted in [`Shared::sessions`] until dropped, however its thread ends.
+pub(super) struct SessionCount(Arc<Shared>);
+
+impl SessionCount {
+    pub(super) fn new(shared: Arc<Shared>) -> SessionCount {
+        shared.sessions.fetch_add(1, Ordering::Relaxed);
+        shared.sessions_begun.fetch_add(1, Ordering::Relaxed);
+        SessionCount(shared)
+    }
+}
+
+impl Drop for SessionCount {
+    fn drop(&mut self) {
+        self.0.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 impl ConnSlot {
     /// A connection counted in [`Shared::live`] by the caller, not yet under a process.

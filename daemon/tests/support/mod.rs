@@ -77,6 +77,8 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub slots: u64,
     pub policy: String,
+    /// The line the daemon printed once it listened.
+    pub line: String,
 }
 
 impl Daemon {
@@ -115,7 +117,7 @@ impl Daemon {
             panic!("kvtierd printed nothing within {DEADLINE:?}")
         });
         assert!(line.starts_with("kvtierd: serving test-model"), "{line}");
-        Daemon { child, socket, dir, slots, policy: policy.into() }
+        Daemon { child, socket, dir, slots, policy: policy.into(), line }
     }
 
     /// The daemon's resident set, bytes (`VmRSS` of `/proc/PID/status`).
