@@ -5,6 +5,38 @@
 //! An engine builds one [`HostTier`] (the pinned host pool, the content index, eviction), attaches
 //! one [`Rank`] per GPU with that GPU's copy backend, saves sealed blocks (GPU -> host), queries
 //! keys for a [`Lease`] on the resident prefix, and restores it (host -> GPU).
+//!
+//! ```
+//! use kvtier::{ArenaSpec, EngineArenas, Geometry, HostTier, MemcpyArenas, TierConfig, WaitFor};
+//!
+//! // 16 tokens a page; two arenas (K and V) of 4 KiB pages, 16 GPU pages each; one block is page
+//! // p of every arena (8 KiB here).
+//! let geometry =
+//!     Geometry::new("demo", 16, vec![ArenaSpec::packed("k", 4096, 16), ArenaSpec::packed("v", 4096, 16)])?;
+//! let tier = HostTier::new(TierConfig::new(geometry.clone(), 64 * geometry.slot_bytes()))?;
+//! // A host stand-in for the GPU arenas (with a GPU: `CudaBackend`, feature `cuda`).
+//! let gpu = std::sync::Arc::new(MemcpyArenas::new(&geometry)?);
+//! let rank = tier.attach(gpu.backend()?)?;
+//! let keys: Vec<_> = (0..4).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+//! gpu.fill(&[0, 1, 2, 3], &keys)?; // the "prefill" writes pages 0..4
+//! rank.save(&keys, &[0, 1, 2, 3], WaitFor::Nothing)?.handle.wait()?; // GPU -> host
+//! let lease = tier.query(&keys); // the resident prefix, pinned until restored or dropped
+//! assert_eq!(lease.len(), 4);
+//! rank.restore(&lease, &[8, 9, 10, 11], WaitFor::Nothing)?.wait()?; // host -> GPU
+//! gpu.verify(&[8, 9, 10, 11], &keys)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Features
+//!
+//! None is on by default: the default build has only the data structures' own dependencies.
+//!
+//! - `cuda`: the CUDA copy backend ([`CudaBackend`]): hand-written gather/scatter kernels built
+//!   with NVRTC at run time; cudarc loads the driver at run time, so it builds without CUDA.
+//! - `remote`: the tier daemon's client ([`HostTier::connect`]) and server ([`Server`]).
+//! - `serde`: `serde::Serialize` on statistics and reports ([`TierStats`], ...).
+//! - `metrics`: the tier's metrics in a `prometheus-client` registry.
+//! - `internals`: kvtier's own tests, models and benches only; not a stable API.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 // Items that only `internals` re-exports (for kvtier's own tests, models and benches) are unused
 // and unreachable in a build without it; the lints hold on the build with it (CI checks that one
