@@ -31,9 +31,9 @@
 //!
 //! None is on by default: the default build has only the data structures' own dependencies.
 //!
-//! - `cuda`: the CUDA copy backend ([`CudaBackend`]): hand-written gather/scatter kernels built
+//! - `cuda`: the CUDA copy backend (`CudaBackend`): hand-written gather/scatter kernels built
 //!   with NVRTC at run time; cudarc loads the driver at run time, so it builds without CUDA.
-//! - `remote`: the tier daemon's client ([`HostTier::connect`]) and server ([`Server`]).
+//! - `remote`: the tier daemon's client (`HostTier::connect`) and server (`Server`).
 //! - `serde`: `serde::Serialize` on statistics and reports ([`TierStats`], ...).
 //! - `metrics`: the tier's metrics in a `prometheus-client` registry.
 //! - `internals`: kvtier's own tests, models and benches only; not a stable API.
