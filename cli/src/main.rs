@@ -4,6 +4,7 @@
 //! `kvtier synth TRACE` writes a synthetic trace whose parameters are measured on TRACE.
 //! `kvtier replay [TRACE]` replays a Mooncake-format trace (default: the bundled sample) through the
 //! host tier and prints a report (a table, or JSON with `--json`). Traces may be zstd-compressed.
+//! `kvtier stats --socket PATH` shows a running `kvtierd`'s tier (`--json` once, `--watch SECONDS`).
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`). Any error exits with status 1 and its
 //! message on stderr; a bad argument exits with status 2 (clap's usage error).
 
@@ -39,6 +40,23 @@ enum Command {
     /// Write a synthetic conversation trace whose parameters (conversation return times, shared
     /// system prefixes, lengths) are measured on a real trace.
     Synth(SynthArgs),
+    /// A running kvtierd's tier: hit ratio, blocks and bytes saved and restored, slots by state,
+    /// leases, evictions (a table, refreshed with --watch, or JSON once).
+    Stats(StatsArgs),
+}
+
+#[derive(clap::Args)]
+struct StatsArgs {
+    /// The daemon's socket [default: kvtier's default socket path, as kvtierd's].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Print the statistics once as one line of JSON (TierStats' fields, plus hit_ratio).
+    #[arg(long, conflicts_with = "watch")]
+    json: bool,
+    /// Refresh every SECONDS, with the GB/s (10^9 B/s) saved and restored since the last refresh;
+    /// stop with Ctrl-C.
+    #[arg(long, value_name = "SECONDS")]
+    watch: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -390,6 +408,42 @@ fn synth(args: SynthArgs) -> Result<(), Error> {
     Ok(())
 }
 
+fn stats(args: StatsArgs) -> Result<(), Error> {
+    use kvtier_cli::stats;
+    let socket = args.socket.unwrap_or_else(kvtier::default_socket_path);
+    let tier = kvtier::HostTier::connect(&socket)?;
+    let read = || tier.try_stats().map_err(Error::from);
+    if args.json {
+        println!("{}", stats::json(&read()?));
+        return Ok(());
+    }
+    let Some(every) = args.watch else {
+        print!("kvtierd at {}\n{}", socket.display(), stats::table(&read()?, None));
+        return Ok(());
+    };
+    let every = std::time::Duration::try_from_secs_f64(every)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| Error::Config(format!("--watch {every}: expected a positive number of seconds")))?;
+    let terminal = std::io::stdout().is_terminal();
+    let mut prev: Option<(kvtier::TierStats, std::time::Instant)> = None;
+    loop {
+        let now = read()?;
+        let at = std::time::Instant::now();
+        let since = prev.as_ref().map(|(s, t)| (s, at - *t));
+        if terminal {
+            // Clear the screen and go home, so the table refreshes in place.
+            print!("\x1b[2J\x1b[H");
+        }
+        print!("kvtierd at {} (every {:.1} s)\n{}", socket.display(), every.as_secs_f64(), stats::table(&now, since));
+        if !terminal {
+            println!();
+        }
+        prev = Some((now, at));
+        std::thread::sleep(every);
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -403,6 +457,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay(args),
         Command::Simulate(args) => simulate(args),
         Command::Synth(args) => synth(args),
+        Command::Stats(args) => stats(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
