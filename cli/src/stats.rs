@@ -99,13 +99,18 @@ pub fn json(now: &TierStats) -> String {
 }
 
 #[cfg(test)]
+// TierStats is non-exhaustive: a test value is built field by field.
+#[allow(clippy::field_reassign_with_default)]
 mod tests {
     use super::*;
 
     #[test]
     fn rates_are_gb_per_second_between_readings() {
-        let prev = TierStats { bytes_saved: 1_000_000_000, bytes_restored: 0, ..Default::default() };
-        let now = TierStats { bytes_saved: 5_000_000_000, bytes_restored: 2_000_000_000, ..Default::default() };
+        let mut prev = TierStats::default();
+        prev.bytes_saved = 1_000_000_000;
+        let mut now = TierStats::default();
+        now.bytes_saved = 5_000_000_000;
+        now.bytes_restored = 2_000_000_000;
         assert_eq!(rates(&prev, &now, Duration::from_secs(2)), (2.0, 1.0));
         assert_eq!(rates(&now, &prev, Duration::from_secs(2)), (0.0, 0.0), "a counter that went back is 0");
         assert_eq!(rates(&prev, &now, Duration::ZERO), (0.0, 0.0));
@@ -114,6 +119,9 @@ mod tests {
     #[test]
     fn hit_ratio_is_hits_over_lookups() {
         assert_eq!(hit_ratio(&TierStats::default()), 0.0);
-        assert_eq!(hit_ratio(&TierStats { hit_blocks: 3, miss_blocks: 1, ..Default::default() }), 0.75);
+        let mut s = TierStats::default();
+        s.hit_blocks = 3;
+        s.miss_blocks = 1;
+        assert_eq!(hit_ratio(&s), 0.75);
     }
 }

@@ -36,7 +36,8 @@ fn stats_json_reports_the_served_tiers_counters() {
     drop(lease);
     assert_eq!(tier.evict(1), 1);
 
-    let out = Command::new(support::kvtier_bin()).arg("stats").arg("--socket").arg(&socket).arg("--json").output().unwrap();
+    let out =
+        Command::new(support::kvtier_bin()).arg("stats").arg("--socket").arg(&socket).arg("--json").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "kvtier stats failed: {stderr}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
