@@ -637,3 +637,51 @@ fn the_log_names_a_client_by_its_pid() {
     let _ = child.wait();
     assert!(seen.iter().all(|l| !l.contains("Some(")), "{seen:#?}");
 }
+
+/// A locked pool over `RLIMIT_MEMLOCK` is refused at start, before anything is mapped or locked,
+/// even with `--overcommit`. Root has `CAP_IPC_LOCK`, for which the kernel ignores the limit, so
+/// the daemon runs under `setpriv --bounding-set -ipc_lock` (util-linux) where that is installed.
+#[test]
+fn a_locked_pool_over_rlimit_memlock_is_refused_at_start() {
+    use std::io::BufReader;
+    let limits = std::fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
+    let soft = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max locked memory"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(soft) = soft.filter(|&l| l <= 1 << 30) else {
+        eprintln!("skipping: RLIMIT_MEMLOCK is unlimited or above 1 GiB");
+        return;
+    };
+    let Some(setpriv) = ["/usr/bin/setpriv", "/bin/setpriv"].into_iter().find(|p| std::path::Path::new(p).is_file())
+    else {
+        eprintln!("skipping: no setpriv to drop CAP_IPC_LOCK");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let mut child = std::process::Command::new(setpriv)
+        .args(["--bounding-set", "-ipc_lock"])
+        .arg(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--geometry", "qwen3-4b", "--backing", "plain", "--mlock", "--overcommit"])
+        .args(["--pool", &(soft + (16 << 20)).to_string()])
+        .env("RUST_LOG", "kvtier=info,kvtierd=info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning kvtierd under setpriv");
+    let out = child.stdout.take().unwrap();
+    if let Some(line) = support::read_line_within(BufReader::new(out), DEADLINE) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("a locked pool over RLIMIT_MEMLOCK must be refused at start, but the daemon serves: {line}");
+    }
+    let status = support::wait_exit(&mut child, "kvtierd refusing its locked pool", DEADLINE);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("exceeds RLIMIT_MEMLOCK"), "the refusal names the limit: {err}");
+}

@@ -447,7 +447,7 @@ fn memlock_limit() -> Option<u64> {
 /// the hugetlb mapping is made.
 fn check_backable(data: u64, backing: Backing, config: &PoolConfig) -> Result<(), PoolError> {
     let bytes = map_len(data, backing)? as u64;
-    if config.mlock {
+    if config.mlock && !cfg!(kvtier_seeded_bug = "pool-unchecked-memory") {
         if let Some(limit) = memlock_limit() {
             if bytes > limit {
                 return Err(PoolError::ExceedsMemory {
@@ -889,6 +889,27 @@ pub(crate) mod tests {
         let p = HostPool::new_shared(MIB, &over).expect("an overcommitted shared pool maps (nothing touched)");
         assert_eq!(p.capacity() as u64, bytes / MIB);
         assert!(p.mapped_bytes() >= bytes / MIB * MIB);
+    }
+
+    /// A locked pool over `RLIMIT_MEMLOCK` is refused before it is mapped, overcommit or not
+    /// (without the check, `mlock` would fail only after the mapping, having locked part of it).
+    #[test]
+    fn a_locked_pool_over_rlimit_memlock_is_refused() {
+        let Some(limit) = memlock_limit().filter(|&l| l <= 4 << 30) else {
+            eprintln!("skipping: RLIMIT_MEMLOCK is unlimited, above 4 GiB, or the process has CAP_IPC_LOCK");
+            return;
+        };
+        let bytes = limit + 4 * MIB;
+        for over in [false, true] {
+            let cfg = plain(bytes).with_mlock(true).with_overcommit(over);
+            match HostPool::new(MIB, &cfg) {
+                Err(PoolError::ExceedsMemory { available, what, .. }) => {
+                    assert_eq!(available, limit);
+                    assert!(what.contains("RLIMIT_MEMLOCK"), "{what}");
+                }
+                r => panic!("a locked pool over RLIMIT_MEMLOCK (overcommit {over}) must be refused first, got {r:?}"),
+            }
+        }
     }
 
     /// A prefaulted pool must fit in available memory: it takes all of it at start.
