@@ -87,13 +87,14 @@ struct Args {
     /// Host memory for block slots (e.g. 32GiB; capacity = floor(pool / slot size)).
     #[arg(long, default_value = "4GiB")]
     pool: String,
-    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu.
+    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu.
     #[arg(long, default_value_t = PolicyKind::default().name().to_string())]
     policy: String,
     /// Pages behind the pool: auto (hugetlb if reserved, else 4 KiB), hugetlb, thp, plain.
     #[arg(long, default_value = "auto")]
     backing: String,
-    /// Settle leases older than this many seconds (an engine that forgets one pins at most this long).
+    /// Settle leases older than this many seconds (an engine that forgets one pins at most this
+    /// long) [default: never].
     #[arg(long)]
     lease_ttl: Option<f64>,
     /// Touch every page at start (no page faults on first saves).
