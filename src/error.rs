@@ -208,6 +208,23 @@ pub enum PoolError {
         /// Bytes the layout maps, bytes.
         needed: u64,
     },
+    /// The pool is larger than the memory that can back it ([`crate::PoolConfig::overcommit`]
+    /// skips the checks on physical and available memory, never the one on `RLIMIT_MEMLOCK`).
+    /// Checked before anything is mapped: nothing was mapped.
+    #[error(
+        "a pool of {bytes} B exceeds {what}: {available} B; ask for a smaller pool, or overcommit on \
+         purpose (PoolConfig::with_overcommit, kvtierd --overcommit; not for a locked pool)"
+    )]
+    ExceedsMemory {
+        /// Bytes the pool would map.
+        bytes: u64,
+        /// Bytes of `what` (for `RLIMIT_MEMLOCK`, the soft limit).
+        available: u64,
+        /// What the pool was checked against: `physical memory (MemTotal less the hugetlb pool)`,
+        /// `available memory (MemAvailable), which a prefaulted or locked pool takes at start`, or
+        /// `RLIMIT_MEMLOCK (the pool is locked)`.
+        what: &'static str,
+    },
 }
 
 /// A copy backend refused or failed a batch.

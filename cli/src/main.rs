@@ -4,6 +4,7 @@
 //! `kvtier synth TRACE` writes a synthetic trace whose parameters are measured on TRACE.
 //! `kvtier replay [TRACE]` replays a Mooncake-format trace (default: the bundled sample) through the
 //! host tier and prints a report (a table, or JSON with `--json`). Traces may be zstd-compressed.
+//! `kvtier stats --socket PATH` shows a running `kvtierd`'s tier (`--json` once, `--watch SECONDS`).
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`). Any error exits with status 1 and its
 //! message on stderr; a bad argument exits with status 2 (clap's usage error).
 
@@ -27,6 +28,11 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// When stderr is not a terminal (a pipe, a log file), write a progress line there at most
+    /// every SECONDS during replay and simulate (0: at every step); on a terminal a bar shows
+    /// instead.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 5.0)]
+    progress_every: f64,
 }
 
 #[derive(Subcommand)]
@@ -39,6 +45,23 @@ enum Command {
     /// Write a synthetic conversation trace whose parameters (conversation return times, shared
     /// system prefixes, lengths) are measured on a real trace.
     Synth(SynthArgs),
+    /// A running kvtierd's tier: hit ratio, blocks and bytes saved and restored, slots by state,
+    /// leases, evictions (a table, refreshed with --watch, or JSON once).
+    Stats(StatsArgs),
+}
+
+#[derive(clap::Args)]
+struct StatsArgs {
+    /// The daemon's socket [default: kvtier's default socket path, as kvtierd's].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Print the statistics once as one line of JSON (TierStats' fields, plus hit_ratio).
+    #[arg(long, conflicts_with = "watch")]
+    json: bool,
+    /// Refresh every SECONDS, with the GB/s (10^9 B/s) saved and restored since the last refresh;
+    /// stop with Ctrl-C.
+    #[arg(long, value_name = "SECONDS")]
+    watch: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -194,24 +217,75 @@ fn requests(path: Option<&PathBuf>, limit: Option<usize>) -> Result<(String, Vec
     Ok((name, reqs))
 }
 
-/// A progress bar of `len` steps on stderr, or `None` when stderr is not a terminal or the report
-/// goes out as JSON.
-fn progress_bar(len: u64, what: &str, json: bool) -> Option<ProgressBar> {
-    if json || !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let bar = ProgressBar::new(len);
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {what} ({{eta}} left)"
-        ))
-        .expect("static template")
-        .progress_chars("=> "),
-    );
-    Some(bar)
+/// Progress of a long run on stderr: a bar on a terminal (none when the report goes out as JSON);
+/// otherwise a line at most every `every` (`what`: the unit counted), so a piped run is not silent.
+enum Progress {
+    Bar(ProgressBar),
+    Lines {
+        what: String,
+        len: u64,
+        every: std::time::Duration,
+        state: std::sync::Mutex<(u64, std::time::Instant)>,
+        t0: std::time::Instant,
+    },
+    Quiet,
 }
 
-fn replay(args: ReplayArgs) -> Result<(), Error> {
+impl Progress {
+    fn new(len: u64, what: &str, json: bool, every: std::time::Duration) -> Progress {
+        if !std::io::stderr().is_terminal() {
+            let t0 = std::time::Instant::now();
+            return Progress::Lines { what: what.into(), len, every, state: std::sync::Mutex::new((0, t0)), t0 };
+        }
+        if json {
+            return Progress::Quiet;
+        }
+        let bar = ProgressBar::new(len);
+        bar.set_style(
+            ProgressStyle::with_template(&format!(
+                "{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {what} ({{eta}} left)"
+            ))
+            .expect("static template")
+            .progress_chars("=> "),
+        );
+        Progress::Bar(bar)
+    }
+
+    fn inc(&self, n: u64) {
+        match self {
+            Progress::Bar(b) => b.inc(n),
+            Progress::Lines { what, len, every, state, t0 } => {
+                let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+                st.0 += n;
+                let now = std::time::Instant::now();
+                if now.duration_since(st.1) >= *every {
+                    let done = st.0;
+                    let pct = if *len == 0 { 100.0 } else { 100.0 * done as f64 / *len as f64 };
+                    eprintln!(
+                        "progress: {done}/{len} {what} ({pct:.1}%), {:.0} s",
+                        now.duration_since(*t0).as_secs_f64()
+                    );
+                    st.1 = now;
+                }
+            }
+            Progress::Quiet => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Progress::Bar(b) = self {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// `--progress-every` as a duration.
+fn progress_every(secs: f64) -> Result<std::time::Duration, Error> {
+    std::time::Duration::try_from_secs_f64(secs)
+        .map_err(|_| Error::Config(format!("--progress-every {secs}: not a number of seconds")))
+}
+
+fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
     let (_, requests) = requests(args.trace.as_ref(), args.requests)?;
     let concurrency = args.concurrency as usize;
     // Page size first (presets differ), then the arenas sized for the replay.
@@ -250,27 +324,19 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
     } else {
         vec![config]
     };
-    let bar = progress_bar(runs.len() as u64 * requests.len() as u64, "requests", args.json);
-    let progress = |n: u64| {
-        if let Some(b) = &bar {
-            b.inc(n);
-        }
-    };
+    let bar = Progress::new(runs.len() as u64 * requests.len() as u64, "requests", args.json, every);
+    let progress = |n: u64| bar.inc(n);
     let mut reports = Vec::new();
     for c in &runs {
         match replay::run(&requests, c, arenas.as_ref(), &progress) {
             Ok(r) => reports.push(r),
             Err(e) => {
-                if let Some(b) = &bar {
-                    b.finish_and_clear();
-                }
+                bar.finish();
                 return Err(e);
             }
         }
     }
-    if let Some(b) = &bar {
-        b.finish_and_clear();
-    }
+    bar.finish();
     if args.json {
         let v = match reports.as_slice() {
             [one] => serde_json::to_value(one),
@@ -297,7 +363,22 @@ fn replay(args: ReplayArgs) -> Result<(), Error> {
     Ok(())
 }
 
-fn simulate(args: SimulateArgs) -> Result<(), Error> {
+fn simulate(args: SimulateArgs, every: std::time::Duration) -> Result<(), Error> {
+    // The plot's file is opened before the work, so a path that cannot be written fails now, not
+    // after the whole run; a file this run created is removed again if the run fails.
+    let plot = match &args.plot {
+        None => None,
+        Some(p) => {
+            let existed = p.exists();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(p)
+                .map_err(|source| Error::Output { path: p.clone(), source })?;
+            Some(PlotFile { path: p.clone(), file: Some(f), remove: !existed })
+        }
+    };
     let (mut name, mut requests) = requests(Some(&args.trace), None)?;
     if let Some(half) = args.half {
         let (first, second) = trace::split_by_time(&requests);
@@ -324,29 +405,51 @@ fn simulate(args: SimulateArgs) -> Result<(), Error> {
         lookahead: args.lookahead,
         optimum: !args.no_optimum,
     };
-    let bar = progress_bar(config.steps(requests.len()), "requests over all runs", args.json);
-    let progress = |n: u64| {
-        if let Some(b) = &bar {
-            b.inc(n);
-        }
-    };
+    let bar = Progress::new(config.steps(requests.len()), "requests over all runs", args.json, every);
+    let progress = |n: u64| bar.inc(n);
     let result = simulate::run(&name, &requests, &config, &progress);
-    if let Some(b) = &bar {
-        b.finish_and_clear();
-    }
+    bar.finish();
     let report = result?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("a report serialises"));
     } else {
         print!("{}", report.table());
     }
-    if let Some(p) = &args.plot {
-        std::fs::write(p, report.svg()?).map_err(|source| Error::Output { path: p.clone(), source })?;
+    if let Some(mut plot) = plot {
+        plot.write(report.svg()?.as_bytes())?;
         if !args.json {
-            println!("plot written to {}", p.display());
+            println!("plot written to {}", plot.path.display());
         }
     }
     Ok(())
+}
+
+/// An output file opened before the work; removed on drop if this run created it and never wrote
+/// it (the run failed).
+struct PlotFile {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+    remove: bool,
+}
+
+impl PlotFile {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        use std::io::Write;
+        let err = |source| Error::Output { path: self.path.clone(), source };
+        let mut f = self.file.take().expect("written once");
+        f.set_len(0).map_err(err)?;
+        f.write_all(bytes).map_err(err)?;
+        self.remove = false;
+        Ok(())
+    }
+}
+
+impl Drop for PlotFile {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 fn synth(args: SynthArgs) -> Result<(), Error> {
@@ -390,6 +493,42 @@ fn synth(args: SynthArgs) -> Result<(), Error> {
     Ok(())
 }
 
+fn stats(args: StatsArgs) -> Result<(), Error> {
+    use kvtier_cli::stats;
+    let socket = args.socket.unwrap_or_else(kvtier::default_socket_path);
+    let tier = kvtier::HostTier::connect(&socket)?;
+    let read = || tier.try_stats().map_err(Error::from);
+    if args.json {
+        println!("{}", stats::json(&read()?));
+        return Ok(());
+    }
+    let Some(every) = args.watch else {
+        print!("kvtierd at {}\n{}", socket.display(), stats::table(&read()?, None));
+        return Ok(());
+    };
+    let every = std::time::Duration::try_from_secs_f64(every)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| Error::Config(format!("--watch {every}: expected a positive number of seconds")))?;
+    let terminal = std::io::stdout().is_terminal();
+    let mut prev: Option<(kvtier::TierStats, std::time::Instant)> = None;
+    loop {
+        let now = read()?;
+        let at = std::time::Instant::now();
+        let since = prev.as_ref().map(|(s, t)| (s, at - *t));
+        if terminal {
+            // Clear the screen and go home, so the table refreshes in place.
+            print!("\x1b[2J\x1b[H");
+        }
+        print!("kvtierd at {} (every {:.1} s)\n{}", socket.display(), every.as_secs_f64(), stats::table(&now, since));
+        if !terminal {
+            println!();
+        }
+        prev = Some((now, at));
+        std::thread::sleep(every);
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -399,10 +538,12 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let every = progress_every(cli.progress_every);
     let result = match cli.command {
-        Command::Replay(args) => replay(args),
-        Command::Simulate(args) => simulate(args),
+        Command::Replay(args) => every.and_then(|e| replay(args, e)),
+        Command::Simulate(args) => every.and_then(|e| simulate(args, e)),
         Command::Synth(args) => synth(args),
+        Command::Stats(args) => stats(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

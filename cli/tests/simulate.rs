@@ -316,3 +316,42 @@ fn reference_chain_lru(keys: &[Vec<ContentKey>], cap: usize) -> u64 {
     }
     hits
 }
+
+/// With stderr piped, `simulate` writes progress lines there (`--progress-every 0`: at every
+/// step), counting up to the whole run; stdout keeps only the report.
+#[test]
+fn a_piped_simulate_reports_progress_on_stderr() {
+    let trace = support::data_file("mooncake_conversation_trace.jsonl.zst");
+    let out = Command::new(support::kvtier_bin())
+        .args(["simulate", trace.to_str().unwrap(), "--requests", "100", "--pool", "300slots"])
+        .args(["--policies", "lru", "--chain", "off", "--no-optimum", "--json", "--progress-every", "0"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stderr: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("progress: ")).collect();
+    assert!(!lines.is_empty(), "no progress line on a piped stderr: {err}");
+    let last = lines.last().unwrap();
+    let (done, len) = last["progress: ".len()..].split_once(' ').unwrap().0.split_once('/').unwrap();
+    assert_eq!(done, len, "the last line counts the whole run: {last}");
+    let _: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is the JSON report alone");
+}
+
+/// A `--plot` path that cannot be written fails before the run: no report, the path named.
+#[test]
+fn an_unwritable_plot_path_fails_before_the_run() {
+    let trace = support::data_file("mooncake_conversation_trace.jsonl.zst");
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("no-such-dir").join("plot.svg");
+    let out = Command::new(support::kvtier_bin())
+        .args(["simulate", trace.to_str().unwrap(), "--requests", "100", "--pool", "300slots"])
+        .args(["--policies", "lru", "--chain", "off", "--no-optimum", "--plot", plot.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(err.contains("plot.svg"), "the error names the path: {err}");
+    assert!(out.stdout.is_empty(), "nothing was simulated: {}", String::from_utf8_lossy(&out.stdout));
+}

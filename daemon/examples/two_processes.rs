@@ -55,7 +55,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("process B failed".into());
     }
     println!("lease settled once both ranks restored: {}", lease.is_settled());
-    println!("daemon: {:?}", tier.stats());
+    let s = tier.stats();
+    println!(
+        "daemon: {} blocks saved, {} restored, {} hit and {} missed, {} of {} slots ready, {} live leases \
+         (kvtier stats shows the rest)",
+        s.saved_blocks, s.restored_blocks, s.hit_blocks, s.miss_blocks, s.ready_slots, s.capacity, s.live_leases
+    );
     Ok(())
 }
 

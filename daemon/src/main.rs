@@ -87,21 +87,28 @@ struct Args {
     /// Host memory for block slots (e.g. 32GiB; capacity = floor(pool / slot size)).
     #[arg(long, default_value = "4GiB")]
     pool: String,
-    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu.
+    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu.
     #[arg(long, default_value_t = PolicyKind::default().name().to_string())]
     policy: String,
     /// Pages behind the pool: auto (hugetlb if reserved, else 4 KiB), hugetlb, thp, plain.
     #[arg(long, default_value = "auto")]
     backing: String,
-    /// Settle leases older than this many seconds (an engine that forgets one pins at most this long).
+    /// Settle leases older than this many seconds (an engine that forgets one pins at most this
+    /// long) [default: never].
     #[arg(long)]
     lease_ttl: Option<f64>,
     /// Touch every page at start (no page faults on first saves).
     #[arg(long)]
     prefault: bool,
-    /// Lock the pool in memory.
+    /// Lock the pool in memory (refused if the pool exceeds RLIMIT_MEMLOCK, unless the daemon has
+    /// CAP_IPC_LOCK).
     #[arg(long)]
     mlock: bool,
+    /// Map a pool larger than memory can back, on purpose. Without it a pool larger than physical
+    /// memory (MemTotal less the hugetlb pool), or with --prefault or --mlock larger than
+    /// MemAvailable, is refused at start (hugetlb pools are checked against the free 2 MiB pages).
+    #[arg(long)]
+    overcommit: bool,
     /// Bind the pool to this NUMA node.
     #[arg(long)]
     numa_node: Option<u32>,
@@ -153,7 +160,11 @@ fn config(a: &Args) -> Result<TierConfig, String> {
         "plain" => BackingChoice::Plain,
         b => return Err(format!("--backing {b}: expected auto, hugetlb, thp or plain")),
     };
-    let mut pool = PoolConfig::new(bytes).with_backing(backing).with_prefault(a.prefault).with_mlock(a.mlock);
+    let mut pool = PoolConfig::new(bytes)
+        .with_backing(backing)
+        .with_prefault(a.prefault)
+        .with_mlock(a.mlock)
+        .with_overcommit(a.overcommit);
     if let Some(n) = a.numa_node {
         pool = pool.with_numa_node(n);
     }
@@ -284,10 +295,89 @@ impl MetricsEndpoint {
     }
 }
 
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set to anything non-empty
+/// (<https://no-color.org>).
+fn log_colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// `RLIMIT_MEMLOCK` as a person reads it.
+fn memlock_text() -> String {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return format!("unknown ({})", std::io::Error::last_os_error());
+    }
+    if r.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        format!("{} B", r.rlim_cur)
+    }
+}
+
+/// Logs, before the pool is mapped, what was asked for and what the machine offers.
+fn log_pool_request(a: &Args, cfg: &TierConfig) {
+    let g = &cfg.geometry;
+    let bytes = cfg.pool.bytes;
+    tracing::info!(
+        "pool asked: {:.2} GiB ({} B) = {} slots of {} B, backing {}, prefault {}, mlock {}, overcommit {}, numa node {}",
+        bytes as f64 / GIB,
+        bytes,
+        bytes / g.slot_bytes(),
+        g.slot_bytes(),
+        a.backing,
+        a.prefault,
+        a.mlock,
+        a.overcommit,
+        a.numa_node.map_or("any".to_string(), |n| n.to_string()),
+    );
+    tracing::info!(
+        "memory: {} total, {} available; 2 MiB hugepages free: {}; RLIMIT_MEMLOCK {}",
+        meminfo_text("MemTotal"),
+        meminfo_text("MemAvailable"),
+        kvtier::hugetlb_free_pages(a.numa_node),
+        memlock_text(),
+    );
+}
+
+/// A `/proc/meminfo` field in GiB, or `unknown`.
+fn meminfo_text(field: &str) -> String {
+    let kib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.split_whitespace().next()?.parse::<u64>().ok())
+    });
+    kib.map_or("unknown".into(), |k| format!("{:.2} GiB", (k * 1024) as f64 / GIB))
+}
+
+fn log_limits(l: &Limits) {
+    tracing::info!(
+        "limits: {} connections ({} per process), frames up to {} B, {} keys per request, {} hints ({} keys), \
+         {} leases ({} blocks), {} copies in flight per connection, {} uses per lease, {} slots per process \
+         (0: half the pool); timeouts hello {:?}, frame {:?}, write {:?}",
+        l.connections,
+        l.connections_per_process,
+        l.frame_bytes,
+        l.keys_per_request,
+        l.hints_per_connection,
+        l.hint_keys_per_connection,
+        l.leases_per_connection,
+        l.leased_blocks_per_connection,
+        l.copies_per_connection,
+        l.lease_uses,
+        l.slots_per_process,
+        l.hello_timeout,
+        l.frame_timeout,
+        l.write_timeout,
+    );
+}
+
 fn main() {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(log_colour())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvtier=info,kvtierd=info".into()),
         )
@@ -308,6 +398,8 @@ fn main() {
         eprintln!("kvtierd: blocking SIGTERM/SIGINT: {e}");
         std::process::exit(1);
     }
+    log_pool_request(&args, &cfg);
+    log_limits(&server_cfg.limits);
     let t0 = Instant::now();
     let tier = match HostTier::new_shared(cfg) {
         Ok(t) => t,
@@ -337,6 +429,25 @@ fn main() {
     };
     let t = server.tier();
     let g = t.geometry();
+    tracing::info!(
+        "pool mapped: {:.2} GiB, {} slots of {} B, backing {}, numa node {}, locked {}, set up in {:.1} ms",
+        t.pool().mapped_bytes() as f64 / GIB,
+        t.capacity(),
+        g.slot_bytes(),
+        t.pool().backing().name(),
+        t.pool().numa_node().map_or("any".to_string(), |n| n.to_string()),
+        t.pool().is_locked(),
+        setup.as_secs_f64() * 1e3,
+    );
+    tracing::info!(
+        "listening at {} ({}), policy {}",
+        socket.display(),
+        match &args.group {
+            Some(g) => format!("mode 0660, group {g}"),
+            None => "mode 0600, this uid only".into(),
+        },
+        t.policy_name()
+    );
     let at = match &metrics {
         Some(m) => format!(", metrics at http://{}/metrics", m.addr),
         None => String::new(),
@@ -349,7 +460,7 @@ fn main() {
         socket.display(),
         t.capacity(),
         g.slot_bytes(),
-        t.pool().mapped_bytes() as f64 / (1u64 << 30) as f64,
+        t.pool().mapped_bytes() as f64 / GIB,
         t.pool().backing().name(),
         t.policy_name(),
         setup.as_secs_f64() * 1e3,
@@ -373,5 +484,8 @@ fn main() {
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
-    eprintln!("kvtierd: {sig:?}: stopped");
+    match sig {
+        Ok(s) => tracing::info!("{}: stopped", s.as_str()),
+        Err(e) => tracing::warn!("waiting for SIGTERM/SIGINT: {e}; stopped"),
+    }
 }

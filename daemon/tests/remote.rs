@@ -531,3 +531,157 @@ fn gpu_four_processes_on_one_gpu_restore_each_others_blocks() {
     let a = audit(&obs, &keys(&obs, 0..96));
     assert_eq!((a.pinned, a.writing, a.evicting, a.ready + a.free), (0, 0, 0, 64));
 }
+
+/// `MemTotal` of `/proc/meminfo`, bytes.
+fn mem_total() -> u64 {
+    let s = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+    let kib: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("MemTotal in /proc/meminfo");
+    kib * 1024
+}
+
+/// `kvtierd` with a pool of twice `MemTotal` on plain pages (never prefaulted: nothing is
+/// touched even if the check were missing), stdout and stderr piped, logging at info.
+fn big_pool_daemon(socket: &std::path::Path, extra: &[&str]) -> std::process::Child {
+    std::process::Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(socket)
+        .args(["--geometry", "qwen3-4b", "--backing", "plain", "--pool", &(2 * mem_total()).to_string()])
+        .args(extra)
+        .env("RUST_LOG", "kvtier=info,kvtierd=info")
+        .env_remove("NO_COLOR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning kvtierd")
+}
+
+/// A pool larger than physical memory is refused at start with the typed error's message (exit
+/// status 1, nothing served), and is served with `--overcommit`. The log says what was asked and
+/// found, and, piped, has no colour codes.
+#[test]
+fn a_pool_larger_than_memory_is_refused_at_start_unless_overcommitted() {
+    use std::io::{BufReader, Read};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let mut child = big_pool_daemon(&socket, &[]);
+    let out = child.stdout.take().unwrap();
+    if let Some(line) = support::read_line_within(BufReader::new(out), DEADLINE) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("a pool of twice MemTotal must be refused at start, but the daemon serves: {line}");
+    }
+    let status = support::wait_exit(&mut child, "kvtierd refusing its pool", DEADLINE);
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("exceeds physical memory") && err.contains("--overcommit"), "{err}");
+    assert!(err.contains("pool asked:") && err.contains("hugepages free:"), "the start-up is logged: {err}");
+    assert!(!err.contains('\x1b'), "no colour codes when stderr is not a terminal: {err:?}");
+
+    let mut child = big_pool_daemon(&socket, &["--overcommit"]);
+    let out = child.stdout.take().unwrap();
+    let line = support::read_line_within(BufReader::new(out), DEADLINE);
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("with --overcommit the daemon serves the pool");
+    assert!(line.starts_with("kvtierd: serving Qwen3-4B"), "{line}");
+}
+
+/// The daemon's log names a connecting process by its pid as a plain number.
+#[test]
+fn the_log_names_a_client_by_its_pid() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let mut child = std::process::Command::new(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--geometry", "qwen3-4b", "--backing", "plain", "--pool", "64MiB"])
+        .env("RUST_LOG", "kvtier=info,kvtierd=info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning kvtierd");
+    let line = support::read_line_within(BufReader::new(child.stdout.take().unwrap()), DEADLINE);
+    assert!(line.is_some_and(|l| l.starts_with("kvtierd: serving")), "the daemon did not start");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for l in err.lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let tier = HostTier::connect(&socket).expect("connecting");
+    drop(tier);
+    let (connected, gone) =
+        (format!("process {} (uid", std::process::id()), format!("process {} disconnected", std::process::id()));
+    let mut seen = Vec::new();
+    let t0 = std::time::Instant::now();
+    while !(seen.iter().any(|l: &String| l.contains(&connected)) && seen.iter().any(|l| l.contains(&gone))) {
+        match rx.recv_timeout(DEADLINE.saturating_sub(t0.elapsed())) {
+            Ok(l) => seen.push(l),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no connect and disconnect lines with a plain pid within {DEADLINE:?}: {seen:#?}");
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(seen.iter().all(|l| !l.contains("Some(")), "{seen:#?}");
+}
+
+/// A locked pool over `RLIMIT_MEMLOCK` is refused at start, before anything is mapped or locked,
+/// even with `--overcommit`. Root has `CAP_IPC_LOCK`, for which the kernel ignores the limit, so
+/// the daemon runs under `setpriv --bounding-set -ipc_lock` (util-linux) where that is installed.
+#[test]
+fn a_locked_pool_over_rlimit_memlock_is_refused_at_start() {
+    use std::io::BufReader;
+    let limits = std::fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
+    let soft = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max locked memory"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(soft) = soft.filter(|&l| l <= 1 << 30) else {
+        eprintln!("skipping: RLIMIT_MEMLOCK is unlimited or above 1 GiB");
+        return;
+    };
+    let Some(setpriv) = ["/usr/bin/setpriv", "/bin/setpriv"].into_iter().find(|p| std::path::Path::new(p).is_file())
+    else {
+        eprintln!("skipping: no setpriv to drop CAP_IPC_LOCK");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let mut child = std::process::Command::new(setpriv)
+        .args(["--bounding-set", "-ipc_lock"])
+        .arg(support::kvtierd_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--geometry", "qwen3-4b", "--backing", "plain", "--mlock", "--overcommit"])
+        .args(["--pool", &(soft + (16 << 20)).to_string()])
+        .env("RUST_LOG", "kvtier=info,kvtierd=info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning kvtierd under setpriv");
+    let out = child.stdout.take().unwrap();
+    if let Some(line) = support::read_line_within(BufReader::new(out), DEADLINE) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("a locked pool over RLIMIT_MEMLOCK must be refused at start, but the daemon serves: {line}");
+    }
+    let status = support::wait_exit(&mut child, "kvtierd refusing its locked pool", DEADLINE);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("exceeds RLIMIT_MEMLOCK"), "the refusal names the limit: {err}");
+}

@@ -2,7 +2,7 @@
 //! welcome), then the frame loop that runs each request through the connection's [`Session`] until
 //! the client closes, a read or write fails or times out, or the process that said hello is gone.
 
-use super::peer::peer_process;
+use super::peer::{peer_process, ShowPid};
 use super::session::Session;
 use super::shared::{ConnSlot, SessionCount, Shared};
 use crate::error::Limit;
@@ -117,6 +117,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     let limits = shared.limits;
     let (peer, pidfd) = peer_process(stream);
     let pid = peer.pid;
+    let who = ShowPid(pid);
     let write_timeout = (!cfg!(kvtier_seeded_bug = "no-write-timeout")).then_some(limits.write_timeout);
     if stream.set_read_timeout(Some(limits.hello_timeout)).is_err() || stream.set_write_timeout(write_timeout).is_err()
     {
@@ -138,7 +139,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
         match read {
             Ok(h) => h,
             Err(e) => {
-                tracing::debug!("process {pid:?}: no hello ({e}); closing its connection");
+                tracing::debug!("process {who}: no hello ({e}); closing its connection");
                 return;
             }
         }
@@ -154,7 +155,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     if stream.set_read_timeout(Some(limits.frame_timeout)).is_err() {
         return;
     }
-    tracing::info!("process {pid:?} (uid {:?}, gid {:?}) connected", peer.uid, peer.gid);
+    tracing::info!("process {who} (uid {}, gid {}) connected", ShowPid(peer.uid), ShowPid(peer.gid));
     let pidfd_raw = pidfd.as_ref().map(|f| f.as_raw_fd());
     #[cfg(kvtier_seeded_bug = "session-outlives-process")]
     let pidfd_raw = None;
@@ -167,11 +168,11 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
             match wait_next(stream.as_raw_fd(), pidfd_raw) {
                 Ok(Wake::Readable) => {}
                 Ok(Wake::Gone) => {
-                    tracing::info!("process {pid:?} is gone: ending its session (another may still hold the socket)");
+                    tracing::info!("process {who} is gone: ending its session (another may still hold the socket)");
                     break;
                 }
                 Err(e) => {
-                    tracing::warn!("process {pid:?}: poll: {e}; closing its connection");
+                    tracing::warn!("process {who}: poll: {e}; closing its connection");
                     break;
                 }
             }
@@ -182,7 +183,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
             // runs), timeout 0: poll only reads and writes that struct.
             let n = unsafe { libc::poll(&mut p, 1, 0) };
             if n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-                tracing::info!("process {pid:?} is gone: ending its session, its buffered requests unserved");
+                tracing::info!("process {who} is gone: ending its session, its buffered requests unserved");
                 break;
             }
         }
@@ -209,7 +210,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
             }
             Err(e) => {
                 if e.kind() != std::io::ErrorKind::UnexpectedEof {
-                    tracing::warn!("process {pid:?}: {e}; closing its connection");
+                    tracing::warn!("process {who}: {e}; closing its connection");
                 }
                 break;
             }
@@ -222,7 +223,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                 shared.note_refusal(e);
             }
             if let Err(e) = proto::write_frame(&mut writer, &reply, &mut out) {
-                tracing::warn!("process {pid:?}: sending a reply: {e}; closing its connection");
+                tracing::warn!("process {who}: sending a reply: {e}; closing its connection");
                 break;
             }
             if out.capacity() > KEEP_BUFFER {
@@ -230,7 +231,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
             }
         }
     }
-    tracing::info!("process {pid:?} disconnected");
+    tracing::info!("process {who} disconnected");
     drop(session);
     drop(counted);
     // Whoever still holds the socket (a forked child) learns the session is over.

@@ -12,6 +12,19 @@ pub(super) fn exited(pidfd: &OwnedFd) -> bool {
     n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// A process id (or uid, gid) in a log line: the number, or `unknown` where the kernel gave none.
+#[derive(Copy, Clone)]
+pub(super) struct ShowPid(pub(super) Option<u32>);
+
+impl std::fmt::Display for ShowPid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(p) => write!(f, "{p}"),
+            None => f.write_str("unknown"),
+        }
+    }
+}
+
 /// What the peer of a connection is.
 #[derive(Copy, Clone, Debug)]
 pub(super) struct Peer {

@@ -3,7 +3,7 @@
 //! the same however it ends (see the docs of [`crate::server`]).
 
 use super::limits::limit;
-use super::peer::exited;
+use super::peer::{exited, ShowPid};
 use super::shared::{Parked, Shared};
 use crate::copy::Direction;
 use crate::error::{Limit, TierError};
@@ -198,15 +198,25 @@ impl Session {
     /// was (its maps change only after the work that can fail).
     pub(super) fn run(&mut self, req: Request) -> Reply {
         let name = req.name();
+        let span =
+            tracing::debug_span!("request", kind = name, blocks = request_blocks(&req), pid = %ShowPid(self.pid));
+        let _entered = span.enter();
         #[cfg(kvtier_seeded_bug = "request-panic-unwinds")]
         return self.handle(req).unwrap_or_else(|e| Reply::Error(WireError::from(&e)));
         #[allow(unreachable_code)]
         match catch_unwind(AssertUnwindSafe(|| self.handle(req))) {
             Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => Reply::Error(WireError::from(&e)),
+            Ok(Err(e)) => {
+                if matches!(e, TierError::LimitExceeded { .. }) {
+                    tracing::info!("process {}: refused {name}: {e}", ShowPid(self.pid));
+                } else {
+                    tracing::debug!("{name} failed: {e}");
+                }
+                Reply::Error(WireError::from(&e))
+            }
             Err(payload) => {
                 let message = panic_message(&*payload);
-                tracing::error!("process {:?}: request {name} panicked: {message}", self.pid);
+                tracing::error!("process {}: request {name} panicked: {message}", ShowPid(self.pid));
                 Reply::Error(WireError::Panicked { request: name.into(), message })
             }
         }
@@ -477,7 +487,11 @@ impl Session {
                 shared.drop_handles(id, n);
             }
         })) {
-            tracing::error!("process {:?}: dropping its lease handles panicked: {}", self.pid, panic_message(&*p));
+            tracing::error!(
+                "process {}: dropping its lease handles panicked: {}",
+                ShowPid(self.pid),
+                panic_message(&*p)
+            );
         }
         self.lease_handles = 0;
         self.lease_sizes.clear();
@@ -512,7 +526,11 @@ impl Session {
             let reservation = s.take();
             self.parked.extend_from_slice(reservation.entries());
             if let Err(p) = catch_unwind(AssertUnwindSafe(|| reservation.quarantine())) {
-                tracing::error!("process {:?}: withholding a save's slots panicked: {}", self.pid, panic_message(&*p));
+                tracing::error!(
+                    "process {}: withholding a save's slots panicked: {}",
+                    ShowPid(self.pid),
+                    panic_message(&*p)
+                );
             }
         }
         let parked = Parked {
@@ -532,9 +550,9 @@ impl Session {
             Some(fd) if exited(fd) => self.shared.release_parked(parked),
             Some(_) => {
                 tracing::info!(
-                    "process {:?} disconnected with {} slots being written and {} pinned restores: \
+                    "process {} disconnected with {} slots being written and {} pinned restores: \
                      withheld until it exits",
-                    parked.pid,
+                    ShowPid(parked.pid),
                     parked.reserved.len(),
                     parked.pins.len()
                 );
@@ -542,9 +560,9 @@ impl Session {
             }
             None => {
                 tracing::warn!(
-                    "process {:?} disconnected with copies in flight and no pidfd: {} slots and {} restores' pins \
+                    "process {} disconnected with copies in flight and no pidfd: {} slots and {} restores' pins \
                      are withheld for good",
-                    parked.pid,
+                    ShowPid(parked.pid),
                     parked.reserved.len(),
                     parked.pins.len()
                 );
@@ -568,5 +586,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".into()
+    }
+}
+
+/// Blocks (or keys) a request names, for its debug span (0 for requests that name none).
+fn request_blocks(req: &Request) -> u64 {
+    match req {
+        Request::Query { keys, .. }
+        | Request::PrepareSave { keys, .. }
+        | Request::Hint { keys, .. }
+        | Request::Audit { keys, .. } => keys.len() as u64,
+        Request::Restore { blocks, .. } => *blocks as u64,
+        Request::Evict { blocks } => *blocks,
+        Request::Contains { .. } => 1,
+        _ => 0,
     }
 }

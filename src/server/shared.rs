@@ -4,7 +4,7 @@
 //! [`SessionCount`]) and the refusals over a bound.
 
 use super::limits::{limit, Limits};
-use super::peer::exited;
+use super::peer::{exited, ShowPid};
 use crate::error::{Limit, TierError};
 use crate::remote::proto::{self, Request, WireError};
 use crate::tier::core::{Core, Reserved};
@@ -47,7 +47,7 @@ impl Parked {
         for r in self.reserved {
             core.release_quarantined(r);
         }
-        tracing::info!("process {:?} is gone: released {slots} slots it was writing and {n} pins", self.pid);
+        tracing::info!("process {} is gone: released {slots} slots it was writing and {n} pins", ShowPid(self.pid));
     }
 }
 

@@ -125,6 +125,14 @@ pub struct PoolConfig {
     /// Touch every backing page at construction (one write per 2 MiB hugetlb page, per 4 KiB page
     /// otherwise), on up to 8 threads for pools of 64 MiB or more.
     pub prefault: bool,
+    /// Map a pool larger than memory can back, on purpose. Without it, before anything is
+    /// mapped, a pool on 4 KiB pages or THP is refused with [`PoolError::ExceedsMemory`] when
+    /// its mapping is larger than physical memory (`MemTotal` in `/proc/meminfo`, less the
+    /// hugetlb pool), or, when it is prefaulted or locked, larger than `MemAvailable` (such a
+    /// pool takes its memory at start; the kernel's OOM killer would end this or another
+    /// process). A hugetlb pool is checked against the free 2 MiB pages instead, and a locked
+    /// pool against `RLIMIT_MEMLOCK` (unless the process has `CAP_IPC_LOCK`) whatever this says.
+    pub overcommit: bool,
 }
 
 impl PoolConfig {
@@ -155,6 +163,12 @@ impl PoolConfig {
     /// Touches every backing page at construction (see [`PoolConfig::prefault`]).
     pub fn with_prefault(mut self, prefault: bool) -> Self {
         self.prefault = prefault;
+        self
+    }
+
+    /// Maps a pool larger than memory can back, on purpose (see [`PoolConfig::overcommit`]).
+    pub fn with_overcommit(mut self, overcommit: bool) -> Self {
+        self.overcommit = overcommit;
         self
     }
 }
@@ -401,6 +415,76 @@ fn prefault(map: &Mapping, stride: usize) {
     });
 }
 
+/// A field of `/proc/meminfo` in bytes (`None` where the file or the field is missing).
+fn meminfo_bytes(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    s.lines().find_map(|l| {
+        let kib = l.strip_prefix(field)?.strip_prefix(':')?.split_whitespace().next()?.parse::<u64>().ok()?;
+        Some(kib.saturating_mul(1024))
+    })
+}
+
+/// The soft `RLIMIT_MEMLOCK` in bytes, `None` when unlimited or when the process has
+/// `CAP_IPC_LOCK` (the kernel then ignores the limit).
+fn memlock_limit() -> Option<u64> {
+    const CAP_IPC_LOCK: u32 = 14;
+    let caps = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| u64::from_str_radix(l.strip_prefix("CapEff:")?.trim(), 16).ok()));
+    if caps.is_some_and(|c| c & (1 << CAP_IPC_LOCK) != 0) {
+        return None;
+    }
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 || r.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(r.rlim_cur)
+}
+
+/// Refuses, before anything is mapped, a pool of `data` slot bytes on `backing` pages that memory
+/// cannot back (see [`PoolConfig::overcommit`]). The hugetlb reservation itself is checked where
+/// the hugetlb mapping is made.
+fn check_backable(data: u64, backing: Backing, config: &PoolConfig) -> Result<(), PoolError> {
+    let bytes = map_len(data, backing)? as u64;
+    if config.mlock && !cfg!(kvtier_seeded_bug = "pool-unchecked-memory") {
+        if let Some(limit) = memlock_limit() {
+            if bytes > limit {
+                return Err(PoolError::ExceedsMemory {
+                    bytes,
+                    available: limit,
+                    what: "RLIMIT_MEMLOCK (the pool is locked)",
+                });
+            }
+        }
+    }
+    if backing == Backing::HugeTlb || config.overcommit {
+        return Ok(());
+    }
+    if let Some(total) = meminfo_bytes("MemTotal").filter(|_| !cfg!(kvtier_seeded_bug = "pool-unchecked-memory")) {
+        let total = total.saturating_sub(meminfo_bytes("Hugetlb").unwrap_or(0));
+        if bytes > total {
+            return Err(PoolError::ExceedsMemory {
+                bytes,
+                available: total,
+                what: "physical memory (MemTotal less the hugetlb pool)",
+            });
+        }
+    }
+    if config.prefault || config.mlock {
+        if let Some(avail) = meminfo_bytes("MemAvailable") {
+            if bytes > avail {
+                return Err(PoolError::ExceedsMemory {
+                    bytes,
+                    available: avail,
+                    what: "available memory (MemAvailable), which a prefaulted or locked pool takes at start",
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The pool's capacity in slots for `config`, after the checks every constructor makes (slot size,
 /// at least one slot, at most [`MAX_SLOTS`], an existing NUMA node).
 fn slot_count(slot_bytes: u64, config: &PoolConfig) -> Result<u32, PoolError> {
@@ -459,6 +543,9 @@ impl HostPool {
     ///   `/sys/devices/system/node/nodeN` directory.
     /// - [`PoolError::HugePagesUnavailable`]: [`BackingChoice::HugeTlb`] and fewer free 2 MiB pages
     ///   than `ceil(capacity * slot_bytes / 2 MiB)`.
+    /// - [`PoolError::ExceedsMemory`]: the mapping is larger than memory can back (physical
+    ///   memory; available memory when prefaulted or locked; `RLIMIT_MEMLOCK` when locked), unless
+    ///   [`PoolConfig::overcommit`] (see there). Nothing was mapped.
     /// - [`PoolError::Map`]: `mmap` failed (or the length exceeds the address space).
     /// - [`PoolError::Syscall`]: `mbind` or `mlock` failed.
     pub fn new(slot_bytes: u64, config: &PoolConfig) -> Result<Self, PoolError> {
@@ -466,17 +553,32 @@ impl HostPool {
         // <= config.bytes: cannot overflow.
         let data = capacity as u64 * slot_bytes;
         let (map, backing) = match config.backing {
-            BackingChoice::HugeTlb => match map_hugetlb(data, config.numa_node) {
-                Ok(m) => (m, Backing::HugeTlb),
-                Err((_, _, Some(e))) => return Err(e),
-                Err((needed, free, None)) => return Err(PoolError::HugePagesUnavailable { needed, free }),
+            BackingChoice::HugeTlb => {
+                check_backable(data, Backing::HugeTlb, config)?;
+                match map_hugetlb(data, config.numa_node) {
+                    Ok(m) => (m, Backing::HugeTlb),
+                    Err((_, _, Some(e))) => return Err(e),
+                    Err((needed, free, None)) => return Err(PoolError::HugePagesUnavailable { needed, free }),
+                }
+            }
+            BackingChoice::Auto => match check_backable(data, Backing::HugeTlb, config)
+                .ok()
+                .and_then(|()| map_hugetlb(data, config.numa_node).ok())
+            {
+                Some(m) => (m, Backing::HugeTlb),
+                None => {
+                    check_backable(data, Backing::TransparentHuge, config)?;
+                    map_thp(data)?
+                }
             },
-            BackingChoice::Auto => match map_hugetlb(data, config.numa_node) {
-                Ok(m) => (m, Backing::HugeTlb),
-                Err(_) => map_thp(data)?,
-            },
-            BackingChoice::TransparentHuge => map_thp(data)?,
-            BackingChoice::Plain => (map_plain(data)?, Backing::Plain),
+            BackingChoice::TransparentHuge => {
+                check_backable(data, Backing::TransparentHuge, config)?;
+                map_thp(data)?
+            }
+            BackingChoice::Plain => {
+                check_backable(data, Backing::Plain, config)?;
+                (map_plain(data)?, Backing::Plain)
+            }
         };
         Self::assemble(map, backing, slot_bytes, capacity, config, None)
     }
@@ -758,6 +860,73 @@ pub(crate) mod tests {
         ));
         let cfg = PoolConfig { numa_node: Some(4095), ..plain(MIB) };
         assert!(matches!(HostPool::new(256, &cfg), Err(PoolError::NoSuchNumaNode { node: 4095 })));
+    }
+
+    /// A pool larger than physical memory is refused before anything is mapped, on every
+    /// constructor and every backing; with `overcommit` (no prefault: nothing is touched) it maps.
+    #[test]
+    fn a_pool_larger_than_memory_is_refused_unless_overcommitted() {
+        let total = meminfo("MemTotal") * 1024;
+        let bytes = 2 * total;
+        for backing in [BackingChoice::Auto, BackingChoice::TransparentHuge, BackingChoice::Plain] {
+            let cfg = PoolConfig::new(bytes).with_backing(backing);
+            for (shared, r) in [(false, HostPool::new(MIB, &cfg)), (true, HostPool::new_shared(MIB, &cfg))] {
+                match r {
+                    Err(PoolError::ExceedsMemory { bytes: b, available, what }) => {
+                        assert!(b >= bytes / MIB * MIB && available <= total, "{b} B against {available} B of {what}");
+                        assert!(what.contains("MemTotal"), "{what}");
+                    }
+                    r => panic!(
+                        "a pool of twice MemTotal ({backing:?}, shared {shared}) must be refused with \
+                         ExceedsMemory before it is mapped, got {r:?}"
+                    ),
+                }
+            }
+        }
+        let e = HostPool::new_shared(MIB, &PoolConfig::new(bytes).with_backing(BackingChoice::Plain)).unwrap_err();
+        assert!(e.to_string().contains("--overcommit"), "the message names the way out: {e}");
+        let over = PoolConfig::new(bytes).with_backing(BackingChoice::Plain).with_overcommit(true);
+        let p = HostPool::new_shared(MIB, &over).expect("an overcommitted shared pool maps (nothing touched)");
+        assert_eq!(p.capacity() as u64, bytes / MIB);
+        assert!(p.mapped_bytes() >= bytes / MIB * MIB);
+    }
+
+    /// A locked pool over `RLIMIT_MEMLOCK` is refused before it is mapped, overcommit or not
+    /// (without the check, `mlock` would fail only after the mapping, having locked part of it).
+    #[test]
+    fn a_locked_pool_over_rlimit_memlock_is_refused() {
+        let Some(limit) = memlock_limit().filter(|&l| l <= 4 << 30) else {
+            eprintln!("skipping: RLIMIT_MEMLOCK is unlimited, above 4 GiB, or the process has CAP_IPC_LOCK");
+            return;
+        };
+        let bytes = limit + 4 * MIB;
+        for over in [false, true] {
+            let cfg = plain(bytes).with_mlock(true).with_overcommit(over);
+            match HostPool::new(MIB, &cfg) {
+                Err(PoolError::ExceedsMemory { available, what, .. }) => {
+                    assert_eq!(available, limit);
+                    assert!(what.contains("RLIMIT_MEMLOCK"), "{what}");
+                }
+                r => panic!("a locked pool over RLIMIT_MEMLOCK (overcommit {over}) must be refused first, got {r:?}"),
+            }
+        }
+    }
+
+    /// A prefaulted pool must fit in available memory: it takes all of it at start.
+    #[test]
+    fn a_prefaulted_pool_larger_than_available_memory_is_refused() {
+        let avail = meminfo("MemAvailable") * 1024;
+        let total = meminfo("MemTotal") * 1024;
+        if total - avail < 2 << 30 {
+            eprintln!("skipping: less than 2 GiB between MemAvailable and MemTotal");
+            return;
+        }
+        let bytes = avail + (total - avail) / 2;
+        let cfg = PoolConfig::new(bytes).with_backing(BackingChoice::Plain).with_prefault(true);
+        match HostPool::new_shared(MIB, &cfg) {
+            Err(PoolError::ExceedsMemory { what, .. }) => assert!(what.contains("MemAvailable"), "{what}"),
+            r => panic!("a prefaulted pool above MemAvailable must be refused, got {r:?}"),
+        }
     }
 
     #[test]

@@ -82,6 +82,8 @@ struct Job {
     handle: std::sync::Arc<HandleShared>,
     /// The rank's in-flight accounting, which counts this job from its creation ([`Job::new`]).
     inflight: std::sync::Arc<InFlight>,
+    /// When the copy was submitted (its debug span reports queue-to-completion time).
+    submitted: Instant,
 }
 
 impl Drop for Job {
@@ -142,6 +144,7 @@ impl Job {
             bytes,
             handle,
             inflight: inflight.clone(),
+            submitted: Instant::now(),
         }
     }
 
@@ -149,6 +152,16 @@ impl Job {
     /// when the completion threads are gone).
     fn finish(mut self, tier: &Flavor, inflight: &InFlight) {
         let (dir, blocks, bytes, handle) = (self.dir, self.blocks, self.bytes, self.handle.clone());
+        let span = tracing::debug_span!(
+            "copy",
+            dir = ?dir,
+            blocks,
+            bytes,
+            outcome = tracing::field::Empty,
+            seconds = tracing::field::Empty
+        );
+        let _entered = span.enter();
+        let submitted = self.submitted;
         let mut completion = self.completion.take().expect("a job's completion is taken once");
         let waited = catch_unwind(AssertUnwindSafe(|| completion.wait()));
         let result = match waited {
@@ -191,6 +204,9 @@ impl Job {
             }
         };
         drop(self);
+        span.record("outcome", if result.is_ok() { "done" } else { "failed" });
+        span.record("seconds", submitted.elapsed().as_secs_f64());
+        tracing::debug!("settled");
         tier.record_copy(dir, blocks, bytes, result.is_ok());
         inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
         // The batch leaves the rank's load before its handle completes, so a caller woken by the

@@ -12,8 +12,8 @@
 //! allows them and the advice is taken. [`HostPool::backing`] reports which.
 
 use super::{
-    hugetlb_free_pages, map_len, slot_count, too_big, Backing, BackingChoice, HostPool, Mapping, PoolConfig,
-    HUGE_PAGE_BYTES,
+    check_backable, hugetlb_free_pages, map_len, slot_count, too_big, Backing, BackingChoice, HostPool, Mapping,
+    PoolConfig, HUGE_PAGE_BYTES,
 };
 use crate::error::PoolError;
 use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags};
@@ -161,24 +161,43 @@ impl HostPool {
     /// to can resize it.
     ///
     /// # Errors
-    /// As [`HostPool::new`]; [`PoolError::Map`] also when `memfd_create`, `ftruncate` or the
+    /// As [`HostPool::new`] (a pool larger than memory can back is [`PoolError::ExceedsMemory`],
+    /// nothing mapped); [`PoolError::Map`] also when `memfd_create`, `ftruncate` or the
     /// sealing `fcntl` fails.
     pub fn new_shared(slot_bytes: u64, config: &PoolConfig) -> Result<Self, PoolError> {
         let capacity = slot_count(slot_bytes, config)?;
         let data = capacity as u64 * slot_bytes;
         let (map, backing, fd) = match config.backing {
-            BackingChoice::HugeTlb => match hugetlb_memfd(data, config.numa_node) {
-                Ok((m, fd)) => (m, Backing::HugeTlb, fd),
-                Err((_, _, Some(e))) => return Err(e),
-                Err((needed, free, None)) => return Err(PoolError::HugePagesUnavailable { needed, free }),
-            },
-            BackingChoice::Auto => match hugetlb_memfd(data, config.numa_node) {
-                Ok((m, fd)) => (m, Backing::HugeTlb, fd),
-                Err((_, _, Some(e))) => return Err(e),
-                Err(_) => plain_memfd(data, true)?,
-            },
-            BackingChoice::TransparentHuge => plain_memfd(data, true)?,
-            BackingChoice::Plain => plain_memfd(data, false)?,
+            BackingChoice::HugeTlb => {
+                check_backable(data, Backing::HugeTlb, config)?;
+                match hugetlb_memfd(data, config.numa_node) {
+                    Ok((m, fd)) => (m, Backing::HugeTlb, fd),
+                    Err((_, _, Some(e))) => return Err(e),
+                    Err((needed, free, None)) => return Err(PoolError::HugePagesUnavailable { needed, free }),
+                }
+            }
+            BackingChoice::Auto => {
+                let huge = match check_backable(data, Backing::HugeTlb, config) {
+                    Ok(()) => hugetlb_memfd(data, config.numa_node),
+                    Err(_) => Err((0, 0, None)),
+                };
+                match huge {
+                    Ok((m, fd)) => (m, Backing::HugeTlb, fd),
+                    Err((_, _, Some(e))) => return Err(e),
+                    Err(_) => {
+                        check_backable(data, Backing::TransparentHuge, config)?;
+                        plain_memfd(data, true)?
+                    }
+                }
+            }
+            BackingChoice::TransparentHuge => {
+                check_backable(data, Backing::TransparentHuge, config)?;
+                plain_memfd(data, true)?
+            }
+            BackingChoice::Plain => {
+                check_backable(data, Backing::Plain, config)?;
+                plain_memfd(data, false)?
+            }
         };
         Self::assemble(map, backing, slot_bytes, capacity, config, Some(fd))
     }
