@@ -203,12 +203,7 @@ impl Server {
             let stream = Arc::new(stream);
             if live > limits.connections && !cfg!(kvtier_seeded_bug = "no-connection-limit") {
                 tracing::warn!("refusing a connection: {} are open, the limit is {}", live - 1, limits.connections);
-                let e = WireError::LimitExceeded {
-                    limit: Limit::Connections,
-                    asked: live as u64,
-                    max: limits.connections as u64,
-                };
-                refuse(&self.shared, stream, e);
+                refuse(&self.shared, stream, over(Limit::Connections, live, limits.connections));
                 drop(slot);
                 continue;
             }
@@ -219,12 +214,11 @@ impl Server {
                         asked - 1,
                         limits.connections_per_process
                     );
-                    let e = WireError::LimitExceeded {
-                        limit: Limit::ConnectionsPerProcess,
-                        asked: asked as u64,
-                        max: limits.connections_per_process as u64,
-                    };
-                    refuse(&self.shared, stream, e);
+                    refuse(
+                        &self.shared,
+                        stream,
+                        over(Limit::ConnectionsPerProcess, asked, limits.connections_per_process),
+                    );
                     drop(slot);
                     continue;
                 }
@@ -256,6 +250,11 @@ impl std::fmt::Debug for Server {
 /// Sends a refusal (marker and error frame) without blocking and keeps the connection open a
 /// moment ([`REFUSED_LINGER`], the reaper drains its hello) so the client reads the refusal rather
 /// than a reset.
+/// The answer to a connection over `limit`: `asked` of at most `max`.
+fn over(limit: Limit, asked: usize, max: usize) -> WireError {
+    WireError::LimitExceeded { limit, asked: asked as u64, max: max as u64 }
+}
+
 fn refuse(shared: &Shared, stream: Arc<UnixStream>, e: WireError) {
     shared.note_refusal(&e);
     if stream.set_nonblocking(true).is_err() {
