@@ -50,6 +50,7 @@ mod backend;
 mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod disk;
 mod error;
 mod evict;
 mod geometry;
@@ -136,6 +137,10 @@ pub mod internals {
     pub use crate::tier::evictor::{Claims, Want};
     pub use crate::tier::save_plan::SavePlan;
     pub use crate::tier::AuditReport;
+    /// The SSD tier's disk slot files (not yet wired into the tier).
+    pub mod disk {
+        pub use crate::disk::*;
+    }
     use crate::{ContentKey, HostTier, Lease, TierError};
 
     /// The slot control words of `pool`.
