@@ -25,7 +25,13 @@ fn disk(c: &mut Criterion) {
     let path = dir.join("bench.kvt");
     let _ = std::fs::remove_file(&path);
     let namespace = Namespace::from_description(b"kvtier disk bench");
-    let config = DiskFileConfig { path: path.clone(), namespace, payload_bytes: PAYLOAD, slots: SLOTS, io: IoPreference::Direct };
+    let config = DiskFileConfig {
+        path: path.clone(),
+        namespace,
+        payload_bytes: PAYLOAD,
+        slots: SLOTS,
+        io: IoPreference::Direct,
+    };
     let (file, _) = DiskFile::open_or_create(&config).expect("the bench file");
     eprintln!("disk bench: {} ({:?} transfers)", path.display(), file.mode());
     let payload: Vec<u8> = (0..PAYLOAD).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8).collect();

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvtier::internals::disk::{DiskError, DiskFile, DiskFileConfig, IoMode, IoPreference, TRAILER_BYTES};
+use kvtier::internals::disk::{
+    BatchEngine, DiskError, DiskFile, DiskFileConfig, IoMode, IoPreference, ReadRequest, TRAILER_BYTES,
+};
 use kvtier::{ContentKey, Namespace};
 
 /// A payload that does not fill its last page, so the trailer shares it with payload bytes.
@@ -215,6 +217,56 @@ fn buffered_transfers_when_asked_for_and_direct_ones_by_default() {
         IoMode::Direct => assert_eq!((counts.direct, counts.buffered), (3, 0), "2 scan reads and 1 read"),
         IoMode::Buffered => assert_eq!((counts.direct, counts.buffered), (0, 3)),
     }
+}
+
+#[test]
+fn a_batched_read_at_depth_verifies_each_block_with_either_engine() {
+    let dir = tmpdir();
+    let path = dir.path().join("tier.kvt");
+    let (file, _) = DiskFile::open_or_create(&config(&path, 8)).unwrap();
+    for slot in 0..8 {
+        file.write(slot, key_of(slot), slot, &payload_of(slot, PAYLOAD)).unwrap();
+    }
+    drop(file);
+    flip_byte(&path, slot_offset(5) + 100); // slot 5's payload
+    let (file, _) = DiskFile::open_or_create(&config(&path, 8)).unwrap();
+    // Slots 0-7 in a shuffled order, then slot 2 asked with a wrong generation and slot 9 (out of
+    // range).
+    let mut requests: Vec<ReadRequest> =
+        [3u64, 0, 7, 5, 1, 6, 2, 4].iter().map(|&s| ReadRequest { slot: s, key: key_of(s), generation: s }).collect();
+    requests.push(ReadRequest { slot: 2, key: key_of(2), generation: 99 });
+    requests.push(ReadRequest { slot: 9, key: key_of(9), generation: 9 });
+    for engine in [BatchEngine::IoUring, BatchEngine::Threads] {
+        for depth in [1, 4, 16] {
+            let mut bufs: Vec<Vec<u8>> = vec![vec![0xa5u8; PAYLOAD as usize]; requests.len()];
+            let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            let report = file.read_batch(&requests, &mut outs, depth, engine).unwrap();
+            let label = format!("{engine:?} (ran {:?}) at depth {depth}", report.engine);
+            for (i, (req, result)) in requests.iter().zip(&report.results).enumerate() {
+                let sound = req.slot != 5 && req.generation == req.slot && req.slot < 8;
+                match result {
+                    Ok(()) if sound => assert!(bufs[i] == payload_of(req.slot, PAYLOAD), "{label}: slot {}", req.slot),
+                    Ok(()) => panic!("{label}: a corrupted or wrong block was served: request {i} {req:?}"),
+                    Err(e) if sound => panic!("{label}: request {i}: {e}"),
+                    Err(e) => {
+                        assert!(
+                            matches!(e, DiskError::Unverified { .. } | DiskError::SlotOutOfRange { slot: 9, .. }),
+                            "{label}: {e}"
+                        );
+                        assert!(bufs[i].iter().all(|&b| b == 0xa5), "{label}: a refused block wrote its buffer");
+                    }
+                }
+            }
+        }
+    }
+    let mut one = vec![0u8; PAYLOAD as usize];
+    let mut outs: Vec<&mut [u8]> = vec![one.as_mut_slice()];
+    for depth in [0, 1025] {
+        let err = file.read_batch(&requests[..1], &mut outs, depth, BatchEngine::IoUring).unwrap_err();
+        assert!(matches!(err, DiskError::BadConfig(_)), "{err}");
+    }
+    let err = file.read_batch(&requests[..2], &mut outs, 2, BatchEngine::Threads).unwrap_err();
+    assert!(matches!(err, DiskError::BadConfig(_)), "{err}");
 }
 
 // --- a writer killed at random points --------------------------------------------------------

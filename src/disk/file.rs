@@ -91,7 +91,7 @@ pub struct ScanReport {
 }
 
 /// A 4 KiB-aligned heap buffer for `O_DIRECT` transfers.
-struct AlignedBuf {
+pub(super) struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
@@ -113,13 +113,13 @@ impl AlignedBuf {
         AlignedBuf { ptr, len }
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(super) fn bytes(&self) -> &[u8] {
         // SAFETY: ptr points to `len` initialised bytes (alloc_zeroed) owned by self; the shared
         // borrow of self keeps them alive and unaliased by a mutable borrow.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`, and the exclusive borrow of self makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -292,7 +292,7 @@ impl DiskFile {
         }
     }
 
-    fn check_slot(&self, slot: u64) -> Result<(), DiskError> {
+    pub(super) fn check_slot(&self, slot: u64) -> Result<(), DiskError> {
         if slot >= self.header.slots {
             return Err(DiskError::SlotOutOfRange { slot, slots: self.header.slots });
         }
@@ -303,12 +303,12 @@ impl DiskFile {
         usize::try_from(self.header.stride).expect("a stride that was preallocated fits in memory")
     }
 
-    fn take_staging(&self) -> AlignedBuf {
+    pub(super) fn take_staging(&self) -> AlignedBuf {
         let reuse = self.staging.lock().unwrap_or_else(|p| p.into_inner()).pop();
         reuse.unwrap_or_else(|| AlignedBuf::new(self.stride()))
     }
 
-    fn give_staging(&self, buf: AlignedBuf) {
+    pub(super) fn give_staging(&self, buf: AlignedBuf) {
         let mut pool = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         // Keep a few for reuse; a burst of threads does not pin their buffers for good.
         if pool.len() < 8 {
@@ -389,10 +389,44 @@ impl DiskFile {
         let mut buf = self.take_staging();
         let result = self
             .transfer(self.header.slot_offset(slot), buf.bytes_mut(), false, "reading a slot")
-            .and_then(|()| self.verify(slot, key, generation, buf.bytes()))
-            .map(|()| out.copy_from_slice(&buf.bytes()[..out.len()]));
+            .and_then(|()| self.verify_into(slot, key, generation, buf.bytes(), out));
         self.give_staging(buf);
         result
+    }
+
+    /// Checks a slot's bytes as read (`stride`, the whole slot) and copies its payload into `out`
+    /// only when the block is the one asked for and its checksums hold.
+    pub(super) fn verify_into(
+        &self,
+        slot: u64,
+        key: ContentKey,
+        generation: u64,
+        stride: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), DiskError> {
+        if out.len() as u64 != self.header.payload_bytes {
+            return Err(DiskError::PayloadSize { got: out.len() as u64, want: self.header.payload_bytes });
+        }
+        self.verify(slot, key, generation, stride)?;
+        out.copy_from_slice(&stride[..out.len()]);
+        Ok(())
+    }
+
+    /// The descriptor batched transfers use (`O_DIRECT` in [`IoMode::Direct`]).
+    pub(super) fn transfer_fd(&self) -> std::os::fd::RawFd {
+        self.primary.as_raw_fd()
+    }
+
+    /// Counts one transfer done on [`DiskFile::transfer_fd`].
+    pub(super) fn count_transfer(&self) {
+        match self.mode {
+            IoMode::Direct => self.direct_ops.fetch_add(1, Ordering::Relaxed),
+            IoMode::Buffered => self.buffered_ops.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+
+    pub(super) fn io_error(&self, what: &'static str, source: std::io::Error) -> DiskError {
+        io_error(&self.path, what, source)
     }
 
     fn verify(&self, slot: u64, key: ContentKey, generation: u64, stride: &[u8]) -> Result<(), DiskError> {
