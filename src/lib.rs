@@ -90,7 +90,7 @@ pub use key::{ContentKey, Namespace};
 pub use metrics::{prometheus_client, Health, PoolHealth};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
-pub use remote::{default_socket_path, ConnectOptions, LeaseToken};
+pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use server::{Limits, Server, ServerConfig};
