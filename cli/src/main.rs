@@ -102,7 +102,8 @@ struct ReplayArgs {
     /// Block layout preset: glm52, qwen3-4b, deepseek-v3, deepseek-v3-bf16, llama3-8b.
     #[arg(long, default_value = "glm52")]
     geometry: String,
-    /// Host pool size, with units (e.g. 4GiB, 512MiB, 32GB; GB = 10^9 B, GiB = 2^30 B).
+    /// Host pool size: bytes, or with a unit (e.g. 4GiB, 512MiB, 32GB; GB = 10^9 B, GiB = 2^30 B;
+    /// units are case-sensitive, so 4gb is refused with both readings).
     #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
     pool: u64,
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
