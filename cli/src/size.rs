@@ -15,8 +15,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// Parses a pool size into whole slots of `slot_bytes` bytes: a slot count with the suffix `slots`
-/// (`9952slots`), or a byte size as [`parse_bytes`] (`32GiB` holds `floor(bytes / slot_bytes)`
-/// slots).
+/// (`9952slots`), or a byte size as [`parse_bytes`], which holds the slots the pool would map
+/// ([`kvtier::PoolConfig::slots`]: `32GiB` of 3,452,160 B slots is 9,953).
 ///
 /// # Errors
 /// [`Error::Config`] for a bad number or unit (with the size parser's reason), or a size below one
@@ -24,15 +24,25 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 pub fn parse_slots(s: &str, slot_bytes: u64) -> Result<u32, Error> {
     let t = s.trim();
     let bad = |why: String| Error::Config(format!("bad pool size `{s}` (e.g. 32GiB, 500MB, 9952slots): {why}"));
-    let slots: u64 = match t.strip_suffix("slots") {
-        Some(n) => n.trim().parse().map_err(|e| bad(format!("{e}")))?,
-        None => kvtier::parse_bytes(t).map_err(|e| bad(e.to_string()))? / slot_bytes.max(1),
-    };
-    if slots == 0 || slots > kvtier::MAX_SLOTS as u64 {
-        return Err(Error::Config(format!(
+    let out_of_range = |slots: u64| {
+        Error::Config(format!(
             "pool size `{s}` is {slots} slots of {slot_bytes} B; it must hold 1 to {} slots",
             kvtier::MAX_SLOTS
-        )));
+        ))
+    };
+    let slots: u64 = match t.strip_suffix("slots") {
+        Some(n) => n.trim().parse().map_err(|e| bad(format!("{e}")))?,
+        None => {
+            let bytes = kvtier::parse_bytes(t).map_err(|e| bad(e.to_string()))?;
+            return kvtier::PoolConfig::new(bytes).slots(slot_bytes).map_err(|e| match e {
+                kvtier::PoolError::TooSmall { .. } => out_of_range(0),
+                kvtier::PoolError::TooManySlots { slots, .. } => out_of_range(slots),
+                e => Error::Config(format!("pool size `{s}`: {e}")),
+            });
+        }
+    };
+    if slots == 0 || slots > kvtier::MAX_SLOTS as u64 {
+        return Err(out_of_range(slots));
     }
     Ok(slots as u32)
 }
@@ -58,6 +68,12 @@ mod tests {
     #[test]
     fn slots_from_bytes_or_counts() {
         let slot = 3_452_160; // one GLM-5.2 block
+        // What the pool maps (sizes this machine can map without a prefault), the one computation.
+        for size in ["8GiB", "34.52216MB"] {
+            let cfg = kvtier::PoolConfig::new(kvtier::parse_bytes(size).unwrap()).with_backing(kvtier::BackingChoice::Plain);
+            let pool = kvtier::HostPool::new(slot, &cfg).unwrap();
+            assert_eq!(parse_slots(size, slot).unwrap(), pool.capacity(), "{size}");
+        }
         assert_eq!(parse_slots("32GiB", slot).unwrap(), 9953);
         assert_eq!(parse_slots("8GiB", slot).unwrap(), 2488);
         assert_eq!(parse_slots("64GiB", slot).unwrap(), 19_906);

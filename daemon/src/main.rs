@@ -330,7 +330,7 @@ fn log_pool_request(a: &Args, cfg: &TierConfig) {
         a.pool,
         bytes,
         bytes as f64 / GIB,
-        bytes / g.slot_bytes(),
+        cfg.pool.slots(g.slot_bytes()).map_or_else(|e| e.to_string(), |n| n.to_string()),
         g.slot_bytes(),
         a.backing,
         a.prefault,
