@@ -2,7 +2,7 @@
 //! flight, hints), each request run against the tier under `catch_unwind`, and the session's end,
 //! the same however it ends (see the docs of [`crate::server`]).
 
-use super::clients::{self, ClientCounters};
+use super::clients::ClientCounters;
 use super::limits::limit;
 use super::peer::{exited, ShowPid};
 use super::shared::{Parked, Shared};
@@ -117,7 +117,7 @@ pub(super) struct Session {
 
 impl Session {
     pub(super) fn new(shared: Arc<Shared>, pid: Option<u32>, pidfd: Option<OwnedFd>) -> Session {
-        let (client_id, counters) = clients::register(&shared, pid);
+        let (client_id, counters) = shared.clients.register(pid);
         Session {
             client_id,
             counters,
@@ -479,7 +479,7 @@ impl Session {
             Request::LiveHints => Reply::Count(self.shared.tier.live_hints() as u64),
             Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
             Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
-            Request::Clients => Reply::Clients(clients::clients(&self.shared, self.client_id)),
+            Request::Clients => Reply::Clients(self.shared.clients.rows(self.client_id)),
             Request::Audit { keys } => {
                 self.check_keys(keys.len())?;
                 Reply::Audit(core.audit(&keys).map(|a| WireAudit {
@@ -519,7 +519,7 @@ impl Session {
 
     /// Ends the session (see the type's docs); idempotent.
     fn end(&mut self) {
-        clients::unregister(&self.shared, self.client_id);
+        self.shared.clients.unregister(self.client_id);
         let leases = std::mem::take(&mut self.leases);
         let shared = self.shared.clone();
         if let Err(p) = catch_unwind(AssertUnwindSafe(move || {

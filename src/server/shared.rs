@@ -3,7 +3,7 @@
 //! ([`Parked`]), each process's slots held, the connection and session counts ([`ConnSlot`],
 //! [`SessionCount`]), the refusals over a bound and each session's own counters.
 
-use super::clients::ClientCounters;
+use super::clients::Clients;
 use super::limits::{limit, Limits};
 use super::peer::{exited, ShowPid};
 use crate::error::{Limit, TierError};
@@ -79,10 +79,8 @@ pub(super) struct Shared {
     pub(super) sessions_begun: AtomicU64,
     /// Requests and connections refused over a bound, by bound (in order of first refusal).
     pub(super) refusals: Mutex<Vec<(Limit, u64)>>,
-    /// Each live session's own counters, by session id ([`super::clients`]).
-    pub(super) clients: Mutex<HashMap<u64, Arc<ClientCounters>>>,
-    /// The next session id.
-    pub(super) session_ids: AtomicU64,
+    /// Each live session's own counters ([`Clients`]).
+    pub(super) clients: Clients,
     /// Tests: requests for which this returns true panic in the daemon (see
     /// [`Server::panic_on_requests`](super::Server::panic_on_requests)).
     pub(super) panic_hook: OnceLock<PanicHook>,
@@ -142,8 +140,7 @@ impl Shared {
             sessions: AtomicUsize::new(0),
             sessions_begun: AtomicU64::new(0),
             refusals: Mutex::new(Vec::new()),
-            clients: Mutex::new(HashMap::new()),
-            session_ids: AtomicU64::new(1),
+            clients: Clients::new(),
             panic_hook: OnceLock::new(),
         }
     }
