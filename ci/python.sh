@@ -117,6 +117,7 @@ if ((bites)); then
         "no-arena-check|test_arenas.py|DID NOT RAISE"
         "evict-count-usize|test_remote.py::test_evict_takes_any_count_and_clamps_it|OverflowError"
         "rank-drop-holds-gil|test_threads.py::test_a_rank_collected_unclosed_drains_without_the_gil|no reply from the daemon within"
+        "exceeds-memory-untyped|test_errors.py::test_a_pool_larger_than_memory_raises_pool_exceeds_memory_error|kvtier.errors.PoolError"
     )
     failed=0
     for row in "${bites_table[@]}"; do

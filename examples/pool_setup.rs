@@ -24,7 +24,7 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let bytes = parse_size::parse_size(&args.bytes).map_err(|e| format!("--bytes: {e}"))?;
+    let bytes = kvtier::parse_bytes(&args.bytes).map_err(|e| format!("--bytes {e}"))?;
     let geometry = Geometry::preset("glm52", 1)?;
     let pages_needed = bytes.div_ceil(2 << 20);
     if args.reserve_hugepages {

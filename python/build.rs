@@ -13,6 +13,7 @@ const BUGS: &[&str] = &[
     "no-arena-check",
     "evict-count-usize",
     "rank-drop-holds-gil",
+    "exceeds-memory-untyped",
 ];
 
 fn main() {

@@ -8,6 +8,43 @@ use thiserror::Error;
 
 use crate::key::ContentKey;
 
+/// A byte size that [`crate::parse_bytes`] cannot read.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum SizeError {
+    /// No number where the size begins.
+    #[error("`{input}` is not a byte size: expected a number with an optional unit (e.g. 4096, 32GB, 4GiB)")]
+    Number {
+        /// The text given.
+        input: String,
+    },
+    /// A unit that is unknown, or that could mean a decimal or a binary unit (`gb`, `G`).
+    #[error(
+        "`{input}`: unknown or ambiguous unit `{unit}` (accepted: bytes, B, kB, MB, GB, TB = 10^3..10^12 B, \
+         KiB, MiB, GiB, TiB = 2^10..2^40 B; units are case-sensitive){readings}"
+    )]
+    Unit {
+        /// The text given.
+        input: String,
+        /// The unit as written.
+        unit: String,
+        /// Both readings of the size, when the unit is a known one miswritten (else empty).
+        readings: String,
+    },
+    /// A fraction that does not come to whole bytes (`1.5B`).
+    #[error("`{input}` is not a whole number of bytes")]
+    Fraction {
+        /// The text given.
+        input: String,
+    },
+    /// More than `u64::MAX` bytes.
+    #[error("`{input}` is more than 2^64 - 1 bytes")]
+    Overflow {
+        /// The text given.
+        input: String,
+    },
+}
+
 /// A geometry (arena layout) or an arena binding (device base addresses) that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]

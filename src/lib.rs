@@ -62,6 +62,7 @@ mod metrics;
 mod remote;
 #[cfg(feature = "remote")]
 mod server;
+mod size;
 mod slab;
 mod sync;
 mod tier;
@@ -81,7 +82,7 @@ pub use cuda::{
     cuda_available, cudarc, device_count, driver_error, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream,
     Isolation, PatternJob, SmPartition,
 };
-pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, TierError};
+pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, SizeError, TierError};
 pub use evict::{PolicyKind, UnknownPolicy};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
 pub use index::{BlockIndex, IndexReader, SlotRef};
@@ -91,10 +92,11 @@ pub use key::{ContentKey, Namespace};
 pub use metrics::{prometheus_client, Health, PoolHealth};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
-pub use remote::{default_socket_path, ConnectOptions, LeaseToken};
+pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use server::{Limits, Server, ServerConfig};
+pub use size::parse_bytes;
 pub use slab::{
     hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,

@@ -46,7 +46,8 @@ enum Command {
     /// system prefixes, lengths) are measured on a real trace.
     Synth(SynthArgs),
     /// A running kvtierd's tier: hit ratio, blocks and bytes saved and restored, slots by state,
-    /// leases, evictions (a table, refreshed with --watch, or JSON once).
+    /// leases, evictions, and its top client processes (a table, refreshed with --watch, or JSON
+    /// once).
     Stats(StatsArgs),
 }
 
@@ -55,7 +56,8 @@ struct StatsArgs {
     /// The daemon's socket [default: kvtier's default socket path, as kvtierd's].
     #[arg(long)]
     socket: Option<PathBuf>,
-    /// Print the statistics once as one line of JSON (TierStats' fields, plus hit_ratio).
+    /// Print the statistics once as one line of JSON (TierStats' fields, plus hit_ratio and
+    /// clients: one object per client process, ClientStats' fields).
     #[arg(long, conflicts_with = "watch")]
     json: bool,
     /// Refresh every SECONDS, with the GB/s (10^9 B/s) saved and restored since the last refresh;
@@ -100,7 +102,8 @@ struct ReplayArgs {
     /// Block layout preset: glm52, qwen3-4b, deepseek-v3, deepseek-v3-bf16, llama3-8b.
     #[arg(long, default_value = "glm52")]
     geometry: String,
-    /// Host pool size, with units (e.g. 4GiB, 512MiB, 32GB; GB = 10^9 B, GiB = 2^30 B).
+    /// Host pool size: bytes, or with a unit (e.g. 4GiB, 512MiB, 32GB; GB = 10^9 B, GiB = 2^30 B;
+    /// units are case-sensitive, so 4gb is refused with both readings).
     #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
     pool: u64,
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
@@ -498,12 +501,14 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
     let socket = args.socket.unwrap_or_else(kvtier::default_socket_path);
     let tier = kvtier::HostTier::connect(&socket)?;
     let read = || tier.try_stats().map_err(Error::from);
+    let clients = || tier.clients().map_err(Error::from);
     if args.json {
-        println!("{}", stats::json(&read()?));
+        println!("{}", stats::json(&read()?, &clients()?));
         return Ok(());
     }
     let Some(every) = args.watch else {
-        print!("kvtierd at {}\n{}", socket.display(), stats::table(&read()?, None));
+        let (now, clients) = (read()?, clients()?);
+        print!("kvtierd at {}\n{}{}", socket.display(), stats::table(&now, None), stats::clients_table(&clients));
         return Ok(());
     };
     let every = std::time::Duration::try_from_secs_f64(every)
@@ -514,13 +519,20 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
     let mut prev: Option<(kvtier::TierStats, std::time::Instant)> = None;
     loop {
         let now = read()?;
+        let clients = clients()?;
         let at = std::time::Instant::now();
         let since = prev.as_ref().map(|(s, t)| (s, at - *t));
         if terminal {
             // Clear the screen and go home, so the table refreshes in place.
             print!("\x1b[2J\x1b[H");
         }
-        print!("kvtierd at {} (every {:.1} s)\n{}", socket.display(), every.as_secs_f64(), stats::table(&now, since));
+        print!(
+            "kvtierd at {} (every {:.1} s)\n{}{}",
+            socket.display(),
+            every.as_secs_f64(),
+            stats::table(&now, since),
+            stats::clients_table(&clients)
+        );
         if !terminal {
             println!();
         }

@@ -3,9 +3,11 @@
 //!
 //! The table shows the hit ratio (hit blocks over hit and missed blocks), what was saved and
 //! restored (blocks and bytes), the slots by state, the leases and the evictions; given the
-//! previous reading and the time since, also the copy rates each way in GB/s (10^9 B/s).
+//! previous reading and the time since, also the copy rates each way in GB/s (10^9 B/s). Below it,
+//! the top clients: the daemon's client processes ([`kvtier::HostTier::clients`]), busiest first,
+//! one row each.
 
-use kvtier::TierStats;
+use kvtier::{ClientStats, TierStats};
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -31,6 +33,48 @@ pub fn rates(prev: &TierStats, now: &TierStats, elapsed: Duration) -> (f64, f64)
     }
     let d = |a: u64, b: u64| b.saturating_sub(a) as f64 / GB / secs;
     (d(prev.bytes_saved, now.bytes_saved), d(prev.bytes_restored, now.bytes_restored))
+}
+
+/// Client rows the table shows at most (the JSON has them all).
+pub const TOP_CLIENTS: usize = 10;
+
+/// The top clients as a table: a header and one row per process (the first [`TOP_CLIENTS`] of
+/// `clients`, which come busiest first), then how many were left out; "none" without clients.
+/// Bytes are GB (10^9 B); `connected` is seconds since the process's oldest session began.
+pub fn clients_table(clients: &[ClientStats]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(t, "  top clients ({} processes)", clients.len());
+    if clients.is_empty() {
+        let _ = writeln!(t, "    none");
+        return t;
+    }
+    let _ = writeln!(
+        t,
+        "    {:>8} {:>4} {:>9} {:>7} {:>7} {:>5} {:>7} {:>8} {:>11} {:>11} {:>7}",
+        "pid", "conn", "connected", "leases", "leased", "hints", "queries", "hits", "saved GB", "restored GB", "refused"
+    );
+    for c in clients.iter().take(TOP_CLIENTS) {
+        let pid = c.pid.map_or_else(|| "?".to_string(), |p| p.to_string());
+        let _ = writeln!(
+            t,
+            "    {:>8} {:>4} {:>8.1}s {:>7} {:>7} {:>5} {:>7} {:>8} {:>11.3} {:>11.3} {:>7}",
+            pid,
+            c.sessions,
+            c.connected_ms as f64 / 1e3,
+            c.lease_handles,
+            c.leased_blocks,
+            c.hints,
+            c.queries,
+            c.hit_blocks,
+            c.bytes_saved as f64 / GB,
+            c.bytes_restored as f64 / GB,
+            c.refused
+        );
+    }
+    if clients.len() > TOP_CLIENTS {
+        let _ = writeln!(t, "    ... {} more", clients.len() - TOP_CLIENTS);
+    }
+    t
 }
 
 /// The readable table of `now`; with `since` (the previous reading and the time since it), also the
@@ -89,11 +133,13 @@ pub fn table(now: &TierStats, since: Option<(&TierStats, Duration)>) -> String {
     t
 }
 
-/// `now` as one line of JSON: [`TierStats`]' fields by name, plus `hit_ratio`.
-pub fn json(now: &TierStats) -> String {
+/// `now` as one line of JSON: [`TierStats`]' fields by name, plus `hit_ratio` and `clients` (an
+/// array of [`ClientStats`] objects, busiest first).
+pub fn json(now: &TierStats, clients: &[ClientStats]) -> String {
     let mut v = serde_json::to_value(now).expect("TierStats serialises");
     if let Some(m) = v.as_object_mut() {
         m.insert("hit_ratio".into(), serde_json::json!(hit_ratio(now)));
+        m.insert("clients".into(), serde_json::to_value(clients).expect("ClientStats serialises"));
     }
     v.to_string()
 }
@@ -114,6 +160,24 @@ mod tests {
         assert_eq!(rates(&prev, &now, Duration::from_secs(2)), (2.0, 1.0));
         assert_eq!(rates(&now, &prev, Duration::from_secs(2)), (0.0, 0.0), "a counter that went back is 0");
         assert_eq!(rates(&prev, &now, Duration::ZERO), (0.0, 0.0));
+    }
+
+    #[test]
+    fn the_clients_table_has_a_row_a_process_and_caps_at_top_clients() {
+        assert!(clients_table(&[]).contains("none"));
+        let rows: Vec<ClientStats> = (0..12u32)
+            .map(|i| {
+                let mut c = ClientStats::default();
+                c.pid = Some(1000 + i);
+                c.bytes_saved = 2_500_000_000;
+                c
+            })
+            .collect();
+        let t = clients_table(&rows);
+        assert!(t.contains("top clients (12 processes)"), "{t}");
+        assert!(t.contains("1009") && !t.contains("1010"), "ten rows: {t}");
+        assert!(t.contains("2.500"), "saved GB: {t}");
+        assert!(t.contains("... 2 more"), "{t}");
     }
 
     #[test]

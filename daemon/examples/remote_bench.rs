@@ -148,7 +148,7 @@ fn rtt(socket: Option<String>, n: usize, iters: usize) {
 }
 
 fn pool(bytes: &str, backing: &str) {
-    let bytes = parse_size::parse_size(bytes).unwrap();
+    let bytes = kvtier::parse_bytes(bytes).unwrap();
     let backing = match backing {
         "auto" => BackingChoice::Auto,
         "hugetlb" => BackingChoice::HugeTlb,

@@ -84,7 +84,9 @@ struct Args {
     /// Tensor-parallel shard INDEX/COUNT the blocks belong to.
     #[arg(long)]
     shard: Option<String>,
-    /// Host memory for block slots (e.g. 32GiB; capacity = floor(pool / slot size)).
+    /// Host memory for block slots: bytes, or a number with a unit: GB, MB (10^9, 10^6 B) or GiB,
+    /// MiB (2^30, 2^20 B); units are case-sensitive (4gb is refused). Capacity = floor(pool / slot
+    /// size) slots; the start-up line says the bytes chosen.
     #[arg(long, default_value = "4GiB")]
     pool: String,
     /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu.
@@ -152,7 +154,7 @@ fn geometry(a: &Args) -> Result<Geometry, String> {
 
 fn config(a: &Args) -> Result<TierConfig, String> {
     let g = geometry(a)?;
-    let bytes = parse_size::parse_size(&a.pool).map_err(|e| format!("--pool {}: {e}", a.pool))?;
+    let bytes = kvtier::parse_bytes(&a.pool).map_err(|e| format!("--pool {e}"))?;
     let backing = match a.backing.as_str() {
         "auto" => BackingChoice::Auto,
         "hugetlb" => BackingChoice::HugeTlb,
@@ -323,10 +325,12 @@ fn log_pool_request(a: &Args, cfg: &TierConfig) {
     let g = &cfg.geometry;
     let bytes = cfg.pool.bytes;
     tracing::info!(
-        "pool asked: {:.2} GiB ({} B) = {} slots of {} B, backing {}, prefault {}, mlock {}, overcommit {}, numa node {}",
-        bytes as f64 / GIB,
+        "pool asked: --pool {} = {} B ({:.2} GiB) = {} slots of {} B, backing {}, prefault {}, mlock {}, overcommit {}, \
+         numa node {}",
+        a.pool,
         bytes,
-        bytes / g.slot_bytes(),
+        bytes as f64 / GIB,
+        cfg.pool.slots(g.slot_bytes()).map_or_else(|e| e.to_string(), |n| n.to_string()),
         g.slot_bytes(),
         a.backing,
         a.prefault,
@@ -400,6 +404,7 @@ fn main() {
     }
     log_pool_request(&args, &cfg);
     log_limits(&server_cfg.limits);
+    let cfg_pool_bytes = cfg.pool.bytes;
     let t0 = Instant::now();
     let tier = match HostTier::new_shared(cfg) {
         Ok(t) => t,
@@ -453,11 +458,13 @@ fn main() {
         None => String::new(),
     };
     println!(
-        "kvtierd: serving {} (namespace {:?}) at {}: {} slots of {} B ({:.2} GiB mapped, {} pages), policy {}, \
-         pool set up in {:.1} ms, pid {}{at}",
+        "kvtierd: serving {} (namespace {:?}) at {}: --pool {} = {} B, {} slots of {} B ({:.2} GiB mapped, {} \
+         pages), policy {}, pool set up in {:.1} ms, pid {}{at}",
         g.model(),
         g.namespace(),
         socket.display(),
+        args.pool.trim(),
+        cfg_pool_bytes,
         t.capacity(),
         g.slot_bytes(),
         t.pool().mapped_bytes() as f64 / GIB,

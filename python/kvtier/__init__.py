@@ -21,7 +21,9 @@ Engines that run one process per GPU rank share one pool through the tier daemon
 in every process gives the same ``Tier`` API over the daemon's pool.
 
 See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
-:mod:`kvtier.errors`, all subclasses of :class:`KvtierError`.
+:mod:`kvtier.errors`, all subclasses of :class:`KvtierError`, exported here too: for example
+``kvtier.PoolExceedsMemoryError`` (a ``Tier`` whose ``pool_bytes`` the machine cannot back,
+refused before anything is mapped).
 """
 
 from ._kvtier import (

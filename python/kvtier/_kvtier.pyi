@@ -1,6 +1,7 @@
 # Type stubs of the native module (docstrings live on the native objects: help(kvtier.Tier)).
 # The exceptions the native module raises are the classes of kvtier/errors.py (all KvtierError):
 # for example ArenaChangedError (Rank.save / Rank.restore after a tensor was resized or replaced),
+# PoolExceedsMemoryError (Tier(...) with a pool_bytes larger than the machine can back),
 # LimitExceededError, ProtocolError, PanickedError, ForkedChildError, UntrustedDaemonError.
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union

@@ -49,6 +49,7 @@ __all__ = [
     "PoolMapError",
     "PoolSyscallError",
     "PoolSlotOutOfRangeError",
+    "PoolExceedsMemoryError",
     # copy
     "CopyError",
     "PageOutOfRangeError",
@@ -228,6 +229,15 @@ class PoolSyscallError(PoolError, OSError):
 
 class PoolSlotOutOfRangeError(PoolError, IndexError):
     """A slot id outside the pool. Attributes: ``slot``, ``capacity``."""
+
+
+class PoolExceedsMemoryError(PoolError, MemoryError):
+    """A pool larger than this machine can back, refused before anything was mapped (the kernel's
+    OOM killer would otherwise end this or another process): larger than physical memory, than
+    available memory for a prefaulted or locked pool, than the free 2 MiB hugepages, or than
+    ``RLIMIT_MEMLOCK`` for a locked pool. Ask for a smaller ``pool_bytes``. Attributes: ``bytes``
+    (what the pool would map), ``available`` (bytes of what it was checked against) and ``what``
+    (which limit, in words)."""
 
 
 # --- copy -----------------------------------------------------------------------------------

@@ -159,6 +159,10 @@ impl From<&PoolError> for Raised {
             P::SlotOutOfRange { slot, capacity } => {
                 r("PoolSlotOutOfRangeError").int("slot", *slot).int("capacity", *capacity)
             }
+            P::ExceedsMemory { .. } if cfg!(kvtier_py_seeded_bug = "exceeds-memory-untyped") => r("PoolError"),
+            P::ExceedsMemory { bytes, available, what } => {
+                r("PoolExceedsMemoryError").int("bytes", *bytes).int("available", *available).str("what", what)
+            }
             _ => r("PoolError"),
         }
     }
@@ -325,6 +329,11 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
         PoolError::Map { bytes: 1 << 20, backing: "thp", source: io() },
         PoolError::Syscall { call: "mlock", source: io() },
         PoolError::SlotOutOfRange { slot: 9, capacity: 4 },
+        PoolError::ExceedsMemory {
+            bytes: 1 << 40,
+            available: 24 << 30,
+            what: "physical memory (MemTotal less the hugetlb pool)",
+        },
     ];
     let copy = || {
         vec![

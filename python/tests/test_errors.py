@@ -11,9 +11,9 @@ from conftest import PAGES, make_arrays
 def test_every_rust_error_variant_maps_to_its_class_with_fields():
     examples = kvtier._kvtier._error_examples()
     names = {name for name, _ in examples}
-    # One class per variant of GeometryError (12), PoolError (8), CopyError (8), TierError (19,
+    # One class per variant of GeometryError (12), PoolError (9), CopyError (8), TierError (19,
     # Copy aside), plus kvtier::Error's Verification and Config.
-    assert len(names) == 12 + 8 + 8 + 19 + 2
+    assert len(names) == 12 + 9 + 8 + 19 + 2
     for name, exc in examples:
         cls = getattr(errors, name)
         assert type(exc) is cls, (name, type(exc))
@@ -255,3 +255,28 @@ def test_an_engine_can_catch_one_base_class(tier, rank):
     for bad in (lambda: rank.save([b"x" * 16], [PAGES + 1]), lambda: tier.query([b"x"])):
         with pytest.raises(kvtier.KvtierError):
             bad()
+
+
+def _meminfo_bytes(field):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/meminfo")
+
+
+def test_a_pool_larger_than_memory_raises_pool_exceeds_memory_error(geometry):
+    # Four times physical memory on plain 4 KiB pages: refused before anything is mapped.
+    total = _meminfo_bytes("MemTotal")
+    asked = 4 * total // geometry.slot_bytes * geometry.slot_bytes
+    with pytest.raises(kvtier.PoolExceedsMemoryError) as info:
+        kvtier.Tier(geometry, asked, "lru", backing="plain")
+    e = info.value
+    assert type(e) is errors.PoolExceedsMemoryError
+    assert isinstance(e, kvtier.PoolError) and isinstance(e, MemoryError) and isinstance(e, kvtier.KvtierError)
+    assert e.bytes >= asked
+    assert 0 < e.available <= total
+    assert e.what.startswith("physical memory")
+    assert str(e) == e.message and f"a pool of {e.bytes} B exceeds" in str(e)
+    # The same geometry with a pool that fits is a tier.
+    assert kvtier.Tier(geometry, 8 * geometry.slot_bytes, "lru", backing="plain").capacity == 8

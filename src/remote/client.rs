@@ -278,6 +278,14 @@ impl Conn {
         }
     }
 
+    /// The daemon's client processes but this connection's own.
+    pub(crate) fn clients(&self) -> Result<Vec<proto::WireClient>, TierError> {
+        match self.call(&Request::Clients)? {
+            Reply::Clients(c) => Ok(c),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated
     /// invariant).
     pub(crate) fn audit(&self, keys: &[ContentKey]) -> Result<Result<proto::WireAudit, String>, TierError> {

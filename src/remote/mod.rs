@@ -54,3 +54,46 @@ pub(crate) fn is_per_user_tmp_dir(dir: &Path) -> bool {
     // SAFETY: geteuid takes nothing and cannot fail.
     dir == per_user_tmp_dir(unsafe { libc::geteuid() })
 }
+
+/// One client process of a tier daemon as the daemon counts it ([`crate::HostTier::clients`]):
+/// its live sessions (connections that said hello) summed. Gauges are what its sessions hold now;
+/// counters count from each session's start, and a session's counts leave with it. Block counts
+/// are blocks (pages across all arenas); bytes are payload bytes (blocks x
+/// [`crate::Geometry::block_bytes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct ClientStats {
+    /// The process id (`SO_PEERCRED`), `None` where the daemon could not learn it.
+    pub pid: Option<u32>,
+    /// Its sessions open now.
+    pub sessions: u64,
+    /// Milliseconds since its oldest open session began.
+    pub connected_ms: u64,
+    /// Lease handles it holds now.
+    pub lease_handles: u64,
+    /// Blocks over those handles (each handle counts its lease's blocks).
+    pub leased_blocks: u64,
+    /// Hints it holds now (given and not withdrawn; some may have expired in the tier).
+    pub hints: u64,
+    /// Saves and restores it has in flight or withheld now.
+    pub copies_in_flight: u64,
+    /// Queries it ran.
+    pub queries: u64,
+    /// Blocks its queries leased.
+    pub hit_blocks: u64,
+    /// Blocks its queries asked for and did not find.
+    pub miss_blocks: u64,
+    /// Blocks it saved (copies reported done).
+    pub saved_blocks: u64,
+    /// Bytes it saved (D2H).
+    pub bytes_saved: u64,
+    /// Blocks it restored (copies reported done).
+    pub restored_blocks: u64,
+    /// Bytes it restored (H2D).
+    pub bytes_restored: u64,
+    /// Hints it gave.
+    pub hints_given: u64,
+    /// Its requests refused over a bound ([`crate::TierError::LimitExceeded`]).
+    pub refused: u64,
+}

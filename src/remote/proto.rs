@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -179,6 +179,9 @@ pub enum Request {
         /// Keys to check in the index.
         keys: Vec<ContentKey>,
     },
+    /// Each connected client process's counters, the asking connection's own left out. ->
+    /// [`Reply::Clients`].
+    Clients,
 }
 
 impl Request {
@@ -211,6 +214,7 @@ impl Request {
             Request::LiveHints => "LiveHints",
             Request::Stats => "Stats",
             Request::Audit { .. } => "Audit",
+            Request::Clients => "Clients",
         }
     }
 }
@@ -347,6 +351,28 @@ pub struct WireStats {
     pub capacity: u64,
     pub index_entries: u64,
     pub quarantined_pins: u64,
+}
+
+/// [`crate::ClientStats`] on the wire, field for field: one client process's sessions.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub struct WireClient {
+    pub pid: Option<u32>,
+    pub sessions: u64,
+    pub connected_ms: u64,
+    pub lease_handles: u64,
+    pub leased_blocks: u64,
+    pub hints: u64,
+    pub copies_in_flight: u64,
+    pub queries: u64,
+    pub hit_blocks: u64,
+    pub miss_blocks: u64,
+    pub saved_blocks: u64,
+    pub bytes_saved: u64,
+    pub restored_blocks: u64,
+    pub bytes_restored: u64,
+    pub hints_given: u64,
+    pub refused: u64,
 }
 
 /// A [`TierError`] the daemon returns.
@@ -520,6 +546,8 @@ pub enum Reply {
     Stats(WireStats),
     /// The audit: slot counts, or the first violated invariant.
     Audit(Result<WireAudit, String>),
+    /// One row per connected client process (busiest first).
+    Clients(Vec<WireClient>),
 }
 
 /// Encodes `msg` as one frame (length prefix and payload) into `buf` (cleared first).

@@ -36,6 +36,7 @@
 //! since a copy may run as long as its process does. Without a pidfd they stay withheld for good.
 //! Copies whose outcome a rank reported unknown (its backend panicked) are withheld the same way.
 
+mod clients;
 mod connection;
 mod drive;
 mod limits;

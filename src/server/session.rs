@@ -2,6 +2,7 @@
 //! flight, hints), each request run against the tier under `catch_unwind`, and the session's end,
 //! the same however it ends (see the docs of [`crate::server`]).
 
+use super::clients::ClientCounters;
 use super::limits::limit;
 use super::peer::{exited, ShowPid};
 use super::shared::{Parked, Shared};
@@ -109,11 +110,17 @@ pub(super) struct Session {
     /// The process is known to be gone when the session ends (fuzzing: nothing runs a copy), so
     /// what it withheld is released at once.
     pub(super) gone_at_end: bool,
+    /// This session's id among the daemon's clients, and its own counters there.
+    client_id: u64,
+    counters: Arc<ClientCounters>,
 }
 
 impl Session {
     pub(super) fn new(shared: Arc<Shared>, pid: Option<u32>, pidfd: Option<OwnedFd>) -> Session {
+        let (client_id, counters) = shared.clients.register(pid);
         Session {
+            client_id,
+            counters,
             shared,
             pid,
             pidfd,
@@ -201,6 +208,24 @@ impl Session {
         let span =
             tracing::debug_span!("request", kind = name, blocks = request_blocks(&req), pid = %ShowPid(self.pid));
         let _entered = span.enter();
+        let reply = self.run_request(req, name);
+        if let Reply::Error(WireError::LimitExceeded { .. }) = &reply {
+            ClientCounters::add(&self.counters.refused, 1);
+        }
+        self.publish();
+        reply
+    }
+
+    /// What this session holds now, into its counters (after each request).
+    fn publish(&self) {
+        let c = &self.counters;
+        ClientCounters::set(&c.lease_handles, self.lease_handles);
+        ClientCounters::set(&c.leased_blocks, self.leased_blocks);
+        ClientCounters::set(&c.hints, self.hints.len());
+        ClientCounters::set(&c.copies, self.copies());
+    }
+
+    fn run_request(&mut self, req: Request, name: &'static str) -> Reply {
         #[cfg(kvtier_seeded_bug = "request-panic-unwinds")]
         return self.handle(req).unwrap_or_else(|e| Reply::Error(WireError::from(&e)));
         #[allow(unreachable_code)]
@@ -243,6 +268,10 @@ impl Session {
                 let distinct = keys.iter().take_while(|k| seen.insert(**k)).count();
                 self.check_leased_blocks(distinct)?;
                 let lease = self.shared.tier.query_shared(&keys[..distinct], uses);
+                let c = &self.counters;
+                ClientCounters::add(&c.queries, 1);
+                ClientCounters::add(&c.hit_blocks, lease.len() as u64);
+                ClientCounters::add(&c.miss_blocks, distinct.saturating_sub(lease.len()) as u64);
                 if lease.is_settled() {
                     return Ok(Self::leased(0, &lease));
                 }
@@ -363,6 +392,10 @@ impl Session {
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
                 core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done);
+                if outcome == Outcome::Done {
+                    ClientCounters::add(&self.counters.saved_blocks, blocks);
+                    ClientCounters::add(&self.counters.bytes_saved, bytes);
+                }
                 Reply::Done
             }
             Request::Restore { lease, blocks } => {
@@ -419,6 +452,10 @@ impl Session {
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
                 core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done);
+                if outcome == Outcome::Done {
+                    ClientCounters::add(&self.counters.restored_blocks, blocks);
+                    ClientCounters::add(&self.counters.bytes_restored, bytes);
+                }
                 Reply::Done
             }
             Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),
@@ -442,6 +479,7 @@ impl Session {
             Request::LiveHints => Reply::Count(self.shared.tier.live_hints() as u64),
             Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
             Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
+            Request::Clients => Reply::Clients(self.shared.clients.rows(self.client_id)),
             Request::Audit { keys } => {
                 self.check_keys(keys.len())?;
                 Reply::Audit(core.audit(&keys).map(|a| WireAudit {
@@ -475,11 +513,13 @@ impl Session {
         let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
         let id = self.shared.tier.hint(&distinct, ttl).get();
         self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
+        ClientCounters::add(&self.counters.hints_given, 1);
         Ok(Reply::Count(id))
     }
 
     /// Ends the session (see the type's docs); idempotent.
     fn end(&mut self) {
+        self.shared.clients.unregister(self.client_id);
         let leases = std::mem::take(&mut self.leases);
         let shared = self.shared.clone();
         if let Err(p) = catch_unwind(AssertUnwindSafe(move || {

@@ -1,8 +1,9 @@
 //! What the daemon holds for all its connections ([`Shared`]): the tier and its welcome, the lease
 //! table and its handles, the slots and pins withheld for processes that may still copy
 //! ([`Parked`]), each process's slots held, the connection and session counts ([`ConnSlot`],
-//! [`SessionCount`]) and the refusals over a bound.
+//! [`SessionCount`]), the refusals over a bound and each session's own counters.
 
+use super::clients::Clients;
 use super::limits::{limit, Limits};
 use super::peer::{exited, ShowPid};
 use crate::error::{Limit, TierError};
@@ -78,6 +79,8 @@ pub(super) struct Shared {
     pub(super) sessions_begun: AtomicU64,
     /// Requests and connections refused over a bound, by bound (in order of first refusal).
     pub(super) refusals: Mutex<Vec<(Limit, u64)>>,
+    /// Each live session's own counters ([`Clients`]).
+    pub(super) clients: Clients,
     /// Tests: requests for which this returns true panic in the daemon (see
     /// [`Server::panic_on_requests`](super::Server::panic_on_requests)).
     pub(super) panic_hook: OnceLock<PanicHook>,
@@ -137,6 +140,7 @@ impl Shared {
             sessions: AtomicUsize::new(0),
             sessions_begun: AtomicU64::new(0),
             refusals: Mutex::new(Vec::new()),
+            clients: Clients::new(),
             panic_hook: OnceLock::new(),
         }
     }

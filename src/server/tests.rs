@@ -228,3 +228,39 @@ fn drive_session_runs_encoded_requests_and_releases_everything() {
     let a = sh.core.audit(&k).unwrap();
     assert_eq!((a.writing, a.pinned, a.ready), (0, 0, 3), "{a:?}");
 }
+
+#[test]
+fn each_session_counts_its_own_traffic_and_clients_sums_them_by_process() {
+    let sh = shared(8);
+    let block = sh.core.geometry().block_bytes();
+    // Process 101: two sessions (one saves two blocks, one queries them and a missing key, holding
+    // the lease); process 202: one session with a refused query and a hint.
+    let (k, missing) = (keys(&sh, 0..2), keys(&sh, 50..51));
+    let mut a1 = Session::new(sh.clone(), Some(101), None);
+    let mut a2 = Session::new(sh.clone(), Some(101), None);
+    let mut b = Session::new(sh.clone(), Some(202), None);
+    let mut viewer = Session::new(sh.clone(), Some(303), None);
+    for s in [&mut a1, &mut a2, &mut b, &mut viewer] {
+        s.gone_at_end = true;
+    }
+    let Reply::SavePrepared { save, .. } = a1.run(prepare(&k)) else { panic!("prepare") };
+    assert_eq!(a1.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    let asked = vec![k[0], k[1], missing[0]];
+    assert!(matches!(a2.run(Request::Query { keys: asked, uses: 1 }), Reply::Leased { ref blocks, .. } if blocks.len() == 2));
+    let too_many = vec![missing[0]; Limits::default().keys_per_request + 1];
+    assert!(matches!(b.run(Request::Query { keys: too_many, uses: 1 }), Reply::Error(WireError::LimitExceeded { .. })));
+    assert!(matches!(b.run(Request::Hint { keys: k.clone(), ttl_ms: 60_000 }), Reply::Count(_)));
+    let Reply::Clients(rows) = viewer.run(Request::Clients) else { panic!("clients") };
+    assert_eq!(rows.iter().map(|r| r.pid).collect::<Vec<_>>(), [Some(101), Some(202)], "busiest first, no viewer");
+    let (a, bb) = (&rows[0], &rows[1]);
+    assert_eq!((a.sessions, a.saved_blocks, a.bytes_saved), (2, 2, 2 * block));
+    assert_eq!((a.queries, a.hit_blocks, a.miss_blocks, a.lease_handles, a.leased_blocks), (1, 2, 1, 1, 2));
+    assert_eq!((a.hints, a.refused, a.copies_in_flight), (0, 0, 0));
+    assert_eq!((bb.sessions, bb.queries, bb.refused, bb.hints, bb.hints_given, bb.bytes_saved), (1, 0, 1, 1, 1, 0));
+    // A session that ends leaves the view with its counts.
+    drop(a1);
+    let Reply::Clients(rows) = viewer.run(Request::Clients) else { panic!("clients") };
+    assert_eq!((rows[0].pid, rows[0].sessions, rows[0].saved_blocks, rows[0].queries), (Some(101), 1, 0, 1));
+    drop((a2, b));
+    assert_eq!(viewer.run(Request::Clients), Reply::Clients(Vec::new()));
+}

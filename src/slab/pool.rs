@@ -142,6 +142,18 @@ impl PoolConfig {
         PoolConfig { bytes, ..Default::default() }
     }
 
+    /// The slots a pool of this config holds for slots of `slot_bytes` bytes:
+    /// `floor(bytes / slot_bytes)` (a 32 GiB pool of 3,452,160 B GLM-5.2 slots holds 9,953), the
+    /// very count [`HostPool::new`] maps. Maps nothing.
+    ///
+    /// # Errors
+    /// As the pool's constructors check before mapping: [`PoolError::BadSlotSize`] (0 or not a
+    /// multiple of 16), [`PoolError::TooSmall`] (less than one slot), [`PoolError::TooManySlots`]
+    /// (over [`MAX_SLOTS`]), [`PoolError::NoSuchNumaNode`].
+    pub fn slots(&self, slot_bytes: u64) -> Result<u32, PoolError> {
+        slot_count(slot_bytes, self)
+    }
+
     /// Sets the backing to ask for.
     pub fn with_backing(mut self, backing: BackingChoice) -> Self {
         self.backing = backing;
@@ -829,6 +841,11 @@ pub(crate) mod tests {
         );
         assert!(r.capacity as u64 * r.slot_bytes <= r.bytes);
         assert_eq!(p.slot_ptr(SlotId(2)) as usize, r.host_base + 2 * GLM_SLOT as usize);
+        // PoolConfig::slots is the count the pool maps (without mapping): 32 GiB of GLM-5.2 slots
+        // is 9,953 (floor(34,359,738,368 / 3,452,160) = 9,953.2).
+        assert_eq!(plain(10 * MIB).slots(GLM_SLOT).unwrap(), p.capacity());
+        assert_eq!(PoolConfig::new(32 << 30).slots(GLM_SLOT).unwrap(), 9953);
+        assert!(matches!(PoolConfig::new(GLM_SLOT - 1).slots(GLM_SLOT), Err(PoolError::TooSmall { .. })));
         // Exactly one slot.
         let one = HostPool::new(GLM_SLOT, &plain(GLM_SLOT)).unwrap();
         assert_eq!((one.capacity(), one.free_count()), (1, 1));

@@ -19,7 +19,8 @@ use crate::geometry::Geometry;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
-use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireStats};
+use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireClient, WireStats};
+use crate::remote::ClientStats;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotId;
 use crate::tier::handle::CopyHandle;
@@ -267,6 +268,20 @@ impl HostTier {
         connect_impl(path.as_ref(), options)
     }
 
+    /// The tier daemon's client processes as it counts them, this connection's own session left
+    /// out: one row per process (its sessions summed), busiest first (bytes saved and restored,
+    /// then queries). An in-process tier has no clients: empty.
+    ///
+    /// # Errors
+    /// [`TierError::Disconnected`] (connected tiers only).
+    #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
+    pub fn clients(&self) -> Result<Vec<ClientStats>, TierError> {
+        match &self.flavor {
+            Flavor::InProcess(_) => Ok(Vec::new()),
+            Flavor::Connected(d) => Ok(d.conn.clients()?.into_iter().map(ClientStats::from).collect()),
+        }
+    }
+
     /// True for a tier reached through the tier daemon ([`HostTier::connect`]).
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn is_connected_tier(&self) -> bool {
@@ -293,6 +308,91 @@ impl HostTier {
         let Flavor::Connected(d) = &self.flavor else { return Err(TierError::ForeignLease) };
         let (remote, blocks) = d.conn.open_lease(token, d.pool.capacity())?;
         Ok(Lease::connected(leased(blocks), remote))
+    }
+}
+
+impl From<ClientStats> for WireClient {
+    fn from(c: ClientStats) -> Self {
+        // Exhaustive on purpose: a field added to ClientStats must be added here (and the
+        // protocol version bumped).
+        let ClientStats {
+            pid,
+            sessions,
+            connected_ms,
+            lease_handles,
+            leased_blocks,
+            hints,
+            copies_in_flight,
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            bytes_saved,
+            restored_blocks,
+            bytes_restored,
+            hints_given,
+            refused,
+        } = c;
+        WireClient {
+            pid,
+            sessions,
+            connected_ms,
+            lease_handles,
+            leased_blocks,
+            hints,
+            copies_in_flight,
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            bytes_saved,
+            restored_blocks,
+            bytes_restored,
+            hints_given,
+            refused,
+        }
+    }
+}
+
+impl From<WireClient> for ClientStats {
+    fn from(w: WireClient) -> Self {
+        // Exhaustive on purpose, as above.
+        let WireClient {
+            pid,
+            sessions,
+            connected_ms,
+            lease_handles,
+            leased_blocks,
+            hints,
+            copies_in_flight,
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            bytes_saved,
+            restored_blocks,
+            bytes_restored,
+            hints_given,
+            refused,
+        } = w;
+        ClientStats {
+            pid,
+            sessions,
+            connected_ms,
+            lease_handles,
+            leased_blocks,
+            hints,
+            copies_in_flight,
+            queries,
+            hit_blocks,
+            miss_blocks,
+            saved_blocks,
+            bytes_saved,
+            restored_blocks,
+            bytes_restored,
+            hints_given,
+            refused,
+        }
     }
 }
 
