@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -122,6 +122,9 @@ pub enum Request {
         save: u64,
         /// How its copy ended.
         outcome: Outcome,
+        /// The copy's queue-to-completion time in nanoseconds, measured by the client, when the
+        /// copy ended (`Done`, `Failed`); the daemon's copy latency histogram counts a `Done` one.
+        latency_ns: Option<u64>,
     },
     /// Take the restore's pins on the lease's first `blocks` blocks, then one use. ->
     /// [`Reply::Restoring`].
@@ -144,6 +147,8 @@ pub enum Request {
         restore: u64,
         /// How its copy ended.
         outcome: Outcome,
+        /// As for [`Request::FinishSave`].
+        latency_ns: Option<u64>,
     },
     /// Is `key` ready? -> [`Reply::Bool`].
     Contains {

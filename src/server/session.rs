@@ -340,7 +340,7 @@ impl Session {
                     dropped: p.dropped as u32,
                 }
             }
-            Request::FinishSave { save, outcome } => {
+            Request::FinishSave { save, outcome, latency_ns } => {
                 let reservation = self
                     .saves
                     .remove(&save)
@@ -362,7 +362,7 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done);
+                core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done, latency_ns.map(Duration::from_nanos));
                 Reply::Done
             }
             Request::Restore { lease, blocks } => {
@@ -381,7 +381,7 @@ impl Session {
                 }
                 Reply::Done
             }
-            Request::FinishRestore { restore, outcome } => {
+            Request::FinishRestore { restore, outcome, latency_ns } => {
                 let (hold, pins) = self
                     .restores
                     .remove(&restore)
@@ -418,7 +418,7 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done);
+                core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done, latency_ns.map(Duration::from_nanos));
                 Reply::Done
             }
             Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),

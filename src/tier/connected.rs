@@ -140,7 +140,9 @@ impl Rank {
         let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
         let c = conn.clone();
         let settle: Settle =
-            Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
+            Box::new(move |outcome, latency| {
+                c.expect_done(&Request::FinishSave { save, outcome: outcome.into(), latency_ns: wire_ns(latency) })
+            });
         // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
         // them before the FinishSave that `settle` sends after the copy has finished, or before this
         // process is gone; the pool is mapped as long as this rank's connected tier lives, which the
@@ -148,7 +150,7 @@ impl Rank {
         match unsafe { self.launch(Direction::Save, &batch, how, settle) } {
             Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
             Err(e) => {
-                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
+                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted, latency_ns: None });
                 Err(e)
             }
         }
@@ -176,14 +178,15 @@ impl Rank {
                 r => return Err(client::unexpected(&r)),
             };
         if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.tier.pool().capacity()) {
-            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
             return Err(client::lost("the daemon pinned slots this restore did not ask for"));
         }
         let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
         let c = conn.clone();
-        let settle: Settle = Box::new(move |outcome| {
+        let settle: Settle = Box::new(move |outcome, latency| {
             // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
-            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
+            let _ =
+                c.call(&Request::FinishRestore { restore, outcome: outcome.into(), latency_ns: wire_ns(latency) });
             Ok(())
         });
         // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
@@ -196,11 +199,16 @@ impl Rank {
                 Ok(handle)
             }
             Err(e) => {
-                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
                 Err(e)
             }
         }
     }
+}
+
+/// A copy's queue-to-completion time as `FinishSave` / `FinishRestore` carry it (nanoseconds).
+fn wire_ns(latency: Option<std::time::Duration>) -> Option<u64> {
+    latency.map(|l| l.as_nanos().min(u64::MAX as u128) as u64)
 }
 
 /// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated invariant).
