@@ -8,16 +8,16 @@
 //! (`kvtierd --metrics`, which adds its own connection metrics: `server::metrics`). Every metric
 //! and its meaning is listed in `docs/metrics.md`.
 
+use crate::copy::Direction;
 #[cfg(feature = "remote")]
 use crate::error::Limit;
-use crate::copy::Direction;
 use crate::tier::stats::{latency_index, Latency, LatencySnapshot, LATENCY_BOUNDS_NS};
 use crate::tier::{HostTier, TierStats};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
-use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

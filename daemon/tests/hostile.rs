@@ -224,7 +224,10 @@ fn garbage_truncated_and_out_of_order_frames_get_typed_answers() {
     let (save, slots) = r.prepare(&k);
     assert_eq!(slots.len(), 2);
     assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Failed, latency_ns: None }), Reply::Done);
-    assert!(matches!(r.error(&Request::FinishSave { save, outcome: Outcome::Failed, latency_ns: None }), WireError::Protocol(_)));
+    assert!(matches!(
+        r.error(&Request::FinishSave { save, outcome: Outcome::Failed, latency_ns: None }),
+        WireError::Protocol(_)
+    ));
     // Leases it was never given.
     assert_eq!(r.error(&Request::Restore { lease: 1, blocks: 1 }), WireError::ForeignLease);
     assert_eq!(r.error(&Request::ReleaseLease { lease: 2 }), WireError::ForeignLease);

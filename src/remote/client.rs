@@ -340,7 +340,8 @@ impl Conn {
             || p.slots.iter().any(|&s| s >= capacity)
         {
             if p.save != 0 {
-                let _ = self.call(&Request::FinishSave { save: p.save, outcome: Outcome::NotSubmitted, latency_ns: None });
+                let _ =
+                    self.call(&Request::FinishSave { save: p.save, outcome: Outcome::NotSubmitted, latency_ns: None });
             }
             return Err(lost("the daemon prepared a save this rank did not ask for"));
         }

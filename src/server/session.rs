@@ -362,7 +362,13 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done, latency_ns.map(Duration::from_nanos));
+                core.counters.record_copy(
+                    Direction::Save,
+                    blocks,
+                    bytes,
+                    outcome == Outcome::Done,
+                    latency_ns.map(Duration::from_nanos),
+                );
                 Reply::Done
             }
             Request::Restore { lease, blocks } => {
@@ -418,7 +424,13 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done, latency_ns.map(Duration::from_nanos));
+                core.counters.record_copy(
+                    Direction::Restore,
+                    blocks,
+                    bytes,
+                    outcome == Outcome::Done,
+                    latency_ns.map(Duration::from_nanos),
+                );
                 Reply::Done
             }
             Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),

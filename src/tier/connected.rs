@@ -139,10 +139,9 @@ impl Rank {
         }
         let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
         let c = conn.clone();
-        let settle: Settle =
-            Box::new(move |outcome, latency| {
-                c.expect_done(&Request::FinishSave { save, outcome: outcome.into(), latency_ns: wire_ns(latency) })
-            });
+        let settle: Settle = Box::new(move |outcome, latency| {
+            c.expect_done(&Request::FinishSave { save, outcome: outcome.into(), latency_ns: wire_ns(latency) })
+        });
         // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
         // them before the FinishSave that `settle` sends after the copy has finished, or before this
         // process is gone; the pool is mapped as long as this rank's connected tier lives, which the
@@ -185,8 +184,7 @@ impl Rank {
         let c = conn.clone();
         let settle: Settle = Box::new(move |outcome, latency| {
             // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
-            let _ =
-                c.call(&Request::FinishRestore { restore, outcome: outcome.into(), latency_ns: wire_ns(latency) });
+            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into(), latency_ns: wire_ns(latency) });
             Ok(())
         });
         // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
@@ -199,7 +197,8 @@ impl Rank {
                 Ok(handle)
             }
             Err(e) => {
-                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
+                let _ =
+                    conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
                 Err(e)
             }
         }
