@@ -216,7 +216,17 @@ fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64,
             (&[TIER, ("outcome", "failed")], counter(s.restore_failed_blocks)),
         ],
     )?;
-    family(enc, "kvtier_evicted_blocks", "Blocks evicted.", None, &[(t, counter(s.evictions))])?;
+    family(
+        enc,
+        "kvtier_evicted_blocks",
+        "Blocks evicted, by reason: capacity (a save needed the slot), explicit (asked for: \
+         HostTier::evict, a connected tier's included).",
+        None,
+        &[
+            (&[TIER, ("reason", "capacity")], counter(s.evictions.saturating_sub(s.explicit_evictions))),
+            (&[TIER, ("reason", "explicit")], counter(s.explicit_evictions)),
+        ],
+    )?;
     family(
         enc,
         "kvtier_copy",
@@ -244,14 +254,16 @@ fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64,
         "Slots of the pool by state (disjoint; they sum to kvtier_pool_slots but for transitions \
          under way): free (on the free list), writing (reserved by saves in flight), quarantined \
          (withheld WRITING: a copy whose outcome is unknown, or the saves of a disconnected \
-         process until it exits), ready (holding a block, unpinned: evictable), pinned (holding a \
-         block with at least one pin: a lease or a restore).",
+         process until it exits), ready (holding a block, unpinned: evictable), evicting (claimed \
+         by an evictor, evicted or given back within the eviction), pinned (holding a block with \
+         at least one pin: a lease or a restore).",
         None,
         &[
             (&[TIER, ("state", "free")], gauge(s.free_slots)),
             (&[TIER, ("state", "writing")], gauge(s.writing_slots)),
             (&[TIER, ("state", "quarantined")], gauge(s.quarantined_slots)),
             (&[TIER, ("state", "ready")], gauge(ready)),
+            (&[TIER, ("state", "evicting")], gauge(s.evicting_slots)),
             (&[TIER, ("state", "pinned")], gauge(s.pinned_slots)),
         ],
     )?;
@@ -582,6 +594,42 @@ mod tests {
             assert_eq!(le.len(), LATENCY_BOUNDS_NS.len() + 1, "{le:?}");
             assert!(le.windows(2).all(|w| w[0].1 <= w[1].1), "buckets are cumulative: {le:?}");
         }
+    }
+
+    #[test]
+    fn evictions_are_counted_by_reason_and_claimed_slots_as_evicting() {
+        let (tier, arenas, rank) = tier(4);
+        let mut registry = Registry::default();
+        tier.register_metrics(&mut registry);
+        let k: Vec<_> = (0..7).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+        arenas.fill(&[0, 1, 2, 3, 4, 5], &k[..6]).unwrap();
+        rank.save(&k[..4], &[0, 1, 2, 3], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        // The pool is full: two saved blocks need two evicted (capacity).
+        rank.save(&k[4..6], &[4, 5], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        assert_eq!(tier.evict(1), 1, "one asked for (explicit)");
+        let v = |m: &HashMap<String, f64>, series: &str| {
+            *m.get(series).unwrap_or_else(|| panic!("no sample {series} in {m:?}"))
+        };
+        let m = scrape(&registry);
+        let s = tier.stats();
+        assert_eq!((s.evictions, s.explicit_evictions), (3, 1), "evictions in all, and the explicit ones");
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"capacity\"}"), 2.0, "evicted for saves");
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"explicit\"}"), 1.0, "evicted when asked");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 0.0, "no eviction under way");
+        // An eviction under way: two blocks claimed (EVICTING), counted apart from the ready ones.
+        let core = tier.core().clone();
+        let lock = core.lock_eviction();
+        let mut claims = crate::tier::evictor::Claims::new(&core);
+        assert_eq!(claims.claim(2), 2);
+        let m = scrape(&registry);
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 2.0, "claimed slots are evicting");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"ready\"}"), 1.0, "the claimed slots are not ready");
+        drop(claims); // given back: nothing evicted
+        drop(lock);
+        let m = scrape(&registry);
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 0.0, "given back");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"ready\"}"), 3.0);
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"capacity\"}"), 2.0);
     }
 
     #[test]

@@ -37,8 +37,12 @@ pub struct TierStats {
     pub restored_blocks: u64,
     /// Blocks whose restore copy failed.
     pub restore_failed_blocks: u64,
-    /// Blocks evicted.
+    /// Blocks evicted, for either reason: by saves that needed a slot (capacity), and by
+    /// [`crate::HostTier::evict`] ([`TierStats::explicit_evictions`]).
     pub evictions: u64,
+    /// Blocks of [`TierStats::evictions`] evicted by [`crate::HostTier::evict`]; the rest were
+    /// evicted by saves that needed a slot.
+    pub explicit_evictions: u64,
     /// Payload bytes copied GPU -> host by completed saves.
     pub bytes_saved: u64,
     /// Payload bytes copied host -> GPU by completed restores.
@@ -62,6 +66,9 @@ pub struct TierStats {
     pub ready_slots: u64,
     /// Slots reserved by saves in flight.
     pub writing_slots: u64,
+    /// Slots claimed by an evictor right now (`EVICTING`: invisible to new pins, still indexed;
+    /// evicted or given back before the eviction lock is released, so 0 when quiescent).
+    pub evicting_slots: u64,
     /// Slots on the free list.
     pub free_slots: u64,
     /// Slots in the pool.
@@ -91,6 +98,7 @@ pub(crate) struct Counters {
     pub restored_blocks: AtomicU64,
     pub restore_failed_blocks: AtomicU64,
     pub evictions: AtomicU64,
+    pub explicit_evictions: AtomicU64,
     pub bytes_saved: AtomicU64,
     pub bytes_restored: AtomicU64,
     pub expired_leases: AtomicU64,
@@ -102,6 +110,7 @@ pub(crate) struct Counters {
     pub pinned_slots: AtomicU64,
     pub ready_slots: AtomicU64,
     pub writing_slots: AtomicU64,
+    pub evicting_slots: AtomicU64,
     /// Queue-to-completion time of completed copies: save, restore.
     pub copy_latency: [Latency; 2],
 }
