@@ -159,6 +159,22 @@ fn metrics_addr(d: &Daemon) -> String {
     at.strip_suffix("/metrics").expect("the address ends with /metrics").to_string()
 }
 
+/// docs/grafana-dashboard.json.
+const DASHBOARD: &str = include_str!("../../docs/grafana-dashboard.json");
+
+/// The metric names (`kvtier_*`, `kvtierd_*`) a PromQL expression names.
+fn metric_names(q: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = q;
+    while let Some(at) = rest.find("kvtier") {
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        out.push(&tail[..end]);
+        rest = &tail[end..];
+    }
+    out
+}
+
 /// The family a series name belongs to: the name less `_total` (counters) or `_bucket`, `_sum`,
 /// `_count` (histograms), where `metadata` knows that family.
 fn family_of<'a>(name: &'a str, metadata: &serde_json::Map<String, Value>) -> &'a str {
@@ -247,6 +263,28 @@ fn prometheus_scrapes_the_daemon_and_agrees_with_the_tiers_stats() {
     }
     assert_eq!(metadata["kvtier_copy_latency_seconds"][0]["type"], "histogram");
     assert_eq!(metadata["kvtier_copy_latency_seconds"][0]["unit"], "seconds");
+
+    // The Grafana dashboard (docs/grafana-dashboard.json): every query is valid PromQL that
+    // Prometheus answers, over metrics it holds (by family: a counter's `_total` is its family's).
+    let dashboard: Value = serde_json::from_str(DASHBOARD).expect("docs/grafana-dashboard.json is JSON");
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .collect();
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    for e in &exprs {
+        let q = e.replace("$__rate_interval", "5s").replace("$__range", "1m").replace("$instance", ".*");
+        let data = prom.api("query", &[("query", &q)]);
+        for name in metric_names(&q) {
+            let family = family_of(name, metadata);
+            assert!(metadata.contains_key(family), "the dashboard's {name} ({e}) is no metric Prometheus knows");
+        }
+        assert!(data["resultType"].is_string(), "{q}: {data}");
+    }
+    let ratio = exprs.iter().find(|e| e.contains("rate(kvtier_hit_blocks_total")).expect("a hit ratio panel");
+    assert!(ratio.contains("kvtier_miss_blocks_total"), "{ratio}");
 
     // Prometheus exits cleanly on SIGTERM (its storage in the temporary directory).
     let mut prom = prom;
