@@ -104,6 +104,7 @@ struct Scraper {
 }
 
 /// How often the `rank+metrics` contender's scraper encodes the registry.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 const SCRAPE_EVERY: Duration = Duration::from_millis(10);
 
 impl Scraper {
