@@ -14,6 +14,10 @@
 //!   nothing and completes at once: `HostTier::query`, `Rank::restore`, `Rank::save_with`; pins are
 //!   dropped and saves committed on each rank's completion threads. Latency is the engine thread's
 //!   call; throughput counts until every rank has drained.
+//! - **`rank+metrics`** (feature `metrics`, not run unless named: `--contenders rank,rank+metrics`):
+//!   `rank` with the tier's metrics registered (`HostTier::register_metrics`) and a scraper thread
+//!   encoding the registry as OpenMetrics text every 10 ms for the whole run (100 scrapes a second,
+//!   100 times Prometheus' densest usual interval): what metrics cost the tier's paths.
 //!
 //! Workloads (each at every `--threads` count; harness and options: `benches/harness/mod.rs`):
 //!
@@ -92,6 +96,61 @@ fn save_core(core: &Arc<Core>, keys: &[ContentKey], opts: &SaveOptions) -> Resul
 }
 
 /// A tier of `slots` slots with `chains` ready chains (`0..chains`), saved by all cores.
+/// A scraper of the tier's metrics (the `rank+metrics` contender): a thread encoding the registry
+/// every [`SCRAPE_EVERY`] until dropped.
+struct Scraper {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<u64>>,
+}
+
+/// How often the `rank+metrics` contender's scraper encodes the registry.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+const SCRAPE_EVERY: Duration = Duration::from_millis(10);
+
+impl Scraper {
+    #[cfg(feature = "metrics")]
+    fn start(tier: &HostTier) -> Scraper {
+        let mut registry = kvtier::prometheus_client::registry::Registry::default();
+        tier.register_metrics(&mut registry);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (mut scrapes, mut text) = (0u64, String::new());
+            while !stopped.load(Ordering::Relaxed) {
+                text.clear();
+                kvtier::prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+                std::hint::black_box(&text);
+                scrapes += 1;
+                std::thread::sleep(SCRAPE_EVERY);
+            }
+            scrapes
+        });
+        Scraper { stop, thread: Some(thread) }
+    }
+
+    #[cfg(not(feature = "metrics"))]
+    fn start(_: &HostTier) -> Scraper {
+        eprintln!("--contenders rank+metrics needs the metrics feature: cargo bench --features metrics --bench tier");
+        std::process::exit(2)
+    }
+}
+
+impl Drop for Scraper {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let scrapes = t.join().expect("the scraper thread");
+            assert!(scrapes > 0, "the scraper never scraped");
+        }
+    }
+}
+
+/// What one run prepares: the tier, and for `rank+metrics` its scraper (stopped on drop).
+struct Bench {
+    tier: HostTier,
+    _scraper: Option<Scraper>,
+}
+
 fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
     let policy: PolicyKind = args.policy.as_deref().map_or_else(PolicyKind::default, |p| {
         p.parse().unwrap_or_else(|e| {
@@ -194,7 +253,14 @@ struct Plan {
     ops: u64,
 }
 
-fn run_one(args: &Args, plan: &Plan, threads: usize, capacity: u64, rank: bool, errors: &AtomicU64) -> Measured {
+fn run_one(
+    args: &Args,
+    plan: &Plan,
+    threads: usize,
+    capacity: u64,
+    (rank, metrics): (bool, bool),
+    errors: &AtomicU64,
+) -> Measured {
     let ops = plan.ops;
     let chains = capacity / CHAIN as u64;
     // What the pool holds before the run, and which chains the operations draw from.
@@ -213,9 +279,14 @@ fn run_one(args: &Args, plan: &Plan, threads: usize, capacity: u64, rank: bool, 
     harness::run_repeated(
         threads,
         args,
-        || tier_with(args, slots, filled),
-        |tier, t| worker(tier, args, t, rank, ops, sampler.as_ref()),
-        |tier, t, w, rec| {
+        || {
+            let tier = tier_with(args, slots, filled);
+            let scraper = metrics.then(|| Scraper::start(&tier));
+            Bench { tier, _scraper: scraper }
+        },
+        |b, t| worker(&b.tier, args, t, rank, ops, sampler.as_ref()),
+        |b, t, w, rec| {
+            let tier = &b.tier;
             match workload {
                 "query" => rec.run(ops, |i| {
                     let keys = chain(w.draws[i as usize] as u64);
@@ -241,7 +312,9 @@ fn run_one(args: &Args, plan: &Plan, threads: usize, capacity: u64, rank: bool, 
     )
 }
 
-const CONTENDERS: &[&str] = &["core", "rank"];
+const CONTENDERS: &[&str] = &["core", "rank", "rank+metrics"];
+/// The contenders run unless `--contenders` names others (`rank+metrics` needs feature `metrics`).
+const DEFAULT_CONTENDERS: &[&str] = &["core", "rank"];
 const WORKLOADS: &[&str] = &["query", "save", "evict", "admission"];
 
 fn main() {
@@ -250,7 +323,7 @@ fn main() {
     let ops = args.ops_or(1_000_000, 200_000);
     let capacity = args.capacity_or(1 << 15, 1 << 13) as u64;
     assert!(capacity >= 4 * CHAIN as u64, "--capacity must hold a few chains");
-    let contenders = args.pick("contenders", &args.contenders, CONTENDERS, CONTENDERS);
+    let contenders = args.pick("contenders", &args.contenders, CONTENDERS, DEFAULT_CONTENDERS);
     let workloads = args.pick("workloads", &args.workloads, WORKLOADS, WORKLOADS);
     let dists = args.distributions();
     let mut report = Report::new(
@@ -298,7 +371,8 @@ fn main() {
                         continue;
                     }
                     let errors = AtomicU64::new(0);
-                    let m = run_one(&args, &plan, t, capacity, c == "rank", &errors);
+                    let how = (c.starts_with("rank"), c == "rank+metrics");
+                    let m = run_one(&args, &plan, t, capacity, how, &errors);
                     let e = errors.load(Ordering::Relaxed);
                     if e > 0 {
                         failures.push(format!("{w} {variant} {c} {t} threads: {e} refused operations"));
@@ -317,7 +391,8 @@ fn main() {
     let mut notes = String::from(
         "One operation works on a chain of 43 blocks: divide ns per operation by 43 for a block's cost. \
          core: the tier's steps on the worker thread; rank: the public API, commits and unpins on the ranks' \
-         completion threads (counted until drained).",
+         completion threads (counted until drained); rank+metrics: rank with the tier's metrics registered and \
+         scraped every 10 ms.",
     );
     for f in &failures {
         notes.push_str(&format!("\n- {f} (CannotFit / PoolExhausted / lease errors)"));

@@ -136,7 +136,7 @@ pub mod internals {
     }
     pub use crate::tier::chain::ChainClass;
     pub use crate::tier::core::{Core, KeyState, Reserved};
-    pub use crate::tier::evictor::{Claims, Want};
+    pub use crate::tier::evictor::{Claims, EvictReason, Want};
     pub use crate::tier::save_plan::SavePlan;
     pub use crate::tier::AuditReport;
     /// The SSD tier's disk slot files (not yet wired into the tier).

@@ -3,17 +3,21 @@
 //!
 //! Nothing is recorded for the metrics: a scrape takes one [`HostTier::stats`] snapshot (relaxed
 //! loads of the counters the tier keeps anyway) and encodes it, so the tier's paths pay nothing
-//! new. One definition serves an engine that keeps the tier in process and the tier daemon
+//! new. The copy latency histogram too is kept by the tier (`tier::stats::Latency`, two relaxed
+//! adds a completed copy batch) and read at scrape time. One definition serves an engine that keeps the tier in process and the tier daemon
 //! (`kvtierd --metrics`, which adds its own connection metrics: `server::metrics`). Every metric
 //! and its meaning is listed in `docs/metrics.md`.
 
+use crate::copy::Direction;
 #[cfg(feature = "remote")]
 use crate::error::Limit;
+use crate::tier::stats::{latency_index, Latency, LatencySnapshot, LATENCY_BOUNDS_NS};
 use crate::tier::{HostTier, TierStats};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -95,10 +99,55 @@ impl Collector for TierCollector {
             &[(t, gauge(stats.is_ok() as u64))],
         )?;
         match stats {
-            Ok(s) => encode_tier(&mut enc, &s, self.tier.geometry().block_bytes(), self.tier.live_hints() as u64),
-            Err(_) => Ok(()),
+            Ok(s) => encode_tier(&mut enc, &s, self.tier.geometry().block_bytes(), self.tier.live_hints() as u64)?,
+            Err(_) => return Ok(()),
+        }
+        // The copy latency histogram lives where the copies are counted: an in-process tier's
+        // core (the tier daemon's included, fed by its clients' reports). A connected tier's
+        // daemon serves it.
+        match self.tier.in_process_core() {
+            Some(core) => encode_latency(&mut enc, &core.counters.copy_latency),
+            None => Ok(()),
         }
     }
+}
+
+/// One histogram sample: a [`LatencySnapshot`] in seconds.
+#[derive(Debug)]
+struct LatencyHistogram(LatencySnapshot);
+
+impl EncodeMetric for LatencyHistogram {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> std::fmt::Result {
+        let h = &self.0;
+        let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_NS
+            .iter()
+            .map(|&ns| ns as f64 / 1e9)
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(h.buckets)
+            .collect();
+        encoder.encode_histogram::<NoLabelSet>(h.sum_ns as f64 / 1e9, h.count(), &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// Encodes `kvtier_copy_latency_seconds`, one histogram per direction.
+fn encode_latency(enc: &mut DescriptorEncoder<'_>, latency: &[Latency; 2]) -> std::fmt::Result {
+    let sample = |dir| LatencyHistogram(latency[latency_index(dir)].snapshot());
+    family(
+        enc,
+        "kvtier_copy_latency",
+        "Queue-to-completion time of completed copies, by direction: save (GPU to host), restore \
+         (host to GPU); from the copy's submission to the backend's completion (one observation a \
+         copy batch).",
+        Some(&Unit::Seconds),
+        &[
+            (&[TIER, ("direction", "save")], sample(Direction::Save)),
+            (&[TIER, ("direction", "restore")], sample(Direction::Restore)),
+        ],
+    )
 }
 
 /// Encodes the families of one tier's counters `s` (blocks of `block_bytes` payload bytes, `hints`
@@ -167,7 +216,17 @@ fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64,
             (&[TIER, ("outcome", "failed")], counter(s.restore_failed_blocks)),
         ],
     )?;
-    family(enc, "kvtier_evicted_blocks", "Blocks evicted.", None, &[(t, counter(s.evictions))])?;
+    family(
+        enc,
+        "kvtier_evicted_blocks",
+        "Blocks evicted, by reason: capacity (a save needed the slot), explicit (asked for: \
+         HostTier::evict, a connected tier's included).",
+        None,
+        &[
+            (&[TIER, ("reason", "capacity")], counter(s.evictions.saturating_sub(s.explicit_evictions))),
+            (&[TIER, ("reason", "explicit")], counter(s.explicit_evictions)),
+        ],
+    )?;
     family(
         enc,
         "kvtier_copy",
@@ -195,14 +254,16 @@ fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64,
         "Slots of the pool by state (disjoint; they sum to kvtier_pool_slots but for transitions \
          under way): free (on the free list), writing (reserved by saves in flight), quarantined \
          (withheld WRITING: a copy whose outcome is unknown, or the saves of a disconnected \
-         process until it exits), ready (holding a block, unpinned: evictable), pinned (holding a \
-         block with at least one pin: a lease or a restore).",
+         process until it exits), ready (holding a block, unpinned: evictable), evicting (claimed \
+         by an evictor, evicted or given back within the eviction), pinned (holding a block with \
+         at least one pin: a lease or a restore).",
         None,
         &[
             (&[TIER, ("state", "free")], gauge(s.free_slots)),
             (&[TIER, ("state", "writing")], gauge(s.writing_slots)),
             (&[TIER, ("state", "quarantined")], gauge(s.quarantined_slots)),
             (&[TIER, ("state", "ready")], gauge(ready)),
+            (&[TIER, ("state", "evicting")], gauge(s.evicting_slots)),
             (&[TIER, ("state", "pinned")], gauge(s.pinned_slots)),
         ],
     )?;
@@ -237,14 +298,15 @@ fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64,
 
 impl HostTier {
     /// Adds this tier's metrics to `registry` (see `docs/metrics.md` for each): hits and misses
-    /// (blocks and bytes), saves by outcome, restores, evictions, slots by state, leases, hints and
-    /// copy bytes per direction, each with the label `tier="host"`, read from [`HostTier::stats`]
-    /// at every scrape (nothing is recorded for them). Register once per tier; the registry keeps
+    /// (blocks and bytes), saves by outcome, restores, evictions, slots by state, leases, hints,
+    /// copy bytes per direction and the copy latency histogram (`kvtier_copy_latency_seconds`,
+    /// queue-to-completion seconds per direction), each with the label `tier="host"`, read from the
+    /// tier's counters at every scrape (nothing is recorded for them). Register once per tier; the registry keeps
     /// a handle on the tier (a clone), so the tier lives as long as the registry.
     ///
     /// A connected tier ([`HostTier::connect`], feature `remote`) reports its daemon's tier, one
-    /// round trip per scrape; while the daemon is gone `kvtier_tier_up` is 0 and the others are
-    /// left out.
+    /// round trip per scrape, all but the copy latency histogram (the daemon serves it); while the
+    /// daemon is gone `kvtier_tier_up` is 0 and the others are left out.
     ///
     /// # Examples
     ///
@@ -420,7 +482,12 @@ mod tests {
                 let name = series.split('{').next().unwrap();
                 let fam = types
                     .keys()
-                    .find(|f| name == f.as_str() || name.strip_suffix("_total") == Some(f.as_str()))
+                    .find(|f| {
+                        let suffix = |x: &str| name.strip_suffix(x) == Some(f.as_str());
+                        name == f.as_str()
+                            || (types[*f] == "counter" && suffix("_total"))
+                            || (types[*f] == "histogram" && (suffix("_bucket") || suffix("_sum") || suffix("_count")))
+                    })
                     .unwrap_or_else(|| panic!("sample {series} has no # TYPE before it"));
                 assert!(help.contains_key(fam), "family {fam} has no # HELP");
                 if types[fam] == "counter" {
@@ -485,6 +552,84 @@ mod tests {
         assert_eq!(v("kvtier_tier_up{tier=\"host\"}"), 1.0);
         drop(held);
         assert_eq!(scrape(&registry)["kvtier_slots{tier=\"host\",state=\"pinned\"}"], 0.0, "read at each scrape");
+    }
+
+    #[test]
+    fn the_copy_latency_histogram_counts_each_completed_copy_in_its_direction() {
+        let (tier, arenas, rank) = tier(8);
+        let mut registry = Registry::default();
+        tier.register_metrics(&mut registry);
+        let k: Vec<_> = (0..5).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+        // 5 saves of one block each, then 3 restores (one of two blocks).
+        for (i, key) in k.iter().enumerate() {
+            arenas.fill(&[i as u64], std::slice::from_ref(key)).unwrap();
+            rank.save(std::slice::from_ref(key), &[i as u64], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        }
+        for pages in [&[8u64][..], &[9, 10], &[11]] {
+            let lease = tier.query(&k[..pages.len()]);
+            rank.restore(&lease, pages, WaitFor::Nothing).unwrap().wait().unwrap();
+        }
+        // A resident key again: nothing copied, no observation.
+        let again = rank.save(&k[..1], &[0], WaitFor::Nothing).unwrap();
+        assert!(again.saving.is_empty());
+        let m = scrape(&registry);
+        let v = |series: &str| *m.get(series).unwrap_or_else(|| panic!("no sample {series} in {m:?}"));
+        let h = "kvtier_copy_latency_seconds";
+        for (dir, n) in [("save", 5.0), ("restore", 3.0)] {
+            let l = format!("{{tier=\"host\",direction=\"{dir}\"}}");
+            assert_eq!(v(&format!("{h}_count{l}")), n, "{dir} copies observed: one a completed copy");
+            let inf = format!("{h}_bucket{{le=\"+Inf\",tier=\"host\",direction=\"{dir}\"}}");
+            assert_eq!(v(&inf), n, "the +Inf bucket counts every {dir} copy");
+            assert!(v(&format!("{h}_sum{l}")) > 0.0, "{dir} copies took some time");
+            // Cumulative buckets: never decreasing up to +Inf.
+            let mut le: Vec<(f64, f64)> = m
+                .iter()
+                .filter_map(|(series, &c)| {
+                    let rest = series.strip_prefix(&format!("{h}_bucket{{le=\""))?;
+                    let b = rest.strip_suffix(&format!("\",tier=\"host\",direction=\"{dir}\"}}"))?;
+                    Some((if b == "+Inf" { f64::INFINITY } else { b.parse().unwrap() }, c))
+                })
+                .collect();
+            le.sort_by(|a, b| a.0.total_cmp(&b.0));
+            assert_eq!(le.len(), LATENCY_BOUNDS_NS.len() + 1, "{le:?}");
+            assert!(le.windows(2).all(|w| w[0].1 <= w[1].1), "buckets are cumulative: {le:?}");
+        }
+    }
+
+    #[test]
+    fn evictions_are_counted_by_reason_and_claimed_slots_as_evicting() {
+        let (tier, arenas, rank) = tier(4);
+        let mut registry = Registry::default();
+        tier.register_metrics(&mut registry);
+        let k: Vec<_> = (0..7).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+        arenas.fill(&[0, 1, 2, 3, 4, 5], &k[..6]).unwrap();
+        rank.save(&k[..4], &[0, 1, 2, 3], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        // The pool is full: two saved blocks need two evicted (capacity).
+        rank.save(&k[4..6], &[4, 5], WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        assert_eq!(tier.evict(1), 1, "one asked for (explicit)");
+        let v = |m: &HashMap<String, f64>, series: &str| {
+            *m.get(series).unwrap_or_else(|| panic!("no sample {series} in {m:?}"))
+        };
+        let m = scrape(&registry);
+        let s = tier.stats();
+        assert_eq!((s.evictions, s.explicit_evictions), (3, 1), "evictions in all, and the explicit ones");
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"capacity\"}"), 2.0, "evicted for saves");
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"explicit\"}"), 1.0, "evicted when asked");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 0.0, "no eviction under way");
+        // An eviction under way: two blocks claimed (EVICTING), counted apart from the ready ones.
+        let core = tier.core().clone();
+        let lock = core.lock_eviction();
+        let mut claims = crate::tier::evictor::Claims::new(&core);
+        assert_eq!(claims.claim(2), 2);
+        let m = scrape(&registry);
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 2.0, "claimed slots are evicting");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"ready\"}"), 1.0, "the claimed slots are not ready");
+        drop(claims); // given back: nothing evicted
+        drop(lock);
+        let m = scrape(&registry);
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 0.0, "given back");
+        assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"ready\"}"), 3.0);
+        assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"capacity\"}"), 2.0);
     }
 
     #[test]

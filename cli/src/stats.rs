@@ -120,8 +120,14 @@ pub fn table(now: &TierStats, since: Option<(&TierStats, Duration)>) -> String {
     row(
         "slots",
         format!(
-            "{} capacity: {} free, {} writing, {} ready, {} pinned, {} quarantined",
-            now.capacity, now.free_slots, now.writing_slots, now.ready_slots, now.pinned_slots, now.quarantined_slots
+            "{} capacity: {} free, {} writing, {} ready, {} evicting, {} pinned, {} quarantined",
+            now.capacity,
+            now.free_slots,
+            now.writing_slots,
+            now.ready_slots,
+            now.evicting_slots,
+            now.pinned_slots,
+            now.quarantined_slots
         ),
     );
     row("index entries", now.index_entries.to_string());
@@ -129,7 +135,15 @@ pub fn table(now: &TierStats, since: Option<(&TierStats, Duration)>) -> String {
         "leases",
         format!("{} live (oldest {} ms), {} expired", now.live_leases, now.oldest_lease_age_ms, now.expired_leases),
     );
-    row("evictions", format!("{} blocks", now.evictions));
+    row(
+        "evictions",
+        format!(
+            "{} blocks: {} for saves (capacity), {} asked for (explicit)",
+            now.evictions,
+            now.evictions.saturating_sub(now.explicit_evictions),
+            now.explicit_evictions
+        ),
+    );
     t
 }
 

@@ -48,7 +48,7 @@ fn stats_json_reports_the_served_tiers_counters() {
     let field = |name: &str| v[name].as_u64().unwrap_or_else(|| panic!("no number {name} in {v}"));
     assert_eq!(want.saved_blocks, 3);
     assert_eq!(want.hit_blocks, 2);
-    assert_eq!(want.evictions, 1);
+    assert_eq!((want.evictions, want.explicit_evictions), (1, 1));
     for (name, value) in [
         ("saved_blocks", want.saved_blocks),
         ("bytes_saved", want.bytes_saved),
@@ -56,6 +56,8 @@ fn stats_json_reports_the_served_tiers_counters() {
         ("miss_blocks", want.miss_blocks),
         ("queries", want.queries),
         ("evictions", want.evictions),
+        ("explicit_evictions", want.explicit_evictions),
+        ("evicting_slots", want.evicting_slots),
         ("capacity", want.capacity),
         ("ready_slots", want.ready_slots),
         ("free_slots", want.free_slots),

@@ -213,8 +213,8 @@ fn garbage_truncated_and_out_of_order_frames_get_typed_answers() {
     let hello = Request::Hello { magic: proto::MAGIC, version: proto::PROTOCOL_VERSION, namespace: None };
     for req in [
         hello,
-        Request::FinishSave { save: 7, outcome: Outcome::Done },
-        Request::FinishRestore { restore: 7, outcome: Outcome::Done },
+        Request::FinishSave { save: 7, outcome: Outcome::Done, latency_ns: None },
+        Request::FinishRestore { restore: 7, outcome: Outcome::Done, latency_ns: None },
     ] {
         assert!(matches!(r.error(&req), WireError::Protocol(_)), "misuse not answered Protocol: {req:?}");
     }
@@ -223,8 +223,11 @@ fn garbage_truncated_and_out_of_order_frames_get_typed_answers() {
     let k = keys(&obs, 1000..1002);
     let (save, slots) = r.prepare(&k);
     assert_eq!(slots.len(), 2);
-    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Failed }), Reply::Done);
-    assert!(matches!(r.error(&Request::FinishSave { save, outcome: Outcome::Failed }), WireError::Protocol(_)));
+    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Failed, latency_ns: None }), Reply::Done);
+    assert!(matches!(
+        r.error(&Request::FinishSave { save, outcome: Outcome::Failed, latency_ns: None }),
+        WireError::Protocol(_)
+    ));
     // Leases it was never given.
     assert_eq!(r.error(&Request::Restore { lease: 1, blocks: 1 }), WireError::ForeignLease);
     assert_eq!(r.error(&Request::ReleaseLease { lease: 2 }), WireError::ForeignLease);
@@ -761,7 +764,7 @@ fn a_panicking_request_fails_alone_and_the_sessions_slots_and_leases_stay_sound(
     assert_eq!(s.pinned_slots, 4, "{s:?}");
     // Another engine's saves cannot take those slots while the writer lives.
     engine_is_served(&socket, 8..16);
-    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    assert_eq!(r.call(&Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
     assert!(obs.contains(&keys(&obs, 300..301)[0]), "the writer's save committed");
     assert!(matches!(r.call(&Request::LeaseInfo { lease }), Reply::LeaseInfo { settled: false, .. }));
     drop(r);

@@ -30,8 +30,8 @@ fn get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// The samples of an OpenMetrics text, `name{labels}` to value, after checking that every family
-/// has a `# HELP` with text and a `# TYPE`, every sample a family, every counter sample `_total`,
-/// and the text ends with `# EOF`.
+/// has a `# HELP` with text and a `# TYPE`, every sample a family, every counter sample `_total`
+/// (a histogram's `_bucket`, `_sum`, `_count`), and the text ends with `# EOF`.
 fn parse(text: &str) -> HashMap<String, f64> {
     let (mut help, mut types, mut samples) = (HashMap::new(), HashMap::<String, String>::new(), HashMap::new());
     assert!(text.ends_with("# EOF\n"), "no EOF marker: {text}");
@@ -49,7 +49,12 @@ fn parse(text: &str) -> HashMap<String, f64> {
             let name = series.split('{').next().unwrap();
             let fam = types
                 .keys()
-                .find(|f| name == f.as_str() || name.strip_suffix("_total") == Some(f.as_str()))
+                .find(|f| {
+                    let suffix = |x: &str| name.strip_suffix(x) == Some(f.as_str());
+                    name == f.as_str()
+                        || (types[*f] == "counter" && suffix("_total"))
+                        || (types[*f] == "histogram" && (suffix("_bucket") || suffix("_sum") || suffix("_count")))
+                })
                 .unwrap_or_else(|| panic!("sample {series} has no # TYPE before it"));
             if types[fam] == "counter" {
                 assert!(name.ends_with("_total"), "counter sample {name} without _total");
@@ -106,6 +111,10 @@ fn the_daemon_serves_its_tiers_counters_as_openmetrics() {
     assert_eq!(v("kvtier_slots{tier=\"host\",state=\"free\"}"), 10.0);
     assert_eq!(v("kvtier_leases{tier=\"host\"}"), 1.0);
     assert_eq!(v("kvtier_pool_slots{tier=\"host\"}"), 16.0);
+    // One copy each way (the second save copied nothing), timed by the client, counted by the daemon.
+    let lat = |dir: &str| v(&format!("kvtier_copy_latency_seconds_count{{tier=\"host\",direction=\"{dir}\"}}"));
+    assert_eq!((lat("save"), lat("restore")), (1.0, 1.0), "copies in the daemon's latency histogram");
+    assert!(v("kvtier_copy_latency_seconds_sum{tier=\"host\",direction=\"save\"}") > 0.0);
     // The daemon's own: this test's one connection (and its session).
     assert_eq!(v("kvtierd_sessions"), 1.0);
     assert_eq!(v("kvtierd_sessions_begun_total"), 1.0);
@@ -116,8 +125,12 @@ fn the_daemon_serves_its_tiers_counters_as_openmetrics() {
     let mut text = String::new();
     kvtier::prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     let mine = parse(&text);
-    let theirs: HashMap<_, _> =
-        m.iter().filter(|(k, _)| k.starts_with("kvtier_")).map(|(k, v)| (k.clone(), *v)).collect();
+    // All but the copy latency histogram, which the daemon alone serves.
+    let theirs: HashMap<_, _> = m
+        .iter()
+        .filter(|(k, _)| k.starts_with("kvtier_") && !k.starts_with("kvtier_copy_latency_seconds"))
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
     assert_eq!(mine, theirs, "a connected tier's metrics are its daemon's tier's");
     drop(held);
     rank.shutdown(DEADLINE).unwrap();

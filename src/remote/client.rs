@@ -348,7 +348,8 @@ impl Conn {
             || p.slots.iter().any(|&s| s >= capacity)
         {
             if p.save != 0 {
-                let _ = self.call(&Request::FinishSave { save: p.save, outcome: Outcome::NotSubmitted });
+                let _ =
+                    self.call(&Request::FinishSave { save: p.save, outcome: Outcome::NotSubmitted, latency_ns: None });
             }
             return Err(lost("the daemon prepared a save this rank did not ask for"));
         }
@@ -797,7 +798,7 @@ mod tests {
         assert!(matches!(&e, TierError::Panicked { request, message } if request == "Evict" && message == "boom"));
         let e = conn.call(&Request::ReleaseLease { lease: 3 }).unwrap_err();
         assert!(matches!(e, TierError::LeaseSettled), "{e}");
-        let e = conn.call(&Request::FinishSave { save: 9, outcome: Outcome::Done }).unwrap_err();
+        let e = conn.call(&Request::FinishSave { save: 9, outcome: Outcome::Done, latency_ns: None }).unwrap_err();
         assert!(
             matches!(&e, TierError::Protocol { reason } if reason.ends_with("no save 9 on this connection")),
             "{e}"

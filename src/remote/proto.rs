@@ -122,6 +122,9 @@ pub enum Request {
         save: u64,
         /// How its copy ended.
         outcome: Outcome,
+        /// The copy's queue-to-completion time in nanoseconds, measured by the client, when the
+        /// copy ended (`Done`, `Failed`); the daemon's copy latency histogram counts a `Done` one.
+        latency_ns: Option<u64>,
     },
     /// Take the restore's pins on the lease's first `blocks` blocks, then one use. ->
     /// [`Reply::Restoring`].
@@ -144,6 +147,8 @@ pub enum Request {
         restore: u64,
         /// How its copy ended.
         outcome: Outcome,
+        /// As for [`Request::FinishSave`].
+        latency_ns: Option<u64>,
     },
     /// Is `key` ready? -> [`Reply::Bool`].
     Contains {
@@ -338,6 +343,7 @@ pub struct WireStats {
     pub restored_blocks: u64,
     pub restore_failed_blocks: u64,
     pub evictions: u64,
+    pub explicit_evictions: u64,
     pub bytes_saved: u64,
     pub bytes_restored: u64,
     pub expired_leases: u64,
@@ -347,6 +353,7 @@ pub struct WireStats {
     pub pinned_slots: u64,
     pub ready_slots: u64,
     pub writing_slots: u64,
+    pub evicting_slots: u64,
     pub free_slots: u64,
     pub capacity: u64,
     pub index_entries: u64,

@@ -369,7 +369,7 @@ impl Session {
                     dropped: p.dropped as u32,
                 }
             }
-            Request::FinishSave { save, outcome } => {
+            Request::FinishSave { save, outcome, latency_ns } => {
                 let reservation = self
                     .saves
                     .remove(&save)
@@ -391,7 +391,13 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Save, blocks, bytes, outcome == Outcome::Done);
+                core.counters.record_copy(
+                    Direction::Save,
+                    blocks,
+                    bytes,
+                    outcome == Outcome::Done,
+                    latency_ns.map(Duration::from_nanos),
+                );
                 if outcome == Outcome::Done {
                     ClientCounters::add(&self.counters.saved_blocks, blocks);
                     ClientCounters::add(&self.counters.bytes_saved, bytes);
@@ -414,7 +420,7 @@ impl Session {
                 }
                 Reply::Done
             }
-            Request::FinishRestore { restore, outcome } => {
+            Request::FinishRestore { restore, outcome, latency_ns } => {
                 let (hold, pins) = self
                     .restores
                     .remove(&restore)
@@ -451,7 +457,13 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(Direction::Restore, blocks, bytes, outcome == Outcome::Done);
+                core.counters.record_copy(
+                    Direction::Restore,
+                    blocks,
+                    bytes,
+                    outcome == Outcome::Done,
+                    latency_ns.map(Duration::from_nanos),
+                );
                 if outcome == Outcome::Done {
                     ClientCounters::add(&self.counters.restored_blocks, blocks);
                     ClientCounters::add(&self.counters.bytes_restored, bytes);

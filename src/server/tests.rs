@@ -111,7 +111,7 @@ fn a_session_dropped_by_an_unwinding_thread_withholds_its_writes_and_drops_its_l
     let (sh2, ready2, pending2) = (sh.clone(), ready.clone(), pending.clone());
     let t = std::thread::spawn(move || {
         let Reply::SavePrepared { save, .. } = s.run(prepare(&ready2)) else { panic!("prepare") };
-        assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+        assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
         assert!(matches!(s.run(Request::Query { keys: ready2, uses: 1 }), Reply::Leased { .. }));
         let Reply::SavePrepared { slots, .. } = s.run(prepare(&pending2)) else { panic!("prepare") };
         assert_eq!(slots.len(), 3);
@@ -148,7 +148,7 @@ fn a_panicking_request_is_a_typed_error_and_the_session_goes_on() {
         Reply::Error(WireError::Panicked { request, .. }) => assert_eq!(request, "Stats"),
         r => panic!("{r:?}"),
     }
-    assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
     assert!(sh.tier.contains(&k[0]));
     drop(s);
     assert!(sh.parked.lock().unwrap().is_empty());
@@ -174,7 +174,7 @@ fn pending_copies_dropped_by_an_unwind_keep_their_slots_and_pins() {
     let ready = keys(&sh, 0..2);
     let mut s = Session::new(sh.clone(), Some(std::process::id()), Some(own_pidfd()));
     let Reply::SavePrepared { save, .. } = s.run(prepare(&ready)) else { panic!("prepare") };
-    assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    assert_eq!(s.run(Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
     let Reply::Leased { lease, .. } = s.run(Request::Query { keys: ready.clone(), uses: 1 }) else { panic!("query") };
     assert!(matches!(s.run(Request::Restore { lease, blocks: 2 }), Reply::Restoring { .. }));
     assert!(matches!(s.run(prepare(&keys(&sh, 10..13))), Reply::SavePrepared { .. }));
@@ -215,7 +215,7 @@ fn drive_session_runs_encoded_requests_and_releases_everything() {
     let mut bytes = Vec::new();
     for r in [
         prepare(&k),
-        Request::FinishSave { save: 1, outcome: Outcome::Done },
+        Request::FinishSave { save: 1, outcome: Outcome::Done, latency_ns: None },
         Request::Query { keys: k.clone(), uses: 2 },
         Request::Restore { lease: 0, blocks: 2 },
         prepare(&keys(&sh, 5..7)),
@@ -244,7 +244,7 @@ fn each_session_counts_its_own_traffic_and_clients_sums_them_by_process() {
         s.gone_at_end = true;
     }
     let Reply::SavePrepared { save, .. } = a1.run(prepare(&k)) else { panic!("prepare") };
-    assert_eq!(a1.run(Request::FinishSave { save, outcome: Outcome::Done }), Reply::Done);
+    assert_eq!(a1.run(Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
     let asked = vec![k[0], k[1], missing[0]];
     assert!(matches!(a2.run(Request::Query { keys: asked, uses: 1 }), Reply::Leased { ref blocks, .. } if blocks.len() == 2));
     let too_many = vec![missing[0]; Limits::default().keys_per_request + 1];

@@ -140,8 +140,9 @@ impl Rank {
         }
         let batch: Vec<CopyPair> = saving.iter().zip(&slots).map(|(&i, &s)| CopyPair::new(gpu_pages[i], s)).collect();
         let c = conn.clone();
-        let settle: Settle =
-            Box::new(move |outcome| c.expect_done(&Request::FinishSave { save, outcome: outcome.into() }));
+        let settle: Settle = Box::new(move |outcome, latency| {
+            c.expect_done(&Request::FinishSave { save, outcome: outcome.into(), latency_ns: wire_ns(latency) })
+        });
         // SAFETY: the daemon reserved every slot of `batch` (WRITING) for this save and reuses none of
         // them before the FinishSave that `settle` sends after the copy has finished, or before this
         // process is gone; the pool is mapped as long as this rank's connected tier lives, which the
@@ -149,7 +150,7 @@ impl Rank {
         match unsafe { self.launch(Direction::Save, &batch, how, settle) } {
             Ok(handle) => Ok(SaveTicket { saving, resident, in_flight, duplicates, dropped, handle }),
             Err(e) => {
-                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted });
+                let _ = conn.call(&Request::FinishSave { save, outcome: Outcome::NotSubmitted, latency_ns: None });
                 Err(e)
             }
         }
@@ -177,14 +178,14 @@ impl Rank {
                 r => return Err(client::unexpected(&r)),
             };
         if slots.len() != gpu_pages.len() || slots.iter().any(|&s| s >= self.tier.pool().capacity()) {
-            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+            let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
             return Err(client::lost("the daemon pinned slots this restore did not ask for"));
         }
         let batch: Vec<CopyPair> = gpu_pages.iter().zip(&slots).map(|(&p, &s)| CopyPair::new(p, s)).collect();
         let c = conn.clone();
-        let settle: Settle = Box::new(move |outcome| {
+        let settle: Settle = Box::new(move |outcome, latency| {
             // The copy's bytes are in place whatever the daemon says: the handle reports the copy.
-            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into() });
+            let _ = c.call(&Request::FinishRestore { restore, outcome: outcome.into(), latency_ns: wire_ns(latency) });
             Ok(())
         });
         // SAFETY: the daemon pinned every slot of `batch` (READY) for this restore and keeps the pins
@@ -197,11 +198,17 @@ impl Rank {
                 Ok(handle)
             }
             Err(e) => {
-                let _ = conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted });
+                let _ =
+                    conn.call(&Request::FinishRestore { restore, outcome: Outcome::NotSubmitted, latency_ns: None });
                 Err(e)
             }
         }
     }
+}
+
+/// A copy's queue-to-completion time as `FinishSave` / `FinishRestore` carry it (nanoseconds).
+fn wire_ns(latency: Option<std::time::Duration>) -> Option<u64> {
+    latency.map(|l| l.as_nanos().min(u64::MAX as u128) as u64)
 }
 
 /// The daemon's audit of its tier over `keys` (the inner `Err` names the first violated invariant).
@@ -414,6 +421,7 @@ impl From<TierStats> for WireStats {
             restored_blocks,
             restore_failed_blocks,
             evictions,
+            explicit_evictions,
             bytes_saved,
             bytes_restored,
             expired_leases,
@@ -423,6 +431,7 @@ impl From<TierStats> for WireStats {
             pinned_slots,
             ready_slots,
             writing_slots,
+            evicting_slots,
             free_slots,
             capacity,
             index_entries,
@@ -442,6 +451,7 @@ impl From<TierStats> for WireStats {
             restored_blocks,
             restore_failed_blocks,
             evictions,
+            explicit_evictions,
             bytes_saved,
             bytes_restored,
             expired_leases,
@@ -451,6 +461,7 @@ impl From<TierStats> for WireStats {
             pinned_slots,
             ready_slots,
             writing_slots,
+            evicting_slots,
             free_slots,
             capacity,
             index_entries,
@@ -475,6 +486,7 @@ impl From<WireStats> for TierStats {
             restored_blocks: w.restored_blocks,
             restore_failed_blocks: w.restore_failed_blocks,
             evictions: w.evictions,
+            explicit_evictions: w.explicit_evictions,
             bytes_saved: w.bytes_saved,
             bytes_restored: w.bytes_restored,
             expired_leases: w.expired_leases,
@@ -484,6 +496,7 @@ impl From<WireStats> for TierStats {
             pinned_slots: w.pinned_slots,
             ready_slots: w.ready_slots,
             writing_slots: w.writing_slots,
+            evicting_slots: w.evicting_slots,
             free_slots: w.free_slots,
             capacity: w.capacity,
             index_entries: w.index_entries,

@@ -20,6 +20,15 @@ use crate::evict::{ChainView, Ranking};
 use crate::index::SlotRef;
 use crate::slab::slot::SlotId;
 
+/// Why blocks are evicted ([`Claims::finish`]; counted in [`crate::TierStats`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum EvictReason {
+    /// A save needed the slots ([`Core::acquire_slots`]).
+    Capacity,
+    /// Asked for: [`crate::HostTier::evict`] ([`Core::evict_into`]).
+    Explicit,
+}
+
 /// Claimed victims (see the module docs). Dropping it cancels every claim still held.
 pub struct Claims<'a> {
     core: &'a Core,
@@ -66,6 +75,10 @@ impl<'a> Claims<'a> {
             match core.control().begin_evict(s) {
                 Some(generation) => {
                     super::stats::sub(&core.counters.ready_slots, 1);
+                    // Seeded bug (tests only): a claimed slot is not counted as evicting.
+                    if !cfg!(kvtier_seeded_bug = "evicting-uncounted") {
+                        add(&core.counters.evicting_slots, 1);
+                    }
                     self.victims.push((s, generation));
                     // Seeded bug (model checking only): the claimed victim goes back to the policy.
                     #[cfg(kvtier_seeded_bug = "requeue-claimed-victim")]
@@ -81,15 +94,16 @@ impl<'a> Claims<'a> {
     pub fn cancel_one(&mut self) -> bool {
         let Some((s, generation)) = self.victims.pop() else { return false };
         self.core.control().cancel_evict(s, generation);
+        super::stats::sub(&self.core.counters.evicting_slots, 1);
         add(&self.core.counters.ready_slots, 1);
         self.core.policy.on_cancel(s);
         true
     }
 
-    /// Evicts every claimed block: each index entry is removed before the slot's generation is
-    /// bumped (so even a reader holding the old entry fails to pin); the freed slots (not on the
-    /// free list) are appended to `out`.
-    pub fn finish(mut self, out: &mut Vec<SlotId>) {
+    /// Evicts every claimed block, counted as evicted for `reason`: each index entry is removed
+    /// before the slot's generation is bumped (so even a reader holding the old entry fails to
+    /// pin); the freed slots (not on the free list) are appended to `out`.
+    pub fn finish(mut self, out: &mut Vec<SlotId>, reason: EvictReason) {
         let core = self.core;
         for (s, generation) in std::mem::take(&mut self.victims) {
             let key = core.slot_key(s);
@@ -98,7 +112,11 @@ impl<'a> Claims<'a> {
             core.policy.on_remove(s);
             core.chains.unlink(s);
             core.control().release(s);
+            super::stats::sub(&core.counters.evicting_slots, 1);
             add(&core.counters.evictions, 1);
+            if reason == EvictReason::Explicit {
+                add(&core.counters.explicit_evictions, 1);
+            }
             out.push(s);
         }
     }
@@ -181,7 +199,7 @@ impl Core {
                 let have = got.len() + claims.len();
                 // Seeded bug (tests only): a save that cannot fit evicts what it claimed anyway.
                 #[cfg(kvtier_seeded_bug = "unfit-save-evicts")]
-                claims.finish(&mut got);
+                claims.finish(&mut got, EvictReason::Capacity);
                 #[cfg(not(kvtier_seeded_bug = "unfit-save-evicts"))]
                 drop(claims);
                 for s in got {
@@ -190,7 +208,7 @@ impl Core {
                 return Err(TierError::PoolExhausted { needed: n, got: have });
             }
         }
-        claims.finish(&mut got);
+        claims.finish(&mut got, EvictReason::Capacity);
         Ok(got)
     }
 
@@ -208,7 +226,13 @@ impl Core {
             }
         }
         let evicted = claims.len();
-        claims.finish(out);
+        // Seeded bug (tests only): an asked-for eviction is counted as a save's.
+        let reason = if cfg!(kvtier_seeded_bug = "explicit-evicts-as-capacity") {
+            EvictReason::Capacity
+        } else {
+            EvictReason::Explicit
+        };
+        claims.finish(out, reason);
         evicted
     }
 }

@@ -106,11 +106,19 @@ impl Flavor {
         )
     }
 
-    /// Counts a copy of `blocks` blocks (`bytes` bytes) that ended `ok` or not, in an in-process
-    /// tier's counters (a connected tier's daemon counts the copies its ranks report).
-    pub(crate) fn record_copy(&self, dir: crate::copy::Direction, blocks: u64, bytes: u64, ok: bool) {
+    /// Counts a copy of `blocks` blocks (`bytes` bytes) that ended `ok` or not, with its
+    /// queue-to-completion `latency` if it completed, in an in-process tier's counters (a connected
+    /// tier's daemon counts the copies its ranks report).
+    pub(crate) fn record_copy(
+        &self,
+        dir: crate::copy::Direction,
+        blocks: u64,
+        bytes: u64,
+        ok: bool,
+        latency: Option<std::time::Duration>,
+    ) {
         match_flavor!(self,
-            Flavor::InProcess(core) => core.counters.record_copy(dir, blocks, bytes, ok),
+            Flavor::InProcess(core) => core.counters.record_copy(dir, blocks, bytes, ok, latency),
             Flavor::Connected(_) => (),
         )
     }
@@ -375,6 +383,15 @@ impl HostTier {
         match_flavor!(&self.flavor,
             Flavor::InProcess(core) => core.begin_shutdown(),
             Flavor::Connected(d) => d.begin_shutdown(),
+        )
+    }
+
+    /// The core of an in-process tier; `None` for a connected tier.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn in_process_core(&self) -> Option<&Arc<Core>> {
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => Some(core),
+            Flavor::Connected(_) => None,
         )
     }
 

@@ -62,9 +62,10 @@ pub(crate) enum CopyOutcome {
     SubmitPanicked,
 }
 
-/// Finalises a copy once its outcome is known. An error (a remote tier that could not tell its
-/// daemon) fails the copy's handle even though the copy itself completed.
-pub(crate) type Settle = Box<dyn FnOnce(CopyOutcome) -> Result<(), TierError> + Send>;
+/// Finalises a copy once its outcome is known, given its queue-to-completion time when the copy
+/// ended ([`CopyOutcome::Done`], [`CopyOutcome::Failed`]). An error (a remote tier that could not
+/// tell its daemon) fails the copy's handle even though the copy itself completed.
+pub(crate) type Settle = Box<dyn FnOnce(CopyOutcome, Option<Duration>) -> Result<(), TierError> + Send>;
 
 /// A submitted copy, until its completion thread has settled it. Once the backend has accepted a
 /// copy, only [`Job::finish`] may release its slots: a job dropped unfinished (an unwind between
@@ -82,7 +83,8 @@ struct Job {
     handle: std::sync::Arc<HandleShared>,
     /// The rank's in-flight accounting, which counts this job from its creation ([`Job::new`]).
     inflight: std::sync::Arc<InFlight>,
-    /// When the copy was submitted (its debug span reports queue-to-completion time).
+    /// When the copy was submitted: its queue-to-completion time (the copy latency histogram, the
+    /// debug span) is measured from here to the backend's completion.
     submitted: Instant,
 }
 
@@ -103,7 +105,7 @@ impl Drop for Job {
                     self.dir,
                     self.blocks
                 );
-                let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown)));
+                let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::Unknown, None)));
                 if let Some(c) = self.completion.take() {
                     std::mem::forget(c);
                 }
@@ -164,13 +166,16 @@ impl Job {
         let submitted = self.submitted;
         let mut completion = self.completion.take().expect("a job's completion is taken once");
         let waited = catch_unwind(AssertUnwindSafe(|| completion.wait()));
+        // Queue to completion: from the submission to the backend's answer.
+        let latency = submitted.elapsed();
+        let mut completed = false;
         let result = match waited {
             Ok(r) => {
                 let settle = self.settle.take().expect("a job is settled once");
                 let outcome = if r.is_ok() { CopyOutcome::Done } else { CopyOutcome::Failed };
                 // A panic while settling must not end this thread: the job's handle completes
                 // (BackendPanicked) and the queued jobs behind it are still finished.
-                let settled = catch_unwind(AssertUnwindSafe(|| settle(outcome))).unwrap_or_else(|_| {
+                let settled = catch_unwind(AssertUnwindSafe(|| settle(outcome, Some(latency)))).unwrap_or_else(|_| {
                     tracing::error!("settling a {dir:?} of {blocks} blocks panicked; the panic was contained");
                     Err(TierError::Copy(CopyError::BackendPanicked))
                 });
@@ -181,6 +186,7 @@ impl Job {
                 if catch_unwind(AssertUnwindSafe(move || drop(completion))).is_err() {
                     tracing::error!("a {dir:?} completion panicked when dropped; the panic was contained");
                 }
+                completed = r.is_ok();
                 r.map_err(TierError::Copy).and(settled)
             }
             Err(_) => {
@@ -196,7 +202,7 @@ impl Job {
                     } else {
                         CopyOutcome::Unknown
                     };
-                    let _ = settle(outcome);
+                    let _ = settle(outcome, None);
                 }
                 // It may own buffers the copy still uses: never drop it.
                 std::mem::forget(completion);
@@ -205,9 +211,9 @@ impl Job {
         };
         drop(self);
         span.record("outcome", if result.is_ok() { "done" } else { "failed" });
-        span.record("seconds", submitted.elapsed().as_secs_f64());
+        span.record("seconds", latency.as_secs_f64());
         tracing::debug!("settled");
-        tier.record_copy(dir, blocks, bytes, result.is_ok());
+        tier.record_copy(dir, blocks, bytes, result.is_ok(), completed.then_some(latency));
         inflight.load(dir).fetch_sub(blocks, Ordering::Relaxed);
         // The batch leaves the rank's load before its handle completes, so a caller woken by the
         // handle sees `Rank::load` without it.
@@ -377,7 +383,7 @@ impl Rank {
         let completion = match submitted {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
-                self.tier.record_copy(dir, blocks, 0, false);
+                self.tier.record_copy(dir, blocks, 0, false, None);
                 return Err(e.into());
             }
             Err(panic) => {
@@ -391,8 +397,8 @@ impl Rank {
                     tracing::error!(
                         "the copy backend panicked submitting a {dir:?} of {blocks} blocks; its host slots are quarantined"
                     );
-                    let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::SubmitPanicked)));
-                    self.tier.record_copy(dir, blocks, 0, false);
+                    let _ = catch_unwind(AssertUnwindSafe(|| settle(CopyOutcome::SubmitPanicked, None)));
+                    self.tier.record_copy(dir, blocks, 0, false, None);
                     return Err(TierError::Copy(CopyError::BackendPanicked));
                 }
             }
@@ -510,7 +516,7 @@ impl Rank {
                 Direction::Save,
                 &batch,
                 how,
-                Box::new(move |outcome| {
+                Box::new(move |outcome, _latency| {
                     match outcome {
                         CopyOutcome::Done => reservation.commit(),
                         CopyOutcome::Failed => drop(reservation),
@@ -603,7 +609,7 @@ impl Rank {
                 Direction::Restore,
                 &batch,
                 how,
-                Box::new(move |outcome| {
+                Box::new(move |outcome, _latency| {
                     match outcome {
                         CopyOutcome::Done | CopyOutcome::Failed => drop(pins),
                         CopyOutcome::Unknown | CopyOutcome::SubmitPanicked => pins.quarantine(),
@@ -728,7 +734,7 @@ mod job_tests {
         let handle = HandleShared::with_event(3, 3 * 4096, None);
         let job = Job::new(
             Box::new(Never),
-            Box::new(move |o| {
+            Box::new(move |o, _latency| {
                 *s.lock().unwrap() = Some(o);
                 Ok(())
             }),

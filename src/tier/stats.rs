@@ -5,6 +5,7 @@
 
 use crate::copy::Direction;
 use crate::sync::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// A snapshot of the tier's counters. Block counts are blocks (pages across all arenas); bytes are
 /// payload bytes (blocks x [`crate::Geometry::block_bytes`]).
@@ -36,8 +37,12 @@ pub struct TierStats {
     pub restored_blocks: u64,
     /// Blocks whose restore copy failed.
     pub restore_failed_blocks: u64,
-    /// Blocks evicted.
+    /// Blocks evicted, for either reason: by saves that needed a slot (capacity), and by
+    /// [`crate::HostTier::evict`] ([`TierStats::explicit_evictions`]).
     pub evictions: u64,
+    /// Blocks of [`TierStats::evictions`] evicted by [`crate::HostTier::evict`]; the rest were
+    /// evicted by saves that needed a slot.
+    pub explicit_evictions: u64,
     /// Payload bytes copied GPU -> host by completed saves.
     pub bytes_saved: u64,
     /// Payload bytes copied host -> GPU by completed restores.
@@ -61,6 +66,9 @@ pub struct TierStats {
     pub ready_slots: u64,
     /// Slots reserved by saves in flight.
     pub writing_slots: u64,
+    /// Slots claimed by an evictor right now (`EVICTING`: invisible to new pins, still indexed;
+    /// evicted or given back before the eviction lock is released, so 0 when quiescent).
+    pub evicting_slots: u64,
     /// Slots on the free list.
     pub free_slots: u64,
     /// Slots in the pool.
@@ -90,6 +98,7 @@ pub(crate) struct Counters {
     pub restored_blocks: AtomicU64,
     pub restore_failed_blocks: AtomicU64,
     pub evictions: AtomicU64,
+    pub explicit_evictions: AtomicU64,
     pub bytes_saved: AtomicU64,
     pub bytes_restored: AtomicU64,
     pub expired_leases: AtomicU64,
@@ -101,11 +110,95 @@ pub(crate) struct Counters {
     pub pinned_slots: AtomicU64,
     pub ready_slots: AtomicU64,
     pub writing_slots: AtomicU64,
+    pub evicting_slots: AtomicU64,
+    /// Queue-to-completion time of completed copies: save, restore.
+    pub copy_latency: [Latency; 2],
+}
+
+/// Upper bounds, in nanoseconds, of the copy latency buckets but the last (`+Inf`): 10 µs to 10 s.
+pub(crate) const LATENCY_BOUNDS_NS: [u64; 19] = [
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_500_000_000,
+    5_000_000_000,
+    10_000_000_000,
+];
+
+/// The longest single observation added to a latency sum (one hour, in nanoseconds): a value the
+/// tier daemon gets from a client cannot wrap the sum.
+const LATENCY_MAX_NS: u64 = 3_600_000_000_000;
+
+/// A latency histogram: one count per bucket of [`LATENCY_BOUNDS_NS`] (not cumulative; the last is
+/// `+Inf`) and the sum of the observations in nanoseconds. One relaxed add to a bucket and one to
+/// the sum per observation (one copy batch, not one block).
+pub(crate) struct Latency {
+    buckets: [AtomicU64; LATENCY_BOUNDS_NS.len() + 1],
+    sum_ns: AtomicU64,
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Latency { buckets: std::array::from_fn(|_| AtomicU64::new(0)), sum_ns: AtomicU64::new(0) }
+    }
+}
+
+/// A snapshot of a [`Latency`] histogram.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LatencySnapshot {
+    /// Observations per bucket of [`LATENCY_BOUNDS_NS`], then `+Inf` (not cumulative).
+    pub buckets: [u64; LATENCY_BOUNDS_NS.len() + 1],
+    /// Sum of the observations, nanoseconds.
+    pub sum_ns: u64,
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+impl LatencySnapshot {
+    /// Observations in all.
+    pub(crate) fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+}
+
+impl Latency {
+    /// Records one observation of `ns` nanoseconds.
+    pub(crate) fn observe(&self, ns: u64) {
+        let i = LATENCY_BOUNDS_NS.iter().position(|&b| ns <= b).unwrap_or(LATENCY_BOUNDS_NS.len());
+        add(&self.buckets[i], 1);
+        add(&self.sum_ns, ns.min(LATENCY_MAX_NS));
+    }
+
+    /// The counts now (relaxed loads: a scrape racing an observation may see its bucket or not).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn snapshot(&self) -> LatencySnapshot {
+        LatencySnapshot { buckets: std::array::from_fn(|i| load(&self.buckets[i])), sum_ns: load(&self.sum_ns) }
+    }
 }
 
 impl Counters {
-    /// Records a finished copy of `blocks` blocks (`bytes` payload bytes) in direction `dir`.
-    pub(crate) fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool) {
+    /// Records a finished copy of `blocks` blocks (`bytes` payload bytes) in direction `dir`, and
+    /// for a completed one (`ok`) its queue-to-completion time `latency`, if known.
+    pub(crate) fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool, latency: Option<Duration>) {
+        if let (true, Some(l)) = (ok, latency) {
+            // Seeded bug (tests only): every copy's latency is recorded as a save's.
+            #[cfg(kvtier_seeded_bug = "copy-latency-one-direction")]
+            let dir = Direction::Save;
+            self.copy_latency[latency_index(dir)].observe(l.as_nanos().min(u64::MAX as u128) as u64);
+        }
         match (dir, ok) {
             (Direction::Save, true) => {
                 add(&self.saved_blocks, blocks);
@@ -125,6 +218,14 @@ impl Counters {
         add(&self.queries, 1);
         add(&self.hit_blocks, hits as u64);
         add(&self.miss_blocks, (asked - hits) as u64);
+    }
+}
+
+/// The index of direction `dir` in [`Counters::copy_latency`].
+pub(crate) fn latency_index(dir: Direction) -> usize {
+    match dir {
+        Direction::Save => 0,
+        Direction::Restore => 1,
     }
 }
 

@@ -73,7 +73,7 @@ fn a_key_under_eviction_is_planned_after_the_eviction_settles() {
                     drop(claims);
                 } else {
                     let mut out = vec![];
-                    claims.finish(&mut out);
+                    claims.finish(&mut out, super::evictor::EvictReason::Explicit);
                     for s in out {
                         core.pool().free(s);
                     }

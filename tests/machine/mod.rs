@@ -537,6 +537,10 @@ impl Machine {
             self.model.ready.remove(&k);
         }
         self.model.stats.evictions += n as u64;
+        if what == "evict" {
+            // Asked for (`HostTier::evict`); a save's evictions are for capacity.
+            self.model.stats.explicit_evictions += n as u64;
+        }
     }
 
     fn save(&mut self, gated: bool, start: u8, len: u8, prefix: bool, dup: bool) {
