@@ -243,8 +243,12 @@ def test_every_daemon_round_trip_releases_the_gil(tmp_path):
             with tier.query(keys) as held:
                 assert not held.settled
             assert held.settled  # __exit__ released it
-            other = tier.open_lease(tier.query(keys).token)
+            # Hold the first handle: a lease dropped before `open_lease` runs may be released
+            # first, and its token then names a settled lease.
+            first = tier.query(keys)
+            other = tier.open_lease(first.token)
             assert len(other) == 3 and other.release()
+            first.release()
             h = tier.hint(keys)
             assert tier.withdraw_hint(h)
             assert tier.evict(1) == 1
