@@ -47,7 +47,10 @@ fn payload_of(generation: u64, bytes: u64) -> Vec<u8> {
 }
 
 fn tmpdir() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory on the build disk")
+    // cargo makes this directory before it runs the tests; a test binary run elsewhere makes it.
+    let base = env!("CARGO_TARGET_TMPDIR");
+    std::fs::create_dir_all(base).expect("the target tmpdir");
+    tempfile::tempdir_in(base).expect("a temporary directory on the build disk")
 }
 
 fn flip_byte(path: &Path, offset: u64) {
