@@ -74,11 +74,7 @@ fn unit_error(input: &str, number: &str, unit: &str) -> SizeError {
         let dec = if p == 'K' { "kB".to_string() } else { format!("{p}B") };
         let bin = format!("{p}iB");
         let as_bytes = |u: &str| parse_bytes(&format!("{number}{u}")).ok();
-        Some(format!(
-            "; did you mean {number}{dec} ({} B) or {number}{bin} ({} B)?",
-            as_bytes(&dec)?,
-            as_bytes(&bin)?
-        ))
+        Some(format!("; did you mean {number}{dec} ({} B) or {number}{bin} ({} B)?", as_bytes(&dec)?, as_bytes(&bin)?))
     });
     SizeError::Unit { input: input.to_string(), unit: unit.to_string(), readings: readings.unwrap_or_default() }
 }
@@ -127,7 +123,10 @@ mod tests {
             assert!(e.contains("did you mean"), "{s}: {e}");
         }
         let e = parse_bytes("12 parsecs").unwrap_err();
-        assert!(matches!(&e, SizeError::Unit { unit, readings, .. } if unit == "parsecs" && readings.is_empty()), "{e:?}");
+        assert!(
+            matches!(&e, SizeError::Unit { unit, readings, .. } if unit == "parsecs" && readings.is_empty()),
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -138,7 +137,10 @@ mod tests {
         assert_eq!(parse_bytes("1.5"), Err(SizeError::Fraction { input: "1.5".into() }));
         assert_eq!(parse_bytes("0.1B"), Err(SizeError::Fraction { input: "0.1B".into() }));
         assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
-        assert_eq!(parse_bytes("18446744073709551616"), Err(SizeError::Overflow { input: "18446744073709551616".into() }));
+        assert_eq!(
+            parse_bytes("18446744073709551616"),
+            Err(SizeError::Overflow { input: "18446744073709551616".into() })
+        );
         assert_eq!(parse_bytes("17000000TiB"), Err(SizeError::Overflow { input: "17000000TiB".into() }));
     }
 }

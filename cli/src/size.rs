@@ -68,9 +68,10 @@ mod tests {
     #[test]
     fn slots_from_bytes_or_counts() {
         let slot = 3_452_160; // one GLM-5.2 block
-        // What the pool maps (sizes this machine can map without a prefault), the one computation.
+                              // What the pool maps (sizes this machine can map without a prefault), the one computation.
         for size in ["8GiB", "34.52216MB"] {
-            let cfg = kvtier::PoolConfig::new(kvtier::parse_bytes(size).unwrap()).with_backing(kvtier::BackingChoice::Plain);
+            let cfg =
+                kvtier::PoolConfig::new(kvtier::parse_bytes(size).unwrap()).with_backing(kvtier::BackingChoice::Plain);
             let pool = kvtier::HostPool::new(slot, &cfg).unwrap();
             assert_eq!(parse_slots(size, slot).unwrap(), pool.capacity(), "{size}");
         }
@@ -90,8 +91,10 @@ mod tests {
             msg("0slots"),
             format!("invalid configuration: pool size `0slots` is 0 slots of 3452160 B; it must hold 1 to {max} slots")
         );
-        assert!(msg("12 parsecs").starts_with("invalid configuration: bad pool size `12 parsecs` (e.g. 32GiB, 500MB, 9952slots): "));
+        assert!(msg("12 parsecs")
+            .starts_with("invalid configuration: bad pool size `12 parsecs` (e.g. 32GiB, 500MB, 9952slots): "));
         assert!(msg("4gb").contains("did you mean 4GB"), "{}", msg("4gb"));
-        assert!(msg("1.5slots").starts_with("invalid configuration: bad pool size `1.5slots` (e.g. 32GiB, 500MB, 9952slots): "));
+        assert!(msg("1.5slots")
+            .starts_with("invalid configuration: bad pool size `1.5slots` (e.g. 32GiB, 500MB, 9952slots): "));
     }
 }

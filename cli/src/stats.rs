@@ -51,7 +51,17 @@ pub fn clients_table(clients: &[ClientStats]) -> String {
     let _ = writeln!(
         t,
         "    {:>8} {:>4} {:>9} {:>7} {:>7} {:>5} {:>7} {:>8} {:>11} {:>11} {:>7}",
-        "pid", "conn", "connected", "leases", "leased", "hints", "queries", "hits", "saved GB", "restored GB", "refused"
+        "pid",
+        "conn",
+        "connected",
+        "leases",
+        "leased",
+        "hints",
+        "queries",
+        "hits",
+        "saved GB",
+        "restored GB",
+        "refused"
     );
     for c in clients.iter().take(TOP_CLIENTS) {
         let pid = c.pid.map_or_else(|| "?".to_string(), |p| p.to_string());

@@ -246,7 +246,9 @@ fn each_session_counts_its_own_traffic_and_clients_sums_them_by_process() {
     let Reply::SavePrepared { save, .. } = a1.run(prepare(&k)) else { panic!("prepare") };
     assert_eq!(a1.run(Request::FinishSave { save, outcome: Outcome::Done, latency_ns: None }), Reply::Done);
     let asked = vec![k[0], k[1], missing[0]];
-    assert!(matches!(a2.run(Request::Query { keys: asked, uses: 1 }), Reply::Leased { ref blocks, .. } if blocks.len() == 2));
+    assert!(
+        matches!(a2.run(Request::Query { keys: asked, uses: 1 }), Reply::Leased { ref blocks, .. } if blocks.len() == 2)
+    );
     let too_many = vec![missing[0]; Limits::default().keys_per_request + 1];
     assert!(matches!(b.run(Request::Query { keys: too_many, uses: 1 }), Reply::Error(WireError::LimitExceeded { .. })));
     assert!(matches!(b.run(Request::Hint { keys: k.clone(), ttl_ms: 60_000 }), Reply::Count(_)));
