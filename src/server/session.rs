@@ -144,6 +144,29 @@ impl Session {
     }
 
     /// The lease `id`, which this connection must hold a handle on.
+
+    /// Counts a finished copy for the tier (bytes, and latency when done) and, when it is done,
+    /// for this session's client.
+    fn record_copy(
+        &self,
+        counters: &crate::tier::stats::Counters,
+        dir: Direction,
+        blocks: u64,
+        bytes: u64,
+        outcome: Outcome,
+        latency_ns: Option<u64>,
+    ) {
+        let done = outcome == Outcome::Done;
+        counters.record_copy(dir, blocks, bytes, done, latency_ns.map(Duration::from_nanos));
+        if done {
+            let (b, n) = match dir {
+                Direction::Save => (&self.counters.saved_blocks, &self.counters.bytes_saved),
+                Direction::Restore => (&self.counters.restored_blocks, &self.counters.bytes_restored),
+            };
+            ClientCounters::add(b, blocks);
+            ClientCounters::add(n, bytes);
+        }
+    }
     fn lease(&self, id: u64) -> Result<Lease, TierError> {
         if !self.leases.contains_key(&id) {
             return Err(TierError::ForeignLease);
@@ -391,17 +414,7 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(
-                    Direction::Save,
-                    blocks,
-                    bytes,
-                    outcome == Outcome::Done,
-                    latency_ns.map(Duration::from_nanos),
-                );
-                if outcome == Outcome::Done {
-                    ClientCounters::add(&self.counters.saved_blocks, blocks);
-                    ClientCounters::add(&self.counters.bytes_saved, bytes);
-                }
+                self.record_copy(&core.counters, Direction::Save, blocks, bytes, outcome, latency_ns);
                 Reply::Done
             }
             Request::Restore { lease, blocks } => {
@@ -457,17 +470,7 @@ impl Session {
                     }
                 }
                 let bytes = if outcome == Outcome::NotSubmitted { 0 } else { blocks * block_bytes };
-                core.counters.record_copy(
-                    Direction::Restore,
-                    blocks,
-                    bytes,
-                    outcome == Outcome::Done,
-                    latency_ns.map(Duration::from_nanos),
-                );
-                if outcome == Outcome::Done {
-                    ClientCounters::add(&self.counters.restored_blocks, blocks);
-                    ClientCounters::add(&self.counters.bytes_restored, bytes);
-                }
+                self.record_copy(&core.counters, Direction::Restore, blocks, bytes, outcome, latency_ns);
                 Reply::Done
             }
             Request::Contains { key } => Reply::Bool(self.shared.tier.contains(&key)),
