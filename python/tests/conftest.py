@@ -1,4 +1,9 @@
-"""Shared fixtures: a small geometry over numpy arrays (host backend, no GPU needed)."""
+"""Shared fixtures: a small geometry over numpy arrays (host backend, no GPU needed), and a short
+directory for Unix-domain sockets."""
+
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -48,3 +53,22 @@ def rank(tier, arrays):
     r = tier.attach_host(arrays)
     yield r
     r.close()
+
+
+# A Unix-domain socket's path is at most 107 bytes (sun_path); pytest's tmp_path under a long
+# TMPDIR (a build directory, say) passes that, and binding there is refused with a ConfigError.
+SOCKET_PATH_MAX = 107
+
+
+@pytest.fixture
+def socket_dir(tmp_path):
+    """A directory for Unix-domain sockets whose paths stay under 107 bytes: tmp_path where it is
+    short enough, otherwise a fresh directory under /tmp (removed after the test)."""
+    if len(os.fsencode(tmp_path / "kvtierd.sock")) <= SOCKET_PATH_MAX - 16:
+        yield tmp_path
+        return
+    short = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

@@ -13,8 +13,8 @@ from conftest import PAGE_TOKENS, make_arrays, page
 
 
 @pytest.fixture
-def socket_path(tmp_path, geometry):
-    path = str(tmp_path / "kvtierd.sock")
+def socket_path(socket_dir, geometry):
+    path = os.path.join(socket_dir, "kvtierd.sock")
     kvtier._kvtier._serve(path, geometry, 8 * geometry.slot_bytes, "lru")
     return path
 
@@ -82,9 +82,9 @@ def test_another_process_restores_from_a_shared_lease(socket_path, geometry, arr
     assert tier.stats()["live_leases"] == 0
 
 
-def test_no_daemon_is_a_typed_error(tmp_path, geometry):
+def test_no_daemon_is_a_typed_error(socket_dir, geometry):
     with pytest.raises(kvtier.DisconnectedError) as e:
-        kvtier.connect(str(tmp_path / "nobody.sock"))
+        kvtier.connect(os.path.join(socket_dir, "nobody.sock"))
     assert "nobody.sock" in e.value.reason
     with pytest.raises(kvtier.ForeignLeaseError):
         kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain").open_lease(bytes(16))
@@ -174,14 +174,14 @@ def test_a_forked_child_gets_forked_child_error(socket_path, geometry, arrays):
     rank.close()
 
 
-def test_connect_defaults_to_the_daemons_default_socket(tmp_path, geometry):
+def test_connect_defaults_to_the_daemons_default_socket(socket_dir, geometry):
     # A child process with XDG_RUNTIME_DIR set: the default socket is inside it, and connect()
     # without a path reaches a daemon served there.
     code = textwrap.dedent(
         f"""
         import os, kvtier
         path = os.fspath(kvtier.default_socket_path())
-        assert path == os.path.join({str(tmp_path)!r}, "kvtierd.sock"), path
+        assert path == os.path.join({str(socket_dir)!r}, "kvtierd.sock"), path
         g = kvtier.Geometry.preset("llama3-8b", 64)
         kvtier._kvtier._serve(path, g, 4 * g.slot_bytes, "lru")
         tier = kvtier.connect()
@@ -189,6 +189,6 @@ def test_connect_defaults_to_the_daemons_default_socket(tmp_path, geometry):
         print("ok")
         """
     )
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(socket_dir)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

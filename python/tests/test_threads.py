@@ -71,18 +71,18 @@ def joined(t, what):
 """
 
 
-def run_scenario(tmp_path, body):
+def run_scenario(socket_dir, body):
     code = PRELUDE.format(dump=LIMIT - 10) + textwrap.dedent(body) + "\nprint('ok')\n"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code, str(tmp_path)],
+            [sys.executable, "-c", code, str(socket_dir)],
             capture_output=True,
             text=True,
             timeout=LIMIT,
             env=env,
-            cwd=tmp_path,
+            cwd=socket_dir,
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the scenario hung for {LIMIT} s (a deadlock):\n{e.stderr}")
@@ -94,11 +94,11 @@ def run_scenario(tmp_path, body):
 # --- Rank.close() against a call in progress on another thread --------------------------------
 
 
-def test_close_while_another_thread_drains(tmp_path):
+def test_close_while_another_thread_drains(socket_dir):
     # drain() waits (GIL released) for a 64 MiB restore; close() comes from the main thread,
     # which takes the GIL back the moment drain() releases it.
     run_scenario(
-        tmp_path,
+        socket_dir,
         """
         arrs = host_arrays(128, arenas=16, heads=16, dim=64, dtype=np.float32)  # 64 KiB pages
         g = kvtier.Geometry.from_tensors(arrs, model="close-drain")
@@ -132,11 +132,11 @@ def test_close_while_another_thread_drains(tmp_path):
 
 
 @pytest.mark.parametrize("call", ["save", "restore"])
-def test_close_while_another_thread_saves_or_restores_in_process(tmp_path, call):
+def test_close_while_another_thread_saves_or_restores_in_process(socket_dir, call):
     # A save of 65,536 blocks or a restore of as many: long GIL-released sections, entered by a
     # thread that the main thread then interrupts with close().
     run_scenario(
-        tmp_path,
+        socket_dir,
         f"""
         call = {call!r}
         n = 1 << 16
@@ -178,12 +178,12 @@ def test_close_while_another_thread_saves_or_restores_in_process(tmp_path, call)
 
 
 @pytest.mark.parametrize("call", ["save", "restore"])
-def test_close_while_another_thread_is_in_a_daemon_round_trip(tmp_path, call):
+def test_close_while_another_thread_is_in_a_daemon_round_trip(socket_dir, call):
     # The relay holds the save's (or restore's) request: that thread is inside its round trip
     # with the GIL released. The main thread lets the request go and, keeping the GIL (no switch
     # for 1,000 s), calls close(): the relay can forward only once close() releases the GIL.
     run_scenario(
-        tmp_path,
+        socket_dir,
         f"""
         call = {call!r}
         arrs = host_arrays(32, arenas=2)
@@ -219,11 +219,11 @@ def test_close_while_another_thread_is_in_a_daemon_round_trip(tmp_path, call):
 # --- daemon round trips release the GIL ----------------------------------------------------
 
 
-def test_every_daemon_round_trip_releases_the_gil(tmp_path):
+def test_every_daemon_round_trip_releases_the_gil(socket_dir):
     # Through the relay, a call that kept the GIL across its round trip would get no reply until
     # the client's reply timeout, then raise DisconnectedError.
     run_scenario(
-        tmp_path,
+        socket_dir,
         """
         arrs = host_arrays(32, arenas=2)
         g = kvtier.Geometry.from_tensors(arrs, model="gil-remote")
@@ -257,12 +257,12 @@ def test_every_daemon_round_trip_releases_the_gil(tmp_path):
     )
 
 
-def test_a_lease_collected_while_another_thread_holds_the_connection(tmp_path):
+def test_a_lease_collected_while_another_thread_holds_the_connection(socket_dir):
     # One thread is inside a round trip (stats, held by the relay); the main thread drops the
     # last reference to an unreleased lease. Its garbage collection must not wait for the
     # connection with the GIL held (the relay could then never let the round trip finish).
     run_scenario(
-        tmp_path,
+        socket_dir,
         """
         arrs = host_arrays(32, arenas=2)
         g = kvtier.Geometry.from_tensors(arrs, model="gc-remote")
@@ -287,13 +287,13 @@ def test_a_lease_collected_while_another_thread_holds_the_connection(tmp_path):
     )
 
 
-def test_a_rank_collected_unclosed_drains_without_the_gil(tmp_path):
+def test_a_rank_collected_unclosed_drains_without_the_gil(socket_dir):
     # A save's copy is in flight and its completion's FinishSave is held by the relay (inside its
     # round trip). The main thread drops the last reference to the unclosed rank: its drain waits
     # for that round trip, which the relay finishes only once the main thread lets it go, so the
     # drain must not run here with the GIL held.
     run_scenario(
-        tmp_path,
+        socket_dir,
         """
         arrs = host_arrays(32, arenas=2)
         g = kvtier.Geometry.from_tensors(arrs, model="gc-rank")
@@ -315,12 +315,12 @@ def test_a_rank_collected_unclosed_drains_without_the_gil(tmp_path):
     )
 
 
-def test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good(tmp_path):
+def test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good(socket_dir):
     # A save held inside its round trip cannot let go of the rank before the relay lets it: a
     # close with a deadline gives up then (DrainTimeoutError), keeps the rank and its tensors
     # (never freed under the call or its copy), and the save still completes.
     run_scenario(
-        tmp_path,
+        socket_dir,
         """
         import weakref
         arrs = host_arrays(32, arenas=2)
