@@ -5,7 +5,8 @@
 # all fails the script.
 #
 # Usage: ci/bites.sh [BUG...]    (default: every bug in ci/bites.txt)
-# Release builds: the dependencies are built once; each bug rebuilds kvtier and the tests it names.
+# The `bites` profile (Cargo.toml): the dependencies are optimized and built once; each bug rebuilds
+# kvtier and the tests it names, unoptimized, into target/bites (release builds stay unseeded).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=0
@@ -23,7 +24,7 @@ for bug in "${bugs[@]}"; do
         IFS='|' read -r b sel name expect <<<"$row"
         [[ $b == "$bug" ]] || continue
         # shellcheck disable=SC2086 # $sel is a list of cargo arguments
-        if ! KVTIER_SEEDED_BUG="$bug" cargo test -q --release $sel --no-run 2>/dev/null; then
+        if ! KVTIER_SEEDED_BUG="$bug" cargo test -q --profile bites $sel --no-run 2>/dev/null; then
             echo "FAIL: $sel does not build with seeded bug $bug"
             fail=1
             continue
@@ -31,7 +32,7 @@ for bug in "${bugs[@]}"; do
         log=$(mktemp)
         # The test is expected to fail: its outcome is read from the log.
         # shellcheck disable=SC2086
-        KVTIER_SEEDED_BUG="$bug" cargo test -q --release $sel -- "$name" >"$log" 2>&1 || true
+        KVTIER_SEEDED_BUG="$bug" cargo test -q --profile bites $sel -- "$name" >"$log" 2>&1 || true
         if ! grep -qE "test result: FAILED\. [0-9]+ passed; [1-9][0-9]* failed" "$log"; then
             if grep -qE "test result: ok\. [1-9]" "$log"; then
                 echo "FAIL: seeded bug $bug did NOT make $name fail"
@@ -50,6 +51,4 @@ for bug in "${bugs[@]}"; do
         rm -f "$log"
     done
 done
-# Build the ordinary crates again, so that later steps do not pick up a seeded build.
-cargo build --release -q
 exit $fail
