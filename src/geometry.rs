@@ -259,6 +259,20 @@ impl Geometry {
     pub fn slot_bytes(&self) -> u64 {
         self.slot_bytes
     }
+    /// Bytes one block takes in an SSD tier's slot file: [`Geometry::slot_bytes`] plus the 96-byte
+    /// slot trailer (key, generation, checksums), rounded up to 4 KiB, the unit of O_DIRECT I/O.
+    /// For `glm52` this is 3,452,928 B (3,452,160 B + 96 B, rounded up).
+    pub fn disk_slot_bytes(&self) -> u64 {
+        crate::disk::format::slot_stride(self.slot_bytes).expect("a host slot is far below u64::MAX bytes")
+    }
+    /// Blocks an SSD tier's slot file of `file_bytes` bytes holds: its 4 KiB header, then slots of
+    /// [`Geometry::disk_slot_bytes`] (0 when the file is smaller than the header and one slot). A
+    /// 2 TiB file of `glm52` blocks holds 636,857 of them.
+    pub fn disk_slots(&self, file_bytes: u64) -> u64 {
+        let header =
+            if cfg!(kvtier_seeded_bug = "disk-slots-ignore-header") { 0 } else { crate::disk::format::HEADER_BYTES };
+        file_bytes.saturating_sub(header as u64) / self.disk_slot_bytes()
+    }
     /// Payload bytes of one block (sum of copy units, without alignment padding).
     pub fn block_bytes(&self) -> u64 {
         self.arenas.iter().map(|a| a.bytes_per_page).sum()
@@ -500,6 +514,17 @@ mod tests {
         assert_eq!(g.chunk_offsets()[1], 41_984);
         assert!(g.arenas().iter().any(|a| a.name == "indexk.L74"));
         assert!(!g.arenas().iter().any(|a| a.name == "indexk.L3"));
+    }
+
+    #[test]
+    fn a_disk_slot_is_the_host_slot_and_its_trailer_rounded_up_to_4_kib() {
+        let g = Geometry::preset("glm52", 16).unwrap();
+        // 3,452,160 B + 96 B = 3,452,256 B -> 843 pages of 4 KiB.
+        assert_eq!(g.disk_slot_bytes(), 3_452_928);
+        assert_eq!(g.disk_slots(2 << 40), 636_857);
+        assert_eq!(g.disk_slots(4096 + 3_452_928), 1);
+        assert_eq!(g.disk_slots(4096 + 3_452_927), 0);
+        assert_eq!(g.disk_slots(0), 0);
     }
 
     #[test]

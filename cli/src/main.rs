@@ -175,6 +175,15 @@ struct SimulateArgs {
     /// Write an SVG plot of hit ratio against pool size here.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Also simulate an SSD tier under each host pool, comma-separated sizes: bytes with a unit
+    /// (`512GiB`, `2TB`: the size of its slot file) or disk slots (`636857slots`). The report adds
+    /// the two-level page hit ratios (host share + SSD share) and an unbounded cache's.
+    #[arg(long, value_delimiter = ',')]
+    ssd: Vec<String>,
+    /// Uses that admit a block to the SSD tier (a block used fewer times is never written to the
+    /// drive).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    ssd_admit: u32,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -407,6 +416,8 @@ fn simulate(args: SimulateArgs, every: std::time::Duration) -> Result<(), Error>
         },
         lookahead: args.lookahead,
         optimum: !args.no_optimum,
+        ssd: args.ssd,
+        ssd_admit: args.ssd_admit,
     };
     let bar = Progress::new(config.steps(requests.len()), "requests over all runs", args.json, every);
     let progress = |n: u64| bar.inc(n);

@@ -47,6 +47,36 @@ pub fn parse_slots(s: &str, slot_bytes: u64) -> Result<u32, Error> {
     Ok(slots as u32)
 }
 
+/// Parses an SSD tier size into whole disk slots of `geometry`: a slot count with the suffix
+/// `slots` (`636857slots`), or a byte size as [`parse_bytes`], which holds the slots an SSD slot
+/// file of that size would ([`kvtier::Geometry::disk_slots`]: `2TiB` of `glm52` blocks is 636,857).
+///
+/// # Errors
+/// [`Error::Config`] for a bad number or unit (with the size parser's reason), or a size below one
+/// disk slot or above [`kvtier::MAX_SLOTS`] slots.
+pub fn parse_disk_slots(s: &str, geometry: &kvtier::Geometry) -> Result<u32, Error> {
+    let t = s.trim();
+    let slots: u64 = match t.strip_suffix("slots") {
+        Some(n) => n
+            .trim()
+            .parse()
+            .map_err(|e| Error::Config(format!("bad SSD size `{s}` (e.g. 512GiB, 2TB, 636857slots): {e}")))?,
+        None => {
+            let bytes = kvtier::parse_bytes(t)
+                .map_err(|e| Error::Config(format!("bad SSD size `{s}` (e.g. 512GiB, 2TB, 636857slots): {e}")))?;
+            geometry.disk_slots(bytes)
+        }
+    };
+    if slots == 0 || slots > kvtier::MAX_SLOTS as u64 {
+        return Err(Error::Config(format!(
+            "SSD size `{s}` is {slots} disk slots of {} B (after the file's 4 KiB header); it must hold 1 to {} slots",
+            geometry.disk_slot_bytes(),
+            kvtier::MAX_SLOTS
+        )));
+    }
+    Ok(slots as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,5 +126,26 @@ mod tests {
         assert!(msg("4gb").contains("did you mean 4GB"), "{}", msg("4gb"));
         assert!(msg("1.5slots")
             .starts_with("invalid configuration: bad pool size `1.5slots` (e.g. 32GiB, 500MB, 9952slots): "));
+    }
+
+    #[test]
+    fn disk_slots_from_bytes_or_counts() {
+        let g = kvtier::Geometry::preset("glm52", 1).unwrap();
+        // 4 KiB of header, then slots of 3,452,928 B (the 3,452,160 B block, its trailer, 4 KiB pages).
+        assert_eq!(parse_disk_slots("2TiB", &g).unwrap(), 636_857);
+        assert_eq!(parse_disk_slots("512GiB", &g).unwrap(), 159_214);
+        assert_eq!(parse_disk_slots("128GiB", &g).unwrap(), 39_803);
+        assert_eq!(parse_disk_slots("3456000", &g).unwrap(), 1);
+        assert_eq!(parse_disk_slots("1000slots", &g).unwrap(), 1000);
+        let msg = |s: &str| parse_disk_slots(s, &g).unwrap_err().to_string();
+        assert_eq!(
+            msg("3MB"),
+            format!(
+                "invalid configuration: SSD size `3MB` is 0 disk slots of 3452928 B (after the file's 4 KiB header); \
+                 it must hold 1 to {} slots",
+                kvtier::MAX_SLOTS
+            )
+        );
+        assert!(msg("2tb").contains("did you mean 2TB"), "{}", msg("2tb"));
     }
 }

@@ -4,6 +4,7 @@
 mod support;
 
 use kvtier::{ContentKey, Geometry, PolicyKind};
+use kvtier_cli::simulate::two_level::{run_two_level, unbounded};
 use kvtier_cli::simulate::{belady, page_keys, run_policy, Variant};
 use kvtier_cli::trace::{parse_str, TraceRequest};
 use std::collections::HashMap;
@@ -125,6 +126,62 @@ fn optimum_is_exact_on_a_tiny_trace() {
     assert_eq!(belady(&keys, 2), 4);
     // LRU on 2 slots: 1, 2 (evicts 1), 1 (evicts 2), 3 (evicts 1), 1, 2: no hits.
     assert_eq!(run_policy(&keys, Variant::plain(PolicyKind::Lru), 2, &g, &|_| {}).unwrap().hit_pages, 0);
+}
+
+#[test]
+fn two_levels_are_exact_on_a_tiny_trace() {
+    // Blocks of 2 full pages, requests for blocks 1, 2, 1, 3, 1, 2; LRU on both levels.
+    let g = glm52();
+    let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
+    let text: String = [1u64, 2, 1, 3, 1, 2].iter().map(|&i| line(i)).collect();
+    let keys = page_keys(&parse_str(&text).unwrap(), &g).unwrap();
+    let lru = Variant::plain(PolicyKind::Lru);
+    // An unbounded cache hits requests 3, 5 and 6.
+    assert_eq!(unbounded(&keys), 6);
+    // Host pool of 2 slots (one block): no host hit at all (see optimum_is_exact_on_a_tiny_trace).
+    // Admitted after 2 uses: block 1 goes to the SSD at request 3, and is found there at request
+    // 5; block 2 reaches 2 uses only at request 6, after its query.
+    let r = run_two_level(&keys, lru, 2, 8, 2, &g, &|_| {}).unwrap();
+    assert_eq!((r.host_hit_pages, r.ssd_hit_pages, r.demoted_pages), (0, 2, 4));
+    assert_eq!(r.ssd_evictions, 0);
+    // Admitted at the first use, on an SSD of 2 blocks (4 slots): requests 3 and 5 hit block 1 on
+    // the SSD (each hit refreshes it); block 3's demotion at request 4 evicts block 2, so request 6
+    // misses, and its demotion evicts block 3.
+    let r = run_two_level(&keys, lru, 2, 4, 1, &g, &|_| {}).unwrap();
+    assert_eq!((r.host_hit_pages, r.ssd_hit_pages, r.demoted_pages), (0, 4, 8));
+    assert_eq!(r.ssd_evictions, 4);
+    // An SSD of 3 blocks holds everything: the two levels reach the unbounded cache.
+    let r = run_two_level(&keys, lru, 2, 6, 1, &g, &|_| {}).unwrap();
+    assert_eq!(r.host_hit_pages + r.ssd_hit_pages, 6);
+    assert!(run_two_level(&keys, lru, 2, 6, 0, &g, &|_| {}).is_err(), "an admission after 0 uses is refused");
+}
+
+#[test]
+fn the_ssd_only_adds_hits_under_the_host_pools() {
+    // The host level does the same work with or without an SSD under it, so its share is the
+    // host-only run's; the SSD adds hits, up to the unbounded cache's.
+    let g = glm52();
+    for seed in [7u64, 8] {
+        let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
+        let all = unbounded(&keys);
+        for &policy in [PolicyKind::Lru, PolicyKind::S3Fifo, PolicyKind::AdaptiveLfu].iter() {
+            for (chain, lookahead) in [(false, 0), (true, 4)] {
+                let v = Variant { policy, chain, lookahead };
+                let host = run_policy(&keys, v, 24, &g, &|_| {}).unwrap();
+                for ssd in [16u32, 64, 4096] {
+                    let r = run_two_level(&keys, v, 24, ssd, 2, &g, &|_| {}).unwrap();
+                    let l = v.label();
+                    assert_eq!(r.host_hit_pages, host.hit_pages, "{l}, seed {seed}, SSD {ssd}: host share");
+                    let both = r.host_hit_pages + r.ssd_hit_pages;
+                    let lo = host.hit_pages;
+                    assert!(both >= lo && both <= all, "{l}, seed {seed}, SSD {ssd}: {both} not in {lo}..={all}");
+                    if ssd == 4096 {
+                        assert!(r.ssd_hit_pages > 0, "{l}, seed {seed}: an SSD larger than the trace finds pages");
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// `kvtier simulate` on the shipped, zstd-compressed conversation trace: the JSON report and the
@@ -354,4 +411,50 @@ fn an_unwritable_plot_path_fails_before_the_run() {
     assert_eq!(out.status.code(), Some(1), "stderr: {err}");
     assert!(err.contains("plot.svg"), "the error names the path: {err}");
     assert!(out.stdout.is_empty(), "nothing was simulated: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// `kvtier simulate --ssd` on the shipped trace: the two-level runs in the JSON report (host share
+/// equal to the host-only run's, bounded by the unbounded cache), the table's two-level section,
+/// and a size too small for one disk slot refused before any run.
+#[test]
+fn cli_simulates_an_ssd_tier_under_the_pool() {
+    let trace = support::data_file("mooncake_conversation_trace.jsonl.zst");
+    let run = |extra: &[&str]| {
+        Command::new(support::kvtier_bin())
+            .args(["simulate", trace.to_str().unwrap(), "--requests", "300", "--pool", "300slots"])
+            .args(["--policies", "lru", "--chain", "off", "--no-optimum", "--ssd", "600slots,2TiB"])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--json"]);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ssd_sizes"], serde_json::json!([["600slots", 600], ["2TiB", 636857]]));
+    assert_eq!(v["ssd_admit"], 2);
+    let host = v["runs"][0]["hit_pages"].as_u64().unwrap();
+    let two = v["two_level"].as_array().unwrap();
+    assert_eq!(two.len(), 2);
+    let pages = v["pages"].as_u64().unwrap() as f64;
+    let unbounded = v["unbounded_hit_ratio"].as_f64().unwrap();
+    for (r, ssd) in two.iter().zip([600, 636857]) {
+        assert_eq!(
+            (r["policy"].as_str(), r["host_slots"].as_u64(), r["ssd_slots"].as_u64()),
+            (Some("lru"), Some(300), Some(ssd))
+        );
+        assert_eq!(r["host_hit_pages"].as_u64().unwrap(), host, "the SSD changes nothing in the host pool");
+        let both = (host + r["ssd_hit_pages"].as_u64().unwrap()) as f64 / pages;
+        assert!((r["hit_ratio"].as_f64().unwrap() - both).abs() < 1e-12);
+        assert!(both <= unbounded + 1e-12, "{both} > unbounded {unbounded}");
+        assert!(r["ssd_hit_pages"].as_u64().unwrap() > 0, "300 requests reuse pages beyond 300 slots");
+    }
+    let out = run(&[]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("two-level page hit ratio"), "{table}");
+    assert!(table.contains("+ SSD 2TiB (636857)"), "{table}");
+    let out = run(&["--ssd", "3MB"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(err.contains("SSD size `3MB` is 0 disk slots of 3452928 B"), "{err}");
 }

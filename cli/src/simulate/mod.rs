@@ -17,15 +17,17 @@
 //! a missing page is admitted only if some resident page's next use is later than its own, and
 //! then the page whose next use is furthest (deepest first on ties) is evicted.
 
+pub mod two_level;
+
 use crate::error::Error;
-use crate::size::parse_slots;
+use crate::size::{parse_disk_slots, parse_slots};
 use crate::trace::{pages_per_block, TraceRequest, TRACE_BLOCK_TOKENS};
 use ahash::AHashMap as HashMap;
 use kvtier::BackingChoice;
 use kvtier::NullBackend;
 use kvtier::WaitFor;
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
-use kvtier::{Fit, HintId, HostTier, SaveOptions, TierConfig};
+use kvtier::{Fit, HintId, HostTier, Rank, SaveOptions, TierConfig};
 use serde::Serialize;
 use std::collections::BinaryHeap;
 use std::fmt::Write as _;
@@ -80,6 +82,12 @@ pub struct SimConfig {
     pub lookahead: usize,
     /// Also compute the offline optimum ([`belady`]) at each size.
     pub optimum: bool,
+    /// SSD tier sizes as given (bytes with a unit or `Nslots`; see [`parse_disk_slots`]): each
+    /// variant also runs over each host pool size with each of these under it
+    /// ([`two_level::run_two_level`]). Empty: host pool only.
+    pub ssd: Vec<String>,
+    /// Uses that admit a block to the SSD tier (at least 1; 2 by default).
+    pub ssd_admit: u32,
 }
 
 impl Default for SimConfig {
@@ -93,6 +101,8 @@ impl Default for SimConfig {
             chain: vec![false, true],
             lookahead: 0,
             optimum: true,
+            ssd: Vec::new(),
+            ssd_admit: 2,
         }
     }
 }
@@ -113,10 +123,11 @@ impl SimConfig {
         v
     }
 
-    /// Requests the policy runs of [`run`] replay in all (`variants x pools x requests`): the
+    /// Requests the policy runs of [`run`] replay in all (`variants x pools x (1 + ssd sizes) x
+    /// requests`): the
     /// length of a progress bar fed by `run`'s `progress`.
     pub fn steps(&self, requests: usize) -> u64 {
-        (self.variants().len() * self.pools.len()) as u64 * requests as u64
+        (self.variants().len() * self.pools.len() * (1 + self.ssd.len())) as u64 * requests as u64
     }
 }
 
@@ -182,6 +193,14 @@ pub struct SimReport {
     pub sizes: Vec<(String, u32)>,
     /// Every policy x size, then the optimum per size.
     pub runs: Vec<PolicyRun>,
+    /// SSD tier sizes: (label as given, disk slots); empty without `--ssd`.
+    pub ssd_sizes: Vec<(String, u32)>,
+    /// Uses that admit a block to the SSD tier.
+    pub ssd_admit: u32,
+    /// Every variant x host pool size x SSD size (empty without `--ssd`).
+    pub two_level: Vec<two_level::TwoLevelRun>,
+    /// Page hit ratio of an unbounded cache ([`two_level::unbounded`]).
+    pub unbounded_hit_ratio: f64,
     /// Peak resident memory of the process in KiB (Linux `VmHWM`), 0 if unknown.
     pub peak_rss_kib: u64,
 }
@@ -199,6 +218,102 @@ fn proxy_geometry(geometry: &Geometry, pages: u64) -> Result<Geometry, Error> {
 /// How long a modelled hint lasts: longer than any run, so hints end by withdrawal only.
 pub const SIM_HINT_TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// One level of a simulated cache: a real [`HostTier`] of `slots` slots over the proxy geometry,
+/// configured as `variant` says, with one [`NullBackend`] rank. Its queries "restore" the leased
+/// prefix through the rank and its saves are waited for, as the replay does.
+pub(crate) struct Level {
+    pub(crate) tier: HostTier,
+    rank: Rank,
+    /// Page ids `0..max_pages` of the proxy arena: the pages request `i`'s page `j` uses.
+    pages: Vec<u64>,
+}
+
+/// What [`Level::save`] did.
+pub(crate) struct LevelSave {
+    /// Pages not saved: they did not fit, or the pool refused them.
+    pub(crate) dropped: u64,
+    /// Time of the save call itself (probes, slot acquisition with eviction, submission).
+    pub(crate) call: Duration,
+}
+
+impl Level {
+    /// A level of `slots` slots for requests of at most `max_pages` pages.
+    ///
+    /// # Errors
+    /// Geometry and pool errors; [`Error::Config`] if the pool does not come out at `slots`.
+    pub(crate) fn new(geometry: &Geometry, max_pages: u64, slots: u32, variant: Variant) -> Result<Level, Error> {
+        let proxy = proxy_geometry(geometry, max_pages)?;
+        let bytes = slots as u64 * proxy.slot_bytes();
+        let cfg = TierConfig::new(proxy.clone(), bytes)
+            .with_backing(BackingChoice::Plain)
+            .with_policy(variant.policy)
+            .with_chain_aware(variant.chain);
+        let tier = HostTier::new(cfg)?;
+        if tier.capacity() != slots {
+            return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
+        }
+        let rank = tier.attach(Box::new(NullBackend::new(proxy)))?;
+        Ok(Level { tier, rank, pages: (0..max_pages).collect() })
+    }
+
+    /// Leases the longest resident prefix of `keys` (a request's pages from its page `from` on,
+    /// which are pages `from..` of the proxy arena), restores it through the null backend and
+    /// drops the lease. Returns the prefix's length in pages and the query call's time.
+    ///
+    /// # Errors
+    /// Restore errors of the tier.
+    pub(crate) fn query(&self, keys: &[ContentKey], from: usize) -> Result<(usize, Duration), Error> {
+        let q0 = Instant::now();
+        let lease = self.tier.query(keys);
+        let took = q0.elapsed();
+        let h = lease.len();
+        if h > 0 {
+            self.rank.restore(&lease, &self.pages[from..from + h], WaitFor::Nothing)?.wait()?;
+        }
+        Ok((h, took))
+    }
+
+    /// Saves pages `from..to` of a request whose page keys are `keys`, as the blocks at prefix
+    /// depth `from..to` chained to `keys[from - 1]`, with [`Fit::Prefix`] (resident pages are
+    /// refreshed, missing ones take slots, evicting by the policy), and waits for the save.
+    ///
+    /// # Errors
+    /// Tier errors other than a refused save ([`TierError::CannotFit`],
+    /// [`TierError::PoolExhausted`]: counted as dropped pages).
+    pub(crate) fn save(&self, keys: &[ContentKey], from: usize, to: usize) -> Result<LevelSave, Error> {
+        let s0 = Instant::now();
+        let mut opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(from as u32);
+        if from > 0 {
+            opts = opts.parent(keys[from - 1]);
+        }
+        let r = self.rank.save_with(&keys[from..to], &self.pages[from..to], WaitFor::Nothing, opts);
+        let call = s0.elapsed();
+        let dropped = match r {
+            Ok(t) => {
+                t.handle.wait()?;
+                t.dropped as u64
+            }
+            Err(TierError::CannotFit { .. } | TierError::PoolExhausted { .. }) => (to - from) as u64,
+            Err(e) => return Err(e.into()),
+        };
+        Ok(LevelSave { dropped, call })
+    }
+
+    /// Blocks the level's policy evicted so far.
+    pub(crate) fn evictions(&self) -> u64 {
+        self.tier.stats().evictions
+    }
+
+    /// Detaches the rank.
+    ///
+    /// # Errors
+    /// [`TierError`] if a copy is still in flight after 10 s.
+    pub(crate) fn close(self) -> Result<(), Error> {
+        self.rank.shutdown(Duration::from_secs(10))?;
+        Ok(())
+    }
+}
+
 /// Runs `variant` on a pool of `slots` slots over `keys` (one key list per request) through a real
 /// [`HostTier`] with a [`NullBackend`], calling `progress(1)` after each request.
 ///
@@ -212,18 +327,7 @@ pub fn run_policy(
     progress: &dyn Fn(u64),
 ) -> Result<PolicyRun, Error> {
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
-    let proxy = proxy_geometry(geometry, max_pages)?;
-    let bytes = slots as u64 * proxy.slot_bytes();
-    let cfg = TierConfig::new(proxy.clone(), bytes)
-        .with_backing(BackingChoice::Plain)
-        .with_policy(variant.policy)
-        .with_chain_aware(variant.chain);
-    let tier = HostTier::new(cfg)?;
-    if tier.capacity() != slots {
-        return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
-    }
-    let rank = tier.attach(Box::new(NullBackend::new(proxy)))?;
-    let pages: Vec<u64> = (0..max_pages).collect();
+    let host = Level::new(geometry, max_pages, slots, variant)?;
     let (mut hits, mut dropped, mut saves) = (0u64, 0u64, 0u64);
     let (mut qt, mut st, mut ht) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut queue = HintQueue::new(variant.lookahead);
@@ -231,41 +335,23 @@ pub fn run_policy(
     for (i, k) in keys.iter().enumerate() {
         let n = k.len();
         let h0 = Instant::now();
-        queue.admit(&tier, i, keys.len(), |j| keys[j].clone());
+        queue.admit(&host.tier, i, keys.len(), |j| keys[j].clone());
         ht += h0.elapsed();
-        let q0 = Instant::now();
-        let lease = tier.query(k);
-        qt += q0.elapsed();
-        let h = lease.len();
-        if h > 0 {
-            rank.restore(&lease, &pages[..h], WaitFor::Nothing)?.wait()?;
-        }
-        drop(lease);
+        let (h, q) = host.query(k, 0)?;
+        qt += q;
         hits += h as u64;
         if h < n {
-            let s0 = Instant::now();
-            let mut opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(h as u32);
-            if h > 0 {
-                opts = opts.parent(k[h - 1]);
-            }
-            let r = rank.save_with(&k[h..], &pages[h..n], WaitFor::Nothing, opts);
-            st += s0.elapsed();
+            let s = host.save(k, h, n)?;
+            st += s.call;
             saves += 1;
-            match r {
-                Ok(t) => {
-                    dropped += t.dropped as u64;
-                    t.handle.wait()?;
-                }
-                Err(TierError::CannotFit { .. } | TierError::PoolExhausted { .. }) => dropped += (n - h) as u64,
-                Err(e) => return Err(e.into()),
-            }
+            dropped += s.dropped;
         }
         progress(1);
     }
     let wall = t0.elapsed();
-    let stats = tier.stats();
+    let evictions = host.evictions();
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
-    rank.shutdown(Duration::from_secs(10))?;
+    host.close()?;
     Ok(PolicyRun {
         policy: variant.label(),
         chain: variant.chain,
@@ -273,7 +359,7 @@ pub fn run_policy(
         slots,
         hit_pages: hits,
         hit_ratio: ratio(hits, total),
-        evictions: stats.evictions,
+        evictions,
         dropped_pages: dropped,
         wall_s: wall.as_secs_f64(),
         query_ns: qt.as_nanos() as f64 / keys.len().max(1) as f64,
@@ -319,7 +405,7 @@ impl HintQueue {
     }
 }
 
-fn ratio(a: u64, b: u64) -> f64 {
+pub(crate) fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
         0.0
     } else {
@@ -417,10 +503,22 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         .iter()
         .map(|s| parse_slots(s, geometry.slot_bytes()).map(|n| (s.trim().to_string(), n)))
         .collect::<Result<_, _>>()?;
+    let ssd_sizes: Vec<(String, u32)> = config
+        .ssd
+        .iter()
+        .map(|s| parse_disk_slots(s, &geometry).map(|n| (s.trim().to_string(), n)))
+        .collect::<Result<_, _>>()?;
+    if !ssd_sizes.is_empty() && config.ssd_admit == 0 {
+        return Err(Error::Config("--ssd-admit is a number of uses, at least 1".into()));
+    }
     let mut runs = Vec::new();
+    let mut two = Vec::new();
     for v in config.variants() {
         for (_, slots) in &sizes {
             runs.push(run_policy(&keys, v, *slots, &geometry, progress)?);
+            for (_, ssd) in &ssd_sizes {
+                two.push(two_level::run_two_level(&keys, v, *slots, *ssd, config.ssd_admit, &geometry, progress)?);
+            }
         }
     }
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
@@ -452,6 +550,10 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         slot_bytes: geometry.slot_bytes(),
         sizes,
         runs,
+        ssd_sizes,
+        ssd_admit: config.ssd_admit,
+        two_level: two,
+        unbounded_hit_ratio: ratio(two_level::unbounded(&keys), total),
         peak_rss_kib: peak_rss_kib(),
     })
 }
@@ -538,6 +640,44 @@ impl SimReport {
             }
             let _ = writeln!(s);
         }
+        if !self.two_level.is_empty() {
+            s.push_str(&self.two_level_table(w));
+        }
+        s
+    }
+
+    /// The two-level section of [`SimReport::table`]: per variant and host pool size, the host-only
+    /// ratio, then for each SSD size the two-level ratio with its host and SSD shares.
+    fn two_level_table(&self, w: usize) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "\ntwo-level page hit ratio: host pool + SSD tier = host share + SSD share (admitted after {} uses); \
+             unbounded cache {:.4}",
+            self.ssd_admit, self.unbounded_hit_ratio
+        );
+        let _ = write!(s, "{:<w$} {:>18} {:>12}", "policy", "host pool", "host only");
+        for (label, slots) in &self.ssd_sizes {
+            let _ = write!(s, " {:>26}", format!("+ SSD {label} ({slots})"));
+        }
+        let _ = writeln!(s);
+        for p in self.policies().into_iter().filter(|p| *p != "optimum") {
+            for (label, slots) in &self.sizes {
+                let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
+                let _ = write!(s, "{p:<w$} {:>18} {alone:>12}", format!("{label} ({slots})"));
+                for (_, ssd) in &self.ssd_sizes {
+                    let v = self
+                        .two_level
+                        .iter()
+                        .find(|r| r.policy == p && r.host_slots == *slots && r.ssd_slots == *ssd)
+                        .map_or("-".into(), |r| {
+                            format!("{:.4} = {:.4} + {:.4}", r.hit_ratio, r.host_hit_ratio, r.ssd_hit_ratio)
+                        });
+                    let _ = write!(s, " {v:>26}");
+                }
+                let _ = writeln!(s);
+            }
+        }
         s
     }
 
@@ -564,7 +704,7 @@ impl SimReport {
     }
 
     /// An SVG line plot (drawn with plotters) of page hit ratio (y) against pool size in slots
-    /// (x, log scale), one line per variant (see [`SimReport::plotted`]: at most one chain setting
+    /// (x, log scale), one line per variant (see `SimReport::plotted`: at most one chain setting
     /// per policy when there are many), one colour per policy, hinted runs and the optimum dashed.
     ///
     /// # Errors
