@@ -135,7 +135,7 @@ mod tests {
         assert_eq!(parse_disk_slots("2TiB", &g).unwrap(), 636_857);
         assert_eq!(parse_disk_slots("512GiB", &g).unwrap(), 159_214);
         assert_eq!(parse_disk_slots("128GiB", &g).unwrap(), 39_803);
-        assert_eq!(parse_disk_slots("3456000", &g).unwrap(), 1);
+        assert_eq!(parse_disk_slots("3457024", &g).unwrap(), 1); // 4,096 + 3,452,928 B
         assert_eq!(parse_disk_slots("1000slots", &g).unwrap(), 1000);
         let msg = |s: &str| parse_disk_slots(s, &g).unwrap_err().to_string();
         assert_eq!(
