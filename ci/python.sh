@@ -108,9 +108,9 @@ EOF
 if ((bites)); then
     # seeded bug | tests (under python/tests) | text the failure must show
     # A deadlock scenario fails when its child process hangs (faulthandler's "Timeout (" dump);
-    # KVTIER_TEST_HANG_S shortens that bound.
+    # KVTIER_TEST_HANG_S shortens that bound. One scenario per hang bug: each waits out the bound.
     bites_table=(
-        "close-waits-holding-gil|test_threads.py -k close_while|Timeout ("
+        "close-waits-holding-gil|test_threads.py::test_close_while_another_thread_drains|Timeout ("
         "close-timeout-releases-tensors|test_threads.py::test_close_with_a_timeout_while_a_call_is_held_keeps_the_rank_for_good|a timed-out close released the tensors"
         "lease-drop-inline|test_threads.py::test_a_lease_collected_while_another_thread_holds_the_connection|no reply from the daemon within"
         "round-trip-holds-gil|test_threads.py::test_every_daemon_round_trip_releases_the_gil|kept the GIL across its round trip"
