@@ -56,16 +56,10 @@ pub fn parse_slots(s: &str, slot_bytes: u64) -> Result<u32, Error> {
 /// disk slot or above [`kvtier::MAX_SLOTS`] slots.
 pub fn parse_disk_slots(s: &str, geometry: &kvtier::Geometry) -> Result<u32, Error> {
     let t = s.trim();
+    let bad = |why: String| Error::Config(format!("bad SSD size `{s}` (e.g. 512GiB, 2TB, 636857slots): {why}"));
     let slots: u64 = match t.strip_suffix("slots") {
-        Some(n) => n
-            .trim()
-            .parse()
-            .map_err(|e| Error::Config(format!("bad SSD size `{s}` (e.g. 512GiB, 2TB, 636857slots): {e}")))?,
-        None => {
-            let bytes = kvtier::parse_bytes(t)
-                .map_err(|e| Error::Config(format!("bad SSD size `{s}` (e.g. 512GiB, 2TB, 636857slots): {e}")))?;
-            geometry.disk_slots(bytes)
-        }
+        Some(n) => n.trim().parse().map_err(|e| bad(format!("{e}")))?,
+        None => geometry.disk_slots(kvtier::parse_bytes(t).map_err(|e| bad(e.to_string()))?),
     };
     if slots == 0 || slots > kvtier::MAX_SLOTS as u64 {
         return Err(Error::Config(format!(

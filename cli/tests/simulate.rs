@@ -113,13 +113,18 @@ fn optimum_bounds_every_policy() {
     }
 }
 
+/// The page keys of requests for one trace block each (`ids`), each 2 full 64-token pages.
+fn one_block_requests(g: &Geometry, ids: &[u64]) -> Vec<Vec<ContentKey>> {
+    let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
+    let text: String = ids.iter().map(|&i| line(i)).collect();
+    page_keys(&parse_str(&text).unwrap(), g).unwrap()
+}
+
 #[test]
 fn optimum_is_exact_on_a_tiny_trace() {
     // Pages: each request is one block of 2 full pages (128 tokens of 64-token pages).
     let g = glm52();
-    let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
-    let text: String = [1u64, 2, 1, 3, 1, 2].iter().map(|&i| line(i)).collect();
-    let keys = page_keys(&parse_str(&text).unwrap(), &g).unwrap();
+    let keys = one_block_requests(&g, &[1, 2, 1, 3, 1, 2]);
     // 4 slots: blocks 1 and 2 both fit; 3 bypasses; hits: 1 (2 pages), 1 (2), 2 (2).
     assert_eq!(belady(&keys, 4), 6);
     // 2 slots: keep block 1 throughout (3 bypasses, 2 bypasses): hits on requests 3 and 5.
@@ -132,9 +137,7 @@ fn optimum_is_exact_on_a_tiny_trace() {
 fn two_levels_are_exact_on_a_tiny_trace() {
     // Blocks of 2 full pages, requests for blocks 1, 2, 1, 3, 1, 2; LRU on both levels.
     let g = glm52();
-    let line = |id: u64| format!("{{\"timestamp\":0,\"input_length\":128,\"output_length\":1,\"hash_ids\":[{id}]}}\n");
-    let text: String = [1u64, 2, 1, 3, 1, 2].iter().map(|&i| line(i)).collect();
-    let keys = page_keys(&parse_str(&text).unwrap(), &g).unwrap();
+    let keys = one_block_requests(&g, &[1, 2, 1, 3, 1, 2]);
     let lru = Variant::plain(PolicyKind::Lru);
     // An unbounded cache hits requests 3, 5 and 6.
     assert_eq!(unbounded(&keys), 6);

@@ -107,13 +107,13 @@ pub fn run_two_level(
         // Demote each run of eligible pages the SSD lacks.
         let mut j = 0;
         while j < eligible {
-            if ssd.tier.contains(&k[j]) {
-                j += 1;
-                continue;
-            }
             let from = j;
             while j < eligible && !ssd.tier.contains(&k[j]) {
                 j += 1;
+            }
+            if j == from {
+                j += 1; // k[j] is on the SSD already
+                continue;
             }
             let s = ssd.save(k, from, j)?;
             demoted += (j - from) as u64 - s.dropped;
