@@ -676,6 +676,19 @@ pub enum Error {
     /// See [`TierError`].
     #[error(transparent)]
     Tier(#[from] TierError),
+    /// The SSD tier's files could not be opened or made ([`crate::TierConfig::ssd`]); see
+    /// [`DiskError`](crate::DiskError).
+    #[error("SSD tier: {0}")]
+    Ssd(#[from] crate::disk::DiskError),
+    /// A thread the tier needs could not be started.
+    #[error("{what}: {source}")]
+    Thread {
+        /// Which thread, e.g. `starting the demotion thread`.
+        what: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Restored bytes that do not match their keys ([`crate::EngineArenas::verify`]): the first
     /// mismatching page, arena and byte.
     #[error(

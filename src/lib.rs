@@ -64,6 +64,7 @@ mod remote;
 mod server;
 mod size;
 mod slab;
+mod ssd;
 mod sync;
 mod tier;
 
@@ -82,6 +83,7 @@ pub use cuda::{
     cuda_available, cudarc, device_count, driver_error, CopyMode, CudaArenas, CudaBackend, CudaOptions, EngineStream,
     Isolation, PatternJob, SmPartition,
 };
+pub use disk::{DiskError, IoPreference};
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, SizeError, TierError};
 pub use evict::{PolicyKind, UnknownPolicy};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
@@ -101,6 +103,7 @@ pub use slab::{
     hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
+pub use ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
 pub use tier::{
@@ -139,7 +142,7 @@ pub mod internals {
     pub use crate::tier::evictor::{Claims, EvictReason, Want};
     pub use crate::tier::save_plan::SavePlan;
     pub use crate::tier::AuditReport;
-    /// The SSD tier's disk slot files (not yet wired into the tier).
+    /// The SSD tier's disk slot files.
     pub mod disk {
         pub use crate::disk::*;
     }

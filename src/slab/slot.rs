@@ -227,6 +227,19 @@ impl SlotControl {
         }
     }
 
+    /// `WRITING(g) -> READY(g, 1)`: [`SlotControl::commit`] with one pin already taken for the
+    /// committer (a promotion publishes a block its query's lease holds from the first instant it
+    /// is visible, so no evictor can take it in between).
+    pub fn commit_pinned(&self, slot: SlotId, generation: u64) {
+        let r = self.update(slot, Ordering::Release, |w| {
+            (w.state() == SlotState::Writing && w.generation() == generation)
+                .then(|| SlotWord::new(SlotState::Ready, 1, generation))
+        });
+        if let Err(w) = r {
+            panic!("commit_pinned of slot {} gen {generation} found {:?}", slot.0, w);
+        }
+    }
+
     /// Pins a `READY` slot of generation `generation`. Returns the pin count after the pin (1 means
     /// the slot went from unpinned to pinned).
     ///

@@ -31,6 +31,11 @@ pub struct TierConfig {
     /// when a save finds the pool short of slots and by [`crate::HostTier::expire_leases`];
     /// a restore from an expired lease fails with [`crate::TierError::LeaseExpired`].
     pub lease_ttl: Option<Duration>,
+    /// An SSD tier under the host pool (default: none). Host blocks used
+    /// [`crate::SsdConfig::admit_uses`] times are demoted to its files in the background, and a
+    /// query whose host prefix ends at a key the SSD tier holds continues it from there
+    /// (promotion; see [`crate::HostTier::query`]). An in-process tier's own.
+    pub ssd: Option<crate::ssd::SsdConfig>,
 }
 
 impl TierConfig {
@@ -44,6 +49,7 @@ impl TierConfig {
             chain_aware: true,
             index_capacity: None,
             lease_ttl: None,
+            ssd: None,
         }
     }
 
@@ -74,6 +80,12 @@ impl TierConfig {
     /// Sizes the index for `blocks` resident blocks.
     pub fn with_index_capacity(mut self, blocks: usize) -> Self {
         self.index_capacity = Some(blocks);
+        self
+    }
+
+    /// Puts an SSD tier under the host pool (see [`TierConfig::ssd`]).
+    pub fn with_ssd(mut self, ssd: crate::ssd::SsdConfig) -> Self {
+        self.ssd = Some(ssd);
         self
     }
 

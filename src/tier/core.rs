@@ -72,6 +72,8 @@ pub struct Core {
     pub(crate) leases: LeaseClock,
     shutting_down: AtomicBool,
     next_rank: AtomicU32,
+    /// The SSD tier under the pool, if the tier has one ([`crate::TierConfig::ssd`]).
+    ssd: Option<crate::ssd::SsdTier>,
 }
 
 impl Core {
@@ -104,6 +106,7 @@ impl Core {
             leases: LeaseClock::new(lease_ttl),
             shutting_down: AtomicBool::new(false),
             next_rank: AtomicU32::new(0),
+            ssd: None,
             geometry,
             pool,
         })
@@ -114,6 +117,18 @@ impl Core {
     pub fn with_chain_aware(mut self, on: bool) -> Self {
         self.chain_aware = on;
         self
+    }
+
+    /// Puts an SSD tier under the pool (none after [`Core::new`]); its demotion thread starts when
+    /// the core is shared ([`crate::HostTier`] does it).
+    pub(crate) fn with_ssd(mut self, ssd: crate::ssd::SsdTier) -> Self {
+        self.ssd = Some(ssd);
+        self
+    }
+
+    /// The SSD tier under the pool, if any.
+    pub(crate) fn ssd(&self) -> Option<&crate::ssd::SsdTier> {
+        self.ssd.as_ref()
     }
 
     /// True if victims are ranked by their place in their chain.
@@ -241,6 +256,9 @@ impl Core {
         self.slot_resumed[slot.index()].store(resumed, Ordering::Relaxed);
         // Before the entry is visible: a save that finds the block may count a child on it.
         self.chains.reset(slot, generation);
+        if let Some(ssd) = &self.ssd {
+            ssd.on_reserve(slot);
+        }
         match self.index.insert_if_absent(key, SlotRef { slot, generation }) {
             Ok(()) => {
                 self.hints.on_reserve(self.control(), &key, SlotRef { slot, generation });
@@ -256,15 +274,34 @@ impl Core {
     }
 
     /// Publishes a reserved block after its copy completed: the policy learns of it first, then
-    /// `WRITING -> READY` makes it visible and evictable.
+    /// `WRITING -> READY` makes it visible and evictable; with an SSD tier, a block one use
+    /// admits is queued for demotion.
     pub fn commit_reserved(&self, r: Reserved) {
+        self.commit_reserved_with(r, false);
+        if let Some(ssd) = &self.ssd {
+            ssd.on_commit(r.slot, r.generation, r.key);
+        }
+    }
+
+    /// [`Core::commit_reserved`] with one pin taken for the caller at the commit itself
+    /// (`WRITING -> READY(1 pin)`, see [`SlotControl::commit_pinned`]): a promotion's lease.
+    pub(crate) fn commit_reserved_pinned(&self, r: Reserved) {
+        self.commit_reserved_with(r, true);
+    }
+
+    fn commit_reserved_with(&self, r: Reserved, pinned: bool) {
         let known = |d: u32| (d != u32::MAX).then_some(d);
         let depth = self.slot_depth[r.slot.index()].load(Ordering::Relaxed);
         let resumed = self.slot_resumed[r.slot.index()].load(Ordering::Relaxed);
         let parent = self.chains.parent(self.control(), r.slot);
         self.policy
             .on_insert(r.slot, InsertInfo::new(r.key.hash64(), known(depth)).resumed_at(known(resumed)).parent(parent));
-        self.control().commit(r.slot, r.generation);
+        if pinned {
+            add(&self.counters.pinned_slots, 1);
+            self.control().commit_pinned(r.slot, r.generation);
+        } else {
+            self.control().commit(r.slot, r.generation);
+        }
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.ready_slots, 1);
     }
@@ -332,6 +369,14 @@ impl Core {
         if self.chain_aware {
             c = u8::from(!self.chains.is_orphan(self.control(), slot));
         }
+        if let Some(ssd) = &self.ssd {
+            // With an SSD tier, a block without a disk copy (dirty) goes after every clean one:
+            // evicting a clean block loses nothing the SSD tier cannot give back.
+            // (Seeded bug, tests only: `ssd-evicts-dirty-first` ignores the disk copies.)
+            if !ssd.is_clean(slot, w.generation()) && !cfg!(kvtier_seeded_bug = "ssd-evicts-dirty-first") {
+                c += self.chain_classes();
+            }
+        }
         if hints && self.hints.hinted(slot, w.generation(), now) {
             // Seeded bug (model checking only): hinted blocks are withheld from the policy instead of
             // ranked last, so a save that needs them fails.
@@ -339,7 +384,7 @@ impl Core {
             return None;
             #[allow(unreachable_code)]
             {
-                c += self.chain_classes();
+                c += self.unhinted_classes();
             }
         }
         Some(c)
@@ -353,9 +398,15 @@ impl Core {
         }
     }
 
+    /// The classes of unhinted blocks: the chain classes, twice over with an SSD tier (clean,
+    /// then dirty).
+    fn unhinted_classes(&self) -> u8 {
+        self.chain_classes() * if self.ssd.is_some() { 2 } else { 1 }
+    }
+
     /// The number of preference classes [`Core::victim_class`] uses now.
     pub(crate) fn victim_classes(&self, hints: bool) -> u8 {
-        self.chain_classes() * if hints { 2 } else { 1 }
+        self.unhinted_classes() * if hints { 2 } else { 1 }
     }
 
     /// The block `key` names now (being written, ready or being evicted), if any.

@@ -55,6 +55,8 @@ pub(crate) enum LeaseOf {
 pub(crate) struct InProcessLease {
     pub(super) core: Arc<Core>,
     state: Arc<LeaseState>,
+    /// The trailing blocks the query promoted from the SSD tier.
+    promoted: usize,
 }
 
 impl Drop for InProcessLease {
@@ -129,12 +131,18 @@ impl Lease {
     /// no leading key ready, gives a lease that is settled from birth.
     pub(crate) fn acquire(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
         let mut blocks = Vec::new();
+        // True when the host prefix ended at a key the host does not hold (not at a repeated key,
+        // a block being written or evicted, or a full pin count): the SSD tier may continue it.
+        let mut missing = false;
         {
             let reader = core.index().reader();
             #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
             let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
             for k in keys {
-                let Some(r) = reader.get(k) else { break };
+                let Some(r) = reader.get(k) else {
+                    missing = true;
+                    break;
+                };
                 // A content key is a lineage hash: a key repeated in one prompt is no longer its
                 // prefix. The lease stops at the first repeated key, so it holds at most one pin
                 // per slot (one query can never take a slot's pins from others).
@@ -146,15 +154,25 @@ impl Lease {
                     break;
                 }
                 core.policy().on_hit(r.slot);
+                if let Some(ssd) = core.ssd() {
+                    ssd.on_hit(r.slot, r.generation, *k);
+                }
                 blocks.push(LeasedBlock { key: *k, slot: r });
             }
+        }
+        // Outside the index reader: a promotion reads the drive.
+        let mut promoted = 0;
+        if let (true, Some(ssd), true) = (missing, core.ssd(), uses > 0) {
+            let host = blocks.len();
+            promoted = ssd.promote(core, &keys[host..], &mut blocks);
         }
         core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
-        let lease =
-            Lease { inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone() })) };
+        let lease = Lease {
+            inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone(), promoted })),
+        };
         if empty || uses == 0 {
             state.settle(core.control(), &core.counters, Settled::Consumed);
         } else {
@@ -187,6 +205,13 @@ impl Lease {
     /// True if the query found no leading resident block.
     pub fn is_empty(&self) -> bool {
         self.blocks().is_empty()
+    }
+
+    /// Leased blocks the query read from the SSD tier (promoted into host slots): always the last
+    /// `promoted()` of [`Lease::blocks`]; the first `len() - promoted()` were resident on the host.
+    /// 0 without an SSD tier, and for a lease of a connected tier.
+    pub fn promoted(&self) -> usize {
+        match_flavor!(self.of(), LeaseOf::InProcess(l) => l.promoted, LeaseOf::Connected { .. } => 0)
     }
 
     /// The leased blocks, in key order.

@@ -150,9 +150,7 @@ impl HostTier {
     /// ```
     pub fn new(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
-        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
-            .with_chain_aware(config.chain_aware);
-        Ok(HostTier::from_core(core))
+        Self::over_pool(config, pool)
     }
 
     /// [`HostTier::new`] with the pool in shared memory (a memfd, see [`HostPool::new_shared`]),
@@ -162,13 +160,47 @@ impl HostTier {
     /// As [`HostTier::new`].
     pub fn new_shared(config: TierConfig) -> Result<Self, Error> {
         let pool = HostPool::new_shared(config.geometry.slot_bytes(), &config.pool)?;
-        let core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
+        Self::over_pool(config, pool)
+    }
+
+    fn over_pool(config: TierConfig, pool: HostPool) -> Result<Self, Error> {
+        let ssd = match &config.ssd {
+            Some(ssd) => Some(crate::ssd::SsdTier::open(ssd, &config.geometry, pool.capacity())?),
+            None => None,
+        };
+        let mut core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
             .with_chain_aware(config.chain_aware);
-        Ok(HostTier::from_core(core))
+        if let Some(ssd) = ssd {
+            core = core.with_ssd(ssd);
+        }
+        let tier = HostTier::from_core(core);
+        #[cfg(not(loom))]
+        crate::ssd::demote::start(tier.core())
+            .map_err(|source| Error::Thread { what: "starting the demotion thread", source })?;
+        Ok(tier)
     }
 
     pub(crate) fn from_core(core: Core) -> Self {
         HostTier { flavor: Flavor::InProcess(Arc::new(core)) }
+    }
+
+    /// What the SSD tier holds and has done, or `None` without one (and for a connected tier,
+    /// whose daemon's SSD tier is its own).
+    pub fn ssd_stats(&self) -> Option<crate::ssd::SsdStats> {
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.ssd().map(|s| s.stats()),
+            Flavor::Connected(_) => None,
+        )
+    }
+
+    /// Waits until every demotion queued so far is written to the SSD tier (or skipped, or
+    /// failed); returns at once without an SSD tier. For a clean shutdown that keeps the most on
+    /// disk, and for tests.
+    pub fn flush_demotions(&self) {
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => if let Some(s) = core.ssd() { s.flush() },
+            Flavor::Connected(_) => {},
+        )
     }
 
     /// Attaches one rank's copy backend (its device and GPU arenas) and returns its [`Rank`].

@@ -137,6 +137,24 @@ impl WriteReservation {
 }
 
 impl WriteReservation {
+    /// Publishes the first `n` reserved blocks `READY` with one pin each, held by the caller (a
+    /// promotion's lease), calling `before` on each just before it becomes visible; the rest are
+    /// aborted (index entries first). Returns the published blocks.
+    pub(crate) fn commit_leading_pinned(mut self, n: usize, mut before: impl FnMut(&Reserved)) -> Vec<Reserved> {
+        let mut entries = std::mem::take(&mut self.entries);
+        let rest = entries.split_off(n.min(entries.len()));
+        for r in &entries {
+            before(r);
+            self.core.commit_reserved_pinned(*r);
+        }
+        for r in rest {
+            self.core.abort_reserved(r);
+        }
+        entries
+    }
+}
+
+impl WriteReservation {
     /// Withholds every reserved slot for good (the copy's outcome is unknown): the index entries
     /// go, the slots stay `WRITING` and are never reused.
     pub(crate) fn quarantine(mut self) {

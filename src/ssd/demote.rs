@@ -1,0 +1,115 @@
+//! The demotion thread: writes queued host blocks to disk slots, one at a time, off every save's
+//! and query's path.
+//!
+//! It holds the tier's core only while it writes a job (a [`Weak`] reference upgraded per job),
+//! so dropping the last handle of a tier frees it; the tier's drop stops and joins the thread.
+
+use super::{bump, lock, DemotionQueue, Job, SsdTier};
+use crate::tier::core::Core;
+use std::sync::{Arc, Weak};
+
+/// Starts the demotion thread of `core`'s SSD tier (none without one).
+///
+/// # Errors
+/// The OS error if the thread cannot be spawned.
+pub(crate) fn start(core: &Arc<Core>) -> std::io::Result<()> {
+    let Some(ssd) = core.ssd() else { return Ok(()) };
+    let queue = ssd.queue.clone();
+    let weak = Arc::downgrade(core);
+    let handle = std::thread::Builder::new().name("kvtier-demote".into()).spawn(move || run(&queue, &weak))?;
+    ssd.set_worker(handle);
+    Ok(())
+}
+
+fn run(queue: &DemotionQueue, core: &Weak<Core>) {
+    loop {
+        let job = {
+            let mut q = lock(&queue.state);
+            loop {
+                if q.stop {
+                    return;
+                }
+                if let Some(job) = q.jobs.pop_front() {
+                    q.busy = true;
+                    break job;
+                }
+                queue.idle.notify_all();
+                q = queue.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        if let Some(core) = core.upgrade() {
+            if let Some(ssd) = core.ssd() {
+                demote(&core, ssd, job);
+            }
+        }
+        let mut q = lock(&queue.state);
+        q.busy = false;
+        if q.jobs.is_empty() {
+            queue.idle.notify_all();
+        }
+    }
+}
+
+/// Drops one pin of a host slot when it goes out of scope.
+struct HostPin<'a> {
+    core: &'a Core,
+    slot: crate::slab::slot::SlotId,
+}
+
+impl Drop for HostPin<'_> {
+    fn drop(&mut self) {
+        self.core.unpin(self.slot);
+    }
+}
+
+/// Writes the block of `job` to a disk slot, if it is still the host block the job names and
+/// not on disk yet.
+pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
+    let Job { slot, generation, key } = job;
+    if ssd.slots.contains(&key) {
+        ssd.mark_clean(slot, generation);
+        bump(&ssd.counters.demotions_skipped, 1);
+        return;
+    }
+    // The pin keeps the block from eviction (and so from being rewritten) during the write.
+    if core.pin(slot, generation).is_err() {
+        bump(&ssd.counters.demotions_skipped, 1);
+        return;
+    }
+    let _pin = HostPin { core, slot };
+    if core.slot_key(slot) != key {
+        bump(&ssd.counters.demotions_skipped, 1);
+        return;
+    }
+    let Some((disk, evicted)) = ssd.slots.take(&key) else {
+        // Every disk slot is being read or written: drop this demotion.
+        bump(&ssd.counters.demotions_dropped, 1);
+        return;
+    };
+    if let Some(old) = evicted {
+        bump(&ssd.counters.disk_evictions, 1);
+        ssd.forget_clean(core, &old);
+    }
+    let (file, local) = ssd.locate(disk.slot);
+    let len = ssd.payload_bytes() as usize;
+    // SAFETY: the slot is pinned READY with `generation` (pin above, held by `_pin` until this
+    // function returns): no save writes it (saves write only WRITING slots they own) and it cannot
+    // be evicted and reused, so its `len` bytes (one block, within the pool's mapping, which the
+    // core owns and `core` borrows) stay unchanged for this shared borrow.
+    let payload = unsafe { std::slice::from_raw_parts(core.pool().slot_ptr(slot), len) };
+    match file.write(local, key, disk.file_generation, payload) {
+        Ok(()) => {
+            if ssd.slots.commit(disk, key) {
+                ssd.mark_clean(slot, generation);
+                bump(&ssd.counters.demoted_blocks, 1);
+                bump(&ssd.counters.bytes_demoted, len as u64);
+            } else {
+                bump(&ssd.counters.demotions_skipped, 1);
+            }
+        }
+        Err(_) => {
+            ssd.slots.abort(disk);
+            bump(&ssd.counters.demotion_failures, 1);
+        }
+    }
+}

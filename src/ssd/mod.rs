@@ -1,0 +1,474 @@
+//! The SSD tier under the host pool: blocks demoted from host slots to disk slots of preallocated
+//! files, promoted back into host slots when a query's prefix continues on disk, and found again
+//! after a restart from the files' trailers.
+//!
+//! ```text
+//!   query ── host prefix (pins) ──> miss ──> disk prefix (disk pins) ──> read at depth into fresh
+//!                                                                        WRITING host slots, verify,
+//!                                                                        READY + the lease's pin
+//!   hit / commit ── use count reaches `admit_uses` ──> demotion queue ──> demotion thread: pin the
+//!                                                    host slot, write the disk slot, mark it clean
+//! ```
+//!
+//! - **Demotion** is write-back off the save path: a block whose use count (its save, then one per
+//!   query that leases it) reaches [`SsdConfig::admit_uses`] is queued; one thread per tier pins
+//!   the host slot, writes it to a disk slot ([`crate::disk`]: payload and checksummed trailer)
+//!   and marks the host copy **clean**. A save never waits for it: a full queue drops the
+//!   demotion (counted in [`SsdStats::demotions_dropped`]). Host eviction takes clean blocks
+//!   before dirty ones (`Core::victim_class`).
+//! - **Promotion** happens inside [`crate::HostTier::query`]: where the host prefix ends at a key
+//!   the host does not hold, the query pins the run of following keys the SSD tier holds, takes
+//!   host slots for them (free first, then eviction, as a save does), reserves them `WRITING`
+//!   under their keys (so a save of the same key finds it in flight, and a key a save reserved
+//!   first ends the run), reads them at [`SsdConfig::read_depth`] (io_uring), verifies each
+//!   block's key, generation and XXH3, and commits the verified leading run `READY` with the
+//!   lease's pin already taken. A block that fails verification is dropped from disk and ends the
+//!   run: never served.
+//! - **Disk slots** ([`directory`]) use the host tier's slot words, free list and index, and an
+//!   O(1) recency list for victims.
+//! - **Restart**: opening an existing file scans its trailers; every sound block of this namespace
+//!   is `READY` again, torn and foreign slots are free.
+
+#[cfg(not(loom))]
+pub(crate) mod demote;
+pub(crate) mod directory;
+pub(crate) mod promote;
+
+use crate::disk::{DiskError, DiskFile, DiskFileConfig, IoPreference, ScanReport};
+use crate::geometry::Geometry;
+use crate::key::ContentKey;
+use crate::slab::slot::SlotId;
+use directory::{DiskSlots, Recovered};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// One disk slot file of an SSD tier: its path and its size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SsdFile {
+    /// The file's path; its directory must exist. Created and preallocated (`fallocate`) if
+    /// missing; an existing file is reopened and its blocks found again.
+    pub path: PathBuf,
+    /// Bytes the file may take, header included. It holds
+    /// [`Geometry::disk_slots`]`(bytes)` blocks; the file itself is exactly
+    /// `4096 + slots * Geometry::disk_slot_bytes()` bytes.
+    pub bytes: u64,
+}
+
+/// SSD tier options ([`crate::TierConfig::with_ssd`]). Build with [`SsdConfig::new`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SsdConfig {
+    /// The disk slot files, at least one (one per drive, to use several drives).
+    pub files: Vec<SsdFile>,
+    /// Uses a host block needs before it is demoted: its save is the first use, each query that
+    /// leases it one more. Default 2 (a block seen once is never written to the drive, which
+    /// spares its endurance); 1 demotes every saved block.
+    pub admit_uses: u32,
+    /// Whether the files use `O_DIRECT` (default: where the filesystem takes it).
+    pub io: IoPreference,
+    /// Reads in flight during a promotion (io_uring queue depth, or `pread` threads). Default 8.
+    pub read_depth: usize,
+    /// Demotions that may wait for the demotion thread; more are dropped. Default 4,096.
+    pub queue_capacity: usize,
+}
+
+impl SsdConfig {
+    /// One file at `path` of `bytes` bytes, with the default options.
+    pub fn new(path: impl Into<PathBuf>, bytes: u64) -> Self {
+        SsdConfig {
+            files: vec![SsdFile { path: path.into(), bytes }],
+            admit_uses: 2,
+            io: IoPreference::Direct,
+            read_depth: 8,
+            queue_capacity: 4096,
+        }
+    }
+
+    /// Adds another file (another drive).
+    pub fn with_file(mut self, path: impl Into<PathBuf>, bytes: u64) -> Self {
+        self.files.push(SsdFile { path: path.into(), bytes });
+        self
+    }
+
+    /// Sets the uses a block needs before it is demoted (see [`SsdConfig::admit_uses`]).
+    pub fn with_admit_uses(mut self, uses: u32) -> Self {
+        self.admit_uses = uses;
+        self
+    }
+
+    /// Sets how the files do their transfers.
+    pub fn with_io(mut self, io: IoPreference) -> Self {
+        self.io = io;
+        self
+    }
+
+    /// Sets the reads in flight during a promotion.
+    pub fn with_read_depth(mut self, depth: usize) -> Self {
+        self.read_depth = depth;
+        self
+    }
+}
+
+/// What an SSD tier holds and has done ([`crate::HostTier::ssd_stats`]). Counts are blocks unless
+/// named bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SsdStats {
+    /// Disk slots over every file.
+    pub capacity: u64,
+    /// Blocks on disk now.
+    pub blocks: u64,
+    /// Blocks found again by the trailer scans when the files were opened.
+    pub recovered_blocks: u64,
+    /// Slots the scans found torn or corrupted (now free).
+    pub recovered_torn: u64,
+    /// Slots the scans found holding another namespace's or another slot's block (now free).
+    pub recovered_foreign: u64,
+    /// Host blocks written to disk.
+    pub demoted_blocks: u64,
+    /// Bytes written by demotions (payloads).
+    pub bytes_demoted: u64,
+    /// Queued demotions not done: the block was evicted or already on disk.
+    pub demotions_skipped: u64,
+    /// Demotions not queued because the queue was full (a save never waits for the SSD).
+    pub demotions_dropped: u64,
+    /// Demotions whose write failed (an I/O error); the block stays on the host only.
+    pub demotion_failures: u64,
+    /// Demotions still queued or being written.
+    pub demotions_pending: u64,
+    /// Blocks read back into host slots by queries.
+    pub promoted_blocks: u64,
+    /// Bytes read by promotions (payloads).
+    pub bytes_promoted: u64,
+    /// Blocks a promotion found unverified (checksum, key or generation) or could not read: never
+    /// served, dropped from disk.
+    pub promotion_failures: u64,
+    /// Disk blocks evicted to make room for demotions.
+    pub disk_evictions: u64,
+    /// Transfers done with `O_DIRECT`.
+    pub io_direct: u64,
+    /// Transfers done through the page cache (the filesystem refused `O_DIRECT`, or buffered I/O
+    /// was asked for).
+    pub io_buffered: u64,
+}
+
+#[derive(Default)]
+struct SsdCounters {
+    demoted_blocks: AtomicU64,
+    bytes_demoted: AtomicU64,
+    demotions_skipped: AtomicU64,
+    demotions_dropped: AtomicU64,
+    demotion_failures: AtomicU64,
+    promoted_blocks: AtomicU64,
+    bytes_promoted: AtomicU64,
+    promotion_failures: AtomicU64,
+    disk_evictions: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A queued demotion: the host block (slot and generation) and its key.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Job {
+    pub(crate) slot: SlotId,
+    pub(crate) generation: u64,
+    pub(crate) key: ContentKey,
+}
+
+#[derive(Default)]
+pub(crate) struct QueueState {
+    pub(crate) jobs: VecDeque<Job>,
+    /// The demotion thread is writing a job it popped.
+    pub(crate) busy: bool,
+    pub(crate) stop: bool,
+}
+
+/// The demotion queue, shared by the tier and its demotion thread (which holds no reference to
+/// the tier while it waits, so a dropped tier is freed).
+#[derive(Default)]
+pub(crate) struct DemotionQueue {
+    pub(crate) state: Mutex<QueueState>,
+    /// Signalled when a job is queued or the tier stops.
+    pub(crate) wake: Condvar,
+    /// Signalled when the queue becomes empty and the thread idle.
+    pub(crate) idle: Condvar,
+}
+
+/// An SSD tier: its files, its disk slots, the host blocks' use counts and clean marks, and the
+/// demotion queue. Held by the host tier's core.
+pub(crate) struct SsdTier {
+    files: Vec<DiskFile>,
+    /// The first global disk slot of each file.
+    starts: Vec<u32>,
+    pub(crate) slots: DiskSlots,
+    admit_uses: u32,
+    read_depth: usize,
+    queue_capacity: usize,
+    payload_bytes: u64,
+    /// Uses of the block in each host slot (its save, then one per lease of it).
+    host_uses: Box<[AtomicU32]>,
+    /// `generation + 1` of the block in each host slot if it has a disk copy, else 0.
+    host_clean: Box<[AtomicU64]>,
+    pub(crate) queue: Arc<DemotionQueue>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    counters: SsdCounters,
+    /// Blocks the trailer scans found again.
+    recovered_blocks: u64,
+    /// What the trailer scans found (`blocks` left empty).
+    scan: ScanReport,
+}
+
+impl SsdTier {
+    /// Opens (or creates) every file of `config` for blocks of `geometry` and rebuilds the disk
+    /// index from their trailers; `host_slots` is the host pool's capacity.
+    ///
+    /// # Errors
+    /// [`DiskError::BadConfig`] for no file, a file too small for one block, more than
+    /// `u32::MAX - 1` disk slots in all, `admit_uses`, `read_depth` or `queue_capacity` of 0 (or a
+    /// depth over 1,024); the errors of [`DiskFile::open_or_create`] (no space, a file of another
+    /// geometry or namespace, not a kvtier file, I/O).
+    pub(crate) fn open(config: &SsdConfig, geometry: &Geometry, host_slots: u32) -> Result<Self, DiskError> {
+        if config.files.is_empty() {
+            return Err(DiskError::BadConfig("an SSD tier needs at least one file".into()));
+        }
+        if config.admit_uses == 0 || config.queue_capacity == 0 || !(1..=1024).contains(&config.read_depth) {
+            return Err(DiskError::BadConfig(format!(
+                "admit_uses ({}) and queue_capacity ({}) must be at least 1 and read_depth ({}) 1 to 1,024",
+                config.admit_uses, config.queue_capacity, config.read_depth
+            )));
+        }
+        let payload_bytes = geometry.slot_bytes();
+        let mut files = Vec::with_capacity(config.files.len());
+        let mut starts = Vec::with_capacity(config.files.len());
+        let mut recovered = Vec::new();
+        let mut scan = ScanReport::default();
+        let mut total: u64 = 0;
+        for f in &config.files {
+            let slots = geometry.disk_slots(f.bytes);
+            if slots == 0 {
+                return Err(DiskError::BadConfig(format!(
+                    "{}: {} B holds no block of {} B (a 4096 B header, then slots of {} B)",
+                    f.path.display(),
+                    f.bytes,
+                    payload_bytes,
+                    geometry.disk_slot_bytes()
+                )));
+            }
+            if total + slots >= u64::from(u32::MAX) {
+                return Err(DiskError::BadConfig(format!(
+                    "the SSD tier's files hold {} disk slots; at most {} are supported",
+                    total + slots,
+                    u32::MAX - 1
+                )));
+            }
+            let cfg = DiskFileConfig {
+                path: f.path.clone(),
+                namespace: geometry.namespace(),
+                payload_bytes,
+                slots,
+                io: config.io,
+            };
+            let (file, report) = DiskFile::open_or_create(&cfg)?;
+            for b in &report.blocks {
+                recovered.push(Recovered { slot: (total + b.slot) as u32, key: b.key, file_generation: b.generation });
+            }
+            scan.blank += report.blank;
+            scan.torn += report.torn;
+            scan.foreign += report.foreign;
+            starts.push(total as u32);
+            files.push(file);
+            total += slots;
+        }
+        // Seeded bug (tests only): a reopened tier forgets what its files hold.
+        if cfg!(kvtier_seeded_bug = "ssd-restart-forgets") {
+            recovered.clear();
+        }
+        let (slots, duplicates) = DiskSlots::new(total as u32, &recovered);
+        scan.foreign += duplicates as u64;
+        let recovered_blocks = slots.len() as u64;
+        Ok(SsdTier {
+            files,
+            starts,
+            slots,
+            admit_uses: config.admit_uses,
+            read_depth: config.read_depth,
+            queue_capacity: config.queue_capacity,
+            payload_bytes,
+            host_uses: (0..host_slots).map(|_| AtomicU32::new(0)).collect(),
+            host_clean: (0..host_slots).map(|_| AtomicU64::new(0)).collect(),
+            queue: Arc::new(DemotionQueue::default()),
+            worker: Mutex::new(None),
+            counters: SsdCounters::default(),
+            recovered_blocks,
+            scan,
+        })
+    }
+
+    /// The file holding global disk slot `slot`, and the slot's number in it.
+    pub(crate) fn locate(&self, slot: u32) -> (&DiskFile, u64) {
+        let i = self.starts.partition_point(|&s| s <= slot) - 1;
+        (&self.files[i], u64::from(slot - self.starts[i]))
+    }
+
+    /// Index of the file holding global disk slot `slot`.
+    pub(crate) fn file_of(&self, slot: u32) -> usize {
+        self.starts.partition_point(|&s| s <= slot) - 1
+    }
+
+    pub(crate) fn file(&self, i: usize) -> &DiskFile {
+        &self.files[i]
+    }
+
+    /// Bytes of one block.
+    pub(crate) fn payload_bytes(&self) -> u64 {
+        self.payload_bytes
+    }
+
+    pub(crate) fn read_depth(&self) -> usize {
+        self.read_depth
+    }
+
+    /// True if the block of host `slot` at `generation` has a disk copy.
+    pub(crate) fn is_clean(&self, slot: SlotId, generation: u64) -> bool {
+        self.host_clean[slot.index()].load(Ordering::Acquire) == generation + 1
+    }
+
+    /// Records that the block of host `slot` at `generation` has a disk copy.
+    pub(crate) fn mark_clean(&self, slot: SlotId, generation: u64) {
+        self.host_clean[slot.index()].store(generation + 1, Ordering::Release);
+    }
+
+    /// The host slot `slot` was reserved for a new block: its use count is 1 (the save), and it
+    /// has no disk copy yet.
+    pub(crate) fn on_reserve(&self, slot: SlotId) {
+        self.host_uses[slot.index()].store(1, Ordering::Relaxed);
+        self.host_clean[slot.index()].store(0, Ordering::Release);
+    }
+
+    /// A host block became `READY`: queued for demotion if one use admits it.
+    pub(crate) fn on_commit(&self, slot: SlotId, generation: u64, key: ContentKey) {
+        if self.admit_uses <= 1 && !self.is_clean(slot, generation) {
+            self.enqueue(Job { slot, generation, key });
+        }
+    }
+
+    /// A query leased the host block: one more use; queued for demotion when the uses reach
+    /// [`SsdConfig::admit_uses`].
+    pub(crate) fn on_hit(&self, slot: SlotId, generation: u64, key: ContentKey) {
+        let uses = self.host_uses[slot.index()].fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        // Seeded bug (tests only): every use admits a block, not the `admit_uses`-th.
+        let admitted =
+            if cfg!(kvtier_seeded_bug = "ssd-admits-every-use") { uses >= 1 } else { uses == self.admit_uses };
+        if admitted && !self.is_clean(slot, generation) {
+            self.enqueue(Job { slot, generation, key });
+        }
+    }
+
+    fn enqueue(&self, job: Job) {
+        let mut q = lock(&self.queue.state);
+        if q.jobs.len() >= self.queue_capacity {
+            bump(&self.counters.demotions_dropped, 1);
+            return;
+        }
+        q.jobs.push_back(job);
+        drop(q);
+        self.queue.wake.notify_one();
+    }
+
+    /// Blocks until every queued demotion is written (or skipped, or failed).
+    pub(crate) fn flush(&self) {
+        let mut q = lock(&self.queue.state);
+        while (!q.jobs.is_empty() || q.busy) && !q.stop {
+            q = self.queue.idle.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    pub(crate) fn set_worker(&self, handle: std::thread::JoinHandle<()>) {
+        *lock(&self.worker) = Some(handle);
+    }
+
+    /// A snapshot of the counters.
+    pub(crate) fn stats(&self) -> SsdStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (direct, buffered) = self.files.iter().fold((0, 0), |(d, b), f| {
+            let n = f.io_counts();
+            (d + n.direct, b + n.buffered)
+        });
+        let pending = {
+            let q = lock(&self.queue.state);
+            q.jobs.len() as u64 + u64::from(q.busy)
+        };
+        SsdStats {
+            capacity: u64::from(self.slots.capacity()),
+            blocks: self.slots.len() as u64,
+            recovered_blocks: self.recovered_blocks,
+            recovered_torn: self.scan.torn,
+            recovered_foreign: self.scan.foreign,
+            demoted_blocks: get(&c.demoted_blocks),
+            bytes_demoted: get(&c.bytes_demoted),
+            demotions_skipped: get(&c.demotions_skipped),
+            demotions_dropped: get(&c.demotions_dropped),
+            demotion_failures: get(&c.demotion_failures),
+            demotions_pending: pending,
+            promoted_blocks: get(&c.promoted_blocks),
+            bytes_promoted: get(&c.bytes_promoted),
+            promotion_failures: get(&c.promotion_failures),
+            disk_evictions: get(&c.disk_evictions),
+            io_direct: direct,
+            io_buffered: buffered,
+        }
+    }
+}
+
+impl Drop for SsdTier {
+    fn drop(&mut self) {
+        lock(&self.queue.state).stop = true;
+        self.queue.wake.notify_all();
+        self.queue.idle.notify_all();
+        if let Some(handle) = lock(&self.worker).take() {
+            // The demotion thread may be the one dropping the tier (it held the last reference for
+            // a job): it exits on its own once it sees `stop`.
+            if handle.thread().id() != std::thread::current().id() {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for SsdTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsdTier").field("files", &self.files).field("slots", &self.slots.capacity()).finish()
+    }
+}
+
+impl SsdTier {
+    /// The disk copy of `key` was evicted: if the host holds `key`, its block is dirty again.
+    pub(crate) fn forget_clean(&self, core: &crate::tier::core::Core, key: &ContentKey) {
+        if let Some(r) = core.index().get(key) {
+            let _ = self.host_clean[r.slot.index()].compare_exchange(
+                r.generation + 1,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    pub(crate) fn count_promoted(&self, blocks: u64) {
+        bump(&self.counters.promoted_blocks, blocks);
+        bump(&self.counters.bytes_promoted, blocks * self.payload_bytes);
+    }
+
+    pub(crate) fn count_promotion_failure(&self) {
+        bump(&self.counters.promotion_failures, 1);
+    }
+}

@@ -1,0 +1,240 @@
+//! The SSD tier under a host tier: demotion, promotion (one lease over both tiers), host eviction
+//! preferring clean blocks, restart, corrupted and foreign files, bad options. Every block that
+//! comes back is restored to host arenas and checked byte for byte. The files go under cargo's
+//! target tmpdir (the build disk), sized for the CI machine (a few hundred KiB).
+
+mod common;
+
+use common::*;
+use kvtier::internals::disk::{DiskFile, DiskFileConfig};
+use kvtier::{
+    ArenaSpec, DiskError, EngineArenas, Error, Geometry, HostTier, IoPreference, PolicyKind, SsdConfig, TierConfig,
+    WaitFor,
+};
+use std::path::{Path, PathBuf};
+
+/// `small_geometry`'s 5,120 B slots take 8,192 B on disk (payload and trailer, rounded to 4 KiB).
+const DISK_SLOT: u64 = 8192;
+
+fn tmpdir() -> tempfile::TempDir {
+    let base = env!("CARGO_TARGET_TMPDIR");
+    std::fs::create_dir_all(base).expect("the target tmpdir");
+    tempfile::tempdir_in(base).expect("a temporary directory on the build disk")
+}
+
+/// Bytes of an SSD file of `slots` disk slots.
+fn file_bytes(slots: u64) -> u64 {
+    4096 + slots * DISK_SLOT
+}
+
+/// A tier of `host` slots (LRU, no chain ranking) over an SSD file of `disk` slots at `path`.
+fn tier_over(path: &Path, host: u64, disk: u64, admit: u32) -> HostTier {
+    HostTier::new(
+        tier_config(host, PolicyKind::Lru)
+            .with_chain_aware(false)
+            .with_ssd(SsdConfig::new(path, file_bytes(disk)).with_admit_uses(admit)),
+    )
+    .unwrap()
+}
+
+/// Restores `lease` (all its blocks) into pages `10..` of fresh arenas and checks them against
+/// `keys` byte for byte.
+fn restore_and_verify(tier: &HostTier, lease: &kvtier::Lease, keys: &[kvtier::ContentKey]) {
+    let b = arenas();
+    let rank = tier.attach(b.backend().unwrap()).unwrap();
+    let pages: Vec<u64> = (0..lease.len() as u64).map(|i| 10 + i).collect();
+    rank.restore(lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    b.verify(&pages, &keys[..lease.len()]).unwrap();
+}
+
+/// The disk slot holding `key` in the file at `path`, found by the file's own trailer scan.
+fn disk_slot_of(path: &Path, key: &kvtier::ContentKey) -> u64 {
+    let g = small_geometry();
+    let cfg = DiskFileConfig {
+        path: path.to_path_buf(),
+        namespace: g.namespace(),
+        payload_bytes: g.slot_bytes(),
+        slots: g.disk_slots(std::fs::metadata(path).unwrap().len()),
+        io: IoPreference::Buffered,
+    };
+    let (_, scan) = DiskFile::open_or_create(&cfg).unwrap();
+    scan.blocks.iter().find(|b| b.key == *key).expect("the key is on disk").slot
+}
+
+fn flip_byte(path: &Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset).unwrap();
+    byte[0] ^= 0x40;
+    file.write_all_at(&byte, offset).unwrap();
+}
+
+fn ssd_path(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("tier.kvtier")
+}
+
+#[test]
+fn evicted_blocks_come_back_from_the_ssd_in_one_lease_over_both_tiers() {
+    let dir = tmpdir();
+    let tier = tier_over(&ssd_path(&dir), 4, 8, 1);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..5);
+    let _ = save_filled(&rank, &a, &k[..4], &[0, 1, 2, 3]);
+    tier.flush_demotions();
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.capacity, s.blocks, s.demoted_blocks, s.bytes_demoted), (8, 4, 4, 4 * 5120));
+    assert_eq!(tier.evict(4), 4);
+    // The host holds k0 and k1 again; k2 and k3 are on disk only; k4 nowhere.
+    let _ = save_filled(&rank, &a, &k[..2], &[0, 1]);
+    assert!(!tier.contains(&k[2]) && !tier.contains(&k[3]));
+    let lease = tier.query(&k);
+    assert_eq!((lease.len(), lease.promoted()), (4, 2), "two host blocks, then two promoted ones");
+    assert_eq!(tier.stats().pinned_slots, 4, "the promoted blocks are pinned for the lease");
+    restore_and_verify(&tier, &lease, &k);
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.promoted_blocks, s.bytes_promoted, s.promotion_failures), (2, 2 * 5120, 0));
+    assert!(tier.contains(&k[2]) && tier.contains(&k[3]), "promoted blocks are host blocks now");
+    assert_eq!(s.io_direct + s.io_buffered, 4 + 2, "four writes and two reads");
+    let t = tier.stats();
+    assert_eq!((t.hit_blocks, t.miss_blocks, t.pinned_slots), (4, 1, 0));
+}
+
+#[test]
+fn a_block_is_demoted_at_its_admitting_use_and_not_before() {
+    let dir = tmpdir();
+    let tier = tier_over(&ssd_path(&dir), 8, 8, 3);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..4);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    // Use 1 is the save, use 2 a query: three are needed.
+    drop(tier.query(&k[..2]));
+    tier.flush_demotions();
+    assert_eq!(tier.ssd_stats().unwrap().demoted_blocks, 0, "two uses of three do not admit a block");
+    drop(tier.query(&k[..2]));
+    tier.flush_demotions();
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.demoted_blocks, s.blocks), (2, 2), "the third use admits k0 and k1 only");
+    drop(tier.query(&k[..2]));
+    tier.flush_demotions();
+    assert_eq!(tier.ssd_stats().unwrap().demoted_blocks, 2, "a block is written once");
+}
+
+#[test]
+fn host_eviction_takes_blocks_with_a_disk_copy_before_dirty_ones() {
+    let dir = tmpdir();
+    let tier = tier_over(&ssd_path(&dir), 4, 8, 2);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..6);
+    let _ = save_filled(&rank, &a, &k[..4], &[0, 1, 2, 3]);
+    // k2 and k3 are used again: demoted (clean), and the most recently used.
+    drop(tier.query(&k[2..3]));
+    drop(tier.query(&k[3..4]));
+    tier.flush_demotions();
+    assert_eq!(tier.ssd_stats().unwrap().demoted_blocks, 2);
+    // Two more blocks need two slots: LRU alone would take k0 and k1, which only the host holds.
+    let _ = save_filled(&rank, &a, &k[4..6], &[4, 5]);
+    let held: Vec<bool> = k.iter().map(|key| tier.contains(key)).collect();
+    assert_eq!(held, [true, true, false, false, true, true], "the clean blocks k2 and k3 were evicted");
+    let lease = tier.query(&k[2..4]);
+    assert_eq!((lease.len(), lease.promoted()), (2, 2));
+    restore_and_verify(&tier, &lease, &k[2..4]);
+}
+
+#[test]
+fn a_reopened_tier_finds_its_blocks_on_disk_and_serves_them_verified() {
+    let dir = tmpdir();
+    let path = ssd_path(&dir);
+    let k = {
+        let tier = tier_over(&path, 8, 8, 1);
+        let a = arenas();
+        let rank = tier.attach(a.backend().unwrap()).unwrap();
+        let k = keys(&tier, 0..6);
+        let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3, 4, 5]);
+        tier.flush_demotions();
+        k
+    };
+    let tier = tier_over(&path, 8, 8, 1);
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.recovered_blocks, s.blocks, s.recovered_torn, s.recovered_foreign), (6, 6, 0, 0));
+    assert_eq!(tier.stats().ready_slots, 0, "the host pool starts empty");
+    let lease = tier.query(&k);
+    assert_eq!((lease.len(), lease.promoted()), (6, 6));
+    restore_and_verify(&tier, &lease, &k);
+}
+
+#[test]
+fn a_corrupted_payload_or_trailer_on_disk_is_never_served() {
+    let dir = tmpdir();
+    let path = ssd_path(&dir);
+    let k = {
+        let tier = tier_over(&path, 8, 8, 1);
+        let a = arenas();
+        let rank = tier.attach(a.backend().unwrap()).unwrap();
+        let k = keys(&tier, 0..4);
+        let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+        tier.flush_demotions();
+        k
+    };
+    // One payload byte of k1, one trailer byte of k3 (the trailer is the slot's last 96 B).
+    flip_byte(&path, 4096 + disk_slot_of(&path, &k[1]) * DISK_SLOT + 777);
+    flip_byte(&path, 4096 + disk_slot_of(&path, &k[3]) * DISK_SLOT + DISK_SLOT - 96 + 20);
+    let tier = tier_over(&path, 8, 8, 1);
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.recovered_blocks, s.recovered_torn), (3, 1), "the torn trailer frees its slot at the scan");
+    let lease = tier.query(&k);
+    assert_eq!((lease.len(), lease.promoted()), (1, 1), "a corrupted block was served");
+    restore_and_verify(&tier, &lease, &k);
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.promotion_failures, s.blocks), (1, 2), "the corrupted block is dropped from disk");
+    assert!(!tier.contains(&k[1]), "nothing of the corrupted block is left on the host");
+    let lease = tier.query(&k[2..]);
+    assert_eq!((lease.len(), lease.promoted()), (1, 1), "k2 verifies, k3's slot is free");
+    restore_and_verify(&tier, &lease, &k[2..]);
+    kvtier::internals::core(&tier).audit(&k).unwrap();
+}
+
+#[test]
+fn the_drive_evicts_its_least_recently_used_block_when_full() {
+    let dir = tmpdir();
+    let tier = tier_over(&ssd_path(&dir), 8, 3, 1);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..5);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3, 4]);
+    tier.flush_demotions();
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.demoted_blocks, s.disk_evictions, s.blocks), (5, 2, 3));
+    assert_eq!(tier.evict(8), 5);
+    assert_eq!(tier.query(&k[..1]).len(), 0, "k0 went first from the drive");
+    let lease = tier.query(&k[2..]);
+    assert_eq!((lease.len(), lease.promoted()), (3, 3));
+    restore_and_verify(&tier, &lease, &k[2..]);
+}
+
+#[test]
+fn files_of_another_namespace_or_bad_options_are_refused_with_typed_errors() {
+    let dir = tmpdir();
+    let path = ssd_path(&dir);
+    drop(tier_over(&path, 4, 4, 2));
+    // Same slot size, another model: another namespace.
+    let other = Geometry::new("another-model", 16, vec![ArenaSpec::packed("kv", 5120, 64)]).unwrap();
+    let config = |ssd: SsdConfig| {
+        TierConfig::new(other.clone(), 4 * other.slot_bytes()).with_backing(kvtier::BackingChoice::Plain).with_ssd(ssd)
+    };
+    let err = HostTier::new(config(SsdConfig::new(&path, file_bytes(4)))).unwrap_err();
+    assert!(matches!(err, Error::Ssd(DiskError::OtherGeometry { .. })), "{err}");
+    let small = dir.path().join("small.kvtier");
+    let err = HostTier::new(config(SsdConfig::new(&small, 4096 + 100))).unwrap_err();
+    assert!(matches!(err, Error::Ssd(DiskError::BadConfig(_))), "{err}");
+    assert!(err.to_string().contains("holds no block"), "{err}");
+    assert!(!small.exists(), "nothing is made for a refused configuration");
+    let err = HostTier::new(config(SsdConfig::new(&small, file_bytes(2)).with_admit_uses(0))).unwrap_err();
+    assert!(matches!(err, Error::Ssd(DiskError::BadConfig(_))), "{err}");
+    // The file of the first tier is untouched and still opens for its own namespace.
+    let tier = tier_over(&path, 4, 4, 2);
+    assert_eq!(tier.ssd_stats().unwrap().capacity, 4);
+}
