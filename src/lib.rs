@@ -146,6 +146,10 @@ pub mod internals {
     pub mod disk {
         pub use crate::disk::*;
     }
+    /// The SSD tier's disk slots and the host-side steps of demotion and promotion.
+    pub mod ssd {
+        pub use crate::ssd::{pin_for_demotion, reserve_promotion, DiskRef, DiskSlots, HostPin, Job, Recovered};
+    }
     use crate::{ContentKey, HostTier, Lease, TierError};
 
     /// The slot control words of `pool`.

@@ -4,7 +4,7 @@
 //! It holds the tier's core only while it writes a job (a [`Weak`] reference upgraded per job),
 //! so dropping the last handle of a tier frees it; the tier's drop stops and joins the thread.
 
-use super::{bump, lock, DemotionQueue, Job, SsdTier};
+use super::{bump, lock, pin_for_demotion, DemotionQueue, Job, SsdTier};
 use crate::tier::core::Core;
 use std::sync::{Arc, Weak};
 
@@ -50,18 +50,6 @@ fn run(queue: &DemotionQueue, core: &Weak<Core>) {
     }
 }
 
-/// Drops one pin of a host slot when it goes out of scope.
-struct HostPin<'a> {
-    core: &'a Core,
-    slot: crate::slab::slot::SlotId,
-}
-
-impl Drop for HostPin<'_> {
-    fn drop(&mut self) {
-        self.core.unpin(self.slot);
-    }
-}
-
 /// Writes the block of `job` to a disk slot, if it is still the host block the job names and
 /// not on disk yet.
 pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
@@ -72,15 +60,10 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
         return;
     }
     // The pin keeps the block from eviction (and so from being rewritten) during the write.
-    if core.pin(slot, generation).is_err() {
+    let Some(_pin) = pin_for_demotion(core, &job) else {
         bump(&ssd.counters.demotions_skipped, 1);
         return;
-    }
-    let _pin = HostPin { core, slot };
-    if core.slot_key(slot) != key {
-        bump(&ssd.counters.demotions_skipped, 1);
-        return;
-    }
+    };
     let Some((disk, evicted)) = ssd.slots.take(&key) else {
         // Every disk slot is being read or written: drop this demotion.
         bump(&ssd.counters.demotions_dropped, 1);
@@ -92,7 +75,7 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
     }
     let (file, local) = ssd.locate(disk.slot);
     let len = ssd.payload_bytes() as usize;
-    // SAFETY: the slot is pinned READY with `generation` (pin above, held by `_pin` until this
+    // SAFETY: the slot is pinned READY with `generation` (`pin_for_demotion`, held by `_pin` until this
     // function returns): no save writes it (saves write only WRITING slots they own) and it cannot
     // be evicted and reused, so its `len` bytes (one block, within the pool's mapping, which the
     // core owns and `core` borrows) stay unchanged for this shared borrow.
@@ -107,7 +90,8 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
                 bump(&ssd.counters.demotions_skipped, 1);
             }
         }
-        Err(_) => {
+        Err(e) => {
+            tracing::warn!(error = %e, key = %key, "an SSD tier demotion failed: the block stays on the host only");
             ssd.slots.abort(disk);
             bump(&ssd.counters.demotion_failures, 1);
         }

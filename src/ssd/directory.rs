@@ -18,8 +18,7 @@ use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
 use crate::slab::freelist::FreeList;
 use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
 
 /// No slot (the list's end marker).
 const NIL: u32 = u32::MAX;
@@ -27,10 +26,13 @@ const NIL: u32 = u32::MAX;
 /// A disk block pinned for a read: its disk slot (global over the tier's files), the slot word's
 /// generation and the file generation its trailer carries.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct DiskRef {
-    pub(crate) slot: u32,
-    pub(crate) generation: u64,
-    pub(crate) file_generation: u64,
+pub struct DiskRef {
+    /// The disk slot, numbered over every file of the tier.
+    pub slot: u32,
+    /// The slot word's generation when it was pinned or taken.
+    pub generation: u64,
+    /// The generation written in (or to be written in) the slot's trailer.
+    pub file_generation: u64,
 }
 
 /// Recency order of the `READY` disk slots (see the module docs). Not synchronised: the caller
@@ -105,7 +107,7 @@ impl DiskLru {
 }
 
 /// The disk slots of an SSD tier (see the module docs).
-pub(crate) struct DiskSlots {
+pub struct DiskSlots {
     words: SlotControl,
     free: FreeList,
     index: BlockIndex,
@@ -119,17 +121,21 @@ pub(crate) struct DiskSlots {
 }
 
 /// A block found by the trailer scan of a reopened file, to be made `READY` again.
-pub(crate) struct Recovered {
-    pub(crate) slot: u32,
-    pub(crate) key: ContentKey,
-    pub(crate) file_generation: u64,
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Recovered {
+    /// The disk slot, numbered over every file of the tier.
+    pub slot: u32,
+    /// The block's content key.
+    pub key: ContentKey,
+    /// The generation its trailer carries.
+    pub file_generation: u64,
 }
 
 impl DiskSlots {
     /// `n` disk slots holding the `recovered` blocks (each slot at most once; a key found in two
     /// slots keeps the first and leaves the other free), every other slot free. Returns the slots
     /// and how many recovered blocks were dropped as duplicates.
-    pub(crate) fn new(n: u32, recovered: &[Recovered]) -> (Self, usize) {
+    pub fn new(n: u32, recovered: &[Recovered]) -> (Self, usize) {
         let slots = DiskSlots {
             words: SlotControl::new(n),
             free: FreeList::new(n),
@@ -159,7 +165,7 @@ impl DiskSlots {
                 continue;
             }
             slots.words.commit(SlotId(r.slot), g);
-            crate::sync::lock(&slots.lru).push_back(r.slot);
+            lock(&slots.lru).push_back(r.slot);
             used[r.slot as usize] = true;
         }
         // Free slots go back lowest id last, so the lowest id is popped first.
@@ -180,23 +186,26 @@ impl DiskSlots {
         self.file_generation[slot as usize].store(file_generation, Ordering::Relaxed);
     }
 
-    fn key_of(&self, slot: u32) -> ContentKey {
+    /// The key recorded for the block in disk slot `slot` (meaningful while the slot is owned,
+    /// pinned or ready).
+    pub fn key_of(&self, slot: u32) -> ContentKey {
         let k = &self.keys[slot as usize];
         ContentKey::from_words(k[0].load(Ordering::Relaxed), k[1].load(Ordering::Relaxed))
     }
 
     /// Number of disk slots.
-    pub(crate) fn capacity(&self) -> u32 {
+    pub fn capacity(&self) -> u32 {
         self.words.len()
     }
 
     /// Blocks held (`READY` slots).
-    pub(crate) fn len(&self) -> usize {
-        crate::sync::lock(&self.lru).len
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        lock(&self.lru).len
     }
 
     /// True if a `READY` block of `key` is on disk now (does not pin it).
-    pub(crate) fn contains(&self, key: &ContentKey) -> bool {
+    pub fn contains(&self, key: &ContentKey) -> bool {
         self.index.get(key).is_some_and(|r| {
             let w = self.words.load(r.slot);
             w.state() == SlotState::Ready && w.generation() == r.generation
@@ -204,7 +213,7 @@ impl DiskSlots {
     }
 
     /// Pins the `READY` block of `key` for a read, or `None` if there is none.
-    pub(crate) fn pin(&self, key: &ContentKey) -> Option<DiskRef> {
+    pub fn pin(&self, key: &ContentKey) -> Option<DiskRef> {
         let r = self.index.get(key)?;
         match self.words.pin(r.slot, r.generation) {
             Ok(_) => Some(DiskRef {
@@ -217,9 +226,9 @@ impl DiskSlots {
     }
 
     /// Drops a pin taken by [`DiskSlots::pin`]; `used` makes the block the most recently used.
-    pub(crate) fn unpin(&self, d: DiskRef, used: bool) {
+    pub fn unpin(&self, d: DiskRef, used: bool) {
         if used {
-            crate::sync::lock(&self.lru).touch(d.slot);
+            lock(&self.lru).touch(d.slot);
         }
         self.words.unpin(SlotId(d.slot));
     }
@@ -229,7 +238,7 @@ impl DiskSlots {
     /// owned by the caller, with `key` recorded and a fresh file generation. Returns the slot,
     /// the file generation to write and the key evicted, if any; `None` when every slot is pinned
     /// or being written.
-    pub(crate) fn take(&self, key: &ContentKey) -> Option<(DiskRef, Option<ContentKey>)> {
+    pub fn take(&self, key: &ContentKey) -> Option<(DiskRef, Option<ContentKey>)> {
         let (slot, evicted) = match self.free.pop() {
             Some(s) => (s, None),
             None => self.evict_one()?,
@@ -242,7 +251,7 @@ impl DiskSlots {
 
     /// Evicts the least recently used unpinned block: returns its (now free, owned) slot and key.
     fn evict_one(&self) -> Option<(u32, Option<ContentKey>)> {
-        let mut lru = crate::sync::lock(&self.lru);
+        let mut lru = lock(&self.lru);
         // A pinned block (a read in flight) is moved to the back; each is passed over once.
         for _ in 0..lru.len {
             let s = lru.head;
@@ -266,18 +275,18 @@ impl DiskSlots {
 
     /// Publishes a block written into a slot from [`DiskSlots::take`]: index entry, then `READY`.
     /// Returns false (the slot freed) if the index already holds the key.
-    pub(crate) fn commit(&self, d: DiskRef, key: ContentKey) -> bool {
+    pub fn commit(&self, d: DiskRef, key: ContentKey) -> bool {
         if self.index.insert_if_absent(key, SlotRef { slot: SlotId(d.slot), generation: d.generation }).is_err() {
             self.abort(d);
             return false;
         }
         self.words.commit(SlotId(d.slot), d.generation);
-        crate::sync::lock(&self.lru).push_back(d.slot);
+        lock(&self.lru).push_back(d.slot);
         true
     }
 
     /// Gives back a slot from [`DiskSlots::take`] whose write failed (never indexed).
-    pub(crate) fn abort(&self, d: DiskRef) {
+    pub fn abort(&self, d: DiskRef) {
         self.words.release(SlotId(d.slot));
         self.free.push(d.slot);
     }
@@ -285,8 +294,8 @@ impl DiskSlots {
     /// Drops the block of a pinned slot whose read failed verification: the pin goes, and the
     /// block is evicted unless another read pinned it meanwhile (that read fails too, and drops
     /// it then). Returns true if it was dropped now.
-    pub(crate) fn drop_unverified(&self, d: DiskRef) -> bool {
-        let mut lru = crate::sync::lock(&self.lru);
+    pub fn drop_unverified(&self, d: DiskRef) -> bool {
+        let mut lru = lock(&self.lru);
         self.words.unpin(SlotId(d.slot));
         let Some(g) = self.words.begin_evict(SlotId(d.slot)) else { return false };
         if g != d.generation {
@@ -307,6 +316,12 @@ impl DiskSlots {
     #[cfg(test)]
     pub(crate) fn free_count(&self) -> usize {
         self.free.len()
+    }
+}
+
+impl std::fmt::Debug for DiskSlots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskSlots").field("capacity", &self.capacity()).field("blocks", &self.len()).finish()
     }
 }
 

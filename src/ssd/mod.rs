@@ -32,13 +32,14 @@
 #[cfg(not(loom))]
 pub(crate) mod demote;
 pub(crate) mod directory;
+pub use directory::{DiskRef, DiskSlots, Recovered};
+pub use promote::reserve_promotion;
 pub(crate) mod promote;
 
 use crate::disk::{DiskError, DiskFile, DiskFileConfig, IoPreference, ScanReport};
 use crate::geometry::Geometry;
 use crate::key::ContentKey;
 use crate::slab::slot::SlotId;
-use directory::{DiskSlots, Recovered};
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -177,10 +178,53 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A queued demotion: the host block (slot and generation) and its key.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Job {
+pub struct Job {
     pub(crate) slot: SlotId,
     pub(crate) generation: u64,
     pub(crate) key: ContentKey,
+}
+
+impl Job {
+    /// A demotion of the block of `key` in host `slot` at `generation`.
+    pub fn new(slot: SlotId, generation: u64, key: ContentKey) -> Self {
+        Job { slot, generation, key }
+    }
+}
+
+/// A demotion's pin on its host block ([`pin_for_demotion`]); dropping it unpins.
+#[derive(Debug)]
+pub struct HostPin<'a> {
+    core: &'a crate::tier::core::Core,
+    slot: SlotId,
+    pinned: bool,
+}
+
+impl Drop for HostPin<'_> {
+    fn drop(&mut self) {
+        if self.pinned {
+            self.core.unpin(self.slot);
+        }
+    }
+}
+
+/// Pins the host block `job` names if it is still that block (`READY` at the job's generation,
+/// holding its key), so it can be neither evicted nor rewritten while the demotion reads it.
+/// `None` if it was evicted (or replaced) since it was queued.
+pub fn pin_for_demotion<'a>(core: &'a crate::tier::core::Core, job: &Job) -> Option<HostPin<'a>> {
+    // Seeded bug (model checking only): the block is checked, not pinned, so an evictor may take
+    // and reuse the slot under the demotion's read.
+    if cfg!(kvtier_seeded_bug = "demotion-unpinned") {
+        let w = core.control().load(job.slot);
+        let ready = w.state() == crate::slab::slot::SlotState::Ready && w.generation() == job.generation;
+        return (ready && core.slot_key(job.slot) == job.key).then_some(HostPin {
+            core,
+            slot: job.slot,
+            pinned: false,
+        });
+    }
+    core.pin(job.slot, job.generation).ok()?;
+    let pin = HostPin { core, slot: job.slot, pinned: true };
+    (core.slot_key(job.slot) == job.key).then_some(pin)
 }
 
 #[derive(Default)]
@@ -391,6 +435,7 @@ impl SsdTier {
         }
     }
 
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn set_worker(&self, handle: std::thread::JoinHandle<()>) {
         *lock(&self.worker) = Some(handle);
     }
@@ -452,6 +497,7 @@ impl std::fmt::Debug for SsdTier {
 
 impl SsdTier {
     /// The disk copy of `key` was evicted: if the host holds `key`, its block is dirty again.
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn forget_clean(&self, core: &crate::tier::core::Core, key: &ContentKey) {
         if let Some(r) = core.index().get(key) {
             let _ = self.host_clean[r.slot.index()].compare_exchange(

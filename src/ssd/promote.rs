@@ -13,6 +13,28 @@ use crate::tier::lease::LeasedBlock;
 use crate::tier::pins::WriteReservation;
 use std::collections::HashSet;
 
+/// The host side of a promotion of `keys`: takes host slots as a save does (free first, then
+/// eviction of unpinned ready blocks) and reserves them `WRITING` under the keys, in order,
+/// stopping at the first key another save reserved first (that save's block will be found by later
+/// queries) or when no more slots could be had. Returns the reservation of the leading keys;
+/// publish it with [`WriteReservation::commit_leading_pinned`] once the blocks are read and
+/// verified.
+pub fn reserve_promotion(core: &Arc<Core>, keys: &[ContentKey]) -> WriteReservation {
+    let got = core.acquire_slots(Want::UpTo(keys.len())).unwrap_or_default();
+    let mut reservation = WriteReservation::new(core);
+    let mut free = got.into_iter();
+    for k in keys {
+        let Some(slot) = free.next() else { break };
+        if !reservation.reserve(*k, slot, u32::MAX) {
+            break;
+        }
+    }
+    for slot in free {
+        core.pool().free(slot);
+    }
+    reservation
+}
+
 impl SsdTier {
     /// Continues a lease's prefix from disk: promotes the longest run of `keys` (the keys after the
     /// host prefix, the first of them missing from the host) whose blocks the SSD tier holds and
@@ -37,24 +59,8 @@ impl SsdTier {
         if run.is_empty() {
             return 0;
         }
-        // Host slots, as a save gets them: free first, then eviction of unpinned ready blocks.
-        let got = core.acquire_slots(Want::UpTo(run.len())).unwrap_or_default();
-        for (_, d) in run.drain(got.len().min(run.len())..) {
-            self.slots.unpin(d, false);
-        }
-        let mut reservation = WriteReservation::new(core);
-        let mut free = got.into_iter();
-        for (k, _) in &run {
-            let Some(slot) = free.next() else { break };
-            // False when a save of this key reserved it first: the run ends here (that save's
-            // block will be found by later queries).
-            if !reservation.reserve(*k, slot, u32::MAX) {
-                break;
-            }
-        }
-        for slot in free {
-            core.pool().free(slot);
-        }
+        let run_keys: Vec<ContentKey> = run.iter().map(|(k, _)| *k).collect();
+        let reservation = reserve_promotion(core, &run_keys);
         for (_, d) in run.drain(reservation.len()..) {
             self.slots.unpin(d, false);
         }

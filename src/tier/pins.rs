@@ -140,11 +140,18 @@ impl WriteReservation {
     /// Publishes the first `n` reserved blocks `READY` with one pin each, held by the caller (a
     /// promotion's lease), calling `before` on each just before it becomes visible; the rest are
     /// aborted (index entries first). Returns the published blocks.
-    pub(crate) fn commit_leading_pinned(mut self, n: usize, mut before: impl FnMut(&Reserved)) -> Vec<Reserved> {
+    pub fn commit_leading_pinned(mut self, n: usize, mut before: impl FnMut(&Reserved)) -> Vec<Reserved> {
         let mut entries = std::mem::take(&mut self.entries);
         let rest = entries.split_off(n.min(entries.len()));
         for r in &entries {
             before(r);
+            // Seeded bug (model checking only): the old order, commit then pin, leaves a window in
+            // which an evictor takes the block before its lease holds it.
+            if cfg!(kvtier_seeded_bug = "promotion-commit-unpinned") {
+                self.core.commit_reserved(*r);
+                let _ = self.core.pin(r.slot, r.generation);
+                continue;
+            }
             self.core.commit_reserved_pinned(*r);
         }
         for r in rest {
