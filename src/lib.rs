@@ -64,7 +64,6 @@ mod remote;
 mod server;
 mod size;
 mod slab;
-mod ssd;
 mod sync;
 mod tier;
 
@@ -103,9 +102,9 @@ pub use slab::{
     hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
-pub use ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
+pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
     AuditReport, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats, MAX_HINT_TTL,
 };
@@ -148,7 +147,7 @@ pub mod internals {
     }
     /// The SSD tier's disk slots and the host-side steps of demotion and promotion.
     pub mod ssd {
-        pub use crate::ssd::{pin_for_demotion, reserve_promotion, DiskRef, DiskSlots, HostPin, Job, Recovered};
+        pub use crate::tier::ssd::{pin_for_demotion, reserve_promotion, DiskRef, DiskSlots, HostPin, Job, Recovered};
     }
     use crate::{ContentKey, HostTier, Lease, TierError};
 

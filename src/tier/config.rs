@@ -35,7 +35,7 @@ pub struct TierConfig {
     /// [`crate::SsdConfig::admit_uses`] times are demoted to its files in the background, and a
     /// query whose host prefix ends at a key the SSD tier holds continues it from there
     /// (promotion; see [`crate::HostTier::query`]). An in-process tier's own.
-    pub ssd: Option<crate::ssd::SsdConfig>,
+    pub ssd: Option<super::ssd::SsdConfig>,
 }
 
 impl TierConfig {
@@ -84,7 +84,7 @@ impl TierConfig {
     }
 
     /// Puts an SSD tier under the host pool (see [`TierConfig::ssd`]).
-    pub fn with_ssd(mut self, ssd: crate::ssd::SsdConfig) -> Self {
+    pub fn with_ssd(mut self, ssd: super::ssd::SsdConfig) -> Self {
         self.ssd = Some(ssd);
         self
     }

@@ -18,7 +18,8 @@ use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::tier::expiry::LeasedBlock;
 use std::time::Duration;
 
 /// A reserved, not yet visible block: key, slot and the generation recorded in the index.
@@ -43,6 +44,25 @@ pub enum KeyState {
     Evicting,
     /// Not resident.
     Missing,
+}
+
+/// The tier under the host pool (the SSD tier, `super::ssd`), as the core and the query see it:
+/// the hooks of a host block's life and the promotion a query runs. A trait, so the core never names
+/// the SSD tier's type (which is built on the core).
+pub(crate) trait LowerTier: Send + Sync + std::fmt::Debug {
+    /// The host `slot` was reserved for a new block.
+    fn on_reserve(&self, slot: SlotId);
+    /// A host block became `READY` (a save's commit).
+    fn on_commit(&self, slot: SlotId, generation: u64, key: ContentKey);
+    /// A query leased the host block.
+    fn on_hit(&self, slot: SlotId, generation: u64, key: ContentKey);
+    /// True if the host block of `slot` at `generation` has a copy below.
+    fn is_clean(&self, slot: SlotId, generation: u64) -> bool;
+    /// Continues a lease's prefix from below: appends the promoted blocks (each pinned once for
+    /// the lease) to `blocks` and returns how many.
+    fn promote(&self, core: &Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> usize;
+    /// The concrete tier (for its stats and its thread).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// The shared state of a tier. Not a stable API: reached through `kvtier::internals` by kvtier's
@@ -73,7 +93,7 @@ pub struct Core {
     shutting_down: AtomicBool,
     next_rank: AtomicU32,
     /// The SSD tier under the pool, if the tier has one ([`crate::TierConfig::ssd`]).
-    ssd: Option<crate::ssd::SsdTier>,
+    ssd: Option<Box<dyn LowerTier>>,
 }
 
 impl Core {
@@ -121,14 +141,14 @@ impl Core {
 
     /// Puts an SSD tier under the pool (none after [`Core::new`]); its demotion thread starts when
     /// the core is shared ([`crate::HostTier`] does it).
-    pub(crate) fn with_ssd(mut self, ssd: crate::ssd::SsdTier) -> Self {
+    pub(crate) fn with_ssd(mut self, ssd: Box<dyn LowerTier>) -> Self {
         self.ssd = Some(ssd);
         self
     }
 
     /// The SSD tier under the pool, if any.
-    pub(crate) fn ssd(&self) -> Option<&crate::ssd::SsdTier> {
-        self.ssd.as_ref()
+    pub(crate) fn ssd(&self) -> Option<&dyn LowerTier> {
+        self.ssd.as_deref()
     }
 
     /// True if victims are ranked by their place in their chain.

@@ -56,6 +56,7 @@ pub(crate) mod prepare;
 mod rank;
 pub(crate) mod save_plan;
 mod saving;
+pub(crate) mod ssd;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
@@ -165,17 +166,17 @@ impl HostTier {
 
     fn over_pool(config: TierConfig, pool: HostPool) -> Result<Self, Error> {
         let ssd = match &config.ssd {
-            Some(ssd) => Some(crate::ssd::SsdTier::open(ssd, &config.geometry, pool.capacity())?),
+            Some(ssd) => Some(ssd::SsdTier::open(ssd, &config.geometry, pool.capacity())?),
             None => None,
         };
         let mut core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
             .with_chain_aware(config.chain_aware);
         if let Some(ssd) = ssd {
-            core = core.with_ssd(ssd);
+            core = core.with_ssd(Box::new(ssd));
         }
         let tier = HostTier::from_core(core);
         #[cfg(not(loom))]
-        crate::ssd::demote::start(tier.core())
+        ssd::demote::start(tier.core())
             .map_err(|source| Error::Thread { what: "starting the demotion thread", source })?;
         Ok(tier)
     }
@@ -186,9 +187,9 @@ impl HostTier {
 
     /// What the SSD tier holds and has done, or `None` without one (and for a connected tier,
     /// whose daemon's SSD tier is its own).
-    pub fn ssd_stats(&self) -> Option<crate::ssd::SsdStats> {
+    pub fn ssd_stats(&self) -> Option<ssd::SsdStats> {
         match_flavor!(&self.flavor,
-            Flavor::InProcess(core) => core.ssd().map(|s| s.stats()),
+            Flavor::InProcess(core) => ssd::SsdTier::of(core).map(|s| s.stats()),
             Flavor::Connected(_) => None,
         )
     }
@@ -198,7 +199,7 @@ impl HostTier {
     /// disk, and for tests.
     pub fn flush_demotions(&self) {
         match_flavor!(&self.flavor,
-            Flavor::InProcess(core) => if let Some(s) = core.ssd() { s.flush() },
+            Flavor::InProcess(core) => if let Some(s) = ssd::SsdTier::of(core) { s.flush() },
             Flavor::Connected(_) => {},
         )
     }

@@ -40,6 +40,8 @@ use crate::disk::{DiskError, DiskFile, DiskFileConfig, IoPreference, ScanReport}
 use crate::geometry::Geometry;
 use crate::key::ContentKey;
 use crate::slab::slot::SlotId;
+use crate::tier::core::{Core, LowerTier};
+use crate::tier::expiry::LeasedBlock;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -194,7 +196,7 @@ impl Job {
 /// A demotion's pin on its host block ([`pin_for_demotion`]); dropping it unpins.
 #[derive(Debug)]
 pub struct HostPin<'a> {
-    core: &'a crate::tier::core::Core,
+    core: &'a Core,
     slot: SlotId,
     pinned: bool,
 }
@@ -210,7 +212,7 @@ impl Drop for HostPin<'_> {
 /// Pins the host block `job` names if it is still that block (`READY` at the job's generation,
 /// holding its key), so it can be neither evicted nor rewritten while the demotion reads it.
 /// `None` if it was evicted (or replaced) since it was queued.
-pub fn pin_for_demotion<'a>(core: &'a crate::tier::core::Core, job: &Job) -> Option<HostPin<'a>> {
+pub fn pin_for_demotion<'a>(core: &'a Core, job: &Job) -> Option<HostPin<'a>> {
     // Seeded bug (model checking only): the block is checked, not pinned, so an evictor may take
     // and reuse the slot under the demotion's read.
     if cfg!(kvtier_seeded_bug = "demotion-unpinned") {
@@ -474,6 +476,34 @@ impl SsdTier {
     }
 }
 
+impl SsdTier {
+    /// The SSD tier under `core`'s pool, if it has one.
+    pub(crate) fn of(core: &Core) -> Option<&SsdTier> {
+        core.ssd().and_then(|l| l.as_any().downcast_ref::<SsdTier>())
+    }
+}
+
+impl LowerTier for SsdTier {
+    fn on_reserve(&self, slot: SlotId) {
+        SsdTier::on_reserve(self, slot)
+    }
+    fn on_commit(&self, slot: SlotId, generation: u64, key: ContentKey) {
+        SsdTier::on_commit(self, slot, generation, key)
+    }
+    fn on_hit(&self, slot: SlotId, generation: u64, key: ContentKey) {
+        SsdTier::on_hit(self, slot, generation, key)
+    }
+    fn is_clean(&self, slot: SlotId, generation: u64) -> bool {
+        SsdTier::is_clean(self, slot, generation)
+    }
+    fn promote(&self, core: &crate::sync::Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> usize {
+        SsdTier::promote(self, core, keys, blocks)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 impl Drop for SsdTier {
     fn drop(&mut self) {
         lock(&self.queue.state).stop = true;
@@ -498,7 +528,7 @@ impl std::fmt::Debug for SsdTier {
 impl SsdTier {
     /// The disk copy of `key` was evicted: if the host holds `key`, its block is dirty again.
     #[cfg_attr(loom, allow(dead_code))]
-    pub(crate) fn forget_clean(&self, core: &crate::tier::core::Core, key: &ContentKey) {
+    pub(crate) fn forget_clean(&self, core: &Core, key: &ContentKey) {
         if let Some(r) = core.index().get(key) {
             let _ = self.host_clean[r.slot.index()].compare_exchange(
                 r.generation + 1,

@@ -1,5 +1,5 @@
 //! Promotion: a query's prefix continued from the SSD tier into fresh host slots (see the module
-//! docs of [`crate::ssd`] for the steps and why each block is either verified or never served).
+//! docs of [`crate::tier::ssd`] for the steps and why each block is either verified or never served).
 
 use super::directory::DiskRef;
 use super::SsdTier;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 /// # Errors
 /// The OS error if the thread cannot be spawned.
 pub(crate) fn start(core: &Arc<Core>) -> std::io::Result<()> {
-    let Some(ssd) = core.ssd() else { return Ok(()) };
+    let Some(ssd) = SsdTier::of(core) else { return Ok(()) };
     let queue = ssd.queue.clone();
     let weak = Arc::downgrade(core);
     let handle = std::thread::Builder::new().name("kvtier-demote".into()).spawn(move || run(&queue, &weak))?;
@@ -38,7 +38,7 @@ fn run(queue: &DemotionQueue, core: &Weak<Core>) {
             }
         };
         if let Some(core) = core.upgrade() {
-            if let Some(ssd) = core.ssd() {
+            if let Some(ssd) = SsdTier::of(&core) {
                 demote(&core, ssd, job);
             }
         }
