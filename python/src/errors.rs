@@ -261,7 +261,7 @@ impl From<&TierError> for Raised {
 
 /// An SSD tier file's layout in words (`GeometryMismatchError.backend` / `.tier`).
 fn disk_layout(namespace: &kvtier::Namespace, payload_bytes: u64, slots: u64) -> String {
-    format!("namespace {namespace:?}, blocks of {payload_bytes} B, {slots} slots")
+    format!("{namespace:?}, blocks of {payload_bytes} B, {slots} slots")
 }
 
 /// An SSD tier's error (`Error::Ssd`, opening its files): a file of another geometry is a
@@ -299,7 +299,8 @@ impl From<&Error> for Raised {
             Error::Tier(t) => t.into(),
             // Seeded bug (tests only): an SSD tier's errors all raised as the base class.
             Error::Ssd(_) if cfg!(kvtier_py_seeded_bug = "ssd-error-untyped") => Raised::new("KvtierError", e),
-            Error::Ssd(d) => d.into(),
+            // The class and fields of the file's error, kvtier's whole message (`SSD tier: ...`).
+            Error::Ssd(d) => Raised { message: e.to_string(), ..d.into() },
             Error::Verification { .. } => {
                 Raised::new("VerificationError", e).str("detail", detail(e, "verification failed: "))
             }

@@ -150,8 +150,10 @@ def test_a_file_of_another_geometry_is_refused_and_left_untouched(geometry, arra
     with pytest.raises(kvtier.GeometryMismatchError) as e:
         ssd_tier(other, path, host=4, disk=4)
     assert e.value.path == str(path)
-    assert "another geometry" in str(e.value) and str(path) in str(e.value)
-    assert "namespace" in e.value.backend and "namespace" in e.value.tier and e.value.backend != e.value.tier
+    assert str(e.value).startswith(f"SSD tier: {path}: a disk slot file of another geometry"), str(e.value)
+    ns = lambda g: g.namespace.digest.hex()  # noqa: E731
+    assert e.value.backend == f"Namespace({ns(geometry)}), blocks of 2048 B, 4 slots", "the file's layout"
+    assert e.value.tier == f"Namespace({ns(other)}), blocks of 2048 B, 4 slots", "the tier's layout"
     assert isinstance(e.value, ValueError) and isinstance(e.value, kvtier.KvtierError)
     # The same geometry with another file size is another slot count: refused too.
     with pytest.raises(kvtier.GeometryMismatchError):
@@ -233,4 +235,5 @@ def test_ssd_file_errors_map_to_config_error_with_their_fields():
     no_space, io, bad = examples
     assert no_space.bytes == 1 << 40 and "no space" in str(no_space)
     assert io.call == "opening" and io.os_error and io.os_error in str(io)
-    assert bad.detail == "/data/kvtier.ssd: 100 B holds no block" and str(bad).startswith("disk slot file: ")
+    assert bad.detail == "/data/kvtier.ssd: 100 B holds no block"
+    assert str(bad) == "SSD tier: disk slot file: /data/kvtier.ssd: 100 B holds no block", "kvtier's message"
