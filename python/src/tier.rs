@@ -73,7 +73,8 @@ fn config_error(message: String) -> PyErr {
 /// `PoolSyscallError`, `NoSuchNumaNodeError`, `TooManySlotsError`, `ConfigError` (unknown policy or
 /// backing name; an SSD file too small for one block, a bad `ssd_*` option, `ssd_*` options
 /// without `ssd`, a path that holds no kvtier file, no space for the file, an I/O error opening
-/// it), `GeometryMismatchError` (an SSD file made for another geometry or namespace).
+/// it), `GeometryMismatchError` (an SSD file made for another geometry, namespace or size; the
+/// file is left as it was).
 #[pyclass(module = "kvtier", name = "Tier", frozen)]
 pub struct PyTier {
     inner: HostTier,
@@ -439,7 +440,9 @@ impl PyTier {
 
     /// Pins the longest run of leading `keys` whose blocks are resident and returns a `Lease` on
     /// them (possibly empty: `len(lease) == 0`). Use it as a context manager so it is released on
-    /// exit; an unreleased lease is released when garbage-collected.
+    /// exit; an unreleased lease is released when garbage-collected. With an SSD tier, the run
+    /// continues past the host's blocks with those the SSD tier holds: they are read into host
+    /// slots and verified before this returns (GIL released), the last `lease.promoted` blocks.
     ///
     /// `keys`: a sequence of 16-byte content keys (`Namespace.key`). `uses`: restores allowed
     /// from this lease (one per rank that will restore the same blocks).
