@@ -14,6 +14,8 @@ const BUGS: &[&str] = &[
     "evict-count-usize",
     "rank-drop-holds-gil",
     "exceeds-memory-untyped",
+    "ssd-stats-unmapped",
+    "ssd-error-untyped",
 ];
 
 fn main() {

@@ -96,8 +96,11 @@ class KvtierError(Exception):
 
 
 class ConfigError(KvtierError, ValueError):
-    """An unknown policy, backing, copy mode or option name. Attribute: ``detail`` when raised by
-    the Rust side."""
+    """An unknown policy, backing, copy mode or option name, or an SSD tier file that cannot be
+    used (``Tier(..., ssd=...)``: too small for one block, a bad ``ssd_*`` option, a path holding
+    no kvtier file, no space, an I/O error). Attribute: ``detail`` when raised by the Rust side;
+    for an SSD tier file also ``path``, and ``bytes`` (no space) or ``call`` and ``os_error`` (an
+    I/O error) where the error has them."""
 
 
 class KeyLengthError(KvtierError, ValueError):
@@ -317,7 +320,9 @@ class LeaseExpiredError(LeaseSettledError):
 
 class GeometryMismatchError(TierError, ValueError):
     """A backend whose block layout differs from the tier's. Attributes: ``backend``, ``tier``
-    (model names)."""
+    (model names). Also raised by ``Tier(..., ssd=...)`` for an SSD tier file made for another
+    geometry or namespace (or slot count): then ``path`` is the file, and ``backend`` and ``tier``
+    describe the file's layout and the tier's in words; the file is left untouched."""
 
 
 class IndexCapacityError(TierError, ValueError):

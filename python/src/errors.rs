@@ -4,7 +4,7 @@
 //! The classes are defined in Python (readable docstrings, ordinary subclassing) and looked up by
 //! name when an error is raised, on the thread that called into kvtier with the GIL held.
 
-use kvtier::{CopyError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
+use kvtier::{CopyError, DiskError, Error, GeometryError, IndexError, Limit, PoolError, TierError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -259,6 +259,37 @@ impl From<&TierError> for Raised {
     }
 }
 
+/// An SSD tier file's layout in words (`GeometryMismatchError.backend` / `.tier`).
+fn disk_layout(namespace: &kvtier::Namespace, payload_bytes: u64, slots: u64) -> String {
+    format!("{namespace:?}, blocks of {payload_bytes} B, {slots} slots")
+}
+
+/// An SSD tier's error (`Error::Ssd`, opening its files): a file of another geometry is a
+/// `GeometryMismatchError` (as a backend of another layout is); a bad size or option, a path that
+/// holds no kvtier file, no space and I/O errors are `ConfigError`s (as kvtier's other file and
+/// socket errors are). Each keeps kvtier's message, and `path` where the error names a file.
+impl From<&DiskError> for Raised {
+    fn from(e: &DiskError) -> Self {
+        use DiskError as D;
+        let config = || Raised::new("ConfigError", e).str("detail", detail(e, "disk slot file: "));
+        match e {
+            D::OtherGeometry { path, found, wanted } => Raised::new("GeometryMismatchError", e)
+                .str("backend", disk_layout(&found.namespace, found.payload_bytes, found.slots))
+                .str("tier", disk_layout(&wanted.namespace, wanted.payload_bytes, wanted.slots))
+                .str("path", path.display()),
+            D::BadConfig(_) => config(),
+            D::NoSpace { path, bytes } => config().str("path", path.display()).int("bytes", *bytes),
+            D::NotADiskFile { path, .. } => config().str("path", path.display()),
+            D::Io { path, what, source } => {
+                config().str("path", path.display()).str("call", what).str("os_error", source)
+            }
+            // Slot-level errors stay inside the SSD tier (a block that fails verification is
+            // never served); a variant added to kvtier after this binding: the base class.
+            _ => Raised::new("KvtierError", e),
+        }
+    }
+}
+
 impl From<&Error> for Raised {
     fn from(e: &Error) -> Self {
         match e {
@@ -266,6 +297,10 @@ impl From<&Error> for Raised {
             Error::Pool(p) => p.into(),
             Error::Copy(c) => c.into(),
             Error::Tier(t) => t.into(),
+            // Seeded bug (tests only): an SSD tier's errors all raised as the base class.
+            Error::Ssd(_) if cfg!(kvtier_py_seeded_bug = "ssd-error-untyped") => Raised::new("KvtierError", e),
+            // The class and fields of the file's error, kvtier's whole message (`SSD tier: ...`).
+            Error::Ssd(d) => Raised { message: e.to_string(), ..d.into() },
             Error::Verification { .. } => {
                 Raised::new("VerificationError", e).str("detail", detail(e, "verification failed: "))
             }
@@ -389,6 +424,11 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
         byte: 0,
         key: kvtier::ContentKey::from_bytes([7; 16]),
     }));
+    // An SSD tier's file errors map to existing classes (ConfigError, read before the last).
+    let path = || std::path::PathBuf::from("/data/kvtier.ssd");
+    out.push(Raised::from(&Error::Ssd(DiskError::NoSpace { path: path(), bytes: 1 << 40 })));
+    out.push(Raised::from(&Error::Ssd(DiskError::Io { path: path(), what: "opening", source: io() })));
+    out.push(Raised::from(&Error::Ssd(DiskError::BadConfig(s("/data/kvtier.ssd: 100 B holds no block")))));
     out.push(Raised::from(&Error::PageKeyCount { pages: 2, keys: 3 }));
     out.into_iter().map(|r| (r.class, r)).collect()
 }

@@ -165,6 +165,18 @@ impl PyGeometry {
     fn block_bytes(&self) -> u64 {
         self.inner.block_bytes()
     }
+    /// Bytes one block takes in an SSD tier's file (`Tier(..., ssd=...)`): `slot_bytes` plus the
+    /// 96-byte slot trailer (key, generation, checksums), rounded up to 4,096 B.
+    #[getter]
+    fn disk_slot_bytes(&self) -> u64 {
+        self.inner.disk_slot_bytes()
+    }
+    /// Blocks an SSD tier file of `file_bytes` bytes holds: its 4,096 B header, then slots of
+    /// `disk_slot_bytes` (0 when the file is smaller than the header and one slot). A file of
+    /// `n` blocks takes `4096 + n * disk_slot_bytes` bytes.
+    fn disk_slots(&self, file_bytes: u64) -> u64 {
+        self.inner.disk_slots(file_bytes)
+    }
     /// The arenas as dicts: `name`, `bytes_per_page`, `page_stride`, `pages` (bytes, pages).
     #[getter]
     fn arenas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

@@ -47,7 +47,8 @@ fn config_error(message: String) -> PyErr {
 /// shared by every rank (GPU) attached to it. Thread-safe; share one per process.
 ///
 /// `Tier(geometry, pool_bytes, policy=None, *, backing="auto", prefault=False, mlock=False,
-/// numa_node=None)`:
+/// numa_node=None, lease_ttl_s=None, ssd=None, ssd_admit_uses=None, ssd_io=None,
+/// ssd_read_depth=None)`:
 ///
 /// - `geometry`: the block layout (`Geometry`); every attached rank's tensors must match it.
 /// - `pool_bytes`: host memory for block slots, in bytes; capacity = `pool_bytes // geometry.slot_bytes`.
@@ -56,10 +57,24 @@ fn config_error(message: String) -> PyErr {
 /// - `backing`: `auto` (hugetlb if reserved, else transparent hugepages), `hugetlb`, `thp`, `plain`.
 /// - `prefault`: touch every page now (slower start, no page faults on first saves).
 /// - `mlock`: lock the pool in memory. `numa_node`: bind the pool to this NUMA node.
+/// - `lease_ttl_s`: seconds after which a forgotten lease may be settled under pool pressure.
+/// - `ssd`: an SSD tier under the pool: a `(path, bytes)` pair, or a list of them (one file per
+///   drive). Each file (its directory must exist) is created and preallocated if missing, or
+///   reopened and its blocks found again (`ssd_stats()["recovered_blocks"]`); it holds
+///   `geometry.disk_slots(bytes)` blocks and takes `4096 + blocks * geometry.disk_slot_bytes`
+///   bytes. Host blocks are written to it in the background once used `ssd_admit_uses` times
+///   (default 2: the save, then one query; 1 writes every saved block), and a query whose host
+///   prefix ends where the SSD tier holds the next blocks reads them back into host slots,
+///   verified, in the same lease (`Lease.promoted`).
+/// - `ssd_io`: `direct` (`O_DIRECT` where the filesystem takes it, the default) or `buffered`.
+/// - `ssd_read_depth`: reads in flight while a query promotes blocks (1 to 1,024; default 8).
 ///
 /// Raises: `PoolTooSmallError` (not one slot), `HugePagesUnavailableError`, `PoolMapError`,
 /// `PoolSyscallError`, `NoSuchNumaNodeError`, `TooManySlotsError`, `ConfigError` (unknown policy or
-/// backing name).
+/// backing name; an SSD file too small for one block, a bad `ssd_*` option, `ssd_*` options
+/// without `ssd`, a path that holds no kvtier file, no space for the file, an I/O error opening
+/// it), `GeometryMismatchError` (an SSD file made for another geometry, namespace or size; the
+/// file is left as it was).
 #[pyclass(module = "kvtier", name = "Tier", frozen)]
 pub struct PyTier {
     inner: HostTier,
@@ -119,6 +134,103 @@ fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<CudaOptio
         }
     }
     Ok(o)
+}
+
+/// The `ssd_*` keyword arguments of `Tier(...)`; None: kvtier's default.
+struct SsdOptions<'a> {
+    admit_uses: Option<u32>,
+    io: Option<&'a str>,
+    read_depth: Option<usize>,
+}
+
+/// One `(path, bytes)` pair of `Tier(..., ssd=...)`.
+fn ssd_file(item: &Bound<'_, PyAny>) -> PyResult<(std::path::PathBuf, u64)> {
+    item.extract::<(std::path::PathBuf, u64)>().map_err(|_| {
+        let shown = item.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        config_error(format!("ssd: each file is a (path, bytes) pair (bytes: a non-negative int), not {shown}"))
+    })
+}
+
+/// The `SsdConfig` of `Tier(..., ssd=..., ssd_admit_uses=..., ssd_io=..., ssd_read_depth=...)`,
+/// or None without `ssd`. `ssd`: one `(path, bytes)` pair or a sequence of them (one file per
+/// drive). The options' ranges are checked by kvtier when the tier opens the files.
+fn parse_ssd(ssd: Option<&Bound<'_, PyAny>>, o: SsdOptions<'_>) -> PyResult<Option<kvtier::SsdConfig>> {
+    let Some(ssd) = ssd.filter(|s| !s.is_none()) else {
+        if o.admit_uses.is_some() || o.io.is_some() || o.read_depth.is_some() {
+            return Err(config_error(
+                "ssd_admit_uses, ssd_io and ssd_read_depth need an SSD tier: pass ssd=[(path, bytes)]".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    // One pair (a tuple whose first item is not itself a pair), or a sequence of pairs; a str or
+    // bytes is a path without its size.
+    let one_pair = match ssd.cast::<PyTuple>() {
+        Ok(t) => {
+            t.len() == 2 && !(t.get_item(0)?.is_instance_of::<PyTuple>() || t.get_item(0)?.is_instance_of::<PyList>())
+        }
+        Err(_) => false,
+    };
+    let files = if one_pair {
+        vec![ssd_file(ssd)?]
+    } else if ssd.is_instance_of::<pyo3::types::PyString>() || ssd.is_instance_of::<PyBytes>() {
+        return Err(config_error(format!(
+            "ssd: a (path, bytes) pair or a list of them, not the path {} alone",
+            ssd.repr()?
+        )));
+    } else {
+        ssd.try_iter()?.map(|f| ssd_file(&f?)).collect::<PyResult<Vec<_>>>()?
+    };
+    let mut files = files.into_iter();
+    let Some((path, bytes)) = files.next() else {
+        return Err(config_error("ssd: an SSD tier needs at least one (path, bytes) file".into()));
+    };
+    let mut cfg = kvtier::SsdConfig::new(path, bytes);
+    for (path, bytes) in files {
+        cfg = cfg.with_file(path, bytes);
+    }
+    if let Some(uses) = o.admit_uses {
+        cfg = cfg.with_admit_uses(uses);
+    }
+    if let Some(io) = o.io {
+        cfg = cfg.with_io(match io {
+            "direct" => kvtier::IoPreference::Direct,
+            "buffered" => kvtier::IoPreference::Buffered,
+            m => return Err(config_error(format!("unknown ssd_io `{m}` (direct, buffered)"))),
+        });
+    }
+    if let Some(depth) = o.read_depth {
+        cfg = cfg.with_read_depth(depth);
+    }
+    Ok(Some(cfg))
+}
+
+/// The SSD tier's counters (`Tier.ssd_stats`) as a dict of ints.
+fn ssd_stats_dict<'py>(py: Python<'py>, s: &kvtier::SsdStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let fields: [(&str, u64); 17] = [
+        ("capacity", s.capacity),
+        ("blocks", s.blocks),
+        ("recovered_blocks", s.recovered_blocks),
+        ("recovered_torn", s.recovered_torn),
+        ("recovered_foreign", s.recovered_foreign),
+        ("demoted_blocks", s.demoted_blocks),
+        ("bytes_demoted", s.bytes_demoted),
+        ("demotions_skipped", s.demotions_skipped),
+        ("demotions_dropped", s.demotions_dropped),
+        ("demotion_failures", s.demotion_failures),
+        ("demotions_pending", s.demotions_pending),
+        ("promoted_blocks", s.promoted_blocks),
+        ("bytes_promoted", s.bytes_promoted),
+        ("promotion_failures", s.promotion_failures),
+        ("disk_evictions", s.disk_evictions),
+        ("io_direct", s.io_direct),
+        ("io_buffered", s.io_buffered),
+    ];
+    for (name, v) in fields {
+        d.set_item(name, v)?;
+    }
+    Ok(d)
 }
 
 /// Connects to the tier daemon (`kvtierd`) listening on the Unix socket `path` (default:
@@ -199,7 +311,7 @@ fn new_rank(rank: Rank, watch: Py<PyAny>, device: Option<u32>) -> PyRank {
 impl PyTier {
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
-    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None))]
+    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None))]
     fn new(
         py: Python<'_>,
         geometry: &PyGeometry,
@@ -210,8 +322,16 @@ impl PyTier {
         mlock: bool,
         numa_node: Option<u32>,
         lease_ttl_s: Option<f64>,
+        ssd: Option<&Bound<'_, PyAny>>,
+        ssd_admit_uses: Option<u32>,
+        ssd_io: Option<&str>,
+        ssd_read_depth: Option<usize>,
     ) -> PyResult<Self> {
+        let ssd = parse_ssd(ssd, SsdOptions { admit_uses: ssd_admit_uses, io: ssd_io, read_depth: ssd_read_depth })?;
         let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes);
+        if let Some(ssd) = ssd {
+            cfg = cfg.with_ssd(ssd);
+        }
         if let Some(p) = policy {
             cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
         }
@@ -320,7 +440,9 @@ impl PyTier {
 
     /// Pins the longest run of leading `keys` whose blocks are resident and returns a `Lease` on
     /// them (possibly empty: `len(lease) == 0`). Use it as a context manager so it is released on
-    /// exit; an unreleased lease is released when garbage-collected.
+    /// exit; an unreleased lease is released when garbage-collected. With an SSD tier, the run
+    /// continues past the host's blocks with those the SSD tier holds: they are read into host
+    /// slots and verified before this returns (GIL released), the last `lease.promoted` blocks.
     ///
     /// `keys`: a sequence of 16-byte content keys (`Namespace.key`). `uses`: restores allowed
     /// from this lease (one per rank that will restore the same blocks).
@@ -405,6 +527,38 @@ impl PyTier {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let s = py.detach(|| self.inner.try_stats()).py()?;
         to_py(py, &s)
+    }
+
+    /// The SSD tier's counters as a dict of ints, or None without an SSD tier (and for a tier
+    /// from `kvtier.connect`: the daemon's SSD tier is its own). Blocks unless named bytes:
+    /// `capacity` (disk slots over every file), `blocks` (on disk now), `recovered_blocks` (found
+    /// again in the files when the tier opened them), `recovered_torn`, `recovered_foreign`
+    /// (slots found torn, or holding another namespace's block: now free), `demoted_blocks`,
+    /// `bytes_demoted`, `demotions_skipped` (evicted or already on disk), `demotions_dropped`
+    /// (the demotion queue was full), `demotion_failures` (write errors), `demotions_pending`,
+    /// `promoted_blocks`, `bytes_promoted` (read back by queries), `promotion_failures` (blocks
+    /// that failed verification: never served, dropped from disk), `disk_evictions`, `io_direct`,
+    /// `io_buffered` (transfers with and without `O_DIRECT`).
+    fn ssd_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let tier = &self.inner;
+        // Seeded bug (tests only): the counters dropped on the way to Python.
+        #[cfg(kvtier_py_seeded_bug = "ssd-stats-unmapped")]
+        let stats: Option<kvtier::SsdStats> = {
+            let _ = tier;
+            None
+        };
+        #[cfg(not(kvtier_py_seeded_bug = "ssd-stats-unmapped"))]
+        let stats = py.detach(|| tier.ssd_stats());
+        stats.map(|s| ssd_stats_dict(py, &s)).transpose()
+    }
+
+    /// Blocks, with the GIL released, until every demotion queued so far is written to the SSD
+    /// tier (or skipped, or failed); returns at once without an SSD tier or on a tier from
+    /// `kvtier.connect`. Demotions are written in the background (a save never waits for the
+    /// drive): call this before a clean shutdown to keep the most on disk, and in tests.
+    fn flush_demotions(&self, py: Python<'_>) {
+        let tier = &self.inner;
+        py.detach(|| tier.flush_demotions())
     }
 
     /// The block layout.
@@ -935,6 +1089,13 @@ impl PyLease {
     #[getter]
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         self.inner.blocks().iter().map(|b| PyBytes::new(py, b.key.as_bytes())).collect()
+    }
+    /// Leased blocks the query read back from the SSD tier into host slots: always the last
+    /// `promoted` of `keys`; the first `len(lease) - promoted` were resident on the host. 0
+    /// without an SSD tier, and for a lease of a tier from `kvtier.connect`.
+    #[getter]
+    fn promoted(&self) -> usize {
+        self.inner.promoted()
     }
     /// True once the lease has settled (its pins are gone). A connected tier's lease asks the
     /// daemon (GIL released); a lost connection counts as settled.

@@ -54,3 +54,27 @@ def test_a_second_prefix_reuses_the_tier_and_the_cli_writes_json(tmp_path):
     assert [r["prefix_tokens"] for r in data["results"]] == [64, 128]
     assert all(all(r["checks"].values()) for r in data["results"])
     assert data["environment"]["config"] == "tiny" and data["environment"]["arenas"] == 4
+
+
+def test_the_prefix_promoted_from_an_ssd_tier_gives_bitwise_equal_logits(tmp_path):
+    out, ssd = tmp_path / "r.json", tmp_path / "prefix.kvtier"
+    rc = main(["--config", "tiny", "--device", "cpu", "--prefix", "64", "--suffix", "16", "--greedy", "4",
+               "--repeats", "2", "--warmup", "0", "--no-torch-baselines", "--ssd", str(ssd), "--json", str(out)])
+    assert rc == 0
+    import json
+
+    data = json.loads(out.read_text())
+    (r,) = data["results"]
+    ssd_checks = {k: v for k, v in r["checks"].items() if k.startswith("ssd_")}
+    assert ssd_checks == {
+        "ssd_whole_prefix_promoted": True,
+        "ssd_logits_bitwise_equal": True,
+        "ssd_greedy_tokens_equal": True,
+        "ssd_restored_pages_byte_identical": True,
+    }
+    assert r["ttft_ms"]["warm_ssd"] > 0 and len(r["samples_ms"]["warm_ssd"]) == 2
+    s = data["environment"]["ssd_stats"]
+    # 4 pages of 64 tokens, written once, promoted by each of the 2 timed runs.
+    assert (s["demoted_blocks"], s["promoted_blocks"], s["promotion_failures"]) == (4, 2 * 4, 0)
+    # The prefix's blocks and 8 more: 8,192 B slots (4 arenas of 2,048 B) take 12,288 B on disk.
+    assert ssd.stat().st_size == 4096 + (4 + 8) * 12288

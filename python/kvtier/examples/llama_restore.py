@@ -23,7 +23,13 @@ For each prefix length:
    ``max(restore at the contiguous rate, suffix alone)``, the bound it approaches;
 6. with ``--save-layers``: the prefill alone, the prefill followed by a whole-block save, and the
    prefill with a layer-wise save (``Rank.save_layers``, each group after the event its last
-   layer recorded), each timed to the end of the save.
+   layer recorded), each timed to the end of the save;
+7. with ``--ssd PATH``: the tier has an SSD tier in the file ``PATH`` (``--ssd-bytes``; every
+   saved block is written to it), and the warm run is timed once more with the prefix served
+   from the SSD: before each run every host block is evicted (the host pool keeps none of the
+   prefix, as one too small for it among other requests would), so the query promotes the whole
+   prefix from the file into host slots (``Lease.promoted``) before the restore. TTFT cold, warm
+   from the host and warm from the SSD are reported side by side, with the same bitwise checks.
 
 Run it with ``python -m kvtier.examples.llama_restore --json results.json`` (needs torch and
 transformers; a CUDA GPU for the ``llama3-8b`` configuration, about 40 GB of GPU memory with the
@@ -129,6 +135,8 @@ class Bench:
         layer_groups: int = 32,
         torch_baselines: bool = True,
         save_layers: bool = False,
+        ssd: Optional[str] = None,
+        ssd_bytes: Optional[int] = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config, self.suffix, self.greedy, self.seed = config, suffix, greedy, seed
@@ -158,8 +166,15 @@ class Bench:
             # The tensors reproduce the preset's layout, so their keys are the preset's.
             assert self.geometry.namespace == kvtier.Geometry.preset("llama3-8b", pages).namespace
         pool = pool_bytes or (prefix_pages + 8) * self.geometry.slot_bytes
+        self.ssd = ssd
+        ssd_options: dict = {}
+        if ssd is not None:
+            # Room for the largest prefix (and a few spare slots) unless told otherwise; every
+            # saved block is written to the file (admitted at its first use, the save).
+            size = ssd_bytes or 4096 + (prefix_pages + 8) * self.geometry.disk_slot_bytes
+            ssd_options = dict(ssd=(ssd, size), ssd_admit_uses=1)
         t0 = time.perf_counter()
-        self.tier = kvtier.Tier(self.geometry, pool, "lru")
+        self.tier = kvtier.Tier(self.geometry, pool, "lru", **ssd_options)
         if self.device.type == "cuda":
             self.rank = self.tier.attach_cuda(self.device.index or 0, self.kv.arenas)
         else:
@@ -264,6 +279,8 @@ class Bench:
         keys = self._keys(id_list, pp)
         ticket = self.rank.save(keys, cold_pages, after_stream=self._stream())
         ticket.wait()
+        # The SSD tier's writes (with --ssd) finish before anything is timed.
+        self.tier.flush_demotions()
         rows_cold, rows_warm = kv.page_rows(cold_pages), kv.page_rows(warm_pages)
         reference = [a.index_select(0, rows_cold) for a in kv.arenas]  # the saved bytes, for checks
 
@@ -330,7 +347,8 @@ class Bench:
         )
         for a, r in enumerate(reference):
             host[a].copy_(r)
-        del reference
+        if self.ssd is None:
+            del reference  # else kept for step 8's checks
 
         def per_page_copy():
             for a, arena in enumerate(kv.arenas):
@@ -420,6 +438,43 @@ class Bench:
             # Leave the prefix saved for anything after this.
             self.rank.save(keys, cold_pages, after_stream=self._stream()).wait()
 
+        # 8. Warm from the SSD tier (--ssd): no host block left before each run, so the query
+        # promotes the whole prefix from the file, then the restore and the suffix as in 3.
+        ssd_checks: dict = {}
+        ssd_s: List[float] = [float("nan")]
+        if self.ssd is not None:
+            self.tier.flush_demotions()
+            state["ssd_promoted"] = []
+
+            def off_the_host():
+                nan()
+                self.tier.evict(self.tier.capacity)
+
+            def warm_ssd():
+                stream = self._stream()
+                with self.tier.query(keys) as lease:
+                    assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
+                    state["ssd_promoted"].append(lease.promoted)
+                    h = self.rank.restore(lease, warm_pages, after_stream=stream)
+                h.stream_wait(stream if stream is not None else 0)
+                cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+                out = self._forward(cache, suffix_ids)
+                state["ssd_first"] = int(out.logits[0, -1].argmax())
+                state["ssd_logits"], state["ssd_cache"], state["handle"] = out.logits, cache, h
+
+            ssd_s = series(warm_ssd, before=off_the_host)
+            state["handle"].wait()
+            restored = [a.index_select(0, rows_warm) for a in kv.arenas]
+            ssd_checks = {
+                "ssd_whole_prefix_promoted": all(n == pp for n in state["ssd_promoted"]),
+                "ssd_logits_bitwise_equal": torch.equal(_bits(state["ssd_logits"]), _bits(cold_logits)),
+                "ssd_greedy_tokens_equal": self._greedy(state["ssd_cache"], state["ssd_first"]) == cold_tokens,
+                "ssd_restored_pages_byte_identical": all(
+                    torch.equal(_bits(r), _bits(x)) for r, x in zip(reference, restored)
+                ),
+            }
+            del restored, reference, state["ssd_cache"]
+
         gbps = lambda s: restore_bytes / statistics.median(s) / 1e9  # noqa: E731
         checks = {
             "logits_bitwise_equal": torch.equal(_bits(warm_logits), _bits(cold_logits)),
@@ -433,6 +488,7 @@ class Bench:
             "layer_wise_logits_bitwise_equal": torch.equal(_bits(layers_logits), _bits(cold_logits)),
             "layer_wise_greedy_tokens_equal": layers_tokens == cold_tokens,
             "layer_wise_restored_pages_byte_identical": layers_pages_equal,
+            **ssd_checks,
         }
         suffix_ms, contiguous_gbps = _median_ms(suffix_s), gbps(contiguous_s)
         return {
@@ -452,6 +508,8 @@ class Bench:
                 "model_suffix_plus_contiguous_restore": suffix_ms + restore_bytes / contiguous_gbps / 1e6,
                 "warm_kvtier_layers": _median_ms(layers_s),
                 "model_max_suffix_contiguous_restore": max(suffix_ms, restore_bytes / contiguous_gbps / 1e6),
+                # With --ssd: the prefix promoted from the SSD tier, then restored (NaN without).
+                "warm_ssd": _median_ms(ssd_s),
             },
             "layer_groups": self.layer_groups,
             "save_ms": save_ms,
@@ -479,6 +537,7 @@ class Bench:
                     "restore_torch_per_page": per_page_only_s,
                     "restore_torch_staged": staged_only_s,
                     "contiguous_copy": contiguous_s,
+                    "warm_ssd": ssd_s,
                 }.items()
             },
             "repeats": repeats,
@@ -508,6 +567,9 @@ class Bench:
             pass
         if self.device.type == "cuda":
             env["gpu"] = torch.cuda.get_device_name(self.device)
+        if self.ssd is not None:
+            env["ssd_path"] = self.ssd
+            env["ssd_stats"] = self.tier.ssd_stats()
         return env
 
     def close(self) -> None:
@@ -560,7 +622,21 @@ def markdown(results: List[dict]) -> str:
                 f"| {r['prefix_tokens']:,} | {m['prefill_alone']:.1f} ms | {m['prefill_then_whole_save_end']:.1f} ms "
                 f"| {m['prefill_with_layer_save_end']:.1f} ms | {m['layer_save_end_over_prefill']:.3f} |\n"
             )
-    return head + "\n".join(rows) + "\n" + layers_head + "\n".join(lrows) + "\n" + save_table
+    ssd = [r for r in results if "ssd_whole_prefix_promoted" in r["checks"]]
+    ssd_table = ""
+    if ssd:
+        ssd_table = (
+            "\n| prefix tokens | suffix tokens | TTFT cold | TTFT warm (host hit) | TTFT warm (SSD promote) "
+            "| SSD checks |\n|---:|---:|---:|---:|---:|---|\n"
+        )
+        for r in ssd:
+            t = r["ttft_ms"]
+            ok = all(v for k, v in r["checks"].items() if k.startswith("ssd_"))
+            ssd_table += (
+                f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms "
+                f"| {t['warm_ssd']:.1f} ms | {'pass' if ok else 'FAIL'} |\n"
+            )
+    return head + "\n".join(rows) + "\n" + layers_head + "\n".join(lrows) + "\n" + save_table + ssd_table
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -577,7 +653,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--layer-groups", type=int, default=32, help="layer groups of the layer-wise restore and save (default 32)")
     p.add_argument("--no-torch-baselines", action="store_true", help="skip the plain-torch restore baselines")
     p.add_argument("--save-layers", action="store_true", help="also time saves during the prefill (GPU only)")
+    p.add_argument(
+        "--ssd",
+        default=None,
+        metavar="PATH",
+        help="put an SSD tier in this file (created if missing; its directory must exist) and also time the warm run "
+        "with the prefix promoted from it, no host block left",
+    )
+    p.add_argument(
+        "--ssd-bytes",
+        default=None,
+        type=int,
+        help="size of the --ssd file in bytes (default: the largest prefix's blocks and 8 more, "
+        "4096 + blocks x geometry.disk_slot_bytes)",
+    )
     a = p.parse_args(argv)
+    if a.ssd_bytes is not None and a.ssd is None:
+        p.error("--ssd-bytes needs --ssd")
     # Bitwise comparisons need deterministic kernels: cuBLAS with a fixed workspace (set before
     # CUDA initialises) and torch's deterministic algorithms.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -602,6 +694,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         layer_groups=a.layer_groups,
         torch_baselines=not a.no_torch_baselines,
         save_layers=a.save_layers,
+        ssd=a.ssd,
+        ssd_bytes=a.ssd_bytes,
     )
     results = []
     for n in prefixes:
