@@ -216,6 +216,29 @@ fn the_drive_evicts_its_least_recently_used_block_when_full() {
 }
 
 #[test]
+fn a_file_another_tier_holds_is_refused_and_keeps_its_blocks() {
+    let dir = tmpdir();
+    let path = ssd_path(&dir);
+    let first = tier_over(&path, 4, 4, 1);
+    let a = arenas();
+    let rank = first.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&first, 0..2);
+    let _ = save_filled(&rank, &a, &k, &[0, 1]);
+    first.flush_demotions();
+    let second =
+        HostTier::new(tier_config(4, PolicyKind::Lru).with_ssd(SsdConfig::new(&path, file_bytes(4)).with_admit_uses(1)));
+    let err = second.err().expect("a second tier opened a file the first holds");
+    assert!(matches!(err, Error::Ssd(DiskError::InUse { .. })), "{err}");
+    // The first tier's blocks are intact, and once it is gone the file opens again.
+    assert_eq!(first.evict(4), 2);
+    let lease = first.query(&k);
+    assert_eq!(lease.promoted(), 2);
+    restore_and_verify(&first, &lease, &k);
+    drop((lease, rank, first));
+    assert_eq!(tier_over(&path, 4, 4, 1).ssd_stats().unwrap().recovered_blocks, 2);
+}
+
+#[test]
 fn files_of_another_namespace_or_bad_options_are_refused_with_typed_errors() {
     let dir = tmpdir();
     let path = ssd_path(&dir);

@@ -39,6 +39,13 @@ pub enum DiskError {
         /// What was asked for.
         wanted: Box<FileHeader>,
     },
+    /// The file is open in another tier (this process or another holds its lock): one file has
+    /// one owner at a time.
+    #[error("{}: the disk slot file is in use by another tier (it holds the file's lock)", path.display())]
+    InUse {
+        /// The file.
+        path: std::path::PathBuf,
+    },
     /// A disk slot id past the file's last slot.
     #[error("disk slot {slot} is out of range: the file has {slots} slots")]
     SlotOutOfRange {

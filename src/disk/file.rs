@@ -175,6 +175,7 @@ impl DiskFile {
     ///   (or its header is torn); the file is left as it is.
     /// - [`DiskError::OtherGeometry`]: a kvtier file of another namespace, payload size or slot
     ///   count; the file is left as it is.
+    /// - [`DiskError::InUse`]: another open `DiskFile` (in this process or another) holds the file.
     /// - [`DiskError::Io`]: any other I/O failure, with the path and the step.
     pub fn open_or_create(config: &DiskFileConfig) -> Result<(DiskFile, ScanReport), DiskError> {
         let stride = slot_stride(config.payload_bytes).filter(|_| config.payload_bytes > 0);
@@ -239,6 +240,22 @@ impl DiskFile {
     fn open(path: &Path, header: FileHeader, io: IoPreference) -> Result<DiskFile, DiskError> {
         let buffered =
             OpenOptions::new().read(true).write(true).open(path).map_err(|e| io_error(path, "opening the file", e))?;
+        // One owner at a time: two tiers writing one file would overwrite each other's slots (no
+        // wrong byte would be served, the checksums see to that, but blocks would be lost). The
+        // lock is the open file's and goes with it, also when the process dies.
+        // (Seeded bug, tests only: `disk-file-unlocked` takes no lock.)
+        if !cfg!(kvtier_seeded_bug = "disk-file-unlocked") {
+            // SAFETY: flock on a descriptor this function owns (`buffered`, open until the
+            // DiskFile is dropped); no memory is passed.
+            if unsafe { libc::flock(buffered.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    DiskError::InUse { path: path.to_path_buf() }
+                } else {
+                    io_error(path, "locking the file (flock)", e)
+                });
+            }
+        }
         let direct = match io {
             IoPreference::Direct => OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(path),
             IoPreference::Buffered => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
