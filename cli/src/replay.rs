@@ -278,11 +278,12 @@ impl SsdReport {
             (
                 "SSD tier",
                 format!(
-                    "{} disk slots of {} B ({:.2} GB) in {} files, admitted at {} uses",
+                    "{} disk slots of {} B ({:.2} GB), {} file{}, admitted at {} uses",
                     self.capacity_blocks,
                     self.disk_slot_bytes,
                     gb(self.capacity_blocks * self.disk_slot_bytes),
                     self.files,
+                    if self.files == 1 { "" } else { "s" },
                     self.admit_uses
                 ),
             ),

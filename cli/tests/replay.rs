@@ -573,7 +573,10 @@ fn cli_replay_over_an_ssd_tier_reports_the_hit_split_and_the_drive() {
     ] {
         assert!(text.contains(want), "`{want}` not in:\n{text}");
     }
-    let rows = ["SSD tier", "SSD promoted", "SSD transfers"];
+    let tier_row =
+        format!("SSD tier         2 disk slots of {} B (0.01 GB), 1 file, admitted at 2 uses\n", g.disk_slot_bytes());
+    assert!(text.contains(&tier_row), "`{tier_row}` not in:\n{text}");
+    let rows = ["SSD promoted     4 blocks", "SSD transfers    "];
     assert!(rows.iter().all(|r| text.contains(r)), "{text}");
 }
 

@@ -511,9 +511,9 @@ fn main() {
                 s.recovered_foreign,
             );
             format!(
-                ", SSD tier {} disk slots over {} files ({} blocks recovered)",
+                ", SSD tier {} disk slots of {} B, {} blocks recovered",
                 s.capacity,
-                args.ssd.len(),
+                g.disk_slot_bytes(),
                 s.recovered_blocks
             )
         }

@@ -43,7 +43,7 @@ fn the_daemon_creates_its_ssd_file_at_the_size_asked_and_serves_its_blocks_after
     let mut d = Daemon::start_args(4, "lru", None, &args);
     let len = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{}: {e}: {}", path.display(), d.line)).len();
     assert_eq!(len, 4096 + 4 * DISK_SLOT, "the file holds 4 disk slots");
-    assert!(d.line.contains(", SSD tier 4 disk slots over 1 files (0 blocks recovered)"), "{}", d.line);
+    assert!(d.line.contains(", SSD tier 4 disk slots of 8192 B, 0 blocks recovered"), "{}", d.line);
     let k = {
         let tier = HostTier::connect(&d.socket).unwrap();
         let g = tier.geometry().with_pages(64).unwrap();
@@ -60,7 +60,7 @@ fn the_daemon_creates_its_ssd_file_at_the_size_asked_and_serves_its_blocks_after
     // The demotions still queued are written before the daemon exits.
     stop(&mut d);
     let d = Daemon::start_args(4, "lru", Some(d.socket.clone()), &args);
-    assert!(d.line.contains(", SSD tier 4 disk slots over 1 files (3 blocks recovered)"), "{}", d.line);
+    assert!(d.line.contains(", SSD tier 4 disk slots of 8192 B, 3 blocks recovered"), "{}", d.line);
     assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "the file is reopened, not remade");
     let tier = HostTier::connect(&d.socket).unwrap();
     assert_eq!(tier.stats().ready_slots, 0, "the new daemon's pool starts empty");
