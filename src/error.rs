@@ -8,7 +8,8 @@ use thiserror::Error;
 
 use crate::key::ContentKey;
 
-/// A byte size that [`crate::parse_bytes`] cannot read.
+/// A byte size that [`crate::parse_bytes`] cannot read, or an SSD tier file that
+/// [`crate::parse_ssd_file`] cannot.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum SizeError {
@@ -40,6 +41,13 @@ pub enum SizeError {
     /// More than `u64::MAX` bytes.
     #[error("`{input}` is more than 2^64 - 1 bytes")]
     Overflow {
+        /// The text given.
+        input: String,
+    },
+    /// An SSD tier file that is not `PATH:SIZE` ([`crate::parse_ssd_file`]): no colon, or no path
+    /// before it.
+    #[error("`{input}` is not PATH:SIZE (a file's path, a colon, and a byte size, e.g. /mnt/nvme0/kvtier.ssd:2TiB)")]
+    PathAndSize {
         /// The text given.
         input: String,
     },

@@ -97,7 +97,7 @@ pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use server::{Limits, Server, ServerConfig};
-pub use size::parse_bytes;
+pub use size::{parse_bytes, parse_ssd_file};
 pub use slab::{
     hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,

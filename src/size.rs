@@ -1,8 +1,10 @@
 //! Byte sizes with units, as a person writes them on a command line ([`parse_bytes`]): one parser
 //! for `kvtierd --pool`, the `kvtier` command line and the examples, so `4GB` means the same
-//! everywhere and a unit that could be read two ways is refused, never guessed.
+//! everywhere and a unit that could be read two ways is refused, never guessed. [`parse_ssd_file`]
+//! reads an SSD tier file as `PATH:SIZE` with it (`kvtierd --ssd`, `kvtier replay --ssd`).
 
 use crate::error::SizeError;
+use crate::ssd::SsdFile;
 
 /// The units [`parse_bytes`] accepts, each with its bytes, spelled exactly so.
 const UNITS: [(&str, u64); 11] = [
@@ -58,6 +60,25 @@ pub fn parse_bytes(s: &str) -> Result<u64, SizeError> {
     }
     let bytes = whole.checked_add(part / scale).ok_or_else(overflow)?;
     u64::try_from(bytes).map_err(|_| overflow())
+}
+
+/// Parses an SSD tier file as a command line gives it: `PATH:SIZE`, the file's path, a colon, and
+/// the bytes it may take as [`parse_bytes`] reads them (`/mnt/nvme0/kvtier.ssd:2TiB`). The path
+/// ends at the last colon, so a path may hold colons; a size never does. The file holds
+/// [`crate::Geometry::disk_slots`]`(bytes)` blocks (see [`SsdFile::bytes`]).
+///
+/// # Errors
+/// [`SizeError::PathAndSize`] for no colon, or nothing before it; the [`parse_bytes`] errors of
+/// the size.
+pub fn parse_ssd_file(s: &str) -> Result<SsdFile, SizeError> {
+    let not_path_and_size = || SizeError::PathAndSize { input: s.to_string() };
+    // Seeded bug (tests only): the path ends at the first colon, not the last.
+    let split = if cfg!(kvtier_seeded_bug = "ssd-flag-first-colon") { s.split_once(':') } else { s.rsplit_once(':') };
+    let (path, size) = split.ok_or_else(not_path_and_size)?;
+    if path.trim().is_empty() {
+        return Err(not_path_and_size());
+    }
+    Ok(SsdFile { path: path.into(), bytes: parse_bytes(size)? })
 }
 
 /// The error for `unit`: with both readings of `number` when the unit is a known one in another
@@ -127,6 +148,25 @@ mod tests {
             matches!(&e, SizeError::Unit { unit, readings, .. } if unit == "parsecs" && readings.is_empty()),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn an_ssd_file_is_a_path_and_a_size_split_at_the_last_colon() {
+        let f = parse_ssd_file("/mnt/nvme0/kvtier.ssd:2TiB").unwrap();
+        assert_eq!((f.path, f.bytes), ("/mnt/nvme0/kvtier.ssd".into(), 2 << 40));
+        let f = parse_ssd_file("dir/a:b.ssd:36KiB").unwrap();
+        assert_eq!((f.path, f.bytes), ("dir/a:b.ssd".into(), 36 << 10));
+        for bad in ["/mnt/nvme0/kvtier.ssd", ":2TiB", " :4096", ""] {
+            assert_eq!(parse_ssd_file(bad), Err(SizeError::PathAndSize { input: bad.into() }), "{bad}");
+        }
+        assert_eq!(
+            parse_ssd_file("x.ssd:2TB").map(|f| f.bytes),
+            Ok(2_000_000_000_000),
+            "the size as parse_bytes reads it"
+        );
+        assert_eq!(parse_ssd_file("x.ssd:lots"), Err(SizeError::Number { input: "lots".into() }));
+        let e = parse_ssd_file("x.ssd").unwrap_err().to_string();
+        assert!(e.contains("`x.ssd` is not PATH:SIZE"), "{e}");
     }
 
     #[test]

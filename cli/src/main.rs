@@ -15,7 +15,7 @@ use kvtier::PolicyKind;
 use kvtier::{BackingChoice, Geometry};
 use kvtier_cli::replay::{self, ReplayConfig};
 use kvtier_cli::simulate::{self, SimConfig};
-use kvtier_cli::size::parse_bytes;
+use kvtier_cli::size::{parse_bytes, parse_ssd_file};
 use kvtier_cli::synth::{self, SynthOptions};
 use kvtier_cli::trace::{self, TraceRequest};
 use kvtier_cli::{Error, TraceError};
@@ -135,6 +135,16 @@ struct ReplayArgs {
     /// Print the report as JSON on stdout.
     #[arg(long)]
     json: bool,
+    /// Put an SSD tier under the pool: a file of disk slots at PATH taking SIZE bytes (a size as
+    /// for --pool, e.g. /mnt/nvme0/kvtier.ssd:2TiB), one --ssd per drive. A missing file is
+    /// created; an existing one is reopened and the blocks it holds are served again. The report
+    /// adds the SSD tier's figures and splits the hits into host and promoted pages.
+    #[arg(long, value_name = "PATH:SIZE", value_parser = parse_ssd_file, conflicts_with = "lookahead")]
+    ssd: Vec<kvtier::SsdFile>,
+    /// Uses that admit a block to the SSD tier: its save is the first, each query that leases it
+    /// one more (1 writes every saved block to the drive).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    ssd_admit: u32,
 }
 
 #[derive(clap::Args)]
@@ -297,6 +307,14 @@ fn progress_every(secs: f64) -> Result<std::time::Duration, Error> {
         .map_err(|_| Error::Config(format!("--progress-every {secs}: not a number of seconds")))
 }
 
+/// The SSD tier of `--ssd` files and `--ssd-admit` (none without a file).
+fn ssd_config(files: &[kvtier::SsdFile], admit: u32) -> Option<kvtier::SsdConfig> {
+    let (first, rest) = files.split_first()?;
+    let config =
+        rest.iter().fold(kvtier::SsdConfig::new(&first.path, first.bytes), |c, f| c.with_file(&f.path, f.bytes));
+    Some(config.with_admit_uses(admit))
+}
+
 fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
     let (_, requests) = requests(args.trace.as_ref(), args.requests)?;
     let concurrency = args.concurrency as usize;
@@ -323,6 +341,7 @@ fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
         concurrency,
         chain_aware: matches!(args.chain, OnOff::On),
         lookahead: 0,
+        ssd: ssd_config(&args.ssd, args.ssd_admit),
     };
     tracing::info!(
         requests = requests.len(),

@@ -19,6 +19,14 @@
 //! hit count is a deterministic function of the trace, the pool capacity and the policy (and equals
 //! the reference model in `tests/replay.rs` for LRU). With `concurrency = N`, N worker threads take
 //! requests in file order and run them concurrently against one rank.
+//!
+//! With an SSD tier ([`ReplayConfig::ssd`]) the query of step 2 also promotes the blocks that
+//! continue its host prefix from the drive ([`kvtier::Lease::promoted`]; they are restored and
+//! verified like the host hits), and blocks are demoted to the drive at their admitting use. With
+//! `concurrency == 1` each request also waits for the demotions it queued
+//! ([`HostTier::flush_demotions`]), so the hits stay a deterministic function of the trace; with
+//! more, demotions run behind the requests, as in an engine. Every replay waits for them before its
+//! report.
 
 use crate::error::{Error, ReplayError};
 use crate::simulate::HintQueue;
@@ -28,7 +36,7 @@ use kvtier::BackingChoice;
 use kvtier::PolicyKind;
 use kvtier::TierError;
 use kvtier::{EngineArenas, WaitFor};
-use kvtier::{Fit, HostTier, Rank, SaveOptions, TierConfig, TierStats};
+use kvtier::{Fit, HostTier, Rank, SaveOptions, SsdConfig, SsdStats, TierConfig, TierStats};
 use serde::Serialize;
 use std::fmt;
 use std::sync::{Condvar, Mutex};
@@ -56,11 +64,15 @@ pub struct ReplayConfig {
     /// taken (trace order), requests `i + 1 ..= i + lookahead` are waiting and hinted
     /// ([`HostTier::hint`]), and request `i`'s hint is withdrawn.
     pub lookahead: usize,
+    /// An SSD tier under the pool (`None`: the host pool alone). Its files are created, or
+    /// reopened with the blocks they hold (a replay on the file of an earlier one finds its blocks
+    /// again).
+    pub ssd: Option<SsdConfig>,
 }
 
 impl Default for ReplayConfig {
     /// The default policy with chain-aware victims (the tier's defaults), 4 GiB pool, automatic
-    /// backing, all arena pages, all requests, one at a time, no hints.
+    /// backing, all arena pages, all requests, one at a time, no hints, no SSD tier.
     fn default() -> Self {
         ReplayConfig {
             policy: PolicyKind::default(),
@@ -71,6 +83,7 @@ impl Default for ReplayConfig {
             concurrency: 1,
             chain_aware: true,
             lookahead: 0,
+            ssd: None,
         }
     }
 }
@@ -169,10 +182,146 @@ pub struct ReplayReport {
     pub verified_pages: u64,
     /// `passed` (a failed verification is an error, not a report).
     pub verification: String,
-    /// Wall time of the replay in seconds (tier creation excluded).
+    /// Wall time of the replay in seconds (tier creation and the final wait for the SSD tier's
+    /// demotions excluded).
     pub wall_s: f64,
     /// The tier's own counters at the end.
     pub tier: TierStats,
+    /// The SSD tier's figures (absent without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<SsdReport>,
+}
+
+/// The SSD tier's part of a [`ReplayReport`]: the hit split and the tier's counters at the end
+/// ([`HostTier::ssd_stats`], after every demotion was written). Counts are blocks (= pages), bytes
+/// are payload bytes.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct SsdReport {
+    /// Slot files (drives).
+    pub files: usize,
+    /// Uses that admit a block to the drive.
+    pub admit_uses: u32,
+    /// Disk slots over every file.
+    pub capacity_blocks: u64,
+    /// Bytes of one disk slot (the block and its trailer, rounded up to 4 KiB).
+    pub disk_slot_bytes: u64,
+    /// Hit pages the host pool held (the leading `len - promoted` pages of each lease).
+    pub host_hit_pages: u64,
+    /// Hit pages promoted from the drive (the sum of [`kvtier::Lease::promoted`] over the
+    /// queries); `host_hit_pages + promoted_pages` is the report's `hit_pages`.
+    pub promoted_pages: u64,
+    /// Blocks on the drive at the end.
+    pub blocks: u64,
+    /// Blocks found on the drive when its files were opened (an earlier run's).
+    pub recovered_blocks: u64,
+    /// Slots found torn when the files were opened (now free).
+    pub recovered_torn: u64,
+    /// Slots found holding another namespace's block when the files were opened (now free).
+    pub recovered_foreign: u64,
+    /// Blocks written to the drive.
+    pub demoted_blocks: u64,
+    /// Bytes written to the drive.
+    pub bytes_demoted: u64,
+    /// Queued demotions not done (the block was evicted first, or was on the drive already).
+    pub demotions_skipped: u64,
+    /// Demotions not queued: the queue was full.
+    pub demotions_dropped: u64,
+    /// Demotions whose write failed.
+    pub demotion_failures: u64,
+    /// Blocks read back from the drive (= `promoted_pages`).
+    pub promoted_blocks: u64,
+    /// Bytes read back from the drive.
+    pub bytes_promoted: u64,
+    /// Blocks that failed to read or verify: never served, dropped from the drive.
+    pub promotion_failures: u64,
+    /// Drive blocks evicted to make room for demotions.
+    pub disk_evictions: u64,
+    /// Transfers with `O_DIRECT`.
+    pub io_direct: u64,
+    /// Transfers through the page cache (the filesystem refused `O_DIRECT`).
+    pub io_buffered: u64,
+}
+
+impl SsdReport {
+    fn new(config: &SsdConfig, disk_slot_bytes: u64, s: &SsdStats, hits: u64, promoted: u64) -> Self {
+        // Seeded bug (tests only): promoted pages are counted as host hits too.
+        let host = if cfg!(kvtier_seeded_bug = "replay-promoted-as-host-hits") { hits } else { hits - promoted };
+        SsdReport {
+            files: config.files.len(),
+            admit_uses: config.admit_uses,
+            capacity_blocks: s.capacity,
+            disk_slot_bytes,
+            host_hit_pages: host,
+            promoted_pages: promoted,
+            blocks: s.blocks,
+            recovered_blocks: s.recovered_blocks,
+            recovered_torn: s.recovered_torn,
+            recovered_foreign: s.recovered_foreign,
+            demoted_blocks: s.demoted_blocks,
+            bytes_demoted: s.bytes_demoted,
+            demotions_skipped: s.demotions_skipped,
+            demotions_dropped: s.demotions_dropped,
+            demotion_failures: s.demotion_failures,
+            promoted_blocks: s.promoted_blocks,
+            bytes_promoted: s.bytes_promoted,
+            promotion_failures: s.promotion_failures,
+            disk_evictions: s.disk_evictions,
+            io_direct: s.io_direct,
+            io_buffered: s.io_buffered,
+        }
+    }
+
+    /// The report's rows for the SSD tier.
+    fn rows(&self) -> Vec<(&'static str, String)> {
+        let gb = |b: u64| b as f64 / 1e9;
+        vec![
+            (
+                "SSD tier",
+                format!(
+                    "{} disk slots of {} B ({:.2} GB), {} file{}, admitted at {} uses",
+                    self.capacity_blocks,
+                    self.disk_slot_bytes,
+                    gb(self.capacity_blocks * self.disk_slot_bytes),
+                    self.files,
+                    if self.files == 1 { "" } else { "s" },
+                    self.admit_uses
+                ),
+            ),
+            ("hit split", format!("{} host pages, {} promoted from the SSD", self.host_hit_pages, self.promoted_pages)),
+            (
+                "SSD demoted",
+                format!(
+                    "{} blocks, {:.2} GB ({} skipped, {} dropped, {} failed)",
+                    self.demoted_blocks,
+                    gb(self.bytes_demoted),
+                    self.demotions_skipped,
+                    self.demotions_dropped,
+                    self.demotion_failures
+                ),
+            ),
+            (
+                "SSD promoted",
+                format!(
+                    "{} blocks, {:.2} GB ({} failed verification)",
+                    self.promoted_blocks,
+                    gb(self.bytes_promoted),
+                    self.promotion_failures
+                ),
+            ),
+            (
+                "SSD blocks",
+                format!(
+                    "{} held, {} evicted, {} recovered at open ({} torn, {} foreign)",
+                    self.blocks,
+                    self.disk_evictions,
+                    self.recovered_blocks,
+                    self.recovered_torn,
+                    self.recovered_foreign
+                ),
+            ),
+            ("SSD transfers", format!("{} direct, {} buffered", self.io_direct, self.io_buffered)),
+        ]
+    }
 }
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
@@ -203,7 +352,7 @@ impl fmt::Display for ReplayReport {
     /// A human-readable table.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
-        let rows: Vec<(&str, String)> = vec![
+        let mut rows: Vec<(&str, String)> = vec![
             ("backend", self.backend.clone()),
             ("model", format!("{} ({} B per block)", self.model, self.block_bytes)),
             (
@@ -274,6 +423,9 @@ impl fmt::Display for ReplayReport {
             ("verification", format!("{} ({} pages verified)", self.verification, self.verified_pages)),
             ("wall time", format!("{:.2} s", self.wall_s)),
         ];
+        if let Some(ssd) = &self.ssd {
+            rows.extend(ssd.rows());
+        }
         let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         for (k, v) in rows {
             writeln!(f, "{k:<w$}  {v}")?;
@@ -287,6 +439,8 @@ struct Acc {
     requests: u64,
     pages: u64,
     hits: u64,
+    /// Hits promoted from the SSD tier.
+    promoted: u64,
     saved: u64,
     resident: u64,
     in_flight: u64,
@@ -305,6 +459,7 @@ impl Default for Acc {
             requests: 0,
             pages: 0,
             hits: 0,
+            promoted: 0,
             saved: 0,
             resident: 0,
             in_flight: 0,
@@ -323,6 +478,7 @@ impl Acc {
         self.requests += o.requests;
         self.pages += o.pages;
         self.hits += o.hits;
+        self.promoted += o.promoted;
         self.saved += o.saved;
         self.resident += o.resident;
         self.in_flight += o.in_flight;
@@ -390,8 +546,9 @@ struct Queue {
 /// all of the arenas' pages).
 ///
 /// # Errors
-/// [`Error::Config`] for a concurrency of 0, a page size that does not divide 512, or more GPU
-/// pages than the arenas have; [`ReplayError::NoRequests`]; [`ReplayError::RequestTooLarge`] (before
+/// [`Error::Config`] for a concurrency of 0, a page size that does not divide 512, more GPU
+/// pages than the arenas have, or an SSD tier file too small for one block (checked before any
+/// file is created); [`ReplayError::NoRequests`]; [`ReplayError::RequestTooLarge`] (before
 /// anything runs) if a request has more pages than the GPU pages; pool and tier construction
 /// errors; [`kvtier::Error::Verification`] (inside [`Error::Kvtier`]) if a restored page differs
 /// from its key's bytes; copy and tier errors of any request (the first one stops the replay).
@@ -425,14 +582,32 @@ pub fn run(
         }
     }
 
+    if let Some(ssd) = &config.ssd {
+        for f in &ssd.files {
+            if geometry.disk_slots(f.bytes) == 0 {
+                return Err(Error::Config(format!(
+                    "SSD file {}: {} B hold no block of {} B (a 4096 B header, then disk slots of {} B)",
+                    f.path.display(),
+                    f.bytes,
+                    geometry.slot_bytes(),
+                    geometry.disk_slot_bytes()
+                )));
+            }
+        }
+    }
+
     // Prefault so copies are timed against resident memory, as an engine would set the pool up.
     let pool = kvtier::PoolConfig::new(config.pool_bytes).with_backing(config.backing).with_prefault(true);
-    let tier = HostTier::new(
-        TierConfig::new(geometry.clone(), config.pool_bytes)
-            .with_pool(pool)
-            .with_policy(config.policy)
-            .with_chain_aware(config.chain_aware),
-    )?;
+    let mut tier_config = TierConfig::new(geometry.clone(), config.pool_bytes)
+        .with_pool(pool)
+        .with_policy(config.policy)
+        .with_chain_aware(config.chain_aware);
+    if let Some(ssd) = &config.ssd {
+        tier_config = tier_config.with_ssd(ssd.clone());
+    }
+    let tier = HostTier::new(tier_config)?;
+    // One request at a time: each waits for its demotions, so the hits are deterministic.
+    let flush_each = config.concurrency == 1 && config.ssd.is_some();
     let backend = arenas.backend()?;
     let backend_name = backend.name().to_string();
     let rank = tier.attach(backend)?;
@@ -461,6 +636,9 @@ pub fn run(
                     queue.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
                     return Err(e);
                 }
+                if flush_each {
+                    tier.flush_demotions();
+                }
                 progress(1);
             }
         };
@@ -470,12 +648,18 @@ pub fn run(
         results
     });
     let wall = start.elapsed();
+    // The demotions still queued are written before the figures are read (not timed).
+    tier.flush_demotions();
 
     let mut acc = Acc::default();
     for r in results {
         acc.merge(r?);
     }
     let stats = tier.stats();
+    let ssd = match (&config.ssd, tier.ssd_stats()) {
+        (Some(c), Some(s)) => Some(SsdReport::new(c, geometry.disk_slot_bytes(), &s, acc.hits, acc.promoted)),
+        _ => None,
+    };
     let block_bytes = geometry.block_bytes();
     let bytes_saved = acc.saved * block_bytes;
     let bytes_restored = acc.hits * block_bytes;
@@ -516,6 +700,7 @@ pub fn run(
         verification: "passed".into(),
         wall_s: wall.as_secs_f64(),
         tier: stats,
+        ssd,
     })
 }
 
@@ -533,6 +718,7 @@ fn one_request(
     let pages = &held.pages[..];
     let lease = tier.query(keys);
     let h = lease.len();
+    acc.promoted += lease.promoted() as u64;
     if h > 0 {
         let t0 = Instant::now();
         let handle = rank.restore(&lease, &pages[..h], WaitFor::Nothing)?;

@@ -14,6 +14,15 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     kvtier::parse_bytes(s).map_err(|e| e.to_string())
 }
 
+/// Parses an SSD tier file given as `PATH:SIZE` (`/mnt/nvme0/kvtier.ssd:2TiB`; the path ends at
+/// the last colon), as [`kvtier::parse_ssd_file`].
+///
+/// # Errors
+/// The [`kvtier::SizeError`]'s message (what clap prints for `--ssd`).
+pub fn parse_ssd_file(s: &str) -> Result<kvtier::SsdFile, String> {
+    kvtier::parse_ssd_file(s).map_err(|e| e.to_string())
+}
+
 /// Parses a pool size into whole slots of `slot_bytes` bytes: a slot count with the suffix `slots`
 /// (`9952slots`), or a byte size as [`parse_bytes`], which holds the slots the pool would map
 /// ([`kvtier::PoolConfig::slots`]: `32GiB` of 3,452,160 B slots is 9,953).

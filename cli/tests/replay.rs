@@ -116,6 +116,7 @@ fn replay_lru_hinted(requests: &[TraceRequest], slots: u64, concurrency: usize, 
         concurrency,
         chain_aware: false,
         lookahead,
+        ssd: None,
     };
     replay::run(requests, &config, &arenas, &|_| {}).unwrap()
 }
@@ -209,6 +210,109 @@ fn lru_replay_of_a_reuse_heavy_trace_equals_the_reference_model() {
     }
     // The capacities must matter, or the comparison proves little.
     assert!(seen.windows(2).all(|w| w[0] < w[1]), "hits by capacity: {seen:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replays over an SSD tier.
+// ---------------------------------------------------------------------------------------------
+
+/// The tiny layout with 512-token pages: one page per trace block, 512 B host slots (4 KiB on
+/// disk).
+fn block_geometry(pages: u64) -> Geometry {
+    Geometry::new("test-ssd", 512, vec![ArenaSpec::packed("a", 256, pages), ArenaSpec::packed("b", 128, pages)])
+        .unwrap()
+}
+
+/// A temporary directory under cargo's target tmpdir (the build disk, where `O_DIRECT` works).
+fn ssd_dir() -> tempfile::TempDir {
+    let base = env!("CARGO_TARGET_TMPDIR");
+    std::fs::create_dir_all(base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}
+
+/// `requests` one at a time through an LRU pool of `slots` blocks of [`block_geometry`] (chain-aware
+/// victims), over `ssd`.
+fn replay_blocks(requests: &[TraceRequest], slots: u64, ssd: Option<kvtier::SsdConfig>) -> ReplayReport {
+    let g = block_geometry(replay::gpu_pages_needed(requests, 512, 1).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let config = ReplayConfig {
+        policy: PolicyKind::Lru,
+        pool_bytes: slots * g.slot_bytes(),
+        backing: BackingChoice::Plain,
+        ssd,
+        ..Default::default()
+    };
+    replay::run(requests, &config, &arenas, &|_| {}).unwrap()
+}
+
+/// The reuse-heavy trace through a 16-block pool (every request fits) over a drive that holds every
+/// block, admitting at the save: every saved block is on the drive after its request (one request
+/// at a time waits for its demotions), so the drive's figures are exact; the blocks the pool
+/// evicted come back as promoted hits, restored and verified. A second replay on the same file
+/// finds every block again.
+#[test]
+fn a_replay_over_an_ssd_tier_serves_the_blocks_its_pool_evicted() {
+    let reqs = synthetic_trace();
+    let g = block_geometry(1);
+    let distinct: HashSet<ContentKey> = reqs.iter().flat_map(|r| r.page_keys(&g.namespace(), 512)).collect();
+    let distinct = distinct.len() as u64;
+    let bytes = 4096 + distinct * g.disk_slot_bytes();
+    let dir = ssd_dir();
+    let ssd = |name: &str| Some(kvtier::SsdConfig::new(dir.path().join(name), bytes).with_admit_uses(1));
+    let host_only = replay_blocks(&reqs, 16, None);
+    assert!(host_only.ssd.is_none());
+    let r = replay_blocks(&reqs, 16, ssd("a.kvtier"));
+    let s = r.ssd.clone().expect("the SSD tier's figures");
+    assert_eq!(std::fs::metadata(dir.path().join("a.kvtier")).unwrap().len(), bytes);
+    assert_eq!((s.files, s.admit_uses, s.capacity_blocks, s.disk_slot_bytes), (1, 1, distinct, 4096));
+    assert_eq!(s.host_hit_pages + s.promoted_pages, r.hit_pages, "every hit is a host hit or a promoted one");
+    assert_eq!(s.promoted_pages, s.promoted_blocks, "the leases' promoted blocks are the drive's reads");
+    assert!(s.promoted_pages > 0, "the pool evicts blocks that later requests reuse");
+    assert!(r.hit_pages > host_only.hit_pages, "{} hits over the drive, {} without", r.hit_pages, host_only.hit_pages);
+    assert_eq!((r.verified_pages, r.dropped_pages, r.refused_pages), (r.hit_pages, 0, 0));
+    // Every block was saved once, demoted once, and is still on the drive.
+    assert_eq!((s.demoted_blocks, s.blocks, s.disk_evictions), (distinct, distinct, 0));
+    assert_eq!((s.bytes_demoted, s.bytes_promoted), (distinct * g.slot_bytes(), s.promoted_blocks * g.slot_bytes()));
+    assert_eq!((s.demotions_dropped, s.demotion_failures, s.promotion_failures, s.recovered_blocks), (0, 0, 0, 0));
+    assert_eq!(s.io_direct + s.io_buffered, s.demoted_blocks + s.promoted_blocks, "one transfer per block");
+    // Deterministic: the same replay on a fresh file gives the same figures.
+    let again = replay_blocks(&reqs, 16, ssd("b.kvtier"));
+    let t = again.ssd.clone().unwrap();
+    assert_eq!((again.hit_pages, t.promoted_pages, t.demoted_blocks), (r.hit_pages, s.promoted_pages, distinct));
+    // The first file reopened: its blocks are found again and serve even first requests.
+    let reopened = replay_blocks(&reqs, 16, ssd("a.kvtier"));
+    let u = reopened.ssd.clone().unwrap();
+    assert_eq!((u.recovered_blocks, u.recovered_torn, u.recovered_foreign), (distinct, 0, 0));
+    assert_eq!((u.demoted_blocks, u.blocks), (0, distinct), "nothing new to write");
+    assert_eq!(u.host_hit_pages + u.promoted_pages, reopened.hit_pages);
+    assert!(
+        u.promoted_pages > s.promoted_pages,
+        "{} promoted after the reopen, {} before",
+        u.promoted_pages,
+        s.promoted_pages
+    );
+    assert_eq!(reopened.verified_pages, reopened.hit_pages);
+}
+
+/// An SSD file too small for one block is refused before anything is created.
+#[test]
+fn an_ssd_file_too_small_for_a_block_is_refused_before_anything_is_created() {
+    let reqs = &sample()[..2];
+    let g = block_geometry(replay::gpu_pages_needed(reqs, 512, 1).unwrap());
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let dir = ssd_dir();
+    let (a, b) = (dir.path().join("a.kvtier"), dir.path().join("b.kvtier"));
+    let ssd = kvtier::SsdConfig::new(&a, 4096 + 4 * 4096).with_file(&b, 4096 + 4095);
+    let config = ReplayConfig {
+        pool_bytes: 16 * g.slot_bytes(),
+        backing: BackingChoice::Plain,
+        ssd: Some(ssd),
+        ..Default::default()
+    };
+    let e = replay::run(reqs, &config, &arenas, &|_| {}).unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("8191 B hold no block of 512 B"), "{e}");
+    assert!(!a.exists() && !b.exists(), "a refused SSD tier created a file");
 }
 
 #[test]
@@ -383,6 +487,7 @@ fn cli_replays_a_trace_file_and_prints_json() {
     assert_eq!(v["pool_backing"], "plain");
     assert_eq!(v["verification"], "passed");
     assert_eq!(v["evictions"], 0);
+    assert!(v.get("ssd").is_none(), "no SSD figures without --ssd: {v}");
 }
 
 /// `--lookahead N` replays twice and reports both runs.
@@ -407,12 +512,82 @@ fn cli_replay_with_lookahead_reports_with_and_without_hints() {
     assert!(text.contains("page hit ratio 0.6154 without hints, 0.6154 with (+0.0%)"), "{text}");
 }
 
+/// Two blocks of two pages each on deepseek-v3 (64-token pages): A, A again (2 host hits), B
+/// (evicts A from the 2-slot pool), A (2 pages promoted from the drive), B (evicted by A's
+/// promotion, never admitted to the drive: 0 hits).
+const SWAP: &str = "\
+{\"timestamp\": 0, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [1]}
+{\"timestamp\": 1, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [1]}
+{\"timestamp\": 2, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [2]}
+{\"timestamp\": 3, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [1]}
+{\"timestamp\": 4, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [2]}
+";
+
+/// `kvtier replay --ssd PATH:SIZE`: the file is made at the size asked (the header and two disk
+/// slots of deepseek-v3 blocks, about 5 MB), the report gains the drive's figures and the hit split
+/// (JSON and table), and a second replay on the same file finds its blocks again.
+#[test]
+fn cli_replay_over_an_ssd_tier_reports_the_hit_split_and_the_drive() {
+    let g = Geometry::preset("deepseek-v3", 1).unwrap();
+    let dir = ssd_dir();
+    let trace = dir.path().join("swap.jsonl");
+    std::fs::write(&trace, SWAP).unwrap();
+    // A colon in the file's name: the path ends at the flag's last colon.
+    let file = dir.path().join("drive:0.kvtier");
+    let bytes = 4096 + 2 * g.disk_slot_bytes();
+    let flag = format!("{}:{bytes}", file.display());
+    let pool = (2 * g.slot_bytes()).to_string();
+    let args = ["replay", trace.to_str().unwrap(), "--geometry", "deepseek-v3", "--pool", &pool, "--backend", "host"];
+    let args = [&args[..], &["--backing", "plain", "--ssd", &flag]].concat();
+    let run = |extra: &[&str]| {
+        let out = kvtier(&[&args[..], extra].concat());
+        assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+        out
+    };
+    let v: serde_json::Value = serde_json::from_slice(&run(&["--json"]).stdout).unwrap();
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), bytes, "the file holds two disk slots");
+    assert_eq!((v["requests"].as_u64(), v["pages"].as_u64(), v["hit_pages"].as_u64()), (Some(5), Some(10), Some(4)));
+    let s = &v["ssd"];
+    let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("no ssd.{k} in {s}"));
+    assert_eq!(
+        (n("files"), n("admit_uses"), n("capacity_blocks"), n("disk_slot_bytes")),
+        (1, 2, 2, g.disk_slot_bytes())
+    );
+    assert_eq!(
+        (n("host_hit_pages"), n("promoted_pages")),
+        (2, 2),
+        "A's second use from the host, its return from the drive"
+    );
+    assert_eq!((n("demoted_blocks"), n("blocks"), n("disk_evictions"), n("recovered_blocks")), (2, 2, 0, 0));
+    assert_eq!((n("promoted_blocks"), n("bytes_promoted"), n("promotion_failures")), (2, 2 * g.slot_bytes(), 0));
+    assert_eq!(n("bytes_demoted"), 2 * g.slot_bytes());
+    assert_eq!(n("io_direct") + n("io_buffered"), 4, "two writes, two reads");
+    assert_eq!(v["verified_pages"], 4);
+    // Again on the same file: A's blocks are found, and promoted at the first request too.
+    let text = String::from_utf8(run(&[]).stdout).unwrap();
+    for want in [
+        "hit pages        6\n",
+        "hit split        2 host pages, 4 promoted from the SSD\n",
+        "SSD blocks       2 held, 0 evicted, 2 recovered at open (0 torn, 0 foreign)\n",
+        "SSD demoted      0 blocks",
+    ] {
+        assert!(text.contains(want), "`{want}` not in:\n{text}");
+    }
+    let tier_row =
+        format!("SSD tier         2 disk slots of {} B (0.01 GB), 1 file, admitted at 2 uses\n", g.disk_slot_bytes());
+    assert!(text.contains(&tier_row), "`{tier_row}` not in:\n{text}");
+    let rows = ["SSD promoted     4 blocks", "SSD transfers    "];
+    assert!(rows.iter().all(|r| text.contains(r)), "{text}");
+}
+
 #[test]
 fn cli_errors_are_clear_and_exit_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("tiny.jsonl");
     std::fs::write(&p, TINY).unwrap();
     let trace = p.to_str().unwrap();
+    let small_file = dir.path().join("small.kvtier");
+    let small = format!("{}:1MiB", small_file.display());
     // (arguments, exit code, text the error must contain); clap's usage errors exit with 2.
     let mut cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (
@@ -426,6 +601,11 @@ fn cli_errors_are_clear_and_exit_non_zero() {
         (vec!["replay", trace, "--pool", "lots"], 2, "`lots` is not a byte size"),
         (vec!["replay", trace, "--policy", "fifo"], 2, "unknown policy `fifo` (known: lru, clock"),
         (vec!["replay", trace, "--backend", "gpu"], 2, "unknown backend `gpu` (known: auto, host, cuda)"),
+        (vec!["replay", trace, "--ssd", "drive.kvtier"], 2, "`drive.kvtier` is not PATH:SIZE"),
+        (vec!["replay", trace, "--ssd", "drive.kvtier:2tb"], 2, "did you mean 2TB"),
+        (vec!["replay", trace, "--ssd", "x:1GiB", "--ssd-admit", "0"], 2, "invalid value '0' for '--ssd-admit <N>'"),
+        (vec!["replay", trace, "--ssd", "x:1GiB", "--lookahead", "2"], 2, "cannot be used with"),
+        (vec!["replay", trace, "--geometry", "deepseek-v3", "--pool", "64MiB", "--ssd", &small], 1, "hold no block of"),
     ];
     if cfg!(not(feature = "cuda")) {
         cases.push((vec!["replay", trace, "--backend", "cuda"], 1, "built without CUDA support"));
@@ -438,6 +618,7 @@ fn cli_errors_are_clear_and_exit_non_zero() {
         assert!(err.contains(want), "{args:?}: stderr `{err}` lacks `{want}`");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    assert!(!small_file.exists(), "a refused SSD file is not created");
     std::fs::write(&p, format!("{TINY}{{\"timestamp\": 1, \"input_length\": 6}}\n")).unwrap();
     let out = kvtier(&["replay", trace, "--geometry", "deepseek-v3"]);
     assert_eq!(out.status.code(), Some(1));

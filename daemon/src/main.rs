@@ -4,7 +4,7 @@
 
 use clap::Parser;
 use kvtier::prometheus_client::registry::Registry;
-use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, TierConfig};
+use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, SsdConfig, TierConfig};
 use kvtier::{Limits, PoolHealth, Server, ServerConfig};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -114,6 +114,17 @@ struct Args {
     /// Bind the pool to this NUMA node.
     #[arg(long)]
     numa_node: Option<u32>,
+    /// An SSD tier under the pool: a file of disk slots at PATH taking SIZE bytes (a size as for
+    /// --pool, e.g. /mnt/nvme0/kvtier.ssd:2TiB), one --ssd per drive. Its directory must exist; a
+    /// missing file is created and preallocated (4096 B + slots of the block and its trailer,
+    /// rounded up to 4 KiB), an existing one is reopened and its blocks served again after a
+    /// restart. Evicted blocks the drive holds come back into the pool when a query reaches them.
+    #[arg(long, value_name = "PATH:SIZE")]
+    ssd: Vec<String>,
+    /// Uses that admit a block to the SSD tier: its save is the first, each query that leases it one
+    /// more (1 writes every saved block to the drive).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    ssd_admit: u32,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
     /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
     /// Anyone who can reach ADDR can read them: keep it on loopback or a private network.
@@ -171,13 +182,42 @@ fn config(a: &Args) -> Result<TierConfig, String> {
         pool = pool.with_numa_node(n);
     }
     let policy = a.policy.parse::<PolicyKind>().map_err(|e| e.to_string())?;
+    let ssd = ssd_config(a, &g)?;
     let mut cfg = TierConfig::new(g, bytes).with_pool(pool).with_policy(policy);
+    if let Some(ssd) = ssd {
+        cfg = cfg.with_ssd(ssd);
+    }
     if let Some(ttl) = a.lease_ttl {
         let ttl =
             Duration::try_from_secs_f64(ttl).map_err(|_| format!("--lease-ttl {ttl}: not a number of seconds"))?;
         cfg = cfg.with_lease_ttl(ttl);
     }
     Ok(cfg)
+}
+
+/// The SSD tier of `--ssd` and `--ssd-admit` for blocks of `g` (none without `--ssd`), every file
+/// checked to hold at least one block before any is created.
+fn ssd_config(a: &Args, g: &Geometry) -> Result<Option<SsdConfig>, String> {
+    if a.ssd_admit == 0 {
+        return Err("--ssd-admit 0: a block needs at least one use (its save) to be admitted".into());
+    }
+    let mut config: Option<SsdConfig> = None;
+    for s in &a.ssd {
+        let f = kvtier::parse_ssd_file(s).map_err(|e| format!("--ssd {s}: {e}"))?;
+        if g.disk_slots(f.bytes) == 0 {
+            return Err(format!(
+                "--ssd {s}: {} B hold no block of {} B (a 4096 B header, then disk slots of {} B)",
+                f.bytes,
+                g.slot_bytes(),
+                g.disk_slot_bytes()
+            ));
+        }
+        config = Some(match config {
+            None => SsdConfig::new(f.path, f.bytes),
+            Some(c) => c.with_file(f.path, f.bytes),
+        });
+    }
+    Ok(config.map(|c| c.with_admit_uses(a.ssd_admit)))
 }
 
 fn seconds(flag: &str, s: f64) -> Result<Duration, String> {
@@ -457,9 +497,31 @@ fn main() {
         Some(m) => format!(", metrics at http://{}/metrics", m.addr),
         None => String::new(),
     };
+    let ssd = match t.ssd_stats() {
+        Some(s) => {
+            tracing::info!(
+                "SSD tier: {} files, {} disk slots of {} B, admitted at {} uses; {} blocks found again ({} torn, \
+                 {} foreign slots freed)",
+                args.ssd.len(),
+                s.capacity,
+                g.disk_slot_bytes(),
+                args.ssd_admit,
+                s.recovered_blocks,
+                s.recovered_torn,
+                s.recovered_foreign,
+            );
+            format!(
+                ", SSD tier {} disk slots of {} B, {} blocks recovered",
+                s.capacity,
+                g.disk_slot_bytes(),
+                s.recovered_blocks
+            )
+        }
+        None => String::new(),
+    };
     println!(
         "kvtierd: serving {} (namespace {:?}) at {}: --pool {} = {} B, {} slots of {} B ({:.2} GiB mapped, {} \
-         pages), policy {}, pool set up in {:.1} ms, pid {}{at}",
+         pages), policy {}, pool set up in {:.1} ms{ssd}, pid {}{at}",
         g.model(),
         g.namespace(),
         socket.display(),
@@ -474,6 +536,8 @@ fn main() {
         std::process::id()
     );
     let path = server.path().to_path_buf();
+    // The tier outlives the accept thread's server for the shutdown's flush.
+    let tier = server.tier().clone();
     std::thread::Builder::new()
         .name("kvtierd-accept".into())
         .spawn(move || {
@@ -491,6 +555,18 @@ fn main() {
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
+    if let Some(s) = tier.ssd_stats() {
+        // What is queued for the drive is written before the process ends: it is served again
+        // after the restart.
+        let t0 = Instant::now();
+        tier.flush_demotions();
+        tracing::info!(
+            "SSD tier: {} demotions written at shutdown in {:.1} ms; {} blocks on the drive",
+            s.demotions_pending,
+            t0.elapsed().as_secs_f64() * 1e3,
+            tier.ssd_stats().map_or(0, |s| s.blocks)
+        );
+    }
     match sig {
         Ok(s) => tracing::info!("{}: stopped", s.as_str()),
         Err(e) => tracing::warn!("waiting for SIGTERM/SIGINT: {e}; stopped"),
