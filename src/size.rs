@@ -4,7 +4,7 @@
 //! reads an SSD tier file as `PATH:SIZE` with it (`kvtierd --ssd`, `kvtier replay --ssd`).
 
 use crate::error::SizeError;
-use crate::ssd::SsdFile;
+use crate::tier::ssd::SsdFile;
 
 /// The units [`parse_bytes`] accepts, each with its bytes, spelled exactly so.
 const UNITS: [(&str, u64); 11] = [

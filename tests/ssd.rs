@@ -102,6 +102,29 @@ fn evicted_blocks_come_back_from_the_ssd_in_one_lease_over_both_tiers() {
 }
 
 #[test]
+fn a_promotion_reads_only_the_blocks_the_host_lacks_and_the_lease_continues_from_the_host() {
+    let dir = tmpdir();
+    let tier = tier_over(&ssd_path(&dir), 4, 8, 1);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..4);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2, 3]);
+    tier.flush_demotions();
+    // Every block is on disk; the host lost k0 only (the least recently used).
+    assert_eq!(tier.evict(1), 1);
+    assert!(!tier.contains(&k[0]) && tier.contains(&k[1]));
+    let lease = tier.query(&k);
+    let origin: Vec<bool> = (0..lease.len()).map(|i| lease.is_promoted(i)).collect();
+    assert_eq!(
+        (lease.len(), lease.promoted(), origin),
+        (4, 1, vec![true, false, false, false]),
+        "a promotion re-read blocks the host holds"
+    );
+    assert_eq!(tier.ssd_stats().unwrap().promoted_blocks, 1);
+    restore_and_verify(&tier, &lease, &k);
+}
+
+#[test]
 fn a_block_is_demoted_at_its_admitting_use_and_not_before() {
     let dir = tmpdir();
     let tier = tier_over(&ssd_path(&dir), 8, 8, 3);
@@ -225,8 +248,9 @@ fn a_file_another_tier_holds_is_refused_and_keeps_its_blocks() {
     let k = keys(&first, 0..2);
     let _ = save_filled(&rank, &a, &k, &[0, 1]);
     first.flush_demotions();
-    let second =
-        HostTier::new(tier_config(4, PolicyKind::Lru).with_ssd(SsdConfig::new(&path, file_bytes(4)).with_admit_uses(1)));
+    let second = HostTier::new(
+        tier_config(4, PolicyKind::Lru).with_ssd(SsdConfig::new(&path, file_bytes(4)).with_admit_uses(1)),
+    );
     let err = second.err().expect("a second tier opened a file the first holds");
     assert!(matches!(err, Error::Ssd(DiskError::InUse { .. })), "{err}");
     // The first tier's blocks are intact, and once it is gone the file opens again.
@@ -257,6 +281,15 @@ fn files_of_another_namespace_or_bad_options_are_refused_with_typed_errors() {
     assert!(!small.exists(), "nothing is made for a refused configuration");
     let err = HostTier::new(config(SsdConfig::new(&small, file_bytes(2)).with_admit_uses(0))).unwrap_err();
     assert!(matches!(err, Error::Ssd(DiskError::BadConfig(_))), "{err}");
+    // A refused second file leaves no first one behind: a size refused before anything is made,
+    // a file refused at its opening (here the same path twice: the first holds its lock).
+    let fresh = dir.path().join("fresh.kvtier");
+    let err = HostTier::new(config(SsdConfig::new(&fresh, file_bytes(2)).with_file(&small, 100))).unwrap_err();
+    assert!(matches!(err, Error::Ssd(DiskError::BadConfig(_))), "{err}");
+    let err =
+        HostTier::new(config(SsdConfig::new(&fresh, file_bytes(2)).with_file(&fresh, file_bytes(2)))).unwrap_err();
+    assert!(matches!(err, Error::Ssd(DiskError::InUse { .. })), "{err}");
+    assert!(!fresh.exists() && !small.exists(), "a refused configuration left a file behind");
     // The file of the first tier is untouched and still opens for its own namespace.
     let tier = tier_over(&path, 4, 4, 2);
     assert_eq!(tier.ssd_stats().unwrap().capacity, 4);

@@ -55,8 +55,10 @@ pub(crate) enum LeaseOf {
 pub(crate) struct InProcessLease {
     pub(super) core: Arc<Core>,
     state: Arc<LeaseState>,
-    /// The trailing blocks the query promoted from the SSD tier.
+    /// Blocks the query promoted from the SSD tier.
     promoted: usize,
+    /// Per leased block, true if the SSD tier gave it (empty when none did).
+    from_ssd: Vec<bool>,
 }
 
 impl Drop for InProcessLease {
@@ -131,47 +133,36 @@ impl Lease {
     /// no leading key ready, gives a lease that is settled from birth.
     pub(crate) fn acquire(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
         let mut blocks = Vec::new();
-        // True when the host prefix ended at a key the host does not hold (not at a repeated key,
-        // a block being written or evicted, or a full pin count): the SSD tier may continue it.
-        let mut missing = false;
-        {
-            let reader = core.index().reader();
-            #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
-            let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
-            for k in keys {
-                let Some(r) = reader.get(k) else {
-                    missing = true;
-                    break;
-                };
-                // A content key is a lineage hash: a key repeated in one prompt is no longer its
-                // prefix. The lease stops at the first repeated key, so it holds at most one pin
-                // per slot (one query can never take a slot's pins from others).
-                #[cfg(not(kvtier_seeded_bug = "lease-pins-repeated-key"))]
-                if seen.repeated(k, &blocks) {
-                    break;
-                }
-                if core.pin_for_lease(r.slot, r.generation).is_err() {
-                    break;
-                }
-                core.policy().on_hit(r.slot);
-                if let Some(ssd) = core.ssd() {
-                    ssd.on_hit(r.slot, r.generation, *k);
-                }
-                blocks.push(LeasedBlock { key: *k, slot: r });
+        // Which leased blocks the SSD tier gave (empty when none did).
+        let mut from_ssd: Vec<bool> = Vec::new();
+        loop {
+            let missing = Self::lease_host_run(core, keys, &mut blocks);
+            // Where the host run ended at a key the host does not hold, the SSD tier may continue
+            // it (not at a repeated key, a block being written or evicted, or a full pin count);
+            // after the blocks it promotes, the host may hold the next ones again. Outside the
+            // index reader: a promotion reads the drive.
+            let Some(ssd) = core.ssd().filter(|_| missing && uses > 0) else { break };
+            let host_end = blocks.len();
+            let n = ssd.promote(core, &keys[host_end..], &mut blocks);
+            if n == 0 {
+                break;
             }
+            from_ssd.resize(host_end, false);
+            from_ssd.resize(host_end + n, true);
         }
-        // Outside the index reader: a promotion reads the drive.
-        let mut promoted = 0;
-        if let (true, Some(ssd), true) = (missing, core.ssd(), uses > 0) {
-            let host = blocks.len();
-            promoted = ssd.promote(core, &keys[host..], &mut blocks);
-        }
+        from_ssd.resize(if from_ssd.is_empty() { 0 } else { blocks.len() }, false);
+        let promoted = from_ssd.iter().filter(|&&p| p).count();
         core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
         let lease = Lease {
-            inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone(), promoted })),
+            inner: Arc::new(LeaseOf::InProcess(InProcessLease {
+                core: core.clone(),
+                state: state.clone(),
+                promoted,
+                from_ssd,
+            })),
         };
         if empty || uses == 0 {
             state.settle(core.control(), &core.counters, Settled::Consumed);
@@ -179,6 +170,33 @@ impl Lease {
             core.leases.register(&state);
         }
         lease
+    }
+
+    /// Pins the run of `keys` after `blocks` (the blocks leased so far) whose blocks the host holds
+    /// ready, appending them. Returns true if the run ended at a key the host does not hold.
+    fn lease_host_run(core: &Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> bool {
+        let reader = core.index().reader();
+        #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
+        let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
+        for k in &keys[blocks.len()..] {
+            let Some(r) = reader.get(k) else { return true };
+            // A content key is a lineage hash: a key repeated in one prompt is no longer its
+            // prefix. The lease stops at the first repeated key, so it holds at most one pin
+            // per slot (one query can never take a slot's pins from others).
+            #[cfg(not(kvtier_seeded_bug = "lease-pins-repeated-key"))]
+            if seen.repeated(k, blocks) {
+                return false;
+            }
+            if core.pin_for_lease(r.slot, r.generation).is_err() {
+                return false;
+            }
+            core.policy().on_hit(r.slot);
+            if let Some(ssd) = core.ssd() {
+                ssd.on_hit(r.slot, r.generation, *k);
+            }
+            blocks.push(LeasedBlock { key: *k, slot: r });
+        }
+        false
     }
 
     /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there.
@@ -207,11 +225,20 @@ impl Lease {
         self.blocks().is_empty()
     }
 
-    /// Leased blocks the query read from the SSD tier (promoted into host slots): always the last
-    /// `promoted()` of [`Lease::blocks`]; the first `len() - promoted()` were resident on the host.
-    /// 0 without an SSD tier, and for a lease of a connected tier.
+    /// Leased blocks the query read from the SSD tier (promoted into host slots); the others were
+    /// resident on the host. [`Lease::is_promoted`] says which. 0 without an SSD tier, and for a
+    /// lease of a connected tier.
     pub fn promoted(&self) -> usize {
         match_flavor!(self.of(), LeaseOf::InProcess(l) => l.promoted, LeaseOf::Connected { .. } => 0)
+    }
+
+    /// True if leased block `i` (an index into [`Lease::blocks`]) was read from the SSD tier by
+    /// this lease's query; false if it was resident on the host, or `i` is out of range.
+    pub fn is_promoted(&self, i: usize) -> bool {
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => l.from_ssd.get(i).copied().unwrap_or(false),
+            LeaseOf::Connected { .. } => false,
+        )
     }
 
     /// The leased blocks, in key order.

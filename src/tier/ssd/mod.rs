@@ -297,6 +297,8 @@ impl SsdTier {
         let mut recovered = Vec::new();
         let mut scan = ScanReport::default();
         let mut total: u64 = 0;
+        // Every size is checked before any file is made, so a refused configuration leaves nothing.
+        let mut sizes = Vec::with_capacity(config.files.len());
         for f in &config.files {
             let slots = geometry.disk_slots(f.bytes);
             if slots == 0 {
@@ -315,6 +317,13 @@ impl SsdTier {
                     u32::MAX - 1
                 )));
             }
+            sizes.push(slots);
+            total += slots;
+        }
+        total = 0;
+        // Files this call creates are removed again if a later one is refused.
+        let mut created: Vec<PathBuf> = Vec::new();
+        for (f, &slots) in config.files.iter().zip(&sizes) {
             let cfg = DiskFileConfig {
                 path: f.path.clone(),
                 namespace: geometry.namespace(),
@@ -322,7 +331,20 @@ impl SsdTier {
                 slots,
                 io: config.io,
             };
-            let (file, report) = DiskFile::open_or_create(&cfg)?;
+            let existed = f.path.try_exists().unwrap_or(true);
+            let (file, report) = match DiskFile::open_or_create(&cfg) {
+                Ok(opened) => opened,
+                Err(e) => {
+                    drop(files);
+                    for path in &created {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    return Err(e);
+                }
+            };
+            if !existed {
+                created.push(f.path.clone());
+            }
             for b in &report.blocks {
                 recovered.push(Recovered { slot: (total + b.slot) as u32, key: b.key, file_generation: b.generation });
             }

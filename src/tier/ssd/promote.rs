@@ -37,9 +37,10 @@ pub fn reserve_promotion(core: &Arc<Core>, keys: &[ContentKey]) -> WriteReservat
 
 impl SsdTier {
     /// Continues a lease's prefix from disk: promotes the longest run of `keys` (the keys after the
-    /// host prefix, the first of them missing from the host) whose blocks the SSD tier holds and
-    /// that verify, and appends them to `blocks`, each with one pin taken for the lease. Stops at
-    /// a key already in `blocks` or repeated in the run, at a key a save reserved on the host
+    /// host prefix, the first of them missing from the host) whose blocks the SSD tier holds, the
+    /// host does not, and that verify, and appends them to `blocks`, each with one pin taken for
+    /// the lease. Stops at a key already in `blocks` or repeated in the run, at a key the host
+    /// holds (the lease continues from the host there), at a key a save reserved on the host
     /// first, when no host slot can be had, and at the first block that fails to read or verify.
     /// Returns how many blocks it appended.
     pub(crate) fn promote(&self, core: &Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> usize {
@@ -48,7 +49,13 @@ impl SsdTier {
         let mut in_run = HashSet::new();
         let mut run: Vec<(ContentKey, DiskRef)> = Vec::new();
         for k in &keys[..max] {
+            // A key the host holds ends the run: the lease takes it from the host (a promotion never
+            // re-reads a block the host has).
+            // (Seeded bug, tests only: `promotion-rereads-host-blocks` reads it from the drive.)
             if leased.contains(k) || !in_run.insert(*k) {
+                break;
+            }
+            if !cfg!(kvtier_seeded_bug = "promotion-rereads-host-blocks") && core.index().get(k).is_some() {
                 break;
             }
             match self.slots.pin(k) {
