@@ -218,25 +218,24 @@ impl SlotControl {
 
     /// `WRITING(g) -> READY(g, 0)`: the save's copy completed; the block becomes visible.
     pub fn commit(&self, slot: SlotId, generation: u64) {
-        let r = self.update(slot, Ordering::Release, |w| {
-            (w.state() == SlotState::Writing && w.generation() == generation)
-                .then(|| SlotWord::new(SlotState::Ready, 0, generation))
-        });
-        if let Err(w) = r {
-            panic!("commit of slot {} gen {generation} found {:?}", slot.0, w);
-        }
+        self.commit_with_pins(slot, generation, 0);
     }
 
     /// `WRITING(g) -> READY(g, 1)`: [`SlotControl::commit`] with one pin already taken for the
     /// committer (a promotion publishes a block its query's lease holds from the first instant it
     /// is visible, so no evictor can take it in between).
     pub fn commit_pinned(&self, slot: SlotId, generation: u64) {
+        self.commit_with_pins(slot, generation, 1);
+    }
+
+    /// `WRITING(g) -> READY(g, pins)`. Panics if the slot is not `WRITING` with `generation`.
+    fn commit_with_pins(&self, slot: SlotId, generation: u64, pins: u32) {
         let r = self.update(slot, Ordering::Release, |w| {
             (w.state() == SlotState::Writing && w.generation() == generation)
-                .then(|| SlotWord::new(SlotState::Ready, 1, generation))
+                .then(|| SlotWord::new(SlotState::Ready, pins, generation))
         });
         if let Err(w) = r {
-            panic!("commit_pinned of slot {} gen {generation} found {:?}", slot.0, w);
+            panic!("commit of slot {} gen {generation} found {:?}", slot.0, w);
         }
     }
 

@@ -55,8 +55,6 @@ pub(crate) enum LeaseOf {
 pub(crate) struct InProcessLease {
     pub(super) core: Arc<Core>,
     state: Arc<LeaseState>,
-    /// Blocks the query promoted from the SSD tier.
-    promoted: usize,
     /// Per leased block, true if the SSD tier gave it (empty when none did).
     from_ssd: Vec<bool>,
 }
@@ -151,18 +149,12 @@ impl Lease {
             from_ssd.resize(host_end + n, true);
         }
         from_ssd.resize(if from_ssd.is_empty() { 0 } else { blocks.len() }, false);
-        let promoted = from_ssd.iter().filter(|&&p| p).count();
         core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
         let lease = Lease {
-            inner: Arc::new(LeaseOf::InProcess(InProcessLease {
-                core: core.clone(),
-                state: state.clone(),
-                promoted,
-                from_ssd,
-            })),
+            inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone(), from_ssd })),
         };
         if empty || uses == 0 {
             state.settle(core.control(), &core.counters, Settled::Consumed);
@@ -229,7 +221,7 @@ impl Lease {
     /// resident on the host. [`Lease::is_promoted`] says which. 0 without an SSD tier, and for a
     /// lease of a connected tier.
     pub fn promoted(&self) -> usize {
-        match_flavor!(self.of(), LeaseOf::InProcess(l) => l.promoted, LeaseOf::Connected { .. } => 0)
+        match_flavor!(self.of(), LeaseOf::InProcess(l) => l.from_ssd.iter().filter(|&&p| p).count(), LeaseOf::Connected { .. } => 0)
     }
 
     /// True if leased block `i` (an index into [`Lease::blocks`]) was read from the SSD tier by

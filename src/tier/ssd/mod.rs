@@ -382,7 +382,7 @@ impl SsdTier {
 
     /// The file holding global disk slot `slot`, and the slot's number in it.
     pub(crate) fn locate(&self, slot: u32) -> (&DiskFile, u64) {
-        let i = self.starts.partition_point(|&s| s <= slot) - 1;
+        let i = self.file_of(slot);
         (&self.files[i], u64::from(slot - self.starts[i]))
     }
 

@@ -97,11 +97,12 @@ impl SsdTier {
     fn read_into(&self, core: &Core, run: &[(ContentKey, DiskRef)], reservation: &WriteReservation) -> usize {
         let len = self.payload_bytes() as usize;
         let mut ok = vec![false; run.len()];
-        let mut files: Vec<usize> = run.iter().map(|(_, d)| self.file_of(d.slot)).collect();
-        files.sort_unstable();
-        files.dedup();
-        for f in files {
-            let picked: Vec<usize> = (0..run.len()).filter(|&i| self.file_of(run[i].1.slot) == f).collect();
+        // The run's positions, grouped by the file that holds each block (one batch per file).
+        let mut by_file: Vec<Vec<usize>> = vec![Vec::new(); self.files.len()];
+        for (i, (_, d)) in run.iter().enumerate() {
+            by_file[self.file_of(d.slot)].push(i);
+        }
+        for (f, picked) in by_file.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
             let requests: Vec<ReadRequest> = picked
                 .iter()
                 .map(|&i| {
