@@ -137,6 +137,7 @@ class Bench:
         save_layers: bool = False,
         ssd: Optional[str] = None,
         ssd_bytes: Optional[int] = None,
+        cuda_options: Optional[dict] = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.config, self.suffix, self.greedy, self.seed = config, suffix, greedy, seed
@@ -176,7 +177,7 @@ class Bench:
         t0 = time.perf_counter()
         self.tier = kvtier.Tier(self.geometry, pool, "lru", **ssd_options)
         if self.device.type == "cuda":
-            self.rank = self.tier.attach_cuda(self.device.index or 0, self.kv.arenas)
+            self.rank = self.tier.attach_cuda(self.device.index or 0, self.kv.arenas, cuda_options=cuda_options or None)
         else:
             self.rank = self.tier.attach_host(self.kv.arenas)
         self.attach_s = time.perf_counter() - t0
@@ -309,12 +310,20 @@ class Bench:
         del state["warm_cache"]
 
         # 3b. Warm, layer-wise: the restore in layer order, each layer's update waits for its pages.
+        # `submit_ms`: how long `restore_layers` holds the calling (engine) thread.
+        submit_ms: List[float] = []
+
         def warm_layers():
             stream = self._stream()
+            # The page table goes to the GPU before the restore is queued (PagedCache.prepare).
+            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+            cache.prepare(suffix_ids.shape[-1])
             with self.tier.query(keys) as lease:
                 assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
+                t_submit = time.perf_counter()
                 h = self.rank.restore_layers(lease, warm_pages, self.layer_groups, after_stream=stream)
-            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix, restore=h)
+                submit_ms.append((time.perf_counter() - t_submit) * 1e3)
+            cache.restore = h
             out = self._forward(cache, suffix_ids)
             state["layers_first"] = int(out.logits[0, -1].argmax())
             state["layers_logits"], state["layers_cache"], state["handle"] = out.logits, cache, h
@@ -512,6 +521,9 @@ class Bench:
                 "warm_ssd": _median_ms(ssd_s),
             },
             "layer_groups": self.layer_groups,
+            # Median host time `restore_layers` took to return in the warm, layer-wise runs (the
+            # engine's thread queues nothing meanwhile), milliseconds.
+            "layers_submit_ms": statistics.median(submit_ms) if submit_ms else float("nan"),
             "save_ms": save_ms,
             "saved": {"saving": len(ticket.saving), "resident": ticket.resident},
             "restore_gbps": {
@@ -654,6 +666,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-torch-baselines", action="store_true", help="skip the plain-torch restore baselines")
     p.add_argument("--save-layers", action="store_true", help="also time saves during the prefill (GPU only)")
     p.add_argument(
+        "--cuda-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a copy tuning option for Tier.attach_cuda's cuda_options (integer values; mode takes a name), repeatable",
+    )
+    p.add_argument(
         "--ssd",
         default=None,
         metavar="PATH",
@@ -670,6 +689,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.ssd_bytes is not None and a.ssd is None:
         p.error("--ssd-bytes needs --ssd")
+    cuda_options: dict = {}
+    for opt in a.cuda_option:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            p.error(f"--cuda-option {opt!r}: expected KEY=VALUE")
+        if key == "mode":
+            cuda_options[key] = value
+        elif value.lower() in ("true", "false"):
+            cuda_options[key] = value.lower() == "true"
+        elif value.isdigit():
+            cuda_options[key] = int(value)
+        else:
+            p.error(f"--cuda-option {opt!r}: the value must be an integer, true or false")
     # Bitwise comparisons need deterministic kernels: cuBLAS with a fixed workspace (set before
     # CUDA initialises) and torch's deterministic algorithms.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -696,6 +728,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         save_layers=a.save_layers,
         ssd=a.ssd,
         ssd_bytes=a.ssd_bytes,
+        cuda_options=cuda_options,
     )
     results = []
     for n in prefixes:
