@@ -55,6 +55,9 @@ fn runtime(test: &str) -> bool {
         "KVTIER_REQUIRE_NIXL=1 but the NIXL runtime was not found: put libnixl_capi.so on LD_LIBRARY_PATH and \
          set NIXL_PLUGIN_DIR (eval \"$(bash ci/nixl.sh)\")"
     );
+    // Without the runtime the transport refuses with a typed error (no NIXL call, which would abort).
+    let e = NixlTransport::new("kvtier-no-runtime", tier().pool()).unwrap_err();
+    assert!(matches!(e, TransportError::Backend(ref m) if m.contains("NIXL runtime not found")), "{e:?}");
     eprintln!("SKIPPED {test}: the NIXL runtime (libnixl_capi.so) was not found; see ci/nixl.sh");
     false
 }
