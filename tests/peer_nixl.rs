@@ -186,13 +186,19 @@ impl Reader {
         self.tier.pool().slot_bytes()
     }
 
-    /// The bytes of local slot `slot`.
-    fn slot(&self, slot: u32) -> &mut [u8] {
+    /// The bytes of local slot `slot` (a copy).
+    fn slot(&self, slot: u32) -> Vec<u8> {
         let p = self.tier.pool().slot_ptr(kvtier::SlotId::new(slot));
         // SAFETY: the slot lies inside the reader's pool mapping, which lives as long as `self`;
-        // the reader's tier never saves, so nothing else writes it, and each test uses one slice
-        // at a time.
-        unsafe { std::slice::from_raw_parts_mut(p, self.slot_bytes() as usize) }
+        // no read is in flight (reads return only when complete or refused).
+        unsafe { std::slice::from_raw_parts(p, self.slot_bytes() as usize) }.to_vec()
+    }
+
+    /// Sets every byte of local slot `slot` to `byte`.
+    fn fill(&self, slot: u32, byte: u8) {
+        let p = self.tier.pool().slot_ptr(kvtier::SlotId::new(slot));
+        // SAFETY: as in `slot`; the reader's tier never saves, so nothing else writes the slot.
+        unsafe { std::ptr::write_bytes(p, byte, self.slot_bytes() as usize) };
     }
 
     /// Checks local slot `slot` against the pattern of `key`, arena by arena.
@@ -224,7 +230,7 @@ fn reads_of_1_8_and_16_blocks_in_one_batch_move_the_owners_bytes() {
         // Remote block j lands in local slot n-1-j: each descriptor pair is its own mapping.
         let local = |j: u64| (n - 1 - j) as u32;
         for j in 0..n {
-            reader.slot(local(j)).fill(0);
+            reader.fill(local(j), 0);
         }
         let reads: Vec<BlockRead> = (0..n)
             .map(|j| BlockRead {
@@ -266,8 +272,8 @@ fn an_out_of_range_read_is_refused_before_anything_is_read() {
         BlockRead { remote_offset: u64::MAX - 8, local_offset: sb, len: sb },
     ];
     for b in bad {
-        reader.slot(0).fill(0xa5);
-        reader.slot(1).fill(0xa5);
+        reader.fill(0, 0xa5);
+        reader.fill(1, 0xa5);
         let e = reader.transport.read(peer, &[good, b], deadline()).unwrap_err();
         assert!(
             matches!(e, TransportError::OutOfRange(_)),
@@ -292,7 +298,7 @@ fn a_deadline_already_passed_gives_deadline_and_reads_nothing() {
     let reader = Reader::new("deadline");
     let peer = reader.transport.add_peer(&owner.descriptor).unwrap();
     let sb = reader.slot_bytes();
-    reader.slot(0).fill(0xa5);
+    reader.fill(0, 0xa5);
     let past = Instant::now();
     std::thread::sleep(Duration::from_millis(1));
     let read = BlockRead { remote_offset: owner.offsets[0], local_offset: 0, len: sb };
