@@ -36,6 +36,8 @@
 //! - `remote`: the tier daemon's client (`HostTier::connect`) and server (`Server`).
 //! - `serde`: `serde::Serialize` on statistics and reports ([`TierStats`], ...).
 //! - `metrics`: the tier's metrics in a `prometheus-client` registry.
+//! - `nixl`: `NixlTransport`, the [`PeerTransport`] that reads blocks from another instance's host
+//!   pool through NIXL (its runtime is loaded at run time).
 //! - `internals`: kvtier's own tests, models and benches only; not a stable API.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 // Items that only `internals` re-exports (for kvtier's own tests, models and benches) are unused
@@ -58,6 +60,7 @@ mod index;
 mod key;
 #[cfg(feature = "metrics")]
 mod metrics;
+mod peer;
 #[cfg(feature = "remote")]
 mod remote;
 #[cfg(feature = "remote")]
@@ -91,6 +94,10 @@ pub use key::{ContentKey, Namespace};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use metrics::{prometheus_client, Health, PoolHealth};
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub use peer::nixl::{nixl_sys, NixlTransport};
+pub use peer::transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
