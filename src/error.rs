@@ -688,10 +688,6 @@ pub enum Error {
     /// [`DiskError`](crate::DiskError).
     #[error("SSD tier: {0}")]
     Ssd(#[from] crate::disk::DiskError),
-    /// See [`crate::PeerError`] (feature `peers`).
-    #[cfg(feature = "peers")]
-    #[error(transparent)]
-    Peer(#[from] crate::peer::PeerError),
     /// A thread the tier needs could not be started.
     #[error("{what}: {source}")]
     Thread {

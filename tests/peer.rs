@@ -12,8 +12,8 @@ use common::*;
 use double::Fabric;
 use kvtier::internals::peer_proto::{self as proto, Frame, PeerRefusal, PeerReply, PeerRequest};
 use kvtier::{
-    ArenaSpec, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, PeerClient, PeerError, PeerLimits, PeerServer,
-    PeerTransport, PolicyKind, TierConfig, TransportError,
+    ArenaSpec, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, PeerClient, PeerError, PeerLimits,
+    PeerServer, PeerTransport, PolicyKind, TierConfig, TransportError,
 };
 use std::io::Write;
 use std::net::TcpStream;
@@ -108,7 +108,8 @@ fn a_slot_reused_between_pin_and_read_is_dropped_never_served() {
     let o = owner(&fabric, 4, 4, PeerLimits::default());
     let reader = tier(8, PolicyKind::Lru);
     let t = fabric.transport(&reader);
-    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
+    let client =
+        PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
     let (otier, server) = (o.tier.clone(), o.server.clone().unwrap());
     let others = keys(&o.tier, 100..104);
     let others2 = others.clone();
@@ -138,7 +139,8 @@ fn a_lease_that_expires_mid_read_serves_nothing_and_unpins_the_owner() {
     let o = owner(&fabric, 8, 3, PeerLimits::default());
     let reader = tier(8, PolicyKind::Lru);
     let t = fabric.transport(&reader);
-    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
+    let client =
+        PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
     let server = o.server.clone().unwrap();
     t.on_next_read(move || {
         std::thread::sleep(Duration::from_millis(5));
@@ -243,7 +245,12 @@ fn two_readers_fetch_the_same_blocks_at_once() {
 
 /// A raw control connection that has said hello with `version` in namespace `ns`, with a
 /// descriptor the owner can load; returns it and the hello's reply.
-fn raw_hello(fabric: &Arc<Fabric>, addr: std::net::SocketAddr, ns: kvtier::Namespace, version: u32) -> (TcpStream, PeerReply) {
+fn raw_hello(
+    fabric: &Arc<Fabric>,
+    addr: std::net::SocketAddr,
+    ns: kvtier::Namespace,
+    version: u32,
+) -> (TcpStream, PeerReply) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let descriptor = fabric.transport(&tier(1, PolicyKind::Lru)).local_descriptor().unwrap();
@@ -263,11 +270,24 @@ fn another_protocol_version_or_namespace_is_refused() {
     let fabric = Fabric::new();
     let o = owner(&fabric, 8, 2, PeerLimits::default());
     let (mut s, r) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION + 1);
-    assert_eq!(r, PeerReply::Refused(PeerRefusal::Version { ours: proto::PEER_PROTOCOL_VERSION, theirs: proto::PEER_PROTOCOL_VERSION + 1 }));
+    assert_eq!(
+        r,
+        PeerReply::Refused(PeerRefusal::Version {
+            ours: proto::PEER_PROTOCOL_VERSION,
+            theirs: proto::PEER_PROTOCOL_VERSION + 1
+        })
+    );
     assert!(closed(&mut s));
     // A reader of another model: its keys are another namespace's.
-    let g = Geometry::new("other-model", 16, vec![ArenaSpec::packed("big", 4096, 64), ArenaSpec::packed("small", 1024, 64)]).unwrap();
-    let other = HostTier::new(TierConfig::new(g.clone(), 8 * g.slot_bytes()).with_backing(kvtier::BackingChoice::Plain)).unwrap();
+    let g = Geometry::new(
+        "other-model",
+        16,
+        vec![ArenaSpec::packed("big", 4096, 64), ArenaSpec::packed("small", 1024, 64)],
+    )
+    .unwrap();
+    let other =
+        HostTier::new(TierConfig::new(g.clone(), 8 * g.slot_bytes()).with_backing(kvtier::BackingChoice::Plain))
+            .unwrap();
     let e = PeerClient::connect(o.addr(), &other, fabric.transport(&other), soon()).unwrap_err();
     assert!(matches!(e, PeerError::Namespace { .. }), "{e}");
     assert_untouched(&other);
@@ -294,7 +314,10 @@ fn requests_over_the_limits_are_refused_without_harming_other_connections() {
     );
     // Too many live leases on one connection.
     for _ in 0..2 {
-        assert!(matches!(call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 1000 }).unwrap(), PeerReply::Leased { .. }));
+        assert!(matches!(
+            call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 1000 }).unwrap(),
+            PeerReply::Leased { .. }
+        ));
     }
     assert!(matches!(
         call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 1000 }).unwrap(),
@@ -319,7 +342,10 @@ fn requests_over_the_limits_are_refused_without_harming_other_connections() {
     // A request before the hello closes that connection too.
     let mut early = TcpStream::connect(o.addr()).unwrap();
     early.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    assert_eq!(call(&mut early, &PeerRequest::Validate { lease: 1 }).unwrap(), PeerReply::Refused(PeerRefusal::OutOfOrder));
+    assert_eq!(
+        call(&mut early, &PeerRequest::Validate { lease: 1 }).unwrap(),
+        PeerReply::Refused(PeerRefusal::OutOfOrder)
+    );
     assert!(closed(&mut early));
     // The other connection is served as before.
     let f = client.fetch(&o.keys, soon()).unwrap();

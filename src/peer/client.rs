@@ -99,7 +99,12 @@ impl PeerClient {
             fetched_blocks: AtomicU64::new(0),
             ttl_ms: 10_000,
         };
-        let hello = PeerRequest::Hello { magic: proto::PEER_MAGIC, version: proto::PEER_PROTOCOL_VERSION, namespace: ours, descriptor };
+        let hello = PeerRequest::Hello {
+            magic: proto::PEER_MAGIC,
+            version: proto::PEER_PROTOCOL_VERSION,
+            namespace: ours,
+            descriptor,
+        };
         match client.call(&hello, deadline)? {
             PeerReply::Welcome { namespace, block_bytes, descriptor, limits } => {
                 if namespace != ours {
@@ -131,11 +136,6 @@ impl PeerClient {
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
         self.ttl_ms = (ttl.as_millis().min(u64::MAX as u128) as u64).max(1);
         self
-    }
-
-    /// The owner's bounds, as its welcome sent them.
-    pub fn owner_limits(&self) -> WirePeerLimits {
-        self.limits
     }
 
     /// Blocks fetched and published by this client so far.
@@ -178,7 +178,11 @@ impl PeerClient {
     }
 
     /// Query: the owner's lease on the longest ready prefix of `keys`.
-    pub(super) fn query(&self, keys: &[crate::ContentKey], deadline: Instant) -> Result<(u64, Vec<WirePeerBlock>), PeerError> {
+    pub(super) fn query(
+        &self,
+        keys: &[crate::ContentKey],
+        deadline: Instant,
+    ) -> Result<(u64, Vec<WirePeerBlock>), PeerError> {
         match self.call(&PeerRequest::Query { keys: keys.to_vec(), ttl_ms: self.ttl_ms }, deadline)? {
             PeerReply::Leased { lease, blocks, .. } => Ok((lease, blocks)),
             PeerReply::Refused(r) => Err(PeerError::Refused(format!("{r:?}"))),

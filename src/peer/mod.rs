@@ -50,7 +50,7 @@ pub enum PeerError {
     /// The peer speaks another version of the control protocol.
     #[error("the peer speaks peer protocol version {theirs}, this instance {ours}")]
     Version {
-        /// This instance's [`proto::PEER_PROTOCOL_VERSION`].
+        /// This instance's protocol version.
         ours: u32,
         /// The peer's.
         theirs: u32,

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The bounds a [`PeerServer`] holds each connection to. A request over one is refused
-/// ([`PeerRefusal::Limit`]) and does nothing; a frame over [`PeerLimits::frame_bytes`] or one that
+/// (a `Refused` reply naming the limit) and does nothing; a frame over [`PeerLimits::frame_bytes`] or one that
 /// does not decode closes that connection (logged) and no other. Defaults in parentheses.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PeerLimits {
@@ -386,7 +386,13 @@ fn serve(shared: &Shared, conn: u64, mut stream: TcpStream, from: SocketAddr) {
                 if magic != proto::PEER_MAGIC {
                     (PeerReply::Refused(PeerRefusal::Magic), true)
                 } else if version != proto::PEER_PROTOCOL_VERSION {
-                    (PeerReply::Refused(PeerRefusal::Version { ours: proto::PEER_PROTOCOL_VERSION, theirs: version }), true)
+                    (
+                        PeerReply::Refused(PeerRefusal::Version {
+                            ours: proto::PEER_PROTOCOL_VERSION,
+                            theirs: version,
+                        }),
+                        true,
+                    )
                 } else if namespace != ours {
                     (PeerReply::Refused(PeerRefusal::Namespace { ours }), true)
                 } else {
@@ -452,14 +458,19 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let blocks: Vec<WirePeerBlock> = lease
                 .blocks()
                 .iter()
-                .map(|b| WirePeerBlock { key: b.key, offset: b.slot.slot.0 as u64 * slot_bytes, generation: b.slot.generation })
+                .map(|b| WirePeerBlock {
+                    key: b.key,
+                    offset: b.slot.slot.0 as u64 * slot_bytes,
+                    generation: b.slot.generation,
+                })
                 .collect();
             let ttl_ms = ttl.as_millis().min(u64::MAX as u128) as u64;
             if blocks.is_empty() {
                 return PeerReply::Leased { lease: 0, ttl_ms, blocks };
             }
             let id = shared.next_lease.fetch_add(1, Ordering::Relaxed);
-            let expires = Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
+            let expires =
+                Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
             crate::sync::lock(&shared.leases).insert(id, OwnerLease { conn, lease, expires });
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
@@ -467,7 +478,8 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let now = Instant::now();
             let map = crate::sync::lock(&shared.leases);
             let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
-            let live = (now < l.expires || cfg!(kvtier_seeded_bug = "peer-lease-never-expires")) && !l.lease.is_settled();
+            let live =
+                (now < l.expires || cfg!(kvtier_seeded_bug = "peer-lease-never-expires")) && !l.lease.is_settled();
             let valid: Vec<bool> = l.lease.blocks().iter().map(|b| live && still_holds(&shared.core, b)).collect();
             let fetched: Vec<crate::ContentKey> =
                 l.lease.blocks().iter().zip(&valid).filter(|(_, &v)| v).map(|(b, _)| b.key).collect();

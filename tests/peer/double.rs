@@ -58,7 +58,8 @@ impl PeerTransport for CopyTransport {
     }
 
     fn add_peer(&self, descriptor: &[u8]) -> Result<TransportPeer, TransportError> {
-        let id = u64::from_le_bytes(descriptor.try_into().map_err(|_| TransportError::Descriptor("not 8 bytes".into()))?);
+        let id =
+            u64::from_le_bytes(descriptor.try_into().map_err(|_| TransportError::Descriptor("not 8 bytes".into()))?);
         if !self.fabric.pools.lock().unwrap().contains_key(&id) {
             return Err(TransportError::Descriptor(format!("no pool {id}")));
         }
