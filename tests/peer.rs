@@ -208,8 +208,8 @@ fn a_read_past_its_deadline_is_a_typed_error_and_the_reader_is_unchanged() {
     let before = reader.stats();
     let t = fabric.transport(&reader);
     let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
-    let deadline = Instant::now() + Duration::from_millis(300);
-    t.on_next_read(move || std::thread::sleep(Duration::from_millis(400)));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    t.on_next_read(move || std::thread::sleep(Duration::from_millis(2500)));
     let e = client.fetch(&o.keys, deadline).unwrap_err();
     assert!(matches!(e, PeerError::Transport(TransportError::Deadline)), "{e}");
     let after = reader.stats();
@@ -383,4 +383,29 @@ fn blocks_held_for_a_peer_stay_until_fetched_or_their_ttl() {
     restore_and_verify(&reader, &f.lease, &o.keys);
     assert_eq!(server.held_blocks(), 0, "a fetched block is no longer held");
     assert_eq!(o.tier.evict(usize::MAX), 2);
+}
+
+#[test]
+fn a_key_a_local_save_reserved_first_ends_the_fetched_run() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    // A local save of k2 is in flight (WRITING) while the fetch runs.
+    let (a, gate) = (arenas(), Gate::default());
+    let rank = reader.attach(TestBackend::gated(&a, &gate)).unwrap();
+    a.fill(&[5], &o.keys[2..3]).unwrap();
+    let ticket = rank.save(&o.keys[2..3], &[5], WaitFor::Nothing).unwrap();
+    assert_eq!(reader.stats().writing_slots, 1);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (2, 2, 0), "the run ends at the key being saved");
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    drop(f);
+    assert_eq!(reader.stats().writing_slots, 1, "the local save's reservation is untouched");
+    gate.open();
+    ticket.handle.wait().unwrap();
+    let s = reader.stats();
+    assert_eq!((s.writing_slots, s.ready_slots, s.pinned_slots), (0, 3, 0));
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 0);
 }
