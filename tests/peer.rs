@@ -169,7 +169,7 @@ fn the_owners_lease_pins_its_blocks_until_it_expires() {
     assert_eq!(o.tier.evict(usize::MAX), 0, "leased blocks cannot be evicted");
     std::thread::sleep(Duration::from_millis(60));
     o.server.as_ref().unwrap().expire_leases();
-    assert_eq!(call(&mut s, &PeerRequest::Validate { lease }).unwrap(), PeerReply::Valid(vec![]));
+    assert_eq!(call(&mut s, &PeerRequest::Validate { lease, blocks: 4 }).unwrap(), PeerReply::Valid(vec![]));
     assert_eq!(o.tier.stats().pinned_slots, 0);
     assert_eq!(o.tier.evict(usize::MAX), 4, "an expired lease lets its blocks go");
 }
@@ -343,7 +343,7 @@ fn requests_over_the_limits_are_refused_without_harming_other_connections() {
     let mut early = TcpStream::connect(o.addr()).unwrap();
     early.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(
-        call(&mut early, &PeerRequest::Validate { lease: 1 }).unwrap(),
+        call(&mut early, &PeerRequest::Validate { lease: 1, blocks: 1 }).unwrap(),
         PeerReply::Refused(PeerRefusal::OutOfOrder)
     );
     assert!(closed(&mut early));
@@ -396,9 +396,12 @@ fn a_key_a_local_save_reserved_first_ends_the_fetched_run() {
     a.fill(&[5], &o.keys[2..3]).unwrap();
     let ticket = rank.save(&o.keys[2..3], &[5], WaitFor::Nothing).unwrap();
     assert_eq!(reader.stats().writing_slots, 1);
+    // The owner holds all four for a peer: only the two fetched are let go.
+    assert_eq!(o.server.as_ref().unwrap().hold(&o.keys, Duration::from_secs(60)), 4);
     let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
     let f = client.fetch(&o.keys, soon()).unwrap();
     assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (2, 2, 0), "the run ends at the key being saved");
+    assert_eq!(o.server.as_ref().unwrap().held_blocks(), 2, "blocks not read are still held");
     restore_and_verify(&reader, &f.lease, &o.keys);
     drop(f);
     assert_eq!(reader.stats().writing_slots, 1, "the local save's reservation is untouched");
@@ -407,5 +410,5 @@ fn a_key_a_local_save_reserved_first_ends_the_fetched_run() {
     let s = reader.stats();
     assert_eq!((s.writing_slots, s.ready_slots, s.pinned_slots), (0, 3, 0));
     assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
-    assert_eq!(o.tier.stats().pinned_slots, 0);
+    assert_eq!(o.tier.stats().pinned_slots, 2, "the two blocks still held");
 }

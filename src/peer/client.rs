@@ -190,9 +190,10 @@ impl PeerClient {
         }
     }
 
-    /// Validate: per block of `lease`, still valid (missing entries count as not).
-    pub(super) fn validate(&self, lease: u64, deadline: Instant) -> Result<Vec<bool>, PeerError> {
-        match self.call(&PeerRequest::Validate { lease }, deadline)? {
+    /// Validate: per leading block of `lease` (the first `blocks`, those read), still valid
+    /// (missing entries count as not).
+    pub(super) fn validate(&self, lease: u64, blocks: usize, deadline: Instant) -> Result<Vec<bool>, PeerError> {
+        match self.call(&PeerRequest::Validate { lease, blocks: blocks as u64 }, deadline)? {
             PeerReply::Valid(v) => Ok(v),
             PeerReply::Refused(r) => Err(PeerError::Refused(format!("{r:?}"))),
             other => Err(PeerError::Protocol(format!("a validate answered {other:?}"))),

@@ -96,7 +96,7 @@ impl PeerClient {
                 })
                 .collect();
             self.transport.read(self.peer, &reads, deadline)?;
-            let valid = self.validate(lease, deadline)?;
+            let valid = self.validate(lease, n, deadline)?;
             // Seeded bug (tests only): `peer-skips-validate` serves whatever the read brought.
             if cfg!(kvtier_seeded_bug = "peer-skips-validate") {
                 return Ok(n);

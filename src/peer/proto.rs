@@ -8,7 +8,7 @@
 //!                                            | Refused (version, namespace, magic)
 //!   Query {keys, ttl_ms}                   -> Leased {lease, ttl_ms, [(key, offset, generation)]}
 //!   (transport reads the blocks)
-//!   Validate {lease}                       -> Valid [still valid per block]
+//!   Validate {lease, blocks}               -> Valid [still valid per block read]
 //!   Release {lease}                        -> Released (true if it was live)
 //! ```
 
@@ -49,6 +49,9 @@ pub enum PeerRequest {
     Validate {
         /// A lease id from [`PeerReply::Leased`].
         lease: u64,
+        /// How many of the lease's leading blocks the reader read (only those are validated, and
+        /// count as fetched for [`super::PeerServer::hold`]).
+        blocks: u64,
     },
     /// Settles lease `lease` (its pins drop).
     Release {
@@ -138,7 +141,7 @@ pub enum PeerReply {
         /// The leased blocks, the longest ready prefix of the query's keys.
         blocks: Vec<WirePeerBlock>,
     },
-    /// Per leased block, still valid; empty for a lease that is unknown, released or expired.
+    /// Per block validated, still valid; empty for a lease that is unknown, released or expired.
     Valid(Vec<bool>),
     /// True if the release settled a live lease.
     Released(bool),

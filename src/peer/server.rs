@@ -474,15 +474,16 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             crate::sync::lock(&shared.leases).insert(id, OwnerLease { conn, lease, expires });
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
-        PeerRequest::Validate { lease } => {
+        PeerRequest::Validate { lease, blocks } => {
             let now = Instant::now();
             let map = crate::sync::lock(&shared.leases);
             let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
             let live =
                 (now < l.expires || cfg!(kvtier_seeded_bug = "peer-lease-never-expires")) && !l.lease.is_settled();
-            let valid: Vec<bool> = l.lease.blocks().iter().map(|b| live && still_holds(&shared.core, b)).collect();
+            let read = &l.lease.blocks()[..(blocks.min(l.lease.len() as u64) as usize)];
+            let valid: Vec<bool> = read.iter().map(|b| live && still_holds(&shared.core, b)).collect();
             let fetched: Vec<crate::ContentKey> =
-                l.lease.blocks().iter().zip(&valid).filter(|(_, &v)| v).map(|(b, _)| b.key).collect();
+                read.iter().zip(&valid).filter(|(_, &v)| v).map(|(b, _)| b.key).collect();
             drop(map);
             shared.fetched(&fetched);
             PeerReply::Valid(valid)
