@@ -34,6 +34,8 @@
 //! - `cuda`: the CUDA copy backend (`CudaBackend`): hand-written gather/scatter kernels built
 //!   with NVRTC at run time; cudarc loads the driver at run time, so it builds without CUDA.
 //! - `remote`: the tier daemon's client (`HostTier::connect`) and server (`Server`).
+//! - `peers`: blocks fetched from another instance's host pool (`PeerServer`, `PeerClient`) over
+//!   a byte mover (`PeerTransport`); enables `remote`.
 //! - `serde`: `serde::Serialize` on statistics and reports ([`TierStats`], ...).
 //! - `metrics`: the tier's metrics in a `prometheus-client` registry.
 //! - `nixl`: `NixlTransport`, the [`PeerTransport`] that reads blocks from another instance's host
@@ -60,6 +62,7 @@ mod index;
 mod key;
 #[cfg(feature = "metrics")]
 mod metrics;
+#[cfg(feature = "peers")]
 mod peer;
 #[cfg(feature = "remote")]
 mod remote;
@@ -94,10 +97,14 @@ pub use key::{ContentKey, Namespace};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use metrics::{prometheus_client, Health, PoolHealth};
+#[cfg(feature = "peers")]
+#[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
+pub use peer::{
+    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerTransport, TransportError, TransportPeer,
+};
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub use peer::nixl::{nixl_sys, NixlTransport};
-pub use peer::transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
@@ -110,7 +117,7 @@ pub use slab::{
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
 pub use tier::handle::CopyHandle;
-pub use tier::lease::Lease;
+pub use tier::lease::{BlockSource, Lease};
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
     AuditReport, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats, MAX_HINT_TTL,
@@ -127,6 +134,11 @@ pub mod internals {
     pub use crate::evict::{ChainView, EvictionPolicy, InsertInfo, Ranking};
     #[cfg(feature = "remote")]
     pub use crate::remote::proto;
+    /// The peer control protocol's messages and frames.
+    #[cfg(feature = "peers")]
+    pub mod peer_proto {
+        pub use crate::peer::proto::*;
+    }
     #[cfg(feature = "remote")]
     pub use crate::server::drive_session;
     /// The kernels' descriptors and raw driver access (benchmarks and GPU tests).

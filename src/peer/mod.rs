@@ -1,7 +1,114 @@
-//! Peer fetches: blocks read from another instance's host pool. `transport` is the byte mover's
-//! trait; `nixl` (feature `nixl`) its NIXL implementation.
+//! Peers: blocks fetched from another kvtier instance's host pool (prefill/decode disaggregation,
+//! cluster-wide prefix hits). See `docs/design.md`, section "Peers".
+//!
+//! - `transport`: [`PeerTransport`], the byte mover; `nixl` (feature `nixl`): its one production
+//!   implementation, NIXL. This module never moves block bytes itself.
+//! - `proto`: the control protocol over TCP (hello, query, validate, release): length-prefixed
+//!   postcard frames in the tier daemon's style, with a magic, a version and limits.
+//! - `server`: [`PeerServer`], the owner's side: pins the longest ready prefix of a query under a
+//!   lease with a time-to-live and answers each block's byte offset and generation.
+//! - `client` and `fetch`: [`PeerClient`], the reader's side: the local prefix first, then the
+//!   missing suffix reserved `WRITING` locally, read in one transport batch, validated with the
+//!   owner, and only the leading run of validated blocks published (pinned for the local lease).
+//!
+//! A block fetched from a peer is served only if, after the bytes arrived, the owner confirmed
+//! that its slot still held that key at that generation under a live lease (the lease pinned it,
+//! so the bytes read are the key's). Anything else is dropped before any query can see it.
 
-pub(crate) mod transport;
+mod client;
+mod fetch;
+pub(crate) mod proto;
+mod server;
+mod transport;
 
 #[cfg(feature = "nixl")]
 pub(crate) mod nixl;
+
+pub use client::{PeerClient, PeerFetch};
+pub use server::{PeerLimits, PeerServer};
+pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
+
+/// Why a peer operation failed. Every failure leaves the local tier as it was: no slot taken, no
+/// key left `WRITING`, nothing published.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// The control connection could not be opened or the listener could not be bound.
+    #[error("peer control connection to {addr}: {source}")]
+    Connect {
+        /// The address tried.
+        addr: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The owner closed the control connection or crashed (its leases are released with it).
+    #[error("the peer closed the control connection")]
+    OwnerGone,
+    /// The control connection failed (network loss, a reset, another I/O error).
+    #[error("peer control connection failed: {0}")]
+    Network(std::io::Error),
+    /// The caller's deadline passed before the step finished (the owner's lease is released or
+    /// expires; nothing was published).
+    #[error("the peer fetch did not complete before its deadline")]
+    Deadline,
+    /// The peer speaks another version of the control protocol.
+    #[error("the peer speaks peer protocol version {theirs}, this instance {ours}")]
+    Version {
+        /// This instance's protocol version.
+        ours: u32,
+        /// The peer's.
+        theirs: u32,
+    },
+    /// The peer's tier has another namespace (another model, dtype or layout): its keys are
+    /// another model's blocks.
+    #[error("the peer's namespace {theirs} is not this tier's {ours}")]
+    Namespace {
+        /// This tier's namespace (hex).
+        ours: String,
+        /// The peer's (hex).
+        theirs: String,
+    },
+    /// The peer's blocks have another size, bytes.
+    #[error("the peer's blocks are {theirs} B, this tier's {ours} B")]
+    BlockBytes {
+        /// This tier's block bytes.
+        ours: u64,
+        /// The peer's.
+        theirs: u64,
+    },
+    /// The peer refused a request (a limit, an unknown lease); its reason.
+    #[error("the peer refused: {0}")]
+    Refused(String),
+    /// The peer answered something the protocol does not allow (a frame that does not decode, a
+    /// reply to another request, keys it was not asked for).
+    #[error("peer protocol violation: {0}")]
+    Protocol(String),
+    /// The byte mover failed (the owner went away mid-read, its deadline, a range).
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The tier is a connected tier (`HostTier::connect`): peers serve and fetch in-process pools
+    /// only.
+    #[error("peers need an in-process tier (this one is connected to a tier daemon)")]
+    NotInProcess,
+    /// A configuration value out of range (which and why).
+    #[error("invalid peer configuration: {0}")]
+    Config(String),
+}
+
+impl PeerError {
+    /// Maps an I/O error of the control connection: timeouts are the deadline, end of stream and
+    /// resets are the owner gone.
+    pub(crate) fn from_io(e: std::io::Error) -> PeerError {
+        use std::io::ErrorKind as K;
+        match e.kind() {
+            K::TimedOut | K::WouldBlock => PeerError::Deadline,
+            K::UnexpectedEof | K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe => PeerError::OwnerGone,
+            K::InvalidData => PeerError::Protocol(e.to_string()),
+            _ => PeerError::Network(e),
+        }
+    }
+}
+
+/// Hex of a namespace's 16 bytes (for messages).
+pub(crate) fn namespace_hex(ns: &crate::key::Namespace) -> String {
+    ns.0.iter().map(|b| format!("{b:02x}")).collect()
+}

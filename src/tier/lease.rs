@@ -55,8 +55,20 @@ pub(crate) enum LeaseOf {
 pub(crate) struct InProcessLease {
     pub(super) core: Arc<Core>,
     state: Arc<LeaseState>,
-    /// Per leased block, true if the SSD tier gave it (empty when none did).
-    from_ssd: Vec<bool>,
+    /// Per leased block, where it came from (empty when every block was resident on the host).
+    sources: Vec<BlockSource>,
+}
+
+/// Where a leased block came from ([`Lease::source`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BlockSource {
+    /// Resident in this instance's host pool when the lease was taken.
+    Host,
+    /// Read from the SSD tier into a host slot by the lease's query (a promotion).
+    Ssd,
+    /// Read from a peer instance's host pool into a host slot, its generation validated with the
+    /// owner (a peer fetch, feature `peers`).
+    Peer,
 }
 
 impl Drop for InProcessLease {
@@ -130,11 +142,28 @@ impl Lease {
     /// (what [`crate::HostTier::query`] and [`crate::HostTier::query_shared`] do). `uses == 0`, or
     /// no leading key ready, gives a lease that is settled from birth.
     pub(crate) fn acquire(core: &Arc<Core>, keys: &[ContentKey], uses: u32) -> Lease {
+        match Self::acquire_with::<std::convert::Infallible>(core, keys, uses, None) {
+            Ok(lease) => lease,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`Lease::acquire`], then, where the host and SSD run ended at a key this instance lacks,
+    /// `lower` (a peer fetch) may continue it: given the keys after the blocks leased so far and
+    /// those blocks, it appends blocks already pinned once for this lease and returns how many.
+    /// Its error is returned after the blocks leased so far were let go (the lease settles).
+    pub(crate) fn acquire_with<E>(
+        core: &Arc<Core>,
+        keys: &[ContentKey],
+        uses: u32,
+        lower: Option<&mut dyn FnMut(&[ContentKey], &mut Vec<LeasedBlock>) -> Result<usize, E>>,
+    ) -> Result<Lease, E> {
         let mut blocks = Vec::new();
-        // Which leased blocks the SSD tier gave (empty when none did).
-        let mut from_ssd: Vec<bool> = Vec::new();
+        // Where each leased block came from (empty while all are host blocks).
+        let mut sources: Vec<BlockSource> = Vec::new();
+        let mut missing;
         loop {
-            let missing = Self::lease_host_run(core, keys, &mut blocks);
+            missing = Self::lease_host_run(core, keys, &mut blocks);
             // Where the host run ended at a key the host does not hold, the SSD tier may continue
             // it (not at a repeated key, a block being written or evicted, or a full pin count);
             // after the blocks it promotes, the host may hold the next ones again. Outside the
@@ -145,23 +174,39 @@ impl Lease {
             if n == 0 {
                 break;
             }
-            from_ssd.resize(host_end, false);
-            from_ssd.resize(host_end + n, true);
+            sources.resize(host_end, BlockSource::Host);
+            sources.resize(host_end + n, BlockSource::Ssd);
         }
-        from_ssd.resize(if from_ssd.is_empty() { 0 } else { blocks.len() }, false);
+        let mut failed = None;
+        if let Some(lower) = lower.filter(|_| missing && uses > 0 && blocks.len() < keys.len()) {
+            let end = blocks.len();
+            match lower(&keys[end..], &mut blocks) {
+                Ok(n) if n > 0 => {
+                    sources.resize(end, BlockSource::Host);
+                    sources.resize(end + n, BlockSource::Peer);
+                }
+                Ok(_) => {}
+                Err(e) => failed = Some(e),
+            }
+        }
+        let all_host = sources.is_empty();
+        sources.resize(if all_host { 0 } else { blocks.len() }, BlockSource::Host);
         core.counters.record_query(keys.len(), blocks.len());
         let empty = blocks.is_empty();
         let state = Arc::new(LeaseState { blocks, uses: uses_word(uses), settled: AtomicU8::new(0) });
         add(&core.counters.live_leases, 1);
         let lease = Lease {
-            inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone(), from_ssd })),
+            inner: Arc::new(LeaseOf::InProcess(InProcessLease { core: core.clone(), state: state.clone(), sources })),
         };
-        if empty || uses == 0 {
+        if empty || uses == 0 || failed.is_some() {
             state.settle(core.control(), &core.counters, Settled::Consumed);
         } else {
             core.leases.register(&state);
         }
-        lease
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(lease),
+        }
     }
 
     /// Pins the run of `keys` after `blocks` (the blocks leased so far) whose blocks the host holds
@@ -218,18 +263,41 @@ impl Lease {
     }
 
     /// Leased blocks the query read from the SSD tier (promoted into host slots); the others were
-    /// resident on the host. [`Lease::is_promoted`] says which. 0 without an SSD tier, and for a
-    /// lease of a connected tier.
+    /// resident on the host or fetched from a peer. [`Lease::is_promoted`] says which. 0 without
+    /// an SSD tier, and for a lease of a connected tier.
     pub fn promoted(&self) -> usize {
-        match_flavor!(self.of(), LeaseOf::InProcess(l) => l.from_ssd.iter().filter(|&&p| p).count(), LeaseOf::Connected { .. } => 0)
+        self.count_from(BlockSource::Ssd)
+    }
+
+    /// Leased blocks fetched from a peer's pool (feature `peers`); 0 for a lease of a connected
+    /// tier.
+    pub fn from_peer(&self) -> usize {
+        self.count_from(BlockSource::Peer)
+    }
+
+    fn count_from(&self, source: BlockSource) -> usize {
+        match_flavor!(self.of(),
+            LeaseOf::InProcess(l) => l.sources.iter().filter(|&&s| s == source).count(),
+            LeaseOf::Connected { .. } => 0,
+        )
     }
 
     /// True if leased block `i` (an index into [`Lease::blocks`]) was read from the SSD tier by
-    /// this lease's query; false if it was resident on the host, or `i` is out of range.
+    /// this lease's query; false if it was resident on the host, came from a peer, or `i` is out
+    /// of range.
     pub fn is_promoted(&self, i: usize) -> bool {
+        self.source(i) == Some(BlockSource::Ssd)
+    }
+
+    /// Where leased block `i` (an index into [`Lease::blocks`]) came from; `None` if `i` is out of
+    /// range. A connected tier's blocks are its daemon's host blocks ([`BlockSource::Host`]).
+    pub fn source(&self, i: usize) -> Option<BlockSource> {
+        if i >= self.len() {
+            return None;
+        }
         match_flavor!(self.of(),
-            LeaseOf::InProcess(l) => l.from_ssd.get(i).copied().unwrap_or(false),
-            LeaseOf::Connected { .. } => false,
+            LeaseOf::InProcess(l) => Some(l.sources.get(i).copied().unwrap_or(BlockSource::Host)),
+            LeaseOf::Connected { .. } => Some(BlockSource::Host),
         )
     }
 

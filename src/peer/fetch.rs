@@ -1,0 +1,132 @@
+//! The reader's fetch ([`PeerClient::fetch`]): the shape of a promotion from the SSD tier, with
+//! the owner's pool instead of the drive.
+//!
+//! 1. the local prefix: the keys this instance's host (and SSD tier) holds, pinned as a query does;
+//! 2. `Query` the owner for the rest: it pins its longest ready prefix under a lease and answers
+//!    (key, offset, generation) per block;
+//! 3. reserve local slots `WRITING` under those keys, as a promotion does (a key a local save
+//!    reserved first ends the run; so does a pool with no slot to give);
+//! 4. one [`super::PeerTransport::read`] for the whole batch;
+//! 5. `Validate` with the owner: a block is valid if its owner slot still holds its key at its
+//!    generation and the owner's lease had not expired, so the bytes read were that key's;
+//! 6. publish the leading run of validated blocks `READY`, pinned for the local lease; abort the
+//!    other reservations (index entries first, then the slots go back free);
+//! 7. `Release` the owner's lease.
+//!
+//! Any error after step 3 aborts every reservation, so the local tier is left as it was.
+
+use super::client::{PeerClient, PeerFetch};
+use super::transport::BlockRead;
+use super::PeerError;
+use crate::index::SlotRef;
+use crate::key::ContentKey;
+use crate::tier::lease::{Lease, LeasedBlock};
+use crate::tier::ssd::reserve_promotion;
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+impl PeerClient {
+    /// Leases the longest prefix of `keys` it can: the blocks this instance holds, continued with
+    /// blocks fetched from the owner (steps in the module docs). Every network step must finish
+    /// by `deadline`. The returned lease has one use ([`Lease::source`] says per block whether it
+    /// was local or came from the peer); fetched blocks stay in the local pool (the next query hits
+    /// locally).
+    ///
+    /// # Errors
+    /// [`PeerError::OwnerGone`], [`PeerError::Network`], [`PeerError::Deadline`],
+    /// [`PeerError::Refused`] (a limit), [`PeerError::Protocol`] (a reply that breaks the
+    /// protocol, e.g. keys not asked for), [`PeerError::Transport`]. On every error the local tier
+    /// is unchanged: the local prefix's pins are dropped, no slot stays taken, no key `WRITING`.
+    pub fn fetch(&self, keys: &[ContentKey], deadline: Instant) -> Result<PeerFetch, PeerError> {
+        let mut stale = 0;
+        let mut step = |rest: &[ContentKey], blocks: &mut Vec<LeasedBlock>| -> Result<usize, PeerError> {
+            let (n, s) = self.fetch_run(rest, blocks, deadline)?;
+            stale = s;
+            Ok(n)
+        };
+        let lease = Lease::acquire_with(&self.core, keys, 1, Some(&mut step))?;
+        self.stale_blocks.fetch_add(stale as u64, Ordering::Relaxed);
+        self.fetched_blocks.fetch_add(lease.from_peer() as u64, Ordering::Relaxed);
+        Ok(PeerFetch { lease, stale })
+    }
+
+    /// Steps 2-7 for `rest`, the keys after the local prefix `blocks`: appends the published
+    /// blocks (pinned once each) and returns (published, dropped stale).
+    fn fetch_run(
+        &self,
+        rest: &[ContentKey],
+        blocks: &mut Vec<LeasedBlock>,
+        deadline: Instant,
+    ) -> Result<(usize, usize), PeerError> {
+        // The run asked for: no key already leased or repeated, at most a pool's worth and what
+        // the owner takes in one query.
+        let max = rest.len().min(self.core.pool().capacity() as usize).min(self.limits.keys_per_query as usize);
+        let mut seen: HashSet<ContentKey> = blocks.iter().map(|b| b.key).collect();
+        let ask: Vec<ContentKey> = rest[..max].iter().take_while(|k| seen.insert(**k)).copied().collect();
+        if ask.is_empty() {
+            return Ok((0, 0));
+        }
+        let (lease, owned) = self.query(&ask, deadline)?;
+        if owned.len() > ask.len() || owned.iter().zip(&ask).any(|(b, k)| b.key != *k) {
+            if lease != 0 {
+                let _ = self.release(lease, deadline);
+            }
+            return Err(PeerError::Protocol("the owner leased keys that were not asked for, or out of order".into()));
+        }
+        if owned.is_empty() {
+            return Ok((0, 0));
+        }
+        let owned_keys: Vec<ContentKey> = owned.iter().map(|b| b.key).collect();
+        let reservation = reserve_promotion(&self.core, &owned_keys);
+        let n = reservation.len();
+        let outcome = (|| {
+            if n == 0 {
+                return Ok(0);
+            }
+            let base = self.core.pool().region().host_base;
+            let reads: Vec<BlockRead> = reservation
+                .entries()
+                .iter()
+                .zip(&owned)
+                .map(|(r, b)| BlockRead {
+                    remote_offset: b.offset,
+                    local_offset: (self.core.pool().slot_ptr(r.slot) as usize - base) as u64,
+                    len: self.block_bytes,
+                })
+                .collect();
+            self.transport.read(self.peer, &reads, deadline)?;
+            let valid = self.validate(lease, n, deadline)?;
+            // Seeded bug (tests only): `peer-skips-validate` serves whatever the read brought.
+            if cfg!(kvtier_seeded_bug = "peer-skips-validate") {
+                return Ok(n);
+            }
+            Ok((0..n).take_while(|&i| valid.get(i).copied().unwrap_or(false)).count())
+        })();
+        let verified = match outcome {
+            Ok(v) => v,
+            Err(e) => {
+                // Seeded bug (tests only): `peer-abort-leaks-slot` withholds the slots for good.
+                if cfg!(kvtier_seeded_bug = "peer-abort-leaks-slot") {
+                    reservation.quarantine();
+                } else {
+                    drop(reservation); // aborted: index entries first, then the slots go free
+                }
+                let _ = self.release(lease, deadline);
+                return Err(e);
+            }
+        };
+        let stale = n - verified;
+        if stale > 0 {
+            let key = owned[verified].key;
+            tracing::warn!(key = %key, stale, "a block fetched from a peer failed validation: dropped");
+        }
+        let committed = reservation.commit_leading_pinned(verified, |_| {});
+        // Best effort: an owner that does not hear the release lets the lease expire.
+        let _ = self.release(lease, deadline);
+        for r in &committed {
+            blocks.push(LeasedBlock { key: r.key, slot: SlotRef { slot: r.slot, generation: r.generation } });
+        }
+        Ok((committed.len(), stale))
+    }
+}

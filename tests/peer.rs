@@ -1,0 +1,414 @@
+//! Peers: blocks fetched from another instance's host pool through the production path
+//! (`PeerServer` on the owner, `PeerClient::fetch` on the reader), with a transport double that
+//! copies between the two in-process pools (`peer/double.rs`). Every fetched block is restored to
+//! host arenas and checked byte for byte; every failure is checked to leave the reader's tier as it
+//! was (no slot taken, no key `WRITING`).
+
+mod common;
+#[path = "peer/double.rs"]
+mod double;
+
+use common::*;
+use double::Fabric;
+use kvtier::internals::peer_proto::{self as proto, Frame, PeerRefusal, PeerReply, PeerRequest};
+use kvtier::{
+    ArenaSpec, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, PeerClient, PeerError, PeerLimits,
+    PeerServer, PeerTransport, PolicyKind, TierConfig, TransportError,
+};
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+/// An owner of `slots` slots holding `n` saved blocks (keys `0..n` of trace 7), served by a peer
+/// server; returns (tier, its transport, server, keys).
+struct Owner {
+    tier: HostTier,
+    transport: Arc<double::CopyTransport>,
+    server: Option<Arc<PeerServer>>,
+    keys: Vec<ContentKey>,
+}
+
+fn owner(fabric: &Arc<Fabric>, slots: u64, n: u64, limits: PeerLimits) -> Owner {
+    let tier = tier(slots, PolicyKind::Lru);
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let keys = keys(&tier, 0..n);
+    let pages: Vec<u64> = (0..n).collect();
+    let _ = save_filled(&rank, &a, &keys, &pages);
+    let transport = fabric.transport(&tier);
+    let server = Arc::new(PeerServer::bind(&tier, "127.0.0.1:0", transport.clone(), limits).unwrap());
+    Owner { tier, transport, server: Some(server), keys }
+}
+
+impl Owner {
+    fn addr(&self) -> std::net::SocketAddr {
+        self.server.as_ref().unwrap().local_addr()
+    }
+}
+
+/// Restores `lease` into pages `10..` of fresh arenas and checks the bytes against `keys`.
+fn restore_and_verify(tier: &HostTier, lease: &kvtier::Lease, keys: &[ContentKey]) {
+    let b = arenas();
+    let rank = tier.attach(b.backend().unwrap()).unwrap();
+    let pages: Vec<u64> = (0..lease.len() as u64).map(|i| 10 + i).collect();
+    rank.restore(lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    b.verify(&pages, &keys[..lease.len()]).unwrap();
+}
+use kvtier::WaitFor;
+
+/// The reader's tier is as an empty tier is: every slot free, none `WRITING` or pinned, no
+/// index entry, no live lease.
+fn assert_untouched(tier: &HostTier) {
+    let s = tier.stats();
+    assert_eq!(
+        (s.free_slots, s.writing_slots, s.pinned_slots, s.index_entries, s.live_leases),
+        (s.capacity, 0, 0, 0, 0),
+        "the reader's tier changed: {s:?}"
+    );
+}
+
+#[test]
+fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    // The reader holds the first block itself: the lease continues from the peer after it.
+    let a = arenas();
+    let rank = reader.attach(a.backend().unwrap()).unwrap();
+    let _ = save_filled(&rank, &a, &o.keys[..1], &[0]);
+    let t = fabric.transport(&reader);
+    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let mut ask = o.keys.clone();
+    ask.push(o.tier.namespace().trace_page_key(99, 0)); // held by nobody
+    let f = client.fetch(&ask, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (4, 3, 0));
+    assert_eq!(f.lease.source(0), Some(BlockSource::Host));
+    assert!((1..4).all(|i| f.lease.source(i) == Some(BlockSource::Peer)));
+    assert_eq!(f.lease.source(4), None);
+    assert_eq!(t.reads.load(std::sync::atomic::Ordering::Relaxed), 1, "one transport read for the batch");
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    // The owner's lease was released; the fetched blocks are now local.
+    let server = o.server.as_ref().unwrap();
+    assert_eq!(server.live_leases(), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 0);
+    let local = reader.query(&o.keys);
+    assert_eq!(local.len(), 4);
+    assert_eq!(client.fetched_blocks(), 3);
+}
+
+#[test]
+fn a_slot_reused_between_pin_and_read_is_dropped_never_served() {
+    let fabric = Fabric::new();
+    // The owner's pool holds exactly its 4 blocks: new saves must reuse their slots.
+    let o = owner(&fabric, 4, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    let t = fabric.transport(&reader);
+    let client =
+        PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
+    let (otier, server) = (o.tier.clone(), o.server.clone().unwrap());
+    let others = keys(&o.tier, 100..104);
+    let others2 = others.clone();
+    // Between the owner's pin and the read: the owner's lease expires, the owner evicts its blocks
+    // and saves other keys into the same slots.
+    t.on_next_read(move || {
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(server.expire_leases(), 1);
+        assert_eq!(otier.evict(usize::MAX), 4);
+        let a = arenas();
+        let rank = otier.attach(a.backend().unwrap()).unwrap();
+        let _ = save_filled(&rank, &a, &others2, &[0, 1, 2, 3]);
+    });
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.stale), (0, 4), "no stale block served");
+    drop(f);
+    assert_untouched(&reader);
+    assert!(o.keys.iter().all(|k| !reader.contains(k)));
+    assert_eq!(client.stale_blocks(), 4);
+    // The owner now holds the other keys' bytes where the fetched keys were.
+    assert_eq!(o.tier.query(&others).len(), 4);
+}
+
+#[test]
+fn a_lease_that_expires_mid_read_serves_nothing_and_unpins_the_owner() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 3, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    let t = fabric.transport(&reader);
+    let client =
+        PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap().with_lease_ttl(Duration::from_millis(1));
+    let server = o.server.clone().unwrap();
+    t.on_next_read(move || {
+        std::thread::sleep(Duration::from_millis(5));
+        server.expire_leases();
+    });
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.stale), (0, 3), "blocks of an expired lease are never served");
+    drop(f);
+    assert_untouched(&reader);
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 0, "the expired lease's pins are gone on the owner");
+}
+
+#[test]
+fn the_owners_lease_pins_its_blocks_until_it_expires() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 4, 4, PeerLimits { max_lease_ttl: Duration::from_millis(50), ..PeerLimits::default() });
+    let (mut s, _) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION);
+    let Ok(PeerReply::Leased { lease, ttl_ms, blocks }) =
+        call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: u64::MAX })
+    else {
+        panic!("no lease")
+    };
+    assert_eq!((ttl_ms, blocks.len()), (50, 4), "a huge TTL is capped at the owner's limit");
+    assert_ne!(lease, 0);
+    assert_eq!(o.tier.evict(usize::MAX), 0, "leased blocks cannot be evicted");
+    std::thread::sleep(Duration::from_millis(60));
+    o.server.as_ref().unwrap().expire_leases();
+    assert_eq!(call(&mut s, &PeerRequest::Validate { lease, blocks: 4 }).unwrap(), PeerReply::Valid(vec![]));
+    assert_eq!(o.tier.stats().pinned_slots, 0);
+    assert_eq!(o.tier.evict(usize::MAX), 4, "an expired lease lets its blocks go");
+}
+
+#[test]
+fn an_owner_gone_mid_read_is_a_typed_error_and_the_reader_is_unchanged() {
+    let fabric = Fabric::new();
+    let mut o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    let t = fabric.transport(&reader);
+    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let (server, otier, fab, id) = (o.server.take().unwrap(), o.tier.clone(), fabric.clone(), o.transport.id);
+    t.on_next_read(move || {
+        fab.unregister(id);
+        drop(server);
+        drop(otier);
+    });
+    let e = client.fetch(&o.keys, soon()).unwrap_err();
+    assert!(matches!(e, PeerError::Transport(TransportError::Disconnected)), "{e}");
+    assert_untouched(&reader);
+    // The control connection is gone too: the next fetch says so.
+    let e = client.fetch(&o.keys, soon()).unwrap_err();
+    assert!(matches!(e, PeerError::OwnerGone | PeerError::Network(_)), "{e}");
+    assert_untouched(&reader);
+}
+
+#[test]
+fn a_read_past_its_deadline_is_a_typed_error_and_the_reader_is_unchanged() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    // The reader holds block 0: its pin is let go with the failed fetch.
+    let a = arenas();
+    let rank = reader.attach(a.backend().unwrap()).unwrap();
+    let _ = save_filled(&rank, &a, &o.keys[..1], &[0]);
+    let before = reader.stats();
+    let t = fabric.transport(&reader);
+    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    t.on_next_read(move || std::thread::sleep(Duration::from_millis(2500)));
+    let e = client.fetch(&o.keys, deadline).unwrap_err();
+    assert!(matches!(e, PeerError::Transport(TransportError::Deadline)), "{e}");
+    let after = reader.stats();
+    assert_eq!(
+        (after.free_slots, after.writing_slots, after.pinned_slots, after.index_entries, after.live_leases),
+        (before.free_slots, 0, 0, 1, 0)
+    );
+}
+
+#[test]
+fn two_readers_fetch_the_same_blocks_at_once() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 6, PeerLimits::default());
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (fabric, o) = (&fabric, &o);
+            s.spawn(move || {
+                let reader = tier(8, PolicyKind::Lru);
+                let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+                for _ in 0..20 {
+                    let f = client.fetch(&o.keys, soon()).unwrap();
+                    assert_eq!(f.lease.len(), 6);
+                    restore_and_verify(&reader, &f.lease, &o.keys);
+                    drop(f);
+                    assert_eq!(reader.evict(usize::MAX), 6);
+                }
+            });
+        }
+    });
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 0);
+}
+
+/// A raw control connection that has said hello with `version` in namespace `ns`, with a
+/// descriptor the owner can load; returns it and the hello's reply.
+fn raw_hello(
+    fabric: &Arc<Fabric>,
+    addr: std::net::SocketAddr,
+    ns: kvtier::Namespace,
+    version: u32,
+) -> (TcpStream, PeerReply) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let descriptor = fabric.transport(&tier(1, PolicyKind::Lru)).local_descriptor().unwrap();
+    let r = call(&mut s, &PeerRequest::Hello { magic: proto::PEER_MAGIC, version, namespace: ns, descriptor }).unwrap();
+    (s, r)
+}
+
+/// True once the owner has closed `s` (a read sees end of stream or a reset).
+fn closed(s: &mut TcpStream) -> bool {
+    use std::io::Read;
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+#[test]
+fn another_protocol_version_or_namespace_is_refused() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 2, PeerLimits::default());
+    let (mut s, r) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION + 1);
+    assert_eq!(
+        r,
+        PeerReply::Refused(PeerRefusal::Version {
+            ours: proto::PEER_PROTOCOL_VERSION,
+            theirs: proto::PEER_PROTOCOL_VERSION + 1
+        })
+    );
+    assert!(closed(&mut s));
+    // A reader of another model: its keys are another namespace's.
+    let g = Geometry::new(
+        "other-model",
+        16,
+        vec![ArenaSpec::packed("big", 4096, 64), ArenaSpec::packed("small", 1024, 64)],
+    )
+    .unwrap();
+    let other =
+        HostTier::new(TierConfig::new(g.clone(), 8 * g.slot_bytes()).with_backing(kvtier::BackingChoice::Plain))
+            .unwrap();
+    let e = PeerClient::connect(o.addr(), &other, fabric.transport(&other), soon()).unwrap_err();
+    assert!(matches!(e, PeerError::Namespace { .. }), "{e}");
+    assert_untouched(&other);
+    // The owner goes on serving others.
+    let reader = tier(8, PolicyKind::Lru);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    assert_eq!(client.fetch(&o.keys, soon()).unwrap().lease.len(), 2);
+}
+
+#[test]
+fn requests_over_the_limits_are_refused_without_harming_other_connections() {
+    let fabric = Fabric::new();
+    let limits = PeerLimits { keys_per_query: 4, leases_per_connection: 2, frame_bytes: 4096, ..PeerLimits::default() };
+    let o = owner(&fabric, 8, 4, limits);
+    let reader = tier(8, PolicyKind::Lru);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let ns = o.tier.namespace();
+    // Too many keys: refused, the connection stays usable.
+    let (mut s, _) = raw_hello(&fabric, o.addr(), ns, proto::PEER_PROTOCOL_VERSION);
+    let many = keys(&o.tier, 0..5);
+    assert_eq!(
+        call(&mut s, &PeerRequest::Query { keys: many, ttl_ms: 1000 }).unwrap(),
+        PeerReply::Refused(PeerRefusal::Limit { what: "keys per query".into(), asked: 5, max: 4 })
+    );
+    // Too many live leases on one connection.
+    for _ in 0..2 {
+        assert!(matches!(
+            call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 1000 }).unwrap(),
+            PeerReply::Leased { .. }
+        ));
+    }
+    assert!(matches!(
+        call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 1000 }).unwrap(),
+        PeerReply::Refused(PeerRefusal::Limit { .. })
+    ));
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 2);
+    // Closing the connection releases its leases.
+    drop(s);
+    let t0 = Instant::now();
+    while o.server.as_ref().unwrap().live_leases() != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "a closed connection kept its leases");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(o.tier.stats().pinned_slots, 0);
+    // An oversized frame (a length prefix of 4 GiB - 1) and a malformed one close that connection only.
+    let (mut big, _) = raw_hello(&fabric, o.addr(), ns, proto::PEER_PROTOCOL_VERSION);
+    big.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    assert!(closed(&mut big));
+    let (mut junk, _) = raw_hello(&fabric, o.addr(), ns, proto::PEER_PROTOCOL_VERSION);
+    junk.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).unwrap();
+    assert!(closed(&mut junk));
+    // A request before the hello closes that connection too.
+    let mut early = TcpStream::connect(o.addr()).unwrap();
+    early.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(
+        call(&mut early, &PeerRequest::Validate { lease: 1, blocks: 1 }).unwrap(),
+        PeerReply::Refused(PeerRefusal::OutOfOrder)
+    );
+    assert!(closed(&mut early));
+    // The other connection is served as before.
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!(f.lease.len(), 4);
+    restore_and_verify(&reader, &f.lease, &o.keys);
+}
+
+fn call(s: &mut TcpStream, req: &PeerRequest) -> std::io::Result<PeerReply> {
+    let mut buf = Vec::new();
+    proto::write_msg(s, req, &mut buf)?;
+    match proto::read_msg::<PeerReply>(s, &mut buf, 64 << 20)? {
+        Frame::Msg(m) => Ok(m),
+        other => panic!("bad reply frame {other:?}"),
+    }
+}
+
+#[test]
+fn blocks_held_for_a_peer_stay_until_fetched_or_their_ttl() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 4, 3, PeerLimits::default());
+    let server = o.server.as_ref().unwrap();
+    assert_eq!(server.hold(&o.keys[2..], Duration::from_millis(1)), 1);
+    assert_eq!(server.hold(&o.keys[..2], Duration::from_secs(60)), 2);
+    assert_eq!(o.tier.evict(usize::MAX), 0, "held blocks cannot be evicted");
+    // A hold is let go when its TTL passes...
+    std::thread::sleep(Duration::from_millis(5));
+    server.expire_leases();
+    assert_eq!(server.held_blocks(), 2);
+    assert_eq!(o.tier.evict(usize::MAX), 1);
+    // ... or once a peer fetched its block.
+    let reader = tier(8, PolicyKind::Lru);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let f = client.fetch(&o.keys[..2], soon()).unwrap();
+    assert_eq!(f.lease.len(), 2);
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    assert_eq!(server.held_blocks(), 0, "a fetched block is no longer held");
+    assert_eq!(o.tier.evict(usize::MAX), 2);
+}
+
+#[test]
+fn a_key_a_local_save_reserved_first_ends_the_fetched_run() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    // A local save of k2 is in flight (WRITING) while the fetch runs.
+    let (a, gate) = (arenas(), Gate::default());
+    let rank = reader.attach(TestBackend::gated(&a, &gate)).unwrap();
+    a.fill(&[5], &o.keys[2..3]).unwrap();
+    let ticket = rank.save(&o.keys[2..3], &[5], WaitFor::Nothing).unwrap();
+    assert_eq!(reader.stats().writing_slots, 1);
+    // The owner holds all four for a peer: only the two fetched are let go.
+    assert_eq!(o.server.as_ref().unwrap().hold(&o.keys, Duration::from_secs(60)), 4);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (2, 2, 0), "the run ends at the key being saved");
+    assert_eq!(o.server.as_ref().unwrap().held_blocks(), 2, "blocks not read are still held");
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    drop(f);
+    assert_eq!(reader.stats().writing_slots, 1, "the local save's reservation is untouched");
+    gate.open();
+    ticket.handle.wait().unwrap();
+    let s = reader.stats();
+    assert_eq!((s.writing_slots, s.ready_slots, s.pinned_slots), (0, 3, 0));
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 2, "the two blocks still held");
+}

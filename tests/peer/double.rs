@@ -1,0 +1,103 @@
+//! A test-only transport double: copies whole blocks between in-process pools. Each pool is
+//! registered in a shared map (the "fabric") under an id; the id's bytes are its descriptor.
+//! A hook, run at the start of a read (between the owner's pin and the bytes), lets tests change
+//! the owner's state at that exact point.
+
+use kvtier::{BlockRead, HostTier, PeerTransport, TransportError, TransportPeer};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+type Hook = Box<dyn FnOnce() + Send>;
+
+/// The pools reachable by the doubles: id -> (base address, bytes).
+#[derive(Default)]
+pub struct Fabric {
+    pools: Mutex<HashMap<u64, (usize, u64)>>,
+    next: AtomicU64,
+}
+
+impl Fabric {
+    pub fn new() -> Arc<Fabric> {
+        Arc::new(Fabric::default())
+    }
+
+    /// A transport over `tier`'s pool, registered in the fabric.
+    pub fn transport(self: &Arc<Fabric>, tier: &HostTier) -> Arc<CopyTransport> {
+        let r = tier.pool().region();
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.pools.lock().unwrap().insert(id, (r.host_base, r.bytes));
+        Arc::new(CopyTransport { fabric: self.clone(), id, hook: Mutex::new(None), reads: AtomicU64::new(0) })
+    }
+
+    /// Takes pool `id` off the fabric (its instance went away): reads from it fail `Disconnected`.
+    pub fn unregister(&self, id: u64) {
+        self.pools.lock().unwrap().remove(&id);
+    }
+}
+
+pub struct CopyTransport {
+    fabric: Arc<Fabric>,
+    pub id: u64,
+    hook: Mutex<Option<Hook>>,
+    /// Read batches performed.
+    pub reads: AtomicU64,
+}
+
+impl CopyTransport {
+    /// Runs `hook` at the start of the next read (once).
+    pub fn on_next_read(&self, hook: impl FnOnce() + Send + 'static) {
+        *self.hook.lock().unwrap() = Some(Box::new(hook));
+    }
+}
+
+impl PeerTransport for CopyTransport {
+    fn local_descriptor(&self) -> Result<Vec<u8>, TransportError> {
+        Ok(self.id.to_le_bytes().to_vec())
+    }
+
+    fn add_peer(&self, descriptor: &[u8]) -> Result<TransportPeer, TransportError> {
+        let id =
+            u64::from_le_bytes(descriptor.try_into().map_err(|_| TransportError::Descriptor("not 8 bytes".into()))?);
+        if !self.fabric.pools.lock().unwrap().contains_key(&id) {
+            return Err(TransportError::Descriptor(format!("no pool {id}")));
+        }
+        Ok(TransportPeer(id))
+    }
+
+    fn remove_peer(&self, _peer: TransportPeer) {}
+
+    fn read(&self, peer: TransportPeer, reads: &[BlockRead], deadline: Instant) -> Result<(), TransportError> {
+        let hook = self.hook.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        if Instant::now() >= deadline {
+            return Err(TransportError::Deadline);
+        }
+        let pools = self.fabric.pools.lock().unwrap();
+        let &(rbase, rlen) = pools.get(&peer.0).ok_or(TransportError::Disconnected)?;
+        let &(lbase, llen) = pools.get(&self.id).ok_or(TransportError::Disconnected)?;
+        for r in reads {
+            if r.remote_offset.checked_add(r.len).is_none_or(|e| e > rlen) {
+                return Err(TransportError::OutOfRange(format!("remote {}+{}", r.remote_offset, r.len)));
+            }
+            if r.local_offset.checked_add(r.len).is_none_or(|e| e > llen) {
+                return Err(TransportError::OutOfRange(format!("local {}+{}", r.local_offset, r.len)));
+            }
+            // SAFETY: both ranges lie inside registered pool mappings (checked above), which the
+            // tests keep alive while a read runs (the fabric lock is held); the pools are distinct
+            // mappings, so the ranges do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (rbase + r.remote_offset as usize) as *const u8,
+                    (lbase + r.local_offset as usize) as *mut u8,
+                    r.len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
+}
