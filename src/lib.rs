@@ -60,6 +60,7 @@ mod key;
 mod metrics;
 #[cfg(feature = "remote")]
 mod remote;
+mod seeded;
 #[cfg(feature = "remote")]
 mod server;
 mod size;
