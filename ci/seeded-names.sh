@@ -2,8 +2,8 @@
 # The seeded bugs' names, checked both ways (the compiler no longer checks them: every seeded bug is
 # compiled in under KVTIER_SEEDED_BUGS=1 and picked at run time by name, see src/seeded.rs).
 # - kvtier and the CLI: each `seeded("NAME")` in src/ and cli/src/ is a bug of some bite table
-#   (ci/bites.txt with its GPU-only rows, ci/loom.sh's `bites`, ci/proptest.sh's `bites_bugs`), and each bug of those
-#   tables is a `seeded("NAME")` there.
+#   (ci/bites.txt with its GPU-only rows, ci/loom.sh's `bites`, ci/proptest.sh's `bites_bugs`,
+#   ci/sanitize.sh's `bites`), and each bug of those tables is a `seeded("NAME")` there.
 # - the Python binding: the same between python/src/ and ci/python.sh's `bites_table`.
 # A bug in no table is never shown to bite; a table's bug with no branch would "bite" nothing (its
 # test would pass and the bite fail, but under a misleading message). Exits 1 on any mismatch.
@@ -51,6 +51,15 @@ def bites_txt(path):
             rows.setdefault(m.group(1), []).append(path + " (GPU-only)")
     return rows
 
+def appended_rows(path, array):
+    """The first field of each `array+=("NAME|..")` in `path`."""
+    rows = {}
+    for m in re.finditer(r"^\s*" + array + r'\+=\("([^"|]*)\|', pathlib.Path(path).read_text(), re.M):
+        rows.setdefault(m.group(1), []).append(path)
+    if not rows:
+        sys.exit(f"ci/seeded-names.sh: no `{array}+=(` in {path}")
+    return rows
+
 def merge(*tables):
     out = {}
     for t in tables:
@@ -75,7 +84,8 @@ def check(what, src, tables):
             print(f"{name}: {', '.join(src.get(name, []))} | {', '.join(sorted(set(tables.get(name, []))))}")
 
 check("src/ and cli/src/", source_names("src", "cli/src"),
-      merge(bites_txt("ci/bites.txt"), array_rows("ci/loom.sh", "bites"), array_rows("ci/proptest.sh", "bites_bugs")))
+      merge(bites_txt("ci/bites.txt"), array_rows("ci/loom.sh", "bites"), array_rows("ci/proptest.sh", "bites_bugs"),
+            appended_rows("ci/sanitize.sh", "bites")))
 check("python/src/", source_names("python/src"), array_rows("ci/python.sh", "bites_table"))
 sys.exit(fail)
 PY
