@@ -5,9 +5,10 @@
 #
 # Usage: ci/loom.sh [models|bites|all] [TARGET...]   (default all; TARGETs such as `loom_index`
 #        restrict both the models and the bites to those test targets)
-# Env: LOOM_MAX_PREEMPTIONS (default 2), LOOM_TARGET_DIR (default target/loom). A seeded bug is the
-# private cfg `kvtier_seeded_bug="NAME"`, set by kvtier's build script from KVTIER_SEEDED_BUG, so each
-# bite rebuilds kvtier and the model only (the dependencies are built once).
+# Env: LOOM_MAX_PREEMPTIONS (default 2), LOOM_TARGET_DIR (default target/loom). The bites use one
+# build of the selected models with every seeded bug compiled in (KVTIER_SEEDED_BUGS=1, read by
+# kvtier's build script: it rebuilds kvtier and the models only, the dependencies are built once),
+# each bug then planted at run time by KVTIER_SEEDED_BUG=NAME (src/seeded.rs).
 # Recipe (facts.md section 5): --cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize, our `loom`
 # feature (which enables crossbeam-epoch/loom), --release, a target dir of its own.
 set -euo pipefail
@@ -20,6 +21,7 @@ export RUSTFLAGS="$loom_flags"
 export LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2}
 export CARGO_TARGET_DIR=${LOOM_TARGET_DIR:-target/loom}
 export RUST_BACKTRACE=0
+unset KVTIER_SEEDED_BUGS KVTIER_SEEDED_BUG
 
 # Only the loom test targets are built under the loom cfgs (ordinary tests panic there).
 targets=()
@@ -50,8 +52,8 @@ panic_messages() {
     awk '/panicked at/ { grab = 1; next } /^note:|^$|^thread / { grab = 0 } grab' "$1"
 }
 
-# seeded bug (a value of the cfg `kvtier_seeded_bug`, see Cargo.toml [lints.rust]) | test target |
-# test name (empty: the whole target) | expected panic message (substring)
+# seeded bug (a `seeded("NAME")` branch of kvtier, see src/seeded.rs; ci/seeded-names.sh checks the
+# names) | test target | test name (empty: the whole target) | expected panic message (substring)
 bites=(
     "evict-pinned|loom_lease|query_pin_holds_off_eviction|unpin of unpinned slot"
     "lease-double-settle|loom_lease|settle_exactly_once|unpin of unpinned slot"
@@ -75,20 +77,21 @@ bites=(
     "hint-race|loom_policy|a_hint_racing_its_keys_reservation_is_kept|the hinted block was evicted first although an unhinted one was evictable"
 )
 if [[ $what == all || $what == bites ]]; then
+    bash ci/seeded-names.sh || fail=1
+    # The models, built once with every seeded bug compiled in; each bite plants one at run time.
+    export KVTIER_SEEDED_BUGS=1
+    start=$(date +%s.%N)
+    if ! cargo test -p kvtier -q --release --features loom "${test_args[@]}" --no-run 2>/dev/null; then
+        echo "FAIL: the loom models do not build with the seeded bugs"
+        exit 1
+    fi
+    printf 'loom: built %s with the seeded bugs in %.0f s\n' "${targets[*]}" "$(echo "$(date +%s.%N) - $start" | bc)"
     for b in "${bites[@]}"; do
         IFS='|' read -r bug target name expect <<<"$b"
         if [[ ! " ${targets[*]} " == *" $target "* ]]; then
             echo "skip: $target not selected or not present (seeded bug $bug)"
             continue
         fi
-        start=$(date +%s.%N)
-        if ! KVTIER_SEEDED_BUG="$bug" cargo test -p kvtier -q --release --features loom --test "$target" --no-run \
-            2>/dev/null; then
-            echo "FAIL: $target does not build with seeded bug $bug"
-            fail=1
-            continue
-        fi
-        build=$(echo "$(date +%s.%N) - $start" | bc)
         start=$(date +%s.%N)
         log=$(mktemp)
         if KVTIER_SEEDED_BUG="$bug" cargo test -p kvtier -q --release --features loom --test "$target" \
@@ -100,8 +103,8 @@ if [[ $what == all || $what == bites ]]; then
             # the writer's SIGPIPE would fail the test.
             msgs=$(panic_messages "$log")
             if msg=$(grep -F -m1 -- "$expect" <<<"$msgs"); then
-                printf 'bites: %-40s %s%s (build %.0f s, run %.1f s): %s\n' "$bug" "$target" "${name:+::$name}" \
-                    "$build" "$(echo "$(date +%s.%N) - $start" | bc)" "$msg"
+                printf 'bites: %-40s %s%s (run %.1f s): %s\n' "$bug" "$target" "${name:+::$name}" \
+                    "$(echo "$(date +%s.%N) - $start" | bc)" "$msg"
             else
                 echo "FAIL: $target${name:+::$name} with seeded bug $bug failed, but not with \"$expect\":"
                 sed -n 1,5p <<<"$msgs"

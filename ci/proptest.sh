@@ -9,13 +9,27 @@
 #                                    the regression tests' bites are ci/bites.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset KVTIER_SEEDED_BUGS KVTIER_SEEDED_BUG
 
 if [[ ${1:-} == bites ]]; then
     export PROPTEST_CASES=${2:-2000} RUST_BACKTRACE=0 PROPTEST_DISABLE_FAILURE_PERSISTENCE=1
     fail=0
-    # Seeded bugs are the private cfg `kvtier_seeded_bug`, set through kvtier's build script.
-    for feature in pin-writing guard-borrows-lease-pin lease-first-consume-settles requeue-claimed-victim; do
-        KVTIER_SEEDED_BUG="$feature" cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null
+    bash ci/seeded-names.sh || fail=1
+    # One build with every seeded bug compiled in (KVTIER_SEEDED_BUGS=1, read by kvtier's build
+    # script: it rebuilds kvtier and the test only), each bug then planted at run time by
+    # KVTIER_SEEDED_BUG (src/seeded.rs; ci/seeded-names.sh checks the names).
+    export KVTIER_SEEDED_BUGS=1
+    bites_bugs=(
+        pin-writing
+        guard-borrows-lease-pin
+        lease-first-consume-settles
+        requeue-claimed-victim
+    )
+    if ! cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null; then
+        echo "FAIL: the state machine does not build with the seeded bugs"
+        exit 1
+    fi
+    for feature in "${bites_bugs[@]}"; do
         log=$(mktemp)
         if KVTIER_SEEDED_BUG="$feature" cargo test -p kvtier -q --test state_machine tier_matches_reference_model \
             >"$log" 2>&1; then

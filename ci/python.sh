@@ -8,9 +8,11 @@
 # Usage: ci/python.sh [--no-torch] [bites]
 #   --no-torch: skip installing torch and transformers (about 3.5 GB, 1.5 min); the end-to-end test
 #               and the torch storage tests then skip.
-#   bites:      instead of the suite, show that each seeded bug of the binding (the private cfg
-#               `kvtier_py_seeded_bug`, set by python/build.rs from KVTIER_PY_SEEDED_BUG) makes its
-#               tests FAIL with the expected message: one wheel build per bug (about 1 min each).
+#   bites:      instead of the suite, show that each seeded bug of the binding makes its tests
+#               FAIL with the expected message: one more wheel, built with every seeded bug compiled
+#               in (KVTIER_PY_SEEDED_BUGS=1, read by python/build.rs: the private cfg
+#               `kvtier_py_seeded_bugs`), each bug then planted at run time by
+#               KVTIER_PY_SEEDED_BUG=NAME (python/src/seeded.rs; ci/seeded-names.sh checks the names).
 # Environment: PYTHON (default python3), CARGO_TARGET_DIR (cargo's), WHEEL_DIR (default
 # target/wheels: the wheel is left there).
 set -euo pipefail
@@ -122,22 +124,23 @@ if ((bites)); then
         "ssd-error-untyped|test_ssd.py::test_a_file_of_another_geometry_is_refused_and_left_untouched|kvtier.errors.KvtierError: "
     )
     failed=0
+    bash "$repo/ci/seeded-names.sh" || failed=1
+    step "build the wheel with the seeded bugs (KVTIER_PY_SEEDED_BUGS=1)"
+    rm -rf "$work/bite-wheel"
+    if ! KVTIER_PY_SEEDED_BUGS=1 "$work/build/bin/maturin" build --release -m "$repo/python/Cargo.toml" \
+        -o "$work/bite-wheel" >"$work/bite-build.log" 2>&1; then
+        tail -20 "$work/bite-build.log"
+        echo "FAIL: the wheel does not build with the seeded bugs"
+        exit 1
+    fi
+    "${pip[@]}" --force-reinstall --no-deps "$work"/bite-wheel/kvtier-*.whl
     for row in "${bites_table[@]}"; do
         IFS='|' read -r bug tests expect <<<"$row"
         step "seeded bug $bug: $tests must fail with \"$expect\""
-        rm -rf "$work/bite-wheel"
-        if ! KVTIER_PY_SEEDED_BUG="$bug" "$work/build/bin/maturin" build --release -m "$repo/python/Cargo.toml" \
-            -o "$work/bite-wheel" >"$work/bite-build.log" 2>&1; then
-            tail -20 "$work/bite-build.log"
-            echo "FAIL: the wheel does not build with seeded bug $bug"
-            failed=1
-            continue
-        fi
-        "${pip[@]}" --force-reinstall --no-deps "$work"/bite-wheel/kvtier-*.whl
         read -r -a selection <<<"$tests"
         selection[0]="$repo/python/tests/${selection[0]}"
-        if KVTIER_TEST_HANG_S=60 "$work/test/bin/python" -m pytest -q -p no:cacheprovider "${selection[@]}" \
-            >"$work/bite.log" 2>&1; then
+        if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_TEST_HANG_S=60 "$work/test/bin/python" -m pytest -q -p no:cacheprovider \
+            "${selection[@]}" >"$work/bite.log" 2>&1; then
             echo "FAIL: seeded bug $bug did NOT make $tests fail"
             failed=1
         elif ! grep -qF -- "$expect" "$work/bite.log"; then

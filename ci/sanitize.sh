@@ -8,8 +8,9 @@
 #
 # Usage: ci/sanitize.sh [thread|address] [lane|bites|all]   (default: thread all; CI runs that)
 #   lane: the tests must pass with no report; bites: each seeded bug below must make its test stop
-#   with the sanitizer's report (a seeded bug is kvtier's private cfg `kvtier_seeded_bug`, set by
-#   its build script from KVTIER_SEEDED_BUG; only kvtier is rebuilt).
+#   with the sanitizer's report (a seeded bug is a `seeded("NAME")` branch of kvtier, src/seeded.rs:
+#   compiled in by KVTIER_SEEDED_BUGS=1, read by its build script, so only kvtier is rebuilt, and
+#   planted at run time by KVTIER_SEEDED_BUG=NAME).
 # Env: SANITIZE_TARGET_DIR (default target/sanitize-KIND).
 #
 # Flags and why:
@@ -85,11 +86,12 @@ if [[ $kind == thread ]]; then
     bites+=("index-early-unpin|tests::lookups_race_removals_of_the_same_keys|ThreadSanitizer: data race")
 fi
 if [[ $what == all || $what == bites ]]; then
+    mkdir -p "$CARGO_TARGET_DIR"
     for b in ${bites[@]+"${bites[@]}"}; do
         IFS='|' read -r bug test want <<< "$b"
         test="${unit[0]}$test"
         log=$CARGO_TARGET_DIR/bite-$bug.log
-        if KVTIER_SEEDED_BUG=$bug run --lib -- --exact "$test" > "$log" 2>&1; then
+        if KVTIER_SEEDED_BUGS=1 KVTIER_SEEDED_BUG=$bug run --lib -- --exact "$test" > "$log" 2>&1; then
             echo "FAIL: seeded bug $bug: $test passed under $kind sanitizer"
             fail=1
         elif grep -q "$want" "$log" && grep -q "${test##*::}" "$log"; then

@@ -5,7 +5,8 @@
 //! Run with `ci/loom.sh` (it builds with the loom cfgs, facts in docs/invariants.md), or by hand:
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2 \
 //!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_freelist`
-//! Seeded bugs (add `--cfg kvtier_seeded_bug="NAME"` to RUSTFLAGS):
+//! Seeded bugs (built with `KVTIER_SEEDED_BUGS=1`, planted with `KVTIER_SEEDED_BUG=NAME` at run
+//! time; `ci/loom.sh bites loom_freelist`):
 //! - `freelist-aba` (no tag increment): both ownership models fail: two owners touch one slot's
 //!   bytes (a loom causality violation) or an id is handed out twice. A push CAS weakened from
 //!   Release to Relaxed fails the same way (checked by hand).

@@ -5,7 +5,8 @@
 //! Run with `ci/loom.sh models loom_index`, or by hand (facts in docs/invariants.md):
 //! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom --cfg crossbeam_sanitize" LOOM_MAX_PREEMPTIONS=2
 //!  CARGO_TARGET_DIR=target/loom cargo test --release --features loom --test loom_index`
-//! Adding `--cfg kvtier_seeded_bug="index-early-unpin"` to RUSTFLAGS must make
+//! With the seeded bug `index-early-unpin` planted (`ci/loom.sh bites loom_index`: a build with
+//! `KVTIER_SEEDED_BUGS=1`, run with `KVTIER_SEEDED_BUG=index-early-unpin`), must make
 //! `remove_races_get_with_reclamation` fail with "use after free".
 
 use kvtier::{BlockIndex, ContentKey, SlotId, SlotRef};

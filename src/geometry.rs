@@ -270,7 +270,7 @@ impl Geometry {
     /// 2 TiB file of `glm52` blocks holds 636,857 of them.
     pub fn disk_slots(&self, file_bytes: u64) -> u64 {
         let header =
-            if cfg!(kvtier_seeded_bug = "disk-slots-ignore-header") { 0 } else { crate::disk::format::HEADER_BYTES };
+            if crate::seeded::seeded("disk-slots-ignore-header") { 0 } else { crate::disk::format::HEADER_BYTES };
         file_bytes.saturating_sub(header as u64) / self.disk_slot_bytes()
     }
     /// Payload bytes of one block (sum of copy units, without alignment padding).

@@ -66,6 +66,7 @@ mod metrics;
 mod peer;
 #[cfg(feature = "remote")]
 mod remote;
+mod seeded;
 #[cfg(feature = "remote")]
 mod server;
 mod size;

@@ -154,10 +154,7 @@ fn encode_latency(enc: &mut DescriptorEncoder<'_>, latency: &[Latency; 2]) -> st
 /// live scheduler hints).
 fn encode_tier(enc: &mut DescriptorEncoder<'_>, s: &TierStats, block_bytes: u64, hints: u64) -> std::fmt::Result {
     let t: &[(&str, &str)] = &[TIER];
-    #[cfg(not(kvtier_seeded_bug = "metrics-hits-from-misses"))]
-    let hits = s.hit_blocks;
-    #[cfg(kvtier_seeded_bug = "metrics-hits-from-misses")]
-    let hits = s.miss_blocks;
+    let hits = if crate::seeded::seeded("metrics-hits-from-misses") { s.miss_blocks } else { s.hit_blocks };
     family(enc, "kvtier_queries", "Queries answered.", None, &[(t, counter(s.queries))])?;
     family(enc, "kvtier_hit_blocks", "Blocks found by queries (leased).", None, &[(t, counter(hits))])?;
     family(
@@ -378,9 +375,7 @@ impl Health {
     pub fn is_healthy(&self) -> bool {
         match self {
             Health::Available { .. } => true,
-            #[cfg(kvtier_seeded_bug = "healthz-ignores-exhaustion")]
-            Health::Exhausted { .. } => true,
-            #[cfg(not(kvtier_seeded_bug = "healthz-ignores-exhaustion"))]
+            Health::Exhausted { .. } if crate::seeded::seeded("healthz-ignores-exhaustion") => true,
             Health::Exhausted { duration, bound, .. } => duration <= bound,
             Health::Unreachable { .. } => false,
         }

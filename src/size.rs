@@ -40,7 +40,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, SizeError> {
     if int.is_empty() && frac.is_empty() || frac.contains('.') {
         return Err(number_error());
     }
-    let any_case = cfg!(kvtier_seeded_bug = "size-unit-any-case");
+    let any_case = crate::seeded::seeded("size-unit-any-case");
     let Some(&(_, mult)) = UNITS.iter().find(|(name, _)| *name == unit || any_case && name.eq_ignore_ascii_case(unit))
     else {
         return Err(unit_error(s, number, unit));
@@ -73,7 +73,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, SizeError> {
 pub fn parse_ssd_file(s: &str) -> Result<SsdFile, SizeError> {
     let not_path_and_size = || SizeError::PathAndSize { input: s.to_string() };
     // Seeded bug (tests only): the path ends at the first colon, not the last.
-    let split = if cfg!(kvtier_seeded_bug = "ssd-flag-first-colon") { s.split_once(':') } else { s.rsplit_once(':') };
+    let split = if crate::seeded::seeded("ssd-flag-first-colon") { s.split_once(':') } else { s.rsplit_once(':') };
     let (path, size) = split.ok_or_else(not_path_and_size)?;
     if path.trim().is_empty() {
         return Err(not_path_and_size());

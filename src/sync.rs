@@ -75,8 +75,8 @@ pub use imp::*;
 #[inline]
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Seeded bug (tests only): `lock-poisons`, the old `lock().expect(..)`.
-    #[cfg(kvtier_seeded_bug = "lock-poisons")]
-    return m.lock().expect("a tier lock was poisoned by an earlier panic");
-    #[allow(unreachable_code)]
+    if crate::seeded::seeded("lock-poisons") {
+        return m.lock().expect("a tier lock was poisoned by an earlier panic");
+    }
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

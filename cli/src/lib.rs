@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod replay;
+mod seeded;
 pub mod simulate;
 pub mod size;
 pub mod stats;

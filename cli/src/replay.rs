@@ -245,7 +245,7 @@ pub struct SsdReport {
 impl SsdReport {
     fn new(config: &SsdConfig, disk_slot_bytes: u64, s: &SsdStats, hits: u64, promoted: u64) -> Self {
         // Seeded bug (tests only): promoted pages are counted as host hits too.
-        let host = if cfg!(kvtier_seeded_bug = "replay-promoted-as-host-hits") { hits } else { hits - promoted };
+        let host = if crate::seeded::seeded("replay-promoted-as-host-hits") { hits } else { hits - promoted };
         SsdReport {
             files: config.files.len(),
             admit_uses: config.admit_uses,

@@ -159,7 +159,7 @@ impl From<&PoolError> for Raised {
             P::SlotOutOfRange { slot, capacity } => {
                 r("PoolSlotOutOfRangeError").int("slot", *slot).int("capacity", *capacity)
             }
-            P::ExceedsMemory { .. } if cfg!(kvtier_py_seeded_bug = "exceeds-memory-untyped") => r("PoolError"),
+            P::ExceedsMemory { .. } if crate::seeded::seeded("exceeds-memory-untyped") => r("PoolError"),
             P::ExceedsMemory { bytes, available, what } => {
                 r("PoolExceedsMemoryError").int("bytes", *bytes).int("available", *available).str("what", what)
             }
@@ -298,7 +298,7 @@ impl From<&Error> for Raised {
             Error::Copy(c) => c.into(),
             Error::Tier(t) => t.into(),
             // Seeded bug (tests only): an SSD tier's errors all raised as the base class.
-            Error::Ssd(_) if cfg!(kvtier_py_seeded_bug = "ssd-error-untyped") => Raised::new("KvtierError", e),
+            Error::Ssd(_) if crate::seeded::seeded("ssd-error-untyped") => Raised::new("KvtierError", e),
             // The class and fields of the file's error, kvtier's whole message (`SSD tier: ...`).
             Error::Ssd(d) => Raised { message: e.to_string(), ..d.into() },
             Error::Verification { .. } => {

@@ -9,6 +9,7 @@ mod convert;
 mod errors;
 mod geometry;
 mod reaper;
+mod seeded;
 mod tier;
 
 use pyo3::prelude::*;

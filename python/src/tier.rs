@@ -480,9 +480,9 @@ impl PyTier {
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let key = key_of(key)?;
         // Seeded bug (tests only): the round trip with the GIL held.
-        #[cfg(kvtier_py_seeded_bug = "round-trip-holds-gil")]
-        return Ok(self.inner.contains(&key));
-        #[cfg(not(kvtier_py_seeded_bug = "round-trip-holds-gil"))]
+        if crate::seeded::seeded("round-trip-holds-gil") {
+            return Ok(self.inner.contains(&key));
+        }
         Ok(py.detach(|| self.inner.contains(&key)))
     }
 
@@ -492,10 +492,11 @@ impl PyTier {
     /// Raises: `ValueError` (negative `n`), `TypeError` (not an int).
     fn evict(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         // Seeded bug (tests only): a count that must fit usize (2**64 raises OverflowError).
-        #[cfg(kvtier_py_seeded_bug = "evict-count-usize")]
-        let n = n.extract::<usize>()?;
-        #[cfg(not(kvtier_py_seeded_bug = "evict-count-usize"))]
-        let n = count_of(n)?.min(self.inner.capacity() as usize);
+        let n = if crate::seeded::seeded("evict-count-usize") {
+            n.extract::<usize>()?
+        } else {
+            count_of(n)?.min(self.inner.capacity() as usize)
+        };
         Ok(py.detach(|| self.inner.evict(n)))
     }
 
@@ -542,13 +543,7 @@ impl PyTier {
     fn ssd_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let tier = &self.inner;
         // Seeded bug (tests only): the counters dropped on the way to Python.
-        #[cfg(kvtier_py_seeded_bug = "ssd-stats-unmapped")]
-        let stats: Option<kvtier::SsdStats> = {
-            let _ = tier;
-            None
-        };
-        #[cfg(not(kvtier_py_seeded_bug = "ssd-stats-unmapped"))]
-        let stats = py.detach(|| tier.ssd_stats());
+        let stats = if crate::seeded::seeded("ssd-stats-unmapped") { None } else { py.detach(|| tier.ssd_stats()) };
         stats.map(|s| ssd_stats_dict(py, &s)).transpose()
     }
 
@@ -634,12 +629,10 @@ impl Drop for PyRank {
             }
         };
         // Seeded bug (tests only): the old drain here, with the GIL held.
-        #[cfg(kvtier_py_seeded_bug = "rank-drop-holds-gil")]
-        {
+        if crate::seeded::seeded("rank-drop-holds-gil") {
             drop(rank);
             return;
         }
-        #[allow(unreachable_code)]
         {
             // The tensors go after the drain, on the reaper thread: this clone keeps them alive
             // when `watch` itself is dropped below.
@@ -761,10 +754,9 @@ impl PyRank {
     fn check_arenas(&self, py: Python<'_>) -> PyResult<()> {
         // Seeded bug (tests only): no check, so a rank copies into whatever the tensor's old
         // address is now.
-        #[cfg(not(kvtier_py_seeded_bug = "no-arena-check"))]
-        self.watch.bind(py).call_method0("check")?;
-        #[cfg(kvtier_py_seeded_bug = "no-arena-check")]
-        let _ = py;
+        if !crate::seeded::seeded("no-arena-check") {
+            self.watch.bind(py).call_method0("check")?;
+        }
         Ok(())
     }
 }
@@ -992,10 +984,11 @@ impl PyRank {
         let timeout = seconds(timeout)?;
         // Seeded bug (tests only): waiting for the calls in progress with the GIL held, which a
         // call in progress needs to return.
-        #[cfg(kvtier_py_seeded_bug = "close-waits-holding-gil")]
-        let closed = self.cell.close(timeout);
-        #[cfg(not(kvtier_py_seeded_bug = "close-waits-holding-gil"))]
-        let closed = py.detach(|| self.cell.close(timeout));
+        let closed = if crate::seeded::seeded("close-waits-holding-gil") {
+            self.cell.close(timeout)
+        } else {
+            py.detach(|| self.cell.close(timeout))
+        };
         match closed {
             Closed::Already => Ok(()),
             Closed::Done => {
@@ -1006,8 +999,9 @@ impl PyRank {
                 // Copies may still use the tensors' memory: keep them alive for good.
                 std::mem::forget(self.watch.clone_ref(py));
                 // Seeded bug (tests only): the tensors released under the calls still in progress.
-                #[cfg(kvtier_py_seeded_bug = "close-timeout-releases-tensors")]
-                self.watch.bind(py).call_method0("release")?;
+                if crate::seeded::seeded("close-timeout-releases-tensors") {
+                    self.watch.bind(py).call_method0("release")?;
+                }
                 Err(e).py()
             }
         }
@@ -1073,10 +1067,11 @@ impl Drop for PyLease {
         // SAFETY: `inner` is taken once, here, and never used afterwards (self is being dropped).
         let lease = unsafe { ManuallyDrop::take(&mut self.inner) };
         // Seeded bug (tests only): dropped here, waiting for the daemon connection with the GIL.
-        #[cfg(kvtier_py_seeded_bug = "lease-drop-inline")]
-        drop(lease);
-        #[cfg(not(kvtier_py_seeded_bug = "lease-drop-inline"))]
-        reaper::drop_lease(lease);
+        if crate::seeded::seeded("lease-drop-inline") {
+            drop(lease);
+        } else {
+            reaper::drop_lease(lease);
+        }
     }
 }
 

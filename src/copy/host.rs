@@ -332,7 +332,7 @@ impl LayerReadiness for MemcpyLayerJob {
     fn stream_wait(&self, g: usize, _stream: u64) -> Result<(), CopyError> {
         assert!(g < self.groups.len(), "layer group {g} of {}", self.groups.len());
         // Seeded bug: a layer wait that returns before its group is copied.
-        if !cfg!(kvtier_seeded_bug = "layer-ready-early") {
+        if !crate::seeded::seeded("layer-ready-early") {
             self.advance(g);
         }
         Ok(())

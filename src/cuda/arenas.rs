@@ -83,7 +83,7 @@ impl Drop for PatternJob {
             self.finished = self.event.synchronize().is_ok();
         }
         // Seeded bug: the job frees its buffer (`cuMemFree`, which waits for the whole device).
-        if self.finished && !cfg!(kvtier_seeded_bug = "pattern-job-frees") {
+        if self.finished && !crate::seeded::seeded("pattern-job-frees") {
             if let Some(b) = self.scratch.take() {
                 self.arenas.scratch.lock().unwrap_or_else(|p| p.into_inner()).push(b);
             }

@@ -170,7 +170,7 @@ impl DiskFile {
                 let req = requests[i];
                 let result = if res == stride as i32 {
                     self.count_transfer();
-                    if cfg!(kvtier_seeded_bug = "disk-batch-unverified") && outs[i].len() <= bufs[b].bytes().len() {
+                    if crate::seeded::seeded("disk-batch-unverified") && outs[i].len() <= bufs[b].bytes().len() {
                         let n = outs[i].len();
                         outs[i].copy_from_slice(&bufs[b].bytes()[..n]);
                         Ok(())

@@ -244,7 +244,7 @@ impl DiskFile {
         // wrong byte would be served, the checksums see to that, but blocks would be lost). The
         // lock is the open file's and goes with it, also when the process dies.
         // (Seeded bug, tests only: `disk-file-unlocked` takes no lock.)
-        if !cfg!(kvtier_seeded_bug = "disk-file-unlocked") {
+        if !crate::seeded::seeded("disk-file-unlocked") {
             // SAFETY: flock on a descriptor this function owns (`buffered`, open until the
             // DiskFile is dropped); no memory is passed.
             if unsafe { libc::flock(buffered.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
@@ -458,7 +458,7 @@ impl DiskFile {
             )));
         }
         let payload = &stride[..self.header.payload_bytes as usize];
-        if !cfg!(kvtier_seeded_bug = "disk-payload-unchecked") && xxh3_64(payload) != trailer.payload_xxh3 {
+        if !crate::seeded::seeded("disk-payload-unchecked") && xxh3_64(payload) != trailer.payload_xxh3 {
             return Err(unverified("its payload does not match the trailer's checksum".to_string()));
         }
         Ok(())

@@ -68,7 +68,7 @@ impl InsertLog {
     pub(crate) fn recover(&self, capacity: u32, resident_unqueued: impl Fn(u32) -> bool, mut f: impl FnMut(u32)) {
         // Seeded bug (model checking only): no recovery, a committed block written behind a
         // producer that has not written yet is not offered.
-        if cfg!(kvtier_seeded_bug = "insert-log-hole") {
+        if crate::seeded::seeded("insert-log-hole") {
             return;
         }
         for s in 0..capacity {

@@ -91,7 +91,7 @@
 //! freed memory. The models in `loom-tests/index.rs` check racing inserts of one key, removal against
 //! a lookup with reclamation, growth under a reader, removal racing a migration, two writers helping
 //! one two-chunk migration, and batched load grants racing. The seeded bug
-//! `--cfg kvtier_seeded_bug="index-early-unpin"` makes [`BlockIndex::get`] unpin before reading the
+//! `index-early-unpin` (`src/seeded.rs`) makes [`BlockIndex::get`] unpin before reading the
 //! entry's value; `remove_races_get_with_reclamation` must catch it.
 
 mod load;
@@ -261,12 +261,9 @@ impl BlockIndex {
     pub fn get(&self, key: &ContentKey) -> Option<SlotRef> {
         let guard = epoch::pin();
         let (_, t) = self.root(&guard);
-        #[cfg(not(kvtier_seeded_bug = "index-early-unpin"))]
-        {
+        if !crate::seeded::seeded("index-early-unpin") {
             t.find(key, &guard).map(Entry::value)
-        }
-        #[cfg(kvtier_seeded_bug = "index-early-unpin")]
-        {
+        } else {
             // SEEDED BUG (loom must catch it): unpin before reading the value, so a concurrent
             // removal's deferred destructor may already have run.
             let raw: *const Entry = t.find(key, &guard).map_or(std::ptr::null(), |e| e as *const Entry);

@@ -98,7 +98,7 @@ impl PeerClient {
             self.transport.read(self.peer, &reads, deadline)?;
             let valid = self.validate(lease, n, deadline)?;
             // Seeded bug (tests only): `peer-skips-validate` serves whatever the read brought.
-            if cfg!(kvtier_seeded_bug = "peer-skips-validate") {
+            if crate::seeded::seeded("peer-skips-validate") {
                 return Ok(n);
             }
             Ok((0..n).take_while(|&i| valid.get(i).copied().unwrap_or(false)).count())
@@ -107,7 +107,7 @@ impl PeerClient {
             Ok(v) => v,
             Err(e) => {
                 // Seeded bug (tests only): `peer-abort-leaks-slot` withholds the slots for good.
-                if cfg!(kvtier_seeded_bug = "peer-abort-leaks-slot") {
+                if crate::seeded::seeded("peer-abort-leaks-slot") {
                     reservation.quarantine();
                 } else {
                     drop(reservation); // aborted: index entries first, then the slots go free

@@ -237,7 +237,7 @@ impl Drop for PeerServer {
 
 impl Shared {
     fn expire_due(&self) -> usize {
-        if cfg!(kvtier_seeded_bug = "peer-lease-never-expires") {
+        if crate::seeded::seeded("peer-lease-never-expires") {
             return 0;
         }
         let now = Instant::now();
@@ -259,7 +259,7 @@ impl Shared {
     /// A reader fetched `keys` (validated): their holds settle.
     fn fetched(&self, keys: &[crate::ContentKey]) {
         // Seeded bug (tests only): `peer-hold-outlives-fetch` keeps holds until their TTL.
-        if keys.is_empty() || cfg!(kvtier_seeded_bug = "peer-hold-outlives-fetch") {
+        if keys.is_empty() || crate::seeded::seeded("peer-hold-outlives-fetch") {
             return;
         }
         let done: Vec<Hold> = {
@@ -448,7 +448,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             if held >= shared.limits.leases_per_connection {
                 return limit("leases per connection", held as u64 + 1, shared.limits.leases_per_connection as u64);
             }
-            let ttl = if cfg!(kvtier_seeded_bug = "peer-trusts-ttl") {
+            let ttl = if crate::seeded::seeded("peer-trusts-ttl") {
                 Duration::from_millis(ttl_ms)
             } else {
                 Duration::from_millis(ttl_ms).min(shared.limits.max_lease_ttl)
@@ -479,7 +479,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let map = crate::sync::lock(&shared.leases);
             let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
             let live =
-                (now < l.expires || cfg!(kvtier_seeded_bug = "peer-lease-never-expires")) && !l.lease.is_settled();
+                (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
             let read = &l.lease.blocks()[..(blocks.min(l.lease.len() as u64) as usize)];
             let valid: Vec<bool> = read.iter().map(|b| live && still_holds(&shared.core, b)).collect();
             let fetched: Vec<crate::ContentKey> =

@@ -101,7 +101,7 @@ fn key_count(req: &Request) -> Option<usize> {
 /// [`Limit::FrameBytes`] (`asked`: the payload's bytes); [`TierError::Protocol`] if the request
 /// cannot be encoded at all.
 fn check_request_size(req: &Request, limits: RequestLimits) -> Result<(), TierError> {
-    if cfg!(kvtier_seeded_bug = "client-sends-oversized") {
+    if crate::seeded::seeded("client-sends-oversized") {
         return Ok(());
     }
     if let Some(n) = key_count(req) {
@@ -170,7 +170,7 @@ impl Conn {
     /// parent's on one session. Nothing is sent.
     fn check_owner(&self) -> Result<(), TierError> {
         let current = std::process::id();
-        if current != self.pid && !cfg!(kvtier_seeded_bug = "forked-child-unchecked") {
+        if current != self.pid && !crate::seeded::seeded("forked-child-unchecked") {
             return Err(TierError::ForkedChild { owner: self.pid, current });
         }
         Ok(())
@@ -613,7 +613,7 @@ fn check_peer(stream: &UnixStream, expected: u32) -> Result<(), TierError> {
     let cred = getsockopt(stream, PeerCredentials)
         .map_err(|e| lost(format!("reading the tier daemon's credentials (SO_PEERCRED): {e}")))?;
     let found = cred.uid();
-    if found != expected && found != 0 && !cfg!(kvtier_seeded_bug = "daemon-uid-unchecked") {
+    if found != expected && found != 0 && !crate::seeded::seeded("daemon-uid-unchecked") {
         return Err(TierError::UntrustedDaemon { expected, found });
     }
     Ok(())

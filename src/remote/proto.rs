@@ -615,8 +615,7 @@ pub fn read_len(r: &mut impl Read) -> std::io::Result<usize> {
 /// I/O errors; [`std::io::ErrorKind::UnexpectedEof`] if the stream ends first.
 pub fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> std::io::Result<()> {
     buf.clear();
-    #[cfg(kvtier_seeded_bug = "frame-prealloc")]
-    {
+    if crate::seeded::seeded("frame-prealloc") {
         buf.resize(len, 0);
         buf.clear();
     }

@@ -74,10 +74,11 @@ impl Clients {
     pub(super) fn register(&self, pid: Option<u32>) -> (u64, Arc<ClientCounters>) {
         let mut map = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        #[cfg(kvtier_seeded_bug = "client-counters-shared")]
-        if let Some(c) = map.values().next().cloned() {
-            map.insert(id, c.clone());
-            return (id, c);
+        if crate::seeded::seeded("client-counters-shared") {
+            if let Some(c) = map.values().next().cloned() {
+                map.insert(id, c.clone());
+                return (id, c);
+            }
         }
         let c = Arc::new(ClientCounters::new(pid));
         map.insert(id, c.clone());

@@ -118,7 +118,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
     let (peer, pidfd) = peer_process(stream);
     let pid = peer.pid;
     let who = ShowPid(pid);
-    let write_timeout = (!cfg!(kvtier_seeded_bug = "no-write-timeout")).then_some(limits.write_timeout);
+    let write_timeout = (!crate::seeded::seeded("no-write-timeout")).then_some(limits.write_timeout);
     if stream.set_read_timeout(Some(limits.hello_timeout)).is_err() || stream.set_write_timeout(write_timeout).is_err()
     {
         return;
@@ -156,9 +156,8 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
         return;
     }
     tracing::info!("process {who} (uid {}, gid {}) connected", ShowPid(peer.uid), ShowPid(peer.gid));
-    let pidfd_raw = pidfd.as_ref().map(|f| f.as_raw_fd());
-    #[cfg(kvtier_seeded_bug = "session-outlives-process")]
-    let pidfd_raw = None;
+    let pidfd_raw =
+        pidfd.as_ref().map(|f| f.as_raw_fd()).filter(|_| !crate::seeded::seeded("session-outlives-process"));
     let counted = SessionCount::new(shared.clone());
     let mut session = Session::new(shared.clone(), pid, pidfd);
     let mut writer = proto::NoSigPipe(stream);
@@ -198,8 +197,7 @@ pub(super) fn serve(shared: Arc<Shared>, stream: &UnixStream, _slot: ConnSlot) {
                     Some(reply)
                 }
             }
-            #[cfg(kvtier_seeded_bug = "oversized-frame-closes")]
-            Ok(Incoming::Oversized { .. }) => break,
+            Ok(Incoming::Oversized { .. }) if crate::seeded::seeded("oversized-frame-closes") => break,
             Ok(Incoming::Oversized { len }) => Some(Reply::Error(WireError::LimitExceeded {
                 limit: Limit::FrameBytes,
                 asked: len,

@@ -125,7 +125,7 @@ impl Limits {
         let per_slot =
             (self.connections as u128) * (self.leases_per_connection.min(self.leased_blocks_per_connection) as u128);
         let pins = crate::slab::slot::SlotWord::LEASE_PINS as u128 / 2;
-        if per_slot > pins && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+        if per_slot > pins && !crate::seeded::seeded("leased-blocks-unbounded") {
             return Err(LimitsError::LeasePins {
                 connections: self.connections,
                 leases: self.leases_per_connection,

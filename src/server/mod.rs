@@ -113,7 +113,7 @@ impl Server {
     /// or its directory cannot be given to `config.group`.
     pub fn bind_with(path: impl AsRef<Path>, tier: HostTier, config: ServerConfig) -> Result<Server, Error> {
         let path = path.as_ref().to_path_buf();
-        if tier.is_connected_tier() && !cfg!(kvtier_seeded_bug = "serve-connected") {
+        if tier.is_connected_tier() && !crate::seeded::seeded("serve-connected") {
             return Err(Error::ServeConnected);
         }
         if tier.pool().shared_fd().is_none() {
@@ -202,7 +202,7 @@ impl Server {
             let live = self.shared.live.fetch_add(1, Ordering::AcqRel) + 1;
             let mut slot = ConnSlot::new(self.shared.clone());
             let stream = Arc::new(stream);
-            if live > limits.connections && !cfg!(kvtier_seeded_bug = "no-connection-limit") {
+            if live > limits.connections && !crate::seeded::seeded("no-connection-limit") {
                 tracing::warn!("refusing a connection: {} are open, the limit is {}", live - 1, limits.connections);
                 refuse(&self.shared, stream, over(Limit::Connections, live, limits.connections));
                 drop(slot);
@@ -231,8 +231,9 @@ impl Server {
                 .stack_size(limits.thread_stack_bytes)
                 .spawn(move || serve(shared, &s, slot));
             if let Err(e) = spawned {
-                #[cfg(kvtier_seeded_bug = "spawn-failure-stops-daemon")]
-                return Err(e);
+                if crate::seeded::seeded("spawn-failure-stops-daemon") {
+                    return Err(e);
+                }
                 tracing::warn!("refusing a connection: its thread cannot start: {e}");
                 let e = WireError::Other(format!("the daemon could not start a thread for this connection: {e}"));
                 refuse(&self.shared, stream, e);

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn misuse(reason: impl Into<String>) -> TierError {
-    if cfg!(kvtier_seeded_bug = "misuse-untyped") {
+    if crate::seeded::seeded("misuse-untyped") {
         return TierError::Disconnected { reason: reason.into() };
     }
     TierError::Protocol { reason: reason.into() }
@@ -43,7 +43,7 @@ impl PendingSave {
 impl Drop for PendingSave {
     fn drop(&mut self) {
         if let Some(r) = self.reservation.take() {
-            if !cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+            if !crate::seeded::seeded("pending-copy-drop-frees") {
                 r.quarantine();
             }
         }
@@ -65,7 +65,7 @@ impl PendingRestore {
 
 impl Drop for PendingRestore {
     fn drop(&mut self) {
-        if cfg!(kvtier_seeded_bug = "pending-copy-drop-frees") {
+        if crate::seeded::seeded("pending-copy-drop-frees") {
             return;
         }
         if let Some(p) = self.pins.take() {
@@ -205,7 +205,7 @@ impl Session {
     fn check_leased_blocks(&self, n: usize) -> Result<(), TierError> {
         let max = self.shared.limits.leased_blocks_per_connection;
         let asked = self.leased_blocks.saturating_add(n);
-        if asked > max && !cfg!(kvtier_seeded_bug = "leased-blocks-unbounded") {
+        if asked > max && !crate::seeded::seeded("leased-blocks-unbounded") {
             return Err(limit(Limit::LeasedBlocksPerConnection, asked, max));
         }
         Ok(())
@@ -249,9 +249,9 @@ impl Session {
     }
 
     fn run_request(&mut self, req: Request, name: &'static str) -> Reply {
-        #[cfg(kvtier_seeded_bug = "request-panic-unwinds")]
-        return self.handle(req).unwrap_or_else(|e| Reply::Error(WireError::from(&e)));
-        #[allow(unreachable_code)]
+        if crate::seeded::seeded("request-panic-unwinds") {
+            return self.handle(req).unwrap_or_else(|e| Reply::Error(WireError::from(&e)));
+        }
         match catch_unwind(AssertUnwindSafe(|| self.handle(req))) {
             Ok(Ok(reply)) => reply,
             Ok(Err(e)) => {
@@ -552,7 +552,7 @@ impl Session {
         self.lease_sizes.clear();
         self.leased_blocks = 0;
         for h in std::mem::take(&mut self.hints) {
-            if !cfg!(kvtier_seeded_bug = "hints-outlive-connection") {
+            if !crate::seeded::seeded("hints-outlive-connection") {
                 self.shared.tier.withdraw_hint(crate::tier::HintId::from_number(h.id));
             }
         }
@@ -629,8 +629,9 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        #[cfg(not(kvtier_seeded_bug = "session-drop-skips-close"))]
-        self.end();
+        if !crate::seeded::seeded("session-drop-skips-close") {
+            self.end();
+        }
     }
 }
 

@@ -159,7 +159,7 @@ impl Shared {
     pub(super) fn take_slots(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
         let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
         let h = held.entry(pid).or_default();
-        if h.saturating_add(n) > self.slot_bound && !cfg!(kvtier_seeded_bug = "slots-unbounded-per-process") {
+        if h.saturating_add(n) > self.slot_bound && !crate::seeded::seeded("slots-unbounded-per-process") {
             return Err(limit(Limit::SlotsPerProcess, h.saturating_add(n), self.slot_bound));
         }
         *h += n;
@@ -191,7 +191,7 @@ impl Shared {
         let gone = {
             let mut parked = self.parked.lock().unwrap_or_else(|e| e.into_inner());
             let mut gone = None;
-            let same = if cfg!(kvtier_seeded_bug = "parked-pidfd-per-connection") {
+            let same = if crate::seeded::seeded("parked-pidfd-per-connection") {
                 None
             } else {
                 parked.iter().position(|q| q.pid == p.pid)
@@ -234,10 +234,11 @@ impl Shared {
     pub(super) fn register(&self, lease: Lease) -> u64 {
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            #[cfg(kvtier_seeded_bug = "sequential-lease-ids")]
-            let id = leases.keys().max().map_or(1, |m| m + 1);
-            #[cfg(not(kvtier_seeded_bug = "sequential-lease-ids"))]
-            let id = random_u64();
+            let id = if crate::seeded::seeded("sequential-lease-ids") {
+                leases.keys().max().map_or(1, |m| m + 1)
+            } else {
+                random_u64()
+            };
             if id != 0 && !leases.contains_key(&id) {
                 leases.insert(id, LeaseEntry { lease, holders: 1 });
                 return id;
@@ -278,7 +279,7 @@ impl ConnSlot {
     pub(super) fn count_process(&mut self, pid: u32) -> Result<(), usize> {
         let mut by_pid = self.0.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
         let n = by_pid.entry(pid).or_default();
-        if *n >= self.0.limits.connections_per_process && !cfg!(kvtier_seeded_bug = "no-per-process-connection-limit") {
+        if *n >= self.0.limits.connections_per_process && !crate::seeded::seeded("no-per-process-connection-limit") {
             let asked = *n + 1;
             if *n == 0 {
                 by_pid.remove(&pid);

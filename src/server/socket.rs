@@ -52,8 +52,7 @@ pub(super) fn socket_dir(dir: &Path, group: Option<u32>) -> Result<(), Error> {
 /// Clears the way for a socket at `path`: nothing there, or a stale socket (nobody accepts on it:
 /// a connect is refused), which is removed. Anything else is an error and is left alone.
 pub(super) fn clear_stale_socket(path: &Path) -> Result<(), Error> {
-    #[cfg(kvtier_seeded_bug = "bind-deletes-anything")]
-    if UnixStream::connect(path).is_err() {
+    if crate::seeded::seeded("bind-deletes-anything") && UnixStream::connect(path).is_err() {
         let _ = std::fs::remove_file(path);
     }
     let m = match std::fs::symlink_metadata(path) {
@@ -103,7 +102,7 @@ pub(super) fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&lp)
         .map_err(|source| Error::Io { what: "opening the socket's lock file", path: lp.clone(), source })?;
-    if cfg!(kvtier_seeded_bug = "bind-unlocked") {
+    if crate::seeded::seeded("bind-unlocked") {
         return Ok(f);
     }
     loop {
@@ -133,7 +132,7 @@ pub(super) fn bind_socket(path: &Path) -> Result<UnixListener, Error> {
 
 /// [`bind_socket`]'s work; the caller holds [`UMASK`].
 pub(super) fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Error> {
-    let mask = if cfg!(kvtier_seeded_bug = "bind-umask-window") { None } else { Some(0o177) };
+    let mask = if crate::seeded::seeded("bind-umask-window") { None } else { Some(0o177) };
     // SAFETY: umask sets the process's file mode creation mask and returns the old one.
     let old = mask.map(|m| unsafe { libc::umask(m) });
     let bound = UnixListener::bind(path);

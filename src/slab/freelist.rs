@@ -60,7 +60,7 @@
 //! `avail` is one more counter write per push and per pop, as the per-shard lengths it replaces were,
 //! but on a line that every thread writes (see `cargo bench --bench slab` for what that costs).
 //!
-//! The seeded bug `--cfg kvtier_seeded_bug="freelist-missed-pop"` brings the miss back (a pop that
+//! The seeded bug `freelist-missed-pop` (`src/seeded.rs`) brings the miss back (a pop that
 //! finds nothing in one sweep gives its reservation back and returns `None`); the loom model
 //! `pop_racing_push_and_pop_finds_an_id` fails with it.
 //!
@@ -81,7 +81,7 @@
 //! it only installs `i` on top of the head it saw. The reservation does not touch the heads, so it
 //! changes nothing here.
 //!
-//! The seeded bug `--cfg kvtier_seeded_bug="freelist-aba"` removes the tag increment;
+//! The seeded bug `freelist-aba` removes the tag increment;
 //! `loom-tests/freelist.rs` finds the double hand-out above.
 //!
 //! # Memory orderings
@@ -250,7 +250,7 @@ impl FreeList {
                     return Some(id);
                 }
             }
-            if cfg!(kvtier_seeded_bug = "freelist-missed-pop") {
+            if crate::seeded::seeded("freelist-missed-pop") {
                 // Seeded bug: the old single sweep; give the reservation back and report empty.
                 self.avail.fetch_add(1, Ordering::Release);
                 return None;
@@ -320,11 +320,8 @@ impl FreeList {
             }
             let id = top - 1;
             let below = self.next[id as usize].load(Ordering::Relaxed);
-            #[cfg(not(kvtier_seeded_bug = "freelist-aba"))]
-            let new_tag = tag.wrapping_add(1);
             // Seeded bug: the tag stays, so a head that went i -> ... -> i again looks unchanged.
-            #[cfg(kvtier_seeded_bug = "freelist-aba")]
-            let new_tag = tag;
+            let new_tag = if crate::seeded::seeded("freelist-aba") { tag } else { tag.wrapping_add(1) };
             match shard.head.compare_exchange_weak(head, pack(new_tag, below), Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
                     #[cfg(debug_assertions)]

@@ -459,7 +459,7 @@ fn memlock_limit() -> Option<u64> {
 /// the hugetlb mapping is made.
 fn check_backable(data: u64, backing: Backing, config: &PoolConfig) -> Result<(), PoolError> {
     let bytes = map_len(data, backing)? as u64;
-    if config.mlock && !cfg!(kvtier_seeded_bug = "pool-unchecked-memory") {
+    if config.mlock && !crate::seeded::seeded("pool-unchecked-memory") {
         if let Some(limit) = memlock_limit() {
             if bytes > limit {
                 return Err(PoolError::ExceedsMemory {
@@ -473,7 +473,7 @@ fn check_backable(data: u64, backing: Backing, config: &PoolConfig) -> Result<()
     if backing == Backing::HugeTlb || config.overcommit {
         return Ok(());
     }
-    if let Some(total) = meminfo_bytes("MemTotal").filter(|_| !cfg!(kvtier_seeded_bug = "pool-unchecked-memory")) {
+    if let Some(total) = meminfo_bytes("MemTotal").filter(|_| !crate::seeded::seeded("pool-unchecked-memory")) {
         let total = total.saturating_sub(meminfo_bytes("Hugetlb").unwrap_or(0));
         if bytes > total {
             return Err(PoolError::ExceedsMemory {

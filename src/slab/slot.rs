@@ -259,17 +259,13 @@ impl SlotControl {
         let limit = limit.min(SlotWord::MAX_PINS);
         let mut why = PinError::NotReady;
         let r = self.update(slot, Ordering::Acquire, |w| {
-            let gen_ok = w.generation() == (generation & SlotWord::GEN_MASK);
-            #[cfg(kvtier_seeded_bug = "stale-generation")]
-            let gen_ok = {
-                let _ = gen_ok;
-                true
-            };
+            let gen_ok =
+                w.generation() == (generation & SlotWord::GEN_MASK) || crate::seeded::seeded("stale-generation");
             if !gen_ok {
                 why = PinError::Stale;
                 None
             } else if w.state() != SlotState::Ready
-                && !(cfg!(kvtier_seeded_bug = "pin-writing") && w.state() == SlotState::Writing)
+                && !(crate::seeded::seeded("pin-writing") && w.state() == SlotState::Writing)
             {
                 // (Seeded bug, model checking only: `pin-writing` lets a query pin a slot
                 // whose save has not committed.)
@@ -299,12 +295,7 @@ impl SlotControl {
     /// `None` if the slot is pinned, not ready, or changed meanwhile.
     pub fn begin_evict(&self, slot: SlotId) -> Option<u64> {
         self.update(slot, Ordering::Acquire, |w| {
-            let unpinned = w.pins() == 0;
-            #[cfg(kvtier_seeded_bug = "evict-pinned")]
-            let unpinned = {
-                let _ = unpinned;
-                true
-            };
+            let unpinned = w.pins() == 0 || crate::seeded::seeded("evict-pinned");
             (w.state() == SlotState::Ready && unpinned).then(|| SlotWord::new(SlotState::Evicting, 0, w.generation()))
         })
         .ok()

@@ -113,7 +113,7 @@ impl From<CopyOutcome> for Outcome {
             CopyOutcome::Done => Outcome::Done,
             CopyOutcome::Failed => Outcome::Failed,
             CopyOutcome::Unknown => Outcome::Unknown,
-            CopyOutcome::SubmitPanicked if cfg!(kvtier_seeded_bug = "submit-panic-spends-use") => Outcome::Unknown,
+            CopyOutcome::SubmitPanicked if crate::seeded::seeded("submit-panic-spends-use") => Outcome::Unknown,
             CopyOutcome::SubmitPanicked => Outcome::SubmitPanicked,
         }
     }

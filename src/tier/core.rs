@@ -393,19 +393,17 @@ impl Core {
             // With an SSD tier, a block without a disk copy (dirty) goes after every clean one:
             // evicting a clean block loses nothing the SSD tier cannot give back.
             // (Seeded bug, tests only: `ssd-evicts-dirty-first` ignores the disk copies.)
-            if !ssd.is_clean(slot, w.generation()) && !cfg!(kvtier_seeded_bug = "ssd-evicts-dirty-first") {
+            if !ssd.is_clean(slot, w.generation()) && !crate::seeded::seeded("ssd-evicts-dirty-first") {
                 c += self.chain_classes();
             }
         }
         if hints && self.hints.hinted(slot, w.generation(), now) {
             // Seeded bug (model checking only): hinted blocks are withheld from the policy instead of
             // ranked last, so a save that needs them fails.
-            #[cfg(kvtier_seeded_bug = "hinted-never-evicted")]
-            return None;
-            #[allow(unreachable_code)]
-            {
-                c += self.unhinted_classes();
+            if crate::seeded::seeded("hinted-never-evicted") {
+                return None;
             }
+            c += self.unhinted_classes();
         }
         Some(c)
     }

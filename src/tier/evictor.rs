@@ -58,7 +58,7 @@ impl<'a> Claims<'a> {
         // No more victims exist than slots: a larger `n` (any caller's argument) is clamped before
         // anything is sized by it.
         // (Seeded bug, tests only: `evict-unclamped` sizes the candidates by the caller's `n`.)
-        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(core.pool.capacity() as usize) };
+        let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(core.pool.capacity() as usize) };
         let mut cands = Vec::with_capacity(n);
         // The preference order: chain place and hints (see `Core::victim_class`).
         let (hints, now) = (core.hints.any(), core.hints.now());
@@ -76,13 +76,14 @@ impl<'a> Claims<'a> {
                 Some(generation) => {
                     super::stats::sub(&core.counters.ready_slots, 1);
                     // Seeded bug (tests only): a claimed slot is not counted as evicting.
-                    if !cfg!(kvtier_seeded_bug = "evicting-uncounted") {
+                    if !crate::seeded::seeded("evicting-uncounted") {
                         add(&core.counters.evicting_slots, 1);
                     }
                     self.victims.push((s, generation));
                     // Seeded bug (model checking only): the claimed victim goes back to the policy.
-                    #[cfg(kvtier_seeded_bug = "requeue-claimed-victim")]
-                    core.policy.on_cancel(s);
+                    if crate::seeded::seeded("requeue-claimed-victim") {
+                        core.policy.on_cancel(s);
+                    }
                 }
                 None => core.policy.on_cancel(s),
             }
@@ -185,7 +186,7 @@ impl Core {
         }
         // Never evict while a slot is free: a slot freed since the last pop replaces a claim.
         // (Seeded bug, tests only: `evict-while-free` skips this step.)
-        while !claims.is_empty() && !cfg!(kvtier_seeded_bug = "evict-while-free") {
+        while !claims.is_empty() && !crate::seeded::seeded("evict-while-free") {
             match self.pool.alloc() {
                 Some(s) => {
                     got.push(s);
@@ -198,10 +199,11 @@ impl Core {
             if let Want::Exactly(_) = want {
                 let have = got.len() + claims.len();
                 // Seeded bug (tests only): a save that cannot fit evicts what it claimed anyway.
-                #[cfg(kvtier_seeded_bug = "unfit-save-evicts")]
-                claims.finish(&mut got, EvictReason::Capacity);
-                #[cfg(not(kvtier_seeded_bug = "unfit-save-evicts"))]
-                drop(claims);
+                if crate::seeded::seeded("unfit-save-evicts") {
+                    claims.finish(&mut got, EvictReason::Capacity);
+                } else {
+                    drop(claims);
+                }
                 for s in got {
                     self.pool.free(s);
                 }
@@ -216,7 +218,7 @@ impl Core {
     /// generation-bumped, not on the free list) slots to `out`. Returns how many were evicted. An
     /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
-        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
+        let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
         let _serialise = self.lock_eviction();
         let mut claims = Claims::new(self);
         let mut stalls = 0;
@@ -227,7 +229,7 @@ impl Core {
         }
         let evicted = claims.len();
         // Seeded bug (tests only): an asked-for eviction is counted as a save's.
-        let reason = if cfg!(kvtier_seeded_bug = "explicit-evicts-as-capacity") {
+        let reason = if crate::seeded::seeded("explicit-evicts-as-capacity") {
             EvictReason::Capacity
         } else {
             EvictReason::Explicit

@@ -68,14 +68,14 @@ impl LeaseState {
     /// Settles the lease as `how` if nobody has, dropping its pins; returns true if this call
     /// settled it. The CAS is what makes settling exactly-once under races.
     pub(crate) fn settle(&self, control: &SlotControl, counters: &Counters, how: Settled) -> bool {
-        #[cfg(not(kvtier_seeded_bug = "lease-double-settle"))]
-        let first =
-            self.settled.compare_exchange(Settled::Live as u8, how as u8, Ordering::AcqRel, Ordering::Acquire).is_ok();
-        // Seeded bug (model checking only): check-then-act instead of one CAS.
-        #[cfg(kvtier_seeded_bug = "lease-double-settle")]
-        let first = self.settled.load(Ordering::Acquire) == Settled::Live as u8 && {
-            self.settled.store(how as u8, Ordering::Release);
-            true
+        let first = if crate::seeded::seeded("lease-double-settle") {
+            // Seeded bug (model checking only): check-then-act instead of one CAS.
+            self.settled.load(Ordering::Acquire) == Settled::Live as u8 && {
+                self.settled.store(how as u8, Ordering::Release);
+                true
+            }
+        } else {
+            self.settled.compare_exchange(Settled::Live as u8, how as u8, Ordering::AcqRel, Ordering::Acquire).is_ok()
         };
         if first {
             for b in &self.blocks {
@@ -143,7 +143,7 @@ impl LeaseClock {
                 continue;
             }
             // Seeded bug (tests only): `lease-expiry-ignores-age` expires leases of any age.
-            if now.saturating_duration_since(*created) < ttl && !cfg!(kvtier_seeded_bug = "lease-expiry-ignores-age") {
+            if now.saturating_duration_since(*created) < ttl && !crate::seeded::seeded("lease-expiry-ignores-age") {
                 break;
             }
             if lease.settle(control, counters, Settled::Expired) {

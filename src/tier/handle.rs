@@ -85,10 +85,9 @@ impl HandleShared {
         self.cv.notify_all();
         for w in wakers {
             // A waker that panics (an executor's bug) must not end the rank's completion thread.
-            #[cfg(kvtier_seeded_bug = "waker-panic-kills-completion")]
-            w.wake();
-            #[cfg(not(kvtier_seeded_bug = "waker-panic-kills-completion"))]
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())).is_err() {
+            if crate::seeded::seeded("waker-panic-kills-completion") {
+                w.wake();
+            } else if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())).is_err() {
                 tracing::error!("a CopyHandle waker panicked; the panic was contained");
             }
         }

@@ -137,8 +137,9 @@ impl Hints {
         // Announce the hint before looking its keys up, with a read-modify-write of `live` (see
         // `on_reserve`): a save reserving one of the keys now either is seen by the lookups below,
         // or sees a live hint and waits for this table lock, then finds the key in the table.
-        #[cfg(not(kvtier_seeded_bug = "hint-race"))]
-        self.live.swap(t.hints.len() + 1, Ordering::AcqRel);
+        if !crate::seeded::seeded("hint-race") {
+            self.live.swap(t.hints.len() + 1, Ordering::AcqRel);
+        }
         let id = t.next;
         t.next += 1;
         let mut own: Vec<ContentKey> = Vec::with_capacity(keys.len());
@@ -218,10 +219,11 @@ impl Hints {
     /// Either way a hint given while its key's save is reserving is not lost.
     pub(crate) fn on_reserve(&self, control: &SlotControl, key: &ContentKey, r: SlotRef) {
         // Seeded bug (model checking only): a plain load, which may miss a hint being added.
-        #[cfg(kvtier_seeded_bug = "hint-race")]
-        let live = self.live.load(Ordering::Relaxed);
-        #[cfg(not(kvtier_seeded_bug = "hint-race"))]
-        let live = self.live.fetch_add(0, Ordering::AcqRel);
+        let live = if crate::seeded::seeded("hint-race") {
+            self.live.load(Ordering::Relaxed)
+        } else {
+            self.live.fetch_add(0, Ordering::AcqRel)
+        };
         if live == 0 {
             return;
         }

@@ -213,15 +213,13 @@ impl Lease {
     /// ready, appending them. Returns true if the run ended at a key the host does not hold.
     fn lease_host_run(core: &Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> bool {
         let reader = core.index().reader();
-        #[cfg_attr(kvtier_seeded_bug = "lease-pins-repeated-key", allow(unused_mut, unused_variables))]
         let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
         for k in &keys[blocks.len()..] {
             let Some(r) = reader.get(k) else { return true };
             // A content key is a lineage hash: a key repeated in one prompt is no longer its
             // prefix. The lease stops at the first repeated key, so it holds at most one pin
             // per slot (one query can never take a slot's pins from others).
-            #[cfg(not(kvtier_seeded_bug = "lease-pins-repeated-key"))]
-            if seen.repeated(k, blocks) {
+            if !crate::seeded::seeded("lease-pins-repeated-key") && seen.repeated(k, blocks) {
                 return false;
             }
             if core.pin_for_lease(r.slot, r.generation).is_err() {
@@ -363,8 +361,8 @@ impl Lease {
         let blocks = &self.blocks()[..n];
         // Seeded bug (model checking only): the old order, a use taken before the pins, lets a
         // rank that holds a use fail to pin because another rank settled and the block was evicted.
-        #[cfg(kvtier_seeded_bug = "restore-use-before-pin")]
-        if !l.take_use() {
+        let use_first = crate::seeded::seeded("restore-use-before-pin");
+        if use_first && !l.take_use() {
             return Err(l.settled_error());
         }
         let pins = SlotPins::take(&l.core, blocks.iter().map(|b| b.slot)).map_err(|(i, e)| match e {
@@ -372,8 +370,7 @@ impl Lease {
             // Only a settled lease lets its blocks go: the use check below would fail too.
             PinError::Stale | PinError::NotReady => l.settled_error(),
         })?;
-        #[cfg(not(kvtier_seeded_bug = "restore-use-before-pin"))]
-        if !l.take_use() {
+        if !use_first && !l.take_use() {
             drop(pins);
             return Err(l.settled_error());
         }
@@ -429,10 +426,15 @@ impl InProcessLease {
         // plants the old code whole (that order and this rule): with the rule above alone, a use
         // taken before the pins is no longer a fault, since the taken use keeps the lease (and
         // its pins) until the hold is submitted or given back.
-        #[cfg(any(kvtier_seeded_bug = "use-returned-to-settled-lease", kvtier_seeded_bug = "restore-use-before-pin"))]
-        let after = after as u32 as u64;
+        let after = if crate::seeded::seeded("use-returned-to-settled-lease")
+            || crate::seeded::seeded("restore-use-before-pin")
+        {
+            after as u32 as u64
+        } else {
+            after
+        };
         // Seeded bug (model checking only): the first rank's restore settles a shared lease.
-        let last = after == 0 || cfg!(kvtier_seeded_bug = "lease-first-consume-settles");
+        let last = after == 0 || crate::seeded::seeded("lease-first-consume-settles");
         if last {
             self.settle(Settled::Consumed);
         }

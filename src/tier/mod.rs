@@ -349,7 +349,7 @@ impl HostTier {
             Flavor::InProcess(core) => core,
             Flavor::Connected(d) => return d.conn.evict(n).unwrap_or(0),
         );
-        let n = if cfg!(kvtier_seeded_bug = "evict-unclamped") { n } else { n.min(self.capacity() as usize) };
+        let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(self.capacity() as usize) };
         let mut slots = Vec::with_capacity(n.min(1024));
         let freed = core.evict_into(n, &mut slots);
         for s in slots {

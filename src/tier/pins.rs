@@ -27,24 +27,19 @@ impl SlotPins {
     ///
     /// A restore takes its pins through [`crate::Lease`]'s restore claim, which calls this.
     pub fn take(core: &Arc<Core>, refs: impl IntoIterator<Item = SlotRef>) -> Result<Self, (usize, PinError)> {
-        #[cfg_attr(kvtier_seeded_bug = "guard-borrows-lease-pin", allow(unused_mut))]
         let mut pins = SlotPins { core: core.clone(), slots: Vec::new() };
         for (i, r) in refs.into_iter().enumerate() {
             // Seeded bug (model checking only): the guard "borrows" the lease's pin instead of taking
             // its own, so a lease settled while its copy is in flight lets the slot be evicted.
-            #[cfg(kvtier_seeded_bug = "guard-borrows-lease-pin")]
-            {
+            if crate::seeded::seeded("guard-borrows-lease-pin") {
                 let w = core.pool().control().load(r.slot);
                 if w.generation() != r.generation || w.state() != crate::slab::slot::SlotState::Ready {
                     return Err((i, PinError::Stale));
                 }
                 continue;
             }
-            #[allow(unreachable_code)]
-            {
-                core.pin(r.slot, r.generation).map_err(|e| (i, e))?;
-                pins.slots.push(r.slot);
-            }
+            core.pin(r.slot, r.generation).map_err(|e| (i, e))?;
+            pins.slots.push(r.slot);
         }
         Ok(pins)
     }
@@ -147,7 +142,7 @@ impl WriteReservation {
             before(r);
             // Seeded bug (model checking only): the old order, commit then pin, leaves a window in
             // which an evictor takes the block before its lease holds it.
-            if cfg!(kvtier_seeded_bug = "promotion-commit-unpinned") {
+            if crate::seeded::seeded("promotion-commit-unpinned") {
                 self.core.commit_reserved(*r);
                 let _ = self.core.pin(r.slot, r.generation);
                 continue;

@@ -93,12 +93,10 @@ impl Drop for Job {
         if let Some(settle) = self.settle.take() {
             // Seeded bug (tests only): the old behaviour, an unwind drops the reservation or the
             // pins (frees the slots under a copy that may still run).
-            #[cfg(kvtier_seeded_bug = "submit-panic-releases")]
-            {
+            if crate::seeded::seeded("submit-panic-releases") {
                 drop(settle);
                 return;
             }
-            #[allow(unreachable_code)]
             {
                 tracing::error!(
                     "a submitted {:?} of {} blocks was dropped unfinished; its host slots are quarantined",
@@ -111,7 +109,7 @@ impl Drop for Job {
                 }
                 // Seeded bug (tests only): the old behaviour, the handle and the load left as
                 // they were, so its waiters and the rank's drain wait for ever.
-                if cfg!(kvtier_seeded_bug = "job-drop-leaves-waiters") {
+                if crate::seeded::seeded("job-drop-leaves-waiters") {
                     return;
                 }
                 self.inflight.load(self.dir).fetch_sub(self.blocks, Ordering::Relaxed);
@@ -197,7 +195,7 @@ impl Job {
                 if let Some(settle) = self.settle.take() {
                     // Seeded bug (tests only): `wait-panic-releases` settles the copy as failed
                     // (its slots freed, its pins dropped) although it may still be running.
-                    let outcome = if cfg!(kvtier_seeded_bug = "wait-panic-releases") {
+                    let outcome = if crate::seeded::seeded("wait-panic-releases") {
                         CopyOutcome::Failed
                     } else {
                         CopyOutcome::Unknown
@@ -289,13 +287,11 @@ impl Rank {
                 .spawn(move || {
                     // Completions of one direction finish in submission order (one stream each).
                     while let Ok(job) = rx.recv() {
-                        #[cfg(kvtier_seeded_bug = "waker-panic-kills-completion")]
-                        {
+                        if crate::seeded::seeded("waker-panic-kills-completion") {
                             job.finish(&tier, &inf);
                             continue;
                         }
                         // A backstop: nothing in `finish` may end the thread that later jobs wait on.
-                        #[allow(unreachable_code)]
                         if catch_unwind(AssertUnwindSafe(|| job.finish(&tier, &inf))).is_err() {
                             tracing::error!("finishing a copy panicked; the completion thread goes on");
                         }
@@ -389,9 +385,9 @@ impl Rank {
             Err(panic) => {
                 // The backend may have queued the copy before it panicked: its outcome is unknown,
                 // so the slots are quarantined, never released (an unwind frees nothing).
-                #[cfg(kvtier_seeded_bug = "submit-panic-releases")]
-                std::panic::resume_unwind(panic);
-                #[allow(unreachable_code)]
+                if crate::seeded::seeded("submit-panic-releases") {
+                    std::panic::resume_unwind(panic);
+                }
                 {
                     drop(panic);
                     tracing::error!(
@@ -582,7 +578,7 @@ impl Rank {
             (Flavor::InProcess(core), LeaseOf::InProcess(l)) => Arc::ptr_eq(core, &l.core),
             (Flavor::Connected(d), LeaseOf::Connected { remote, .. }) => std::sync::Arc::ptr_eq(&d.conn, remote.conn()),
             // Seeded bug (tests only): a lease of one flavour restores on a rank of the other.
-            _ => cfg!(kvtier_seeded_bug = "lease-across-flavors"),
+            _ => crate::seeded::seeded("lease-across-flavors"),
         );
         if !same_tier {
             return Err(TierError::ForeignLease);

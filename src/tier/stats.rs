@@ -195,9 +195,8 @@ impl Counters {
     pub(crate) fn record_copy(&self, dir: Direction, blocks: u64, bytes: u64, ok: bool, latency: Option<Duration>) {
         if let (true, Some(l)) = (ok, latency) {
             // Seeded bug (tests only): every copy's latency is recorded as a save's.
-            #[cfg(kvtier_seeded_bug = "copy-latency-one-direction")]
-            let dir = Direction::Save;
-            self.copy_latency[latency_index(dir)].observe(l.as_nanos().min(u64::MAX as u128) as u64);
+            let at = if crate::seeded::seeded("copy-latency-one-direction") { Direction::Save } else { dir };
+            self.copy_latency[latency_index(at)].observe(l.as_nanos().min(u64::MAX as u128) as u64);
         }
         match (dir, ok) {
             (Direction::Save, true) => {

@@ -99,7 +99,7 @@ pub fn run_two_level(
         for (j, key) in k.iter().enumerate() {
             let c = uses.entry(*key).or_insert(0);
             *c = c.saturating_add(1);
-            let admitted = if cfg!(kvtier_seeded_bug = "ssd-admits-any-use") { *c >= 1 } else { *c >= admit };
+            let admitted = if crate::seeded::seeded("ssd-admits-any-use") { *c >= 1 } else { *c >= admit };
             if admitted && eligible == j {
                 eligible = j + 1;
             }

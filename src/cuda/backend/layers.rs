@@ -116,7 +116,7 @@ impl LayerCopy for CudaBackend {
                     lane.stream.wait_for(waits[g])?;
                 }
                 // Seeded bug: the group's readiness recorded before its copy.
-                let early = cfg!(kvtier_seeded_bug = "layer-ready-early");
+                let early = crate::seeded::seeded("layer-ready-early");
                 if early {
                     events[g].record(stream)?;
                 }

@@ -61,7 +61,7 @@ fn memfd(huge: bool) -> Result<OwnedFd, std::io::Error> {
 fn size_and_seal(fd: &OwnedFd, len: usize) -> Result<(), std::io::Error> {
     use nix::fcntl::{fcntl, FcntlArg, SealFlag};
     nix::unistd::ftruncate(fd, len as i64)?;
-    if cfg!(kvtier_seeded_bug = "unsealed-pool") {
+    if crate::seeded::seeded("unsealed-pool") {
         return Ok(());
     }
     let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
@@ -79,7 +79,7 @@ fn check_sealed(fd: BorrowedFd<'_>, needed: u64, backing: Backing) -> Result<(),
     use nix::fcntl::{fcntl, FcntlArg};
     // A file that cannot carry seals (not a memfd, or made without MFD_ALLOW_SEALING) has none.
     let seals = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS).map_or(0, |s| s as u32);
-    if seals & POOL_SEALS != POOL_SEALS && !cfg!(kvtier_seeded_bug = "attach-unsealed") {
+    if seals & POOL_SEALS != POOL_SEALS && !crate::seeded::seeded("attach-unsealed") {
         return Err(PoolError::UnsealedSharedPool { seals, required: POOL_SEALS });
     }
     let size = nix::sys::stat::fstat(fd.as_raw_fd())

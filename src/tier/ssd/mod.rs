@@ -215,7 +215,7 @@ impl Drop for HostPin<'_> {
 pub fn pin_for_demotion<'a>(core: &'a Core, job: &Job) -> Option<HostPin<'a>> {
     // Seeded bug (model checking only): the block is checked, not pinned, so an evictor may take
     // and reuse the slot under the demotion's read.
-    if cfg!(kvtier_seeded_bug = "demotion-unpinned") {
+    if crate::seeded::seeded("demotion-unpinned") {
         let w = core.control().load(job.slot);
         let ready = w.state() == crate::slab::slot::SlotState::Ready && w.generation() == job.generation;
         return (ready && core.slot_key(job.slot) == job.key).then_some(HostPin {
@@ -356,7 +356,7 @@ impl SsdTier {
             total += slots;
         }
         // Seeded bug (tests only): a reopened tier forgets what its files hold.
-        if cfg!(kvtier_seeded_bug = "ssd-restart-forgets") {
+        if crate::seeded::seeded("ssd-restart-forgets") {
             recovered.clear();
         }
         let (slots, duplicates) = DiskSlots::new(total as u32, &recovered);
@@ -433,8 +433,7 @@ impl SsdTier {
     pub(crate) fn on_hit(&self, slot: SlotId, generation: u64, key: ContentKey) {
         let uses = self.host_uses[slot.index()].fetch_add(1, Ordering::Relaxed).saturating_add(1);
         // Seeded bug (tests only): every use admits a block, not the `admit_uses`-th.
-        let admitted =
-            if cfg!(kvtier_seeded_bug = "ssd-admits-every-use") { uses >= 1 } else { uses == self.admit_uses };
+        let admitted = if crate::seeded::seeded("ssd-admits-every-use") { uses >= 1 } else { uses == self.admit_uses };
         if admitted && !self.is_clean(slot, generation) {
             self.enqueue(Job { slot, generation, key });
         }

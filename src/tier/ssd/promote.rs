@@ -55,7 +55,7 @@ impl SsdTier {
             if leased.contains(k) || !in_run.insert(*k) {
                 break;
             }
-            if !cfg!(kvtier_seeded_bug = "promotion-rereads-host-blocks") && core.index().get(k).is_some() {
+            if !crate::seeded::seeded("promotion-rereads-host-blocks") && core.index().get(k).is_some() {
                 break;
             }
             match self.slots.pin(k) {
@@ -132,7 +132,7 @@ impl SsdTier {
             }
         }
         // Seeded bug (tests only): a block that failed verification is promoted anyway.
-        if cfg!(kvtier_seeded_bug = "promotion-unverified") {
+        if crate::seeded::seeded("promotion-unverified") {
             return run.len();
         }
         ok.iter().take_while(|&&v| v).count()
