@@ -363,6 +363,49 @@ fn call(s: &mut TcpStream, req: &PeerRequest) -> std::io::Result<PeerReply> {
 }
 
 #[test]
+fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits { pinned_blocks: Some(2), ..PeerLimits::default() });
+    let server = o.server.as_ref().unwrap();
+    let (mut s, _) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION);
+    let leased = |r: PeerReply| match r {
+        PeerReply::Leased { blocks, .. } => blocks.len(),
+        r => panic!("expected a lease, got {r:?}"),
+    };
+    // A query of four is answered with the two that fit.
+    assert_eq!(
+        leased(call(&mut s, &PeerRequest::Query { keys: o.keys.clone(), ttl_ms: 60_000 }).unwrap()),
+        2,
+        "a query is answered with the prefix that fits the pin budget"
+    );
+    // Blocks peers pin already cost nothing: a second lease on them is granted...
+    assert_eq!(leased(call(&mut s, &PeerRequest::Query { keys: o.keys[..2].to_vec(), ttl_ms: 60_000 }).unwrap()), 2);
+    // ... a block not yet pinned is refused, by a query and by a hold.
+    assert_eq!(
+        call(&mut s, &PeerRequest::Query { keys: o.keys[2..].to_vec(), ttl_ms: 60_000 }).unwrap(),
+        PeerReply::Refused(PeerRefusal::Limit { what: "blocks pinned for peers".into(), asked: 2, max: 2 })
+    );
+    assert_eq!(server.hold(&o.keys[2..], Duration::from_secs(60)), 0);
+    assert_eq!(o.tier.stats().pinned_slots, 2);
+    // The owner's own pressure still finds its victims: the two blocks peers do not pin.
+    assert_eq!(o.tier.evict(usize::MAX), 2);
+    assert!(o.keys[..2].iter().all(|k| o.tier.contains(k)));
+    // Another reader is served the pinned two, bytes checked.
+    let reader = tier(8, PolicyKind::Lru);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    assert_eq!(f.lease.len(), 2);
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    // A budget of 0 is refused when the server is built.
+    let t = tier(4, PolicyKind::Lru);
+    let zero = PeerLimits { pinned_blocks: Some(0), ..PeerLimits::default() };
+    assert!(matches!(
+        PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), zero),
+        Err(PeerError::Config(_))
+    ));
+}
+
+#[test]
 fn blocks_held_for_a_peer_stay_until_fetched_or_their_ttl() {
     let fabric = Fabric::new();
     let o = owner(&fabric, 4, 3, PeerLimits::default());

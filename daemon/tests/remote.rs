@@ -291,6 +291,9 @@ fn client_role() {
             let dst: Vec<u64> = (32..32 + k.len() as u64).collect();
             let _h = rank.restore(&lease, &dst, WaitFor::Nothing).unwrap();
             until_stuck();
+            // The restore's RestoreSubmitted (which settles the lease) is one-way: a round trip on
+            // the same connection orders it before the parent reads the daemon's stats.
+            let _ = tier.contains(&k[0]);
             say("RESTORING");
             while hear().is_some() {}
             std::mem::forget(rank);

@@ -40,6 +40,13 @@ pub struct PeerLimits {
     pub max_lease_ttl: Duration,
     /// Longest hold for a peer ([`PeerServer::hold`], 60 s).
     pub max_hold_ttl: Duration,
+    /// Blocks that peer leases and holds together may keep pinned at once, over every connection
+    /// (`None`: all but an eighth of the pool's slots, the eighth rounded down; `Some(0)` is a
+    /// [`PeerError::Config`]). A block pinned by several peer leases and holds counts once. A
+    /// query is answered with the longest prefix that fits (refused with a limit when nothing
+    /// fits) and a hold holds what fits, so peers cannot pin the whole pool and leave the owner's
+    /// own saves without a victim.
+    pub pinned_blocks: Option<usize>,
 }
 
 impl Default for PeerLimits {
@@ -54,6 +61,7 @@ impl Default for PeerLimits {
             leases_per_connection: 64,
             max_lease_ttl: Duration::from_secs(30),
             max_hold_ttl: Duration::from_secs(60),
+            pinned_blocks: None,
         }
     }
 }
@@ -87,6 +95,8 @@ struct Hold {
 
 struct Shared {
     tier: HostTier,
+    /// [`PeerLimits::pinned_blocks`], resolved against the pool's capacity.
+    pin_budget: usize,
     core: TierArc<Core>,
     transport: Arc<dyn PeerTransport>,
     limits: PeerLimits,
@@ -130,15 +140,24 @@ impl PeerServer {
         limits: PeerLimits,
     ) -> Result<PeerServer, PeerError> {
         let core = tier.in_process_core().ok_or(PeerError::NotInProcess)?.clone();
-        if limits.connections == 0 || limits.keys_per_query == 0 || limits.leases_per_connection == 0 {
-            return Err(PeerError::Config("connections, keys per query and leases per connection must be > 0".into()));
+        if limits.connections == 0
+            || limits.keys_per_query == 0
+            || limits.leases_per_connection == 0
+            || limits.pinned_blocks == Some(0)
+        {
+            return Err(PeerError::Config(
+                "connections, keys per query, leases per connection and pinned blocks must be > 0".into(),
+            ));
         }
+        let capacity = core.pool().capacity() as usize;
+        let pin_budget = limits.pinned_blocks.unwrap_or(capacity - capacity / 8);
         transport.local_descriptor()?;
         let listener = TcpListener::bind(addr).map_err(|source| PeerError::Connect { addr: "bind".into(), source })?;
         let addr = listener.local_addr().map_err(|source| PeerError::Connect { addr: "bind".into(), source })?;
         listener.set_nonblocking(true).map_err(|source| PeerError::Connect { addr: addr.to_string(), source })?;
         let shared = Arc::new(Shared {
             tier: tier.clone(),
+            pin_budget,
             core,
             transport,
             limits,
@@ -181,7 +200,10 @@ impl PeerServer {
     /// [`PeerLimits::max_hold_ttl`]) passed, whichever comes first. Returns how many blocks are
     /// held (0 if the first key is not ready).
     pub fn hold(&self, keys: &[crate::ContentKey], ttl: Duration) -> usize {
-        let prefix = self.shared.tier.query(keys);
+        // Under the lease table's lock, as a query, so the pin budget holds for both.
+        let leases = crate::sync::lock(&self.shared.leases);
+        let fit = self.shared.pin_prefix(&leases, keys);
+        let prefix = self.shared.tier.query(&keys[..fit]);
         let expires = Instant::now() + ttl.min(self.shared.limits.max_hold_ttl);
         // One lease per block, so each is let go when a peer fetched it.
         let mut held = 0;
@@ -197,6 +219,7 @@ impl PeerServer {
             drop(all);
             drop(old);
         }
+        drop(leases);
         held
     }
 
@@ -236,6 +259,30 @@ impl Drop for PeerServer {
 }
 
 impl Shared {
+    /// How many leading `keys` peers may pin without going over the pin budget: keys that peer
+    /// leases (`leases`, the locked lease table) or holds pin already cost nothing, every other
+    /// key one block of what is left of the budget.
+    fn pin_prefix(&self, leases: &HashMap<u64, OwnerLease>, keys: &[crate::ContentKey]) -> usize {
+        if crate::seeded::seeded("peer-pins-unbounded") {
+            return keys.len();
+        }
+        let holds = crate::sync::lock(&self.holds);
+        let mut pinned: std::collections::HashSet<crate::ContentKey> = holds.keys().copied().collect();
+        drop(holds);
+        pinned.extend(leases.values().flat_map(|l| l.lease.blocks().iter().map(|b| b.key)));
+        let mut room = self.pin_budget.saturating_sub(pinned.len());
+        keys.iter()
+            .take_while(|k| {
+                if pinned.contains(*k) {
+                    return true;
+                }
+                let fits = room > 0;
+                room = room.saturating_sub(1);
+                fits
+            })
+            .count()
+    }
+
     fn expire_due(&self) -> usize {
         if crate::seeded::seeded("peer-lease-never-expires") {
             return 0;
@@ -453,7 +500,14 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             } else {
                 Duration::from_millis(ttl_ms).min(shared.limits.max_lease_ttl)
             };
-            let lease = shared.tier.query(&keys);
+            // The pin budget is checked and the lease taken under the table's lock, so concurrent
+            // queries cannot together pin more than it.
+            let mut leases = crate::sync::lock(&shared.leases);
+            let fit = shared.pin_prefix(&leases, &keys);
+            if fit == 0 && !keys.is_empty() {
+                return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
+            }
+            let lease = shared.tier.query(&keys[..fit]);
             let slot_bytes = shared.core.pool().slot_bytes();
             let blocks: Vec<WirePeerBlock> = lease
                 .blocks()
@@ -471,7 +525,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let id = shared.next_lease.fetch_add(1, Ordering::Relaxed);
             let expires =
                 Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
-            crate::sync::lock(&shared.leases).insert(id, OwnerLease { conn, lease, expires });
+            leases.insert(id, OwnerLease { conn, lease, expires });
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
         PeerRequest::Validate { lease, blocks } => {
