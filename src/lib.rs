@@ -98,14 +98,14 @@ pub use key::{ContentKey, Namespace};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use metrics::{prometheus_client, Health, PoolHealth};
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub use peer::nixl::{nixl_sys, NixlTransport};
 #[cfg(feature = "peers")]
 #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
 pub use peer::{
     BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerTransport, TransportError, TransportPeer,
 };
-#[cfg(feature = "nixl")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
-pub use peer::nixl::{nixl_sys, NixlTransport};
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};

@@ -399,10 +399,7 @@ fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
     // A budget of 0 is refused when the server is built.
     let t = tier(4, PolicyKind::Lru);
     let zero = PeerLimits { pinned_blocks: Some(0), ..PeerLimits::default() };
-    assert!(matches!(
-        PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), zero),
-        Err(PeerError::Config(_))
-    ));
+    assert!(matches!(PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), zero), Err(PeerError::Config(_))));
 }
 
 #[test]

@@ -532,8 +532,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let now = Instant::now();
             let map = crate::sync::lock(&shared.leases);
             let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
-            let live =
-                (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
+            let live = (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
             let read = &l.lease.blocks()[..(blocks.min(l.lease.len() as u64) as usize)];
             let valid: Vec<bool> = read.iter().map(|b| live && still_holds(&shared.core, b)).collect();
             let fetched: Vec<crate::ContentKey> =
