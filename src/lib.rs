@@ -104,7 +104,8 @@ pub use peer::nixl::{nixl_sys, NixlTransport};
 #[cfg(feature = "peers")]
 #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
 pub use peer::{
-    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerTransport, TransportError, TransportPeer,
+    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerSet, PeerSetFetch, PeerTransport,
+    TransportError, TransportPeer,
 };
 #[cfg(feature = "remote")]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]

@@ -13,7 +13,7 @@ use double::Fabric;
 use kvtier::internals::peer_proto::{self as proto, Frame, PeerRefusal, PeerReply, PeerRequest};
 use kvtier::{
     ArenaSpec, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, PeerClient, PeerError, PeerLimits,
-    PeerServer, PeerTransport, PolicyKind, TierConfig, TransportError,
+    PeerServer, PeerSet, PeerTransport, PolicyKind, TierConfig, TransportError,
 };
 use std::io::Write;
 use std::net::TcpStream;
@@ -400,6 +400,52 @@ fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
     let t = tier(4, PolicyKind::Lru);
     let zero = PeerLimits { pinned_blocks: Some(0), ..PeerLimits::default() };
     assert!(matches!(PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), zero), Err(PeerError::Config(_))));
+}
+
+#[test]
+fn a_peer_set_query_continues_each_peers_prefix_and_skips_the_failed() {
+    let fabric = Fabric::new();
+    // Owner A holds k0 k1, owner B k0..k3; the first address has nothing listening.
+    let a = owner(&fabric, 8, 2, PeerLimits::default());
+    let mut b = owner(&fabric, 8, 4, PeerLimits::default());
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let reader = tier(16, PolicyKind::Lru);
+    let addrs = [dead.to_string(), a.addr().to_string(), b.addr().to_string()];
+    let peers = PeerSet::new(&reader, fabric.transport(&reader), addrs.iter().cloned()).unwrap();
+    let k = keys(&reader, 0..6);
+    let f = peers.query(&k[..4], soon());
+    assert_eq!(f.lease.len(), 4, "the longest prefix across the peers: A's two, then B's next two");
+    assert_eq!(f.peer, Some(2));
+    assert!(matches!(f.errors.as_slice(), [(0, PeerError::Connect { .. })]), "{:?}", f.errors);
+    // A's blocks were local by the time B was asked: the lease names B's two as the peer's.
+    assert_eq!(f.fetched, 4);
+    let sources: Vec<_> = (0..4).map(|i| f.lease.source(i).unwrap()).collect();
+    assert_eq!(sources, [BlockSource::Host, BlockSource::Host, BlockSource::Peer, BlockSource::Peer]);
+    restore_and_verify(&reader, &f.lease, &k);
+    drop(f);
+    // Held locally now: no peer is asked.
+    let again = peers.query(&k[..4], soon());
+    assert_eq!((again.lease.len(), again.peer, again.fetched, again.errors.len()), (4, None, 0, 0));
+    assert!((0..4).all(|i| again.lease.source(i) == Some(BlockSource::Host)));
+    drop(again);
+    // B goes away: its failure is recorded, the local prefix is still served, nothing changed.
+    fabric.unregister(b.transport.id);
+    drop(b.server.take());
+    let before = reader.stats();
+    let f = peers.query(&k, soon());
+    assert_eq!((f.lease.len(), f.peer), (4, None));
+    assert_eq!(f.errors.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![0, 2]);
+    drop(f);
+    let after = reader.stats();
+    assert_eq!(
+        (after.free_slots, after.index_entries, after.pinned_slots),
+        (before.free_slots, before.index_entries, 0)
+    );
+    // The configuration is checked.
+    let t = reader.clone();
+    assert!(matches!(PeerSet::new(&t, fabric.transport(&t), ["x:1", "x:1"]), Err(PeerError::Config(_))));
+    assert!(matches!(PeerSet::new(&t, fabric.transport(&t), [" "]), Err(PeerError::Config(_))));
+    assert!(matches!(peers.fetch_from(3, &k, soon()), Err(PeerError::Config(_))));
 }
 
 #[test]

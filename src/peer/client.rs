@@ -148,6 +148,12 @@ impl PeerClient {
         self.stale_blocks.load(Ordering::Relaxed)
     }
 
+    /// True once a request on this client failed: every later call fails with
+    /// [`PeerError::OwnerGone`]; connect again.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
     /// One request and its reply, by `deadline`. Any failure breaks the connection.
     fn call(&self, req: &PeerRequest, deadline: Instant) -> Result<PeerReply, PeerError> {
         if self.broken.load(Ordering::Acquire) {

@@ -19,6 +19,7 @@ mod client;
 mod fetch;
 pub(crate) mod proto;
 mod server;
+mod set;
 mod transport;
 
 #[cfg(feature = "nixl")]
@@ -26,6 +27,7 @@ pub(crate) mod nixl;
 
 pub use client::{PeerClient, PeerFetch};
 pub use server::{PeerLimits, PeerServer};
+pub use set::{PeerSet, PeerSetFetch};
 pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
 
 /// Why a peer operation failed. Every failure leaves the local tier as it was: no slot taken, no
