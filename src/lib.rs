@@ -38,7 +38,7 @@
 //!   a byte mover (`PeerTransport`); enables `remote`.
 //! - `serde`: `serde::Serialize` on statistics and reports ([`TierStats`], ...).
 //! - `metrics`: the tier's metrics in a `prometheus-client` registry.
-//! - `nixl`: `NixlTransport`, the [`PeerTransport`] that reads blocks from another instance's host
+//! - `nixl`: `NixlTransport`, the `PeerTransport` that reads blocks from another instance's host
 //!   pool through NIXL (its runtime is loaded at run time).
 //! - `internals`: kvtier's own tests, models and benches only; not a stable API.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
