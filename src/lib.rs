@@ -62,12 +62,12 @@ mod index;
 mod key;
 #[cfg(feature = "metrics")]
 mod metrics;
-#[cfg(feature = "peers")]
+#[cfg(all(feature = "peers", not(loom)))]
 mod peer;
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 mod remote;
 mod seeded;
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 mod server;
 mod size;
 mod slab;
@@ -98,19 +98,19 @@ pub use key::{ContentKey, Namespace};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use metrics::{prometheus_client, Health, PoolHealth};
-#[cfg(feature = "nixl")]
+#[cfg(all(feature = "nixl", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub use peer::nixl::{nixl_sys, NixlTransport};
-#[cfg(feature = "peers")]
+#[cfg(all(feature = "peers", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
 pub use peer::{
     BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerSet, PeerSetFetch, PeerTransport,
     TransportError, TransportPeer,
 };
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use server::{Limits, Server, ServerConfig};
 pub use size::{parse_bytes, parse_ssd_file};
@@ -134,14 +134,14 @@ pub mod internals {
     pub use crate::copy::layers::copy_layers;
     pub use crate::copy::{check_pages_and_keys, validate_batch};
     pub use crate::evict::{ChainView, EvictionPolicy, InsertInfo, Ranking};
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     pub use crate::remote::proto;
     /// The peer control protocol's messages and frames.
-    #[cfg(feature = "peers")]
+    #[cfg(all(feature = "peers", not(loom)))]
     pub mod peer_proto {
         pub use crate::peer::proto::*;
     }
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     pub use crate::server::drive_session;
     /// The kernels' descriptors and raw driver access (benchmarks and GPU tests).
     #[cfg(feature = "cuda")]
@@ -194,7 +194,7 @@ pub mod internals {
     /// # Errors
     /// [`TierError::ForeignLease`] for an in-process tier (audit [`core`] instead);
     /// [`TierError::Disconnected`].
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     pub fn remote_audit(tier: &HostTier, keys: &[ContentKey]) -> Result<Result<AuditReport, String>, TierError> {
         crate::tier::connected::audit(tier.remote().ok_or(TierError::ForeignLease)?, keys)
     }

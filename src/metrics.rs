@@ -9,7 +9,7 @@
 //! and its meaning is listed in `docs/metrics.md`.
 
 use crate::copy::Direction;
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 use crate::error::Limit;
 use crate::tier::stats::{latency_index, Latency, LatencySnapshot, LATENCY_BOUNDS_NS};
 use crate::tier::{HostTier, TierStats};
@@ -59,7 +59,7 @@ pub(crate) fn gauge(v: u64) -> ConstGauge<i64> {
 
 /// A limit's label value: its variant's name in snake case (`Limit::KeysPerRequest` is
 /// `keys_per_request`).
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 pub(crate) fn limit_label(l: Limit) -> String {
     let mut out = String::new();
     for (i, c) in format!("{l:?}").chars().enumerate() {
@@ -654,7 +654,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     fn limit_labels_are_snake_case() {
         assert_eq!(limit_label(Limit::KeysPerRequest), "keys_per_request");
         assert_eq!(limit_label(Limit::FrameBytes), "frame_bytes");

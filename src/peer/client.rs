@@ -170,7 +170,7 @@ impl PeerClient {
     }
 
     fn call_once(&self, req: &PeerRequest, deadline: Instant) -> Result<PeerReply, PeerError> {
-        let mut g = crate::sync::lock(&self.stream);
+        let mut g = super::lock(&self.stream);
         let (stream, buf) = &mut *g;
         let mut scratch = Vec::new();
         stream.set_write_timeout(Some(remaining(deadline)?)).map_err(PeerError::from_io)?;

@@ -22,13 +22,20 @@ mod server;
 mod set;
 mod transport;
 
-#[cfg(feature = "nixl")]
+#[cfg(all(feature = "nixl", not(loom)))]
 pub(crate) mod nixl;
 
 pub use client::{PeerClient, PeerFetch};
 pub use server::{PeerLimits, PeerServer};
 pub use set::{PeerSet, PeerSetFetch};
 pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
+
+/// Locks `m`, recovering from poisoning: the peer tables stay consistent across a panic in any
+/// one connection's handler (each update is one insert or remove). A `std` mutex in every build:
+/// peers are network code, outside the loom models (whose `crate::sync` is loom's).
+pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Why a peer operation failed. Every failure leaves the local tier as it was: no slot taken, no
 /// key left `WRITING`, nothing published.

@@ -186,7 +186,7 @@ impl PeerServer {
 
     /// Peer leases live now.
     pub fn live_leases(&self) -> usize {
-        crate::sync::lock(&self.shared.leases).len()
+        super::lock(&self.shared.leases).len()
     }
 
     /// Settles every peer lease past its time-to-live now (the accept thread does it every
@@ -201,7 +201,7 @@ impl PeerServer {
     /// held (0 if the first key is not ready).
     pub fn hold(&self, keys: &[crate::ContentKey], ttl: Duration) -> usize {
         // Under the lease table's lock, as a query, so the pin budget holds for both.
-        let leases = crate::sync::lock(&self.shared.leases);
+        let leases = super::lock(&self.shared.leases);
         let fit = self.shared.pin_prefix(&leases, keys);
         let prefix = self.shared.tier.query(&keys[..fit]);
         let expires = Instant::now() + ttl.min(self.shared.limits.max_hold_ttl);
@@ -213,7 +213,7 @@ impl PeerServer {
                 break;
             }
             held += 1;
-            let mut all = crate::sync::lock(&self.shared.holds);
+            let mut all = super::lock(&self.shared.holds);
             let expires = all.get(&b.key).map_or(expires, |h| h.expires.max(expires));
             let old = all.insert(b.key, Hold { _pins: lease, expires });
             drop(all);
@@ -225,7 +225,7 @@ impl PeerServer {
 
     /// Blocks held for peers ([`PeerServer::hold`]) that no peer has fetched yet.
     pub fn held_blocks(&self) -> usize {
-        crate::sync::lock(&self.shared.holds).len()
+        super::lock(&self.shared.holds).len()
     }
 
     /// Closes every connection, releases every peer lease and joins every thread.
@@ -238,16 +238,16 @@ impl PeerServer {
         if let Some(a) = self.accept.take() {
             let _ = a.join();
         }
-        let conns: Vec<_> = crate::sync::lock(&self.shared.conns).drain().collect();
+        let conns: Vec<_> = super::lock(&self.shared.conns).drain().collect();
         for (_, (stream, handle)) in conns {
             let _ = stream.shutdown(Shutdown::Both);
             if let Some(h) = handle {
                 let _ = h.join();
             }
         }
-        let leases: Vec<_> = crate::sync::lock(&self.shared.leases).drain().collect();
+        let leases: Vec<_> = super::lock(&self.shared.leases).drain().collect();
         drop(leases);
-        let holds: Vec<_> = crate::sync::lock(&self.shared.holds).drain().collect();
+        let holds: Vec<_> = super::lock(&self.shared.holds).drain().collect();
         drop(holds);
     }
 }
@@ -266,7 +266,7 @@ impl Shared {
         if crate::seeded::seeded("peer-pins-unbounded") {
             return keys.len();
         }
-        let holds = crate::sync::lock(&self.holds);
+        let holds = super::lock(&self.holds);
         let mut pinned: std::collections::HashSet<crate::ContentKey> = holds.keys().copied().collect();
         drop(holds);
         pinned.extend(leases.values().flat_map(|l| l.lease.blocks().iter().map(|b| b.key)));
@@ -289,12 +289,12 @@ impl Shared {
         }
         let now = Instant::now();
         let gone: Vec<OwnerLease> = {
-            let mut map = crate::sync::lock(&self.leases);
+            let mut map = super::lock(&self.leases);
             let due: Vec<u64> = map.iter().filter(|(_, l)| l.expires <= now).map(|(&id, _)| id).collect();
             due.iter().filter_map(|id| map.remove(id)).collect()
         };
         let holds: Vec<Hold> = {
-            let mut all = crate::sync::lock(&self.holds);
+            let mut all = super::lock(&self.holds);
             let due: Vec<crate::ContentKey> = all.iter().filter(|(_, h)| h.expires <= now).map(|(k, _)| *k).collect();
             due.iter().filter_map(|k| all.remove(k)).collect()
         };
@@ -310,7 +310,7 @@ impl Shared {
             return;
         }
         let done: Vec<Hold> = {
-            let mut all = crate::sync::lock(&self.holds);
+            let mut all = super::lock(&self.holds);
             keys.iter().filter_map(|k| all.remove(k)).collect()
         };
         // Dropped outside the lock: settling unpins.
@@ -319,7 +319,7 @@ impl Shared {
 
     fn release_conn(&self, conn: u64) {
         let gone: Vec<OwnerLease> = {
-            let mut map = crate::sync::lock(&self.leases);
+            let mut map = super::lock(&self.leases);
             let ids: Vec<u64> = map.iter().filter(|(_, l)| l.conn == conn).map(|(&id, _)| id).collect();
             ids.iter().filter_map(|id| map.remove(id)).collect()
         };
@@ -347,7 +347,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
                 let Ok(clone) = stream.try_clone() else { continue };
                 shared.live_conns.fetch_add(1, Ordering::AcqRel);
-                let mut conns = crate::sync::lock(&shared.conns);
+                let mut conns = super::lock(&shared.conns);
                 // Joins the threads of connections that ended, so the table stays bounded.
                 conns.retain(|_, (_, h)| !h.as_ref().is_some_and(|h| h.is_finished()));
                 let s = shared.clone();
@@ -491,7 +491,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             if keys.len() > shared.limits.keys_per_query {
                 return limit("keys per query", keys.len() as u64, shared.limits.keys_per_query as u64);
             }
-            let held = crate::sync::lock(&shared.leases).values().filter(|l| l.conn == conn).count();
+            let held = super::lock(&shared.leases).values().filter(|l| l.conn == conn).count();
             if held >= shared.limits.leases_per_connection {
                 return limit("leases per connection", held as u64 + 1, shared.limits.leases_per_connection as u64);
             }
@@ -502,7 +502,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             };
             // The pin budget is checked and the lease taken under the table's lock, so concurrent
             // queries cannot together pin more than it.
-            let mut leases = crate::sync::lock(&shared.leases);
+            let mut leases = super::lock(&shared.leases);
             let fit = shared.pin_prefix(&leases, &keys);
             if fit == 0 && !keys.is_empty() {
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
@@ -530,7 +530,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
         }
         PeerRequest::Validate { lease, blocks } => {
             let now = Instant::now();
-            let map = crate::sync::lock(&shared.leases);
+            let map = super::lock(&shared.leases);
             let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
             let live = (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
             let read = &l.lease.blocks()[..(blocks.min(l.lease.len() as u64) as usize)];
@@ -543,7 +543,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
         }
         PeerRequest::Release { lease } => {
             let gone = {
-                let mut map = crate::sync::lock(&shared.leases);
+                let mut map = super::lock(&shared.leases);
                 match map.get(&lease) {
                     Some(l) if l.conn == conn => map.remove(&lease),
                     _ => None,

@@ -133,7 +133,7 @@ impl PeerSet {
         let client = self.client(p, deadline)?;
         let r = client.fetch(keys, deadline);
         if client.is_broken() || matches!(r, Err(ref e) if !matches!(e, PeerError::Refused(_))) {
-            let mut c = crate::sync::lock(&p.client);
+            let mut c = super::lock(&p.client);
             if c.as_ref().is_some_and(|c| Arc::ptr_eq(c, &client)) {
                 *c = None;
             }
@@ -143,12 +143,12 @@ impl PeerSet {
 
     /// The open connection to `p`, or a new one.
     fn client(&self, p: &Peer, deadline: Instant) -> Result<Arc<PeerClient>, PeerError> {
-        if let Some(c) = crate::sync::lock(&p.client).as_ref() {
+        if let Some(c) = super::lock(&p.client).as_ref() {
             return Ok(c.clone());
         }
         // Connected outside the lock: a slow peer does not hold up callers that find a connection.
         let c = Arc::new(PeerClient::connect(p.addr.as_str(), &self.tier, self.transport.clone(), deadline)?);
-        let mut slot = crate::sync::lock(&p.client);
+        let mut slot = super::lock(&p.client);
         Ok(slot.get_or_insert(c).clone())
     }
 }

@@ -365,7 +365,7 @@ impl Core {
 
     /// Takes back `n` slots counted by [`Core::record_quarantined_pins`] whose pins were dropped
     /// (the tier daemon: the process whose copy held them is gone).
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     pub(crate) fn release_quarantined_pins(&self, n: usize) {
         sub(&self.counters.quarantined_pins, n as u64);
     }

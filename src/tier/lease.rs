@@ -46,7 +46,7 @@ pub(crate) enum LeaseOf {
     InProcess(InProcessLease),
     /// A lease of a connected tier: the daemon holds the pins; this process has the blocks as the
     /// daemon leased them and the daemon's lease (dropping it tells the daemon).
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     Connected { blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease },
 }
 
@@ -235,7 +235,7 @@ impl Lease {
     }
 
     /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there.
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     pub(crate) fn connected(blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease) -> Lease {
         Lease { inner: Arc::new(LeaseOf::Connected { blocks, remote }) }
     }

@@ -34,7 +34,7 @@ macro_rules! match_flavor {
         match $on {
             $local => $l,
             $(
-                #[cfg(feature = "remote")]
+                #[cfg(all(feature = "remote", not(loom)))]
                 $remote => $r,
             )*
         }
@@ -43,7 +43,7 @@ macro_rules! match_flavor {
 
 pub(crate) mod chain;
 mod config;
-#[cfg(feature = "remote")]
+#[cfg(all(feature = "remote", not(loom)))]
 pub(crate) mod connected;
 pub(crate) mod core;
 pub(crate) mod evictor;
@@ -83,7 +83,7 @@ pub(crate) enum Flavor {
     InProcess(Arc<Core>),
     /// In the tier daemon ([`HostTier::connect`]), which owns the state machine: this process holds
     /// the connection, the daemon's geometry and policy, and its own mapping of the shared pool.
-    #[cfg(feature = "remote")]
+    #[cfg(all(feature = "remote", not(loom)))]
     Connected(std::sync::Arc<connected::ConnectedTier>),
 }
 
