@@ -1,45 +1,190 @@
-//! Peer reads through NIXL (feature `nixl`): 43 GLM-5.2 blocks (3,452,160 B each, 148.4 MB a
-//! batch) read one-sided from another process's host pool, as one NIXL READ per batch. Two
-//! contenders over the same bytes: a raw nixl-sys loop (its own agent and registered buffer:
-//! create the request, post, poll, release) and `NixlTransport::read` (range checks, the same
-//! request). The raw loop is the ceiling `NixlTransport` is held against. GB = 10^9 B.
+//! Peer fetches through NIXL (feature `nixl`): GLM-5.2 blocks (3,452,160 B each) read from another
+//! process's host pool, for requests of 1, 8 and 43 blocks (43 blocks = 148.4 MB). Three contenders
+//! over the same owner and the same blocks, in one run:
 //!
-//! `eval "$(bash ci/nixl.sh)"; cargo bench -p kvtier --features nixl --bench peer`
-//! (`UCX_TLS=tcp,self UCX_NET_DEVICES=lo` in front for TCP only). `KVTIER_PEER_BENCH_ITERS` sets
-//! the batches per contender (default 50). The bench re-executes itself as the owner process.
+//! - `raw`: a raw nixl-sys loop (its own agent and registered host pool: create the request, post,
+//!   poll, release), the ceiling the others are held against;
+//! - `transport`: `NixlTransport::read` (range checks, then the same request);
+//! - `fetch`: `PeerClient::fetch`, the whole peer path: local prefix, `Query` (the owner pins the
+//!   blocks under a lease), local slots reserved, one NIXL READ, `Validate`, publish, `Release`.
+//!   Between two fetches the blocks are evicted from the reader (outside the timed span).
+//!
+//! With feature `cuda` on a machine with a GPU, 43 blocks are also restored into GPU arenas after
+//! each peer fetch (the fetch lands in the reader's pool, then the usual restore kernels run),
+//! against the local restore of the same blocks; the arenas are checked against the patterns.
+//!
+//! And two control round trips for 43 keys: a peer `Query` answered with a lease (the owner pins
+//! 43 blocks), against a local daemon's query of the same 43 keys (`kvtier::Server` on a
+//! Unix socket in this process, queried through `HostTier::connect`), both timed from send to
+//! reply, interleaved (at least 100 of each). Every contender's bytes are checked against the keys' patterns before timing.
+//!
+//! Printed per contender and request size: median and mean latency per request (ms) and GB/s
+//! (GB = 10^9 B, bytes moved / summed request times); `fetch` also as a fraction of `raw`.
+//!
+//! ```text
+//! eval "$(bash ci/nixl.sh)"; cargo bench -p kvtier --features nixl --bench peer
+//! UCX_TLS=tcp,self UCX_NET_DEVICES=lo cargo bench -p kvtier --features nixl --bench peer
+//! ```
+//!
+//! `KVTIER_PEER_BENCH_ITERS` sets the requests per contender and size (default 50). The bench
+//! re-executes itself as the owner process; `KVTIER_PEER_BENCH_NETNS=NAME` starts the owner in
+//! network namespace `NAME` (`ip netns exec`, root) and `KVTIER_PEER_BENCH_LISTEN=IP:PORT` is the
+//! owner's control address there (default `127.0.0.1:0`); `benches/peer_netns.sh` sets up two
+//! namespaces joined by a veth pair with `tc netem` delay and runs this bench across them.
 
 use kvtier::nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, OptArgs, XferDescList, XferOp, XferStatus};
-use kvtier::{BlockRead, Geometry, HostPool, NixlTransport, PeerTransport, PoolConfig};
+use kvtier::internals::peer_proto::{read_msg, write_msg, Frame, PeerReply, PeerRequest, PEER_MAGIC, PEER_PROTOCOL_VERSION};
+use kvtier::{
+    pattern, BlockRead, BlockSource, ContentKey, EngineArenas, Geometry, HostPool, HostTier, MemcpyArenas,
+    NixlTransport, PeerClient, PeerLimits, PeerServer, PeerTransport, PoolConfig, TierConfig, WaitFor,
+};
 use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const OWNER_ENV: &str = "KVTIER_PEER_BENCH_OWNER";
+/// The longest request, blocks (a 2,752-token prefix of 64-token pages).
 const BLOCKS: u64 = 43;
+/// Request sizes, blocks.
+const SIZES: [u64; 3] = [1, 8, 43];
 
-fn pool(slot_bytes: u64) -> HostPool {
-    HostPool::new(slot_bytes, &PoolConfig::new(BLOCKS * slot_bytes).with_prefault(true)).expect("a host pool")
+fn geometry() -> Geometry {
+    Geometry::preset("glm52", BLOCKS).expect("the GLM-5.2 preset")
 }
 
-/// The owner: a pool of 43 blocks of known bytes, registered; prints its descriptor, waits for EOF.
-fn owner(slot_bytes: u64) {
-    let pool = pool(slot_bytes);
-    for s in 0..BLOCKS as u32 {
-        let p = pool.slot_ptr(kvtier::SlotId::new(s));
-        // SAFETY: slot `s` of our own pool: `slot_bytes` bytes, nothing else touches them.
-        unsafe { std::ptr::write_bytes(p, s as u8 + 1, slot_bytes as usize) };
-    }
-    let t = NixlTransport::new(&format!("kvtier-bench-owner-{}", std::process::id()), &pool).expect("the transport");
+fn tier_config(g: &Geometry) -> TierConfig {
+    TierConfig::new(g.clone(), BLOCKS * g.slot_bytes()).with_backing(kvtier::BackingChoice::Plain)
+}
+
+fn keys(ns: kvtier::Namespace) -> Vec<ContentKey> {
+    (0..BLOCKS).map(|i| ns.trace_page_key(i, 0)).collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// Saves the 43 blocks' patterns into `tier` through a host-memory rank.
+fn save_all(tier: &HostTier) -> Vec<ContentKey> {
+    let gpu = std::sync::Arc::new(MemcpyArenas::new(tier.geometry()).expect("arenas"));
+    let rank = tier.attach(gpu.backend().expect("a backend")).expect("a rank");
+    let keys = keys(tier.namespace());
+    let pages: Vec<u64> = (0..BLOCKS).collect();
+    gpu.fill(&pages, &keys).expect("fill");
+    rank.save(&keys, &pages, WaitFor::Nothing).expect("a save").handle.wait().expect("the save");
+    keys
+}
+
+/// The owner: a tier holding the 43 blocks, its pool registered with NIXL, a peer server. Prints
+/// `descriptor HEX`, `addr IP:PORT`, `offsets O,O,..` (the blocks' byte offsets in the pool, in
+/// key order), then `ready`, and serves until its stdin closes.
+fn owner() {
+    let g = geometry();
+    let tier = HostTier::new(tier_config(&g)).expect("the owner's tier");
+    let keys = save_all(&tier);
+    let lease = tier.query(&keys); // the raw contenders read these slots: keep them put
+    assert_eq!(lease.len() as u64, BLOCKS);
+    let offsets: Vec<String> = lease.slots().map(|s| (u64::from(s.get()) * g.slot_bytes()).to_string()).collect();
+    let t = std::sync::Arc::new(
+        NixlTransport::new(&format!("kvtier-bench-owner-{}", std::process::id()), tier.pool()).expect("transport"),
+    );
     let d = t.local_descriptor().expect("the descriptor");
-    let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
-    println!("descriptor {hex}");
-    std::io::stdout().flush().unwrap();
+    let listen = std::env::var("KVTIER_PEER_BENCH_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
+    // Every block may be pinned for peers (the default keeps an eighth of the pool for the owner).
+    let limits = PeerLimits { pinned_blocks: Some(BLOCKS as usize), ..PeerLimits::default() };
+    let server = PeerServer::bind(&tier, listen.as_str(), t, limits).expect("the peer server");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "descriptor {}", hex(&d)).unwrap();
+    writeln!(out, "addr {}", server.local_addr()).unwrap();
+    writeln!(out, "offsets {}", offsets.join(",")).unwrap();
+    writeln!(out, "ready").unwrap();
+    out.flush().unwrap();
+    drop(out);
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {}
+    drop(lease);
+    server.shutdown();
 }
 
-fn gbps(bytes: u64, iters: u64, t: Duration) -> f64 {
-    (bytes * iters) as f64 / t.as_secs_f64() / 1e9
+/// Checks the block at byte `offset` of `pool` against `key`'s pattern, arena by arena.
+fn verify(g: &Geometry, pool: &HostPool, offset: u64, key: &ContentKey, who: &str) {
+    let slot = kvtier::SlotId::new((offset / g.slot_bytes()) as u32);
+    // SAFETY: a whole slot inside `pool`'s mapping; no read into it is in flight.
+    let bytes = unsafe { std::slice::from_raw_parts(pool.slot_ptr(slot), g.slot_bytes() as usize) };
+    for (a, (spec, &off)) in g.arenas().iter().zip(g.chunk_offsets()).enumerate() {
+        let chunk = &bytes[off as usize..(off + spec.bytes_per_page) as usize];
+        assert_eq!(pattern::first_mismatch(key, a, chunk), None, "{who}: the block at {offset}, arena {a} differs");
+    }
+}
+
+/// One contender's latencies at one size.
+struct Series {
+    name: &'static str,
+    blocks: u64,
+    times: Vec<Duration>,
+}
+
+impl Series {
+    fn gbps(&self, block_bytes: u64) -> f64 {
+        let total: Duration = self.times.iter().sum();
+        (self.blocks * block_bytes * self.times.len() as u64) as f64 / total.as_secs_f64() / 1e9
+    }
+    fn median_ms(&self) -> f64 {
+        let mut t = self.times.clone();
+        t.sort();
+        t[t.len() / 2].as_secs_f64() * 1e3
+    }
+    fn mean_ms(&self) -> f64 {
+        self.times.iter().sum::<Duration>().as_secs_f64() * 1e3 / self.times.len() as f64
+    }
+}
+
+/// With feature `cuda` and a GPU: 43 blocks restored into GPU arenas (device 0) after a peer fetch
+/// (the fetch into the reader's pool, then the restore kernels), against the local restore path
+/// (query, restore) of the same blocks once they are local, interleaved. The arenas are checked
+/// against the keys' patterns once. Returns no series without a GPU.
+#[cfg(feature = "cuda")]
+fn gpu_stage(reader: &HostTier, client: &PeerClient, keys: &[ContentKey], iters: u64) -> Vec<Series> {
+    if !kvtier::cuda_available() {
+        println!("gpu: no CUDA device; the GPU stage is not run");
+        return Vec::new();
+    }
+    let arenas = kvtier::CudaArenas::new(0, reader.geometry(), kvtier::CudaOptions::default()).expect("GPU arenas");
+    let rank = reader.attach(arenas.backend().expect("a CUDA backend")).expect("a rank");
+    let pages: Vec<u64> = (0..BLOCKS).collect();
+    let deadline = || Instant::now() + Duration::from_secs(60);
+    let fetch_restore = || {
+        let s = Instant::now();
+        let f = client.fetch(keys, deadline()).expect("a fetch");
+        assert_eq!(f.lease.from_peer() as u64, BLOCKS, "every block from the peer");
+        rank.restore(&f.lease, &pages, WaitFor::Nothing).expect("a restore").wait().expect("the restore");
+        s.elapsed()
+    };
+    let local_restore = || {
+        let s = Instant::now();
+        let lease = reader.query(keys);
+        assert_eq!(lease.len() as u64, BLOCKS, "every block local");
+        rank.restore(&lease, &pages, WaitFor::Nothing).expect("a restore").wait().expect("the restore");
+        s.elapsed()
+    };
+    fetch_restore();
+    arenas.verify(&pages, keys).expect("the GPU arenas hold the owner's bytes");
+    local_restore();
+    reader.evict(usize::MAX);
+    let mut through_peer = Series { name: "gpu: peer fetch + restore (43 blocks)", blocks: BLOCKS, times: vec![] };
+    let mut local = Series { name: "gpu: local restore (43 blocks)", blocks: BLOCKS, times: vec![] };
+    for _ in 0..iters {
+        through_peer.times.push(fetch_restore());
+        local.times.push(local_restore());
+        assert_eq!(reader.evict(usize::MAX) as u64, BLOCKS);
+    }
+    arenas.verify(&pages, keys).expect("the GPU arenas hold the owner's bytes");
+    vec![through_peer, local]
 }
 
 /// The raw loop's registered memory: a host pool's mapping.
@@ -67,9 +212,8 @@ impl NixlDescriptor for Raw {
 }
 
 fn main() {
-    let slot_bytes = Geometry::preset("glm52", 1).expect("the GLM-5.2 preset").slot_bytes();
     if std::env::var_os(OWNER_ENV).is_some() {
-        return owner(slot_bytes);
+        return owner();
     }
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo bench -- --list`: nothing to list
@@ -79,82 +223,223 @@ fn main() {
         std::process::exit(1);
     }
     let iters: u64 = std::env::var("KVTIER_PEER_BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .env(OWNER_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the owner process");
-    let line = BufReader::new(child.stdout.take().unwrap()).lines().next().expect("the owner's descriptor").unwrap();
-    let hex = line.strip_prefix("descriptor ").expect("a descriptor line");
-    let d: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
-    // The descriptor's documented layout: base at 8, metadata from 28.
-    let remote_base = u64::from_le_bytes(d[8..16].try_into().unwrap());
-    let md = &d[28..];
-    let batch = BLOCKS * slot_bytes;
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = match std::env::var("KVTIER_PEER_BENCH_NETNS") {
+        Ok(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns]).arg(&exe);
+            c
+        }
+        Err(_) => Command::new(&exe),
+    };
+    let mut child = cmd.env(OWNER_ENV, "1").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("the owner");
+    let (mut d, mut addr, mut offsets) = (None, None, None);
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.expect("the owner's output");
+        if let Some(x) = line.strip_prefix("descriptor ") {
+            d = Some(unhex(x));
+        } else if let Some(x) = line.strip_prefix("addr ") {
+            addr = Some(x.to_string());
+        } else if let Some(x) = line.strip_prefix("offsets ") {
+            offsets = Some(x.split(',').map(|o| o.parse::<u64>().unwrap()).collect::<Vec<_>>());
+        } else if line == "ready" {
+            break;
+        }
+    }
+    let (d, addr, offsets) = (d.expect("descriptor"), addr.expect("addr"), offsets.expect("offsets"));
+    let g = geometry();
+    let bb = g.slot_bytes();
+    let keys = keys(HostTier::new(tier_config(&g)).expect("a tier").namespace());
     println!(
-        "peer bench: {BLOCKS} GLM-5.2 blocks of {slot_bytes} B ({:.1} MB) a batch, {iters} batches",
-        batch as f64 / 1e6
+        "peer bench: GLM-5.2 blocks of {bb} B, requests of {SIZES:?} blocks, {iters} requests each; owner at {addr}; \
+         UCX_TLS={}",
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())
     );
-
-    // Raw nixl-sys: one agent, the UCX backend, and a host pool like the reader's below (the same
-    // mapping and backing), registered by hand.
-    {
+    // The reader's tier (its namespace is the hello's below).
+    let reader = HostTier::new(tier_config(&g)).expect("the reader's tier");
+    // The three contenders' agents live in this block only: each NIXL agent has a progress thread,
+    // and the round trips below are measured without them.
+    let (all, gpu) = {
+        // Raw nixl-sys: one agent, the UCX backend, and a host pool like the reader's, registered by hand.
         let agent = Agent::new(&format!("kvtier-bench-raw-{}", std::process::id())).expect("agent");
         let (_m, params) = agent.get_plugin_params("UCX").expect("UCX plugin");
         let ucx = agent.create_backend("UCX", &params).expect("UCX backend");
-        let buffer = pool(slot_bytes);
+        let buffer = HostPool::new(bb, &PoolConfig::new(BLOCKS * bb).with_prefault(true)).expect("a host pool");
         let raw = Raw(buffer.region().host_base as *const u8, buffer.region().bytes as usize);
         let mut args = OptArgs::new().unwrap();
         args.add_backend(&ucx).unwrap();
         let _reg = agent.register_memory(&raw, Some(&args)).expect("registration");
-        let remote = agent.load_remote_md(md).expect("the owner's metadata");
-        let read_batch = || {
+        // The descriptor's documented layout: base at 8, metadata from 28.
+        let remote_base = u64::from_le_bytes(d[8..16].try_into().unwrap());
+        let remote = agent.load_remote_md(&d[28..]).expect("the owner's metadata");
+        let raw_read = |n: u64| {
+            let t = Instant::now();
             let mut l = XferDescList::new(MemType::Dram).unwrap();
             let mut r = XferDescList::new(MemType::Dram).unwrap();
-            for j in 0..BLOCKS {
-                l.add_desc(raw.0 as usize + (j * slot_bytes) as usize, slot_bytes as usize, 0);
-                r.add_desc((remote_base + j * slot_bytes) as usize, slot_bytes as usize, 0);
+            for j in 0..n {
+                l.add_desc(raw.0 as usize + (j * bb) as usize, bb as usize, 0);
+                r.add_desc((remote_base + offsets[j as usize]) as usize, bb as usize, 0);
             }
             let req = agent.create_xfer_req(XferOp::Read, &l, &r, &remote, Some(&args)).expect("request");
             if agent.post_xfer_req(&req, None).expect("post") {
                 while agent.get_xfer_status(&req).expect("status") == XferStatus::InProgress {
-                    std::thread::yield_now();
+                    std::hint::spin_loop();
                 }
             }
+            t.elapsed()
         };
-        read_batch(); // connects
-                      // SAFETY: the first and last bytes of the batch, inside `buffer`'s mapping.
-        let (first, last) = unsafe { (*raw.0, *raw.0.add(batch as usize - 1)) };
-        assert_eq!((first, last), (1, BLOCKS as u8), "the raw loop read the owner's bytes");
-        let t = Instant::now();
-        for _ in 0..iters {
-            read_batch();
-        }
-        let e = t.elapsed();
-        println!("raw nixl-sys READ loop:    {:6.2} GB/s  ({:?} a batch)", gbps(batch, iters, e), e / iters as u32);
-    }
 
-    // NixlTransport::read of the same blocks into a kvtier host pool.
-    {
-        let local = pool(slot_bytes);
-        let t = NixlTransport::new(&format!("kvtier-bench-reader-{}", std::process::id()), &local).expect("transport");
-        let peer = t.add_peer(&d).expect("the owner");
-        let reads: Vec<BlockRead> = (0..BLOCKS)
-            .map(|j| BlockRead { remote_offset: j * slot_bytes, local_offset: j * slot_bytes, len: slot_bytes })
-            .collect();
-        let deadline = || Instant::now() + Duration::from_secs(30);
-        t.read(peer, &reads, deadline()).expect("a read");
-        // SAFETY: the last byte of our own pool's last block slot.
-        let last = unsafe { *local.slot_ptr(kvtier::SlotId::new(BLOCKS as u32 - 1)).add(slot_bytes as usize - 1) };
-        assert_eq!(last, BLOCKS as u8, "NixlTransport read the owner's bytes");
-        let start = Instant::now();
-        for _ in 0..iters {
-            t.read(peer, &reads, deadline()).expect("a read");
+        // NixlTransport::read of the same blocks into a kvtier host pool.
+        let local = HostPool::new(bb, &PoolConfig::new(BLOCKS * bb).with_prefault(true)).expect("a host pool");
+        let transport =
+            NixlTransport::new(&format!("kvtier-bench-reader-{}", std::process::id()), &local).expect("transport");
+        let peer = transport.add_peer(&d).expect("the owner");
+        let reads: Vec<BlockRead> =
+            (0..BLOCKS).map(|j| BlockRead { remote_offset: offsets[j as usize], local_offset: j * bb, len: bb }).collect();
+        let transport_read = |n: u64| {
+            let s = Instant::now();
+            transport.read(peer, &reads[..n as usize], Instant::now() + Duration::from_secs(60)).expect("a read");
+            s.elapsed()
+        };
+
+        // PeerClient::fetch: the whole peer path into a reader tier of 43 slots.
+        let t = std::sync::Arc::new(
+            NixlTransport::new(&format!("kvtier-bench-fetch-{}", std::process::id()), reader.pool()).expect("transport"),
+        );
+        let client = PeerClient::connect(addr.as_str(), &reader, t, Instant::now() + Duration::from_secs(30))
+            .expect("a peer connection");
+        let fetch = |n: u64| {
+            let s = Instant::now();
+            let f = client.fetch(&keys[..n as usize], Instant::now() + Duration::from_secs(60)).expect("a fetch");
+            let e = s.elapsed();
+            assert_eq!((f.lease.len() as u64, f.lease.from_peer() as u64, f.stale), (n, n, 0), "a whole fetch");
+            drop(f);
+            assert_eq!(reader.evict(usize::MAX) as u64, n, "the fetched blocks evicted");
+            e
+        };
+
+        // Each contender's bytes, checked once (this also connects every agent).
+        raw_read(BLOCKS);
+        transport_read(BLOCKS);
+        for (j, k) in keys.iter().enumerate() {
+            verify(&g, &buffer, j as u64 * bb, k, "raw");
+            verify(&g, &local, j as u64 * bb, k, "transport");
         }
-        let e = start.elapsed();
-        println!("NixlTransport::read:       {:6.2} GB/s  ({:?} a batch)", gbps(batch, iters, e), e / iters as u32);
+        let f = client.fetch(&keys, Instant::now() + Duration::from_secs(60)).expect("a fetch");
+        assert!((0..f.lease.len()).all(|i| f.lease.source(i) == Some(BlockSource::Peer)));
+        for (s, k) in f.lease.slots().zip(&keys) {
+            verify(&g, reader.pool(), u64::from(s.get()) * bb, k, "fetch");
+        }
+        drop(f);
+        reader.evict(usize::MAX);
+
+        // Interleaved request by request, so that no contender gets a quieter stretch of the machine.
+        let mut all: Vec<Series> = Vec::new();
+        for n in SIZES {
+            let mut series: Vec<Series> = ["raw", "transport", "fetch"]
+                .into_iter()
+                .map(|name| Series { name, blocks: n, times: Vec::with_capacity(iters as usize) })
+                .collect();
+            for _ in 0..iters {
+                series[0].times.push(raw_read(n));
+                series[1].times.push(transport_read(n));
+                series[2].times.push(fetch(n));
+            }
+            all.extend(series);
+        }
+        #[cfg(feature = "cuda")]
+        let gpu = gpu_stage(&reader, &client, &keys, iters);
+        #[cfg(not(feature = "cuda"))]
+        let gpu: Vec<Series> = Vec::new();
+        (all, gpu)
+    };
+
+    // Control round trips for 43 keys, interleaved: a peer Query (a lease on 43 blocks) against a
+    // local daemon's query of the same keys.
+    let control_pool = HostPool::new(bb, &PoolConfig::new(bb)).expect("a one-slot pool");
+    let control_transport =
+        NixlTransport::new(&format!("kvtier-bench-control-{}", std::process::id()), &control_pool).expect("transport");
+    let mut stream = TcpStream::connect(addr.as_str()).expect("a control connection");
+    stream.set_nodelay(true).unwrap();
+    let mut buf = Vec::new();
+    let mut call = |req: &PeerRequest| -> PeerReply {
+        write_msg(&mut stream, req, &mut buf).expect("a request");
+        match read_msg::<PeerReply>(&mut stream, &mut buf, 64 << 20).expect("a reply") {
+            Frame::Msg(r) => r,
+            f => panic!("a reply frame, not {f:?}"),
+        }
+    };
+    let hello = PeerRequest::Hello {
+        magic: PEER_MAGIC,
+        version: PEER_PROTOCOL_VERSION,
+        namespace: reader.namespace(),
+        descriptor: control_transport.local_descriptor().expect("a descriptor"),
+    };
+    assert!(matches!(call(&hello), PeerReply::Welcome { .. }), "the owner's welcome");
+    let mut peer_query = || {
+        let q = PeerRequest::Query { keys: keys.clone(), ttl_ms: 10_000 };
+        let s = Instant::now();
+        let r = call(&q);
+        let e = s.elapsed();
+        let PeerReply::Leased { lease, blocks, .. } = r else { panic!("a lease, not {r:?}") };
+        assert_eq!(blocks.len() as u64, BLOCKS);
+        assert!(matches!(call(&PeerRequest::Release { lease }), PeerReply::Released(true)));
+        e
+    };
+    let dir = std::env::temp_dir().join(format!("kvtier-bench-peer-{}", std::process::id()));
+    let daemon_tier = HostTier::new_shared(tier_config(&g)).expect("the daemon's tier");
+    save_all(&daemon_tier);
+    let server = std::sync::Arc::new(kvtier::Server::bind(dir.join("sock"), daemon_tier).expect("a daemon"));
+    let s2 = server.clone();
+    std::thread::spawn(move || s2.run());
+    let engine = HostTier::connect(dir.join("sock")).expect("a connected tier");
+    let daemon_query = || {
+        let s = Instant::now();
+        let lease = engine.query(&keys);
+        let e = s.elapsed();
+        assert_eq!(lease.len() as u64, BLOCKS);
+        e
+    };
+    let mut peer_rtt = Series { name: "peer control round trip (Query, 43 keys)", blocks: BLOCKS, times: vec![] };
+    let mut daemon_rtt = Series { name: "local daemon round trip (query, 43 keys)", blocks: BLOCKS, times: vec![] };
+    peer_query();
+    daemon_query();
+    for _ in 0..iters.max(100) {
+        peer_rtt.times.push(peer_query());
+        daemon_rtt.times.push(daemon_query());
     }
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    println!("{:<11} {:>6} {:>12} {:>12} {:>10} {:>9}", "contender", "blocks", "median ms", "mean ms", "GB/s", "of raw");
+    for s in &all {
+        let raw = all.iter().find(|r| r.name == "raw" && r.blocks == s.blocks).unwrap();
+        println!(
+            "{:<11} {:>6} {:>12.3} {:>12.3} {:>10.2} {:>9.3}",
+            s.name,
+            s.blocks,
+            s.median_ms(),
+            s.mean_ms(),
+            s.gbps(bb),
+            s.gbps(bb) / raw.gbps(bb)
+        );
+    }
+    if let [through_peer, local] = &gpu[..] {
+        for s in [through_peer, local] {
+            println!(
+                "{:<42} median {:8.3} ms  mean {:8.3} ms  {:6.2} GB/s",
+                s.name,
+                s.median_ms(),
+                s.mean_ms(),
+                s.gbps(bb)
+            );
+        }
+        println!("peer fetch + restore / local restore (GB/s): {:.3}", through_peer.gbps(bb) / local.gbps(bb));
+    }
+    for s in [&peer_rtt, &daemon_rtt] {
+        println!("{:<42} median {:8.1} us  mean {:8.1} us", s.name, s.median_ms() * 1e3, s.mean_ms() * 1e3);
+    }
+    println!("peer / daemon round trip (medians): {:.2}", peer_rtt.median_ms() / daemon_rtt.median_ms());
     drop(child.stdin.take());
     let _ = child.wait();
 }
