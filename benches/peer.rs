@@ -32,8 +32,10 @@
 //! owner's control address there (default `127.0.0.1:0`); `benches/peer_netns.sh` sets up two
 //! namespaces joined by a veth pair with `tc netem` delay and runs this bench across them.
 
+use kvtier::internals::peer_proto::{
+    read_msg, write_msg, Frame, PeerReply, PeerRequest, PEER_MAGIC, PEER_PROTOCOL_VERSION,
+};
 use kvtier::nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, OptArgs, XferDescList, XferOp, XferStatus};
-use kvtier::internals::peer_proto::{read_msg, write_msg, Frame, PeerReply, PeerRequest, PEER_MAGIC, PEER_PROTOCOL_VERSION};
 use kvtier::{
     pattern, BlockRead, BlockSource, ContentKey, EngineArenas, Geometry, HostPool, HostTier, MemcpyArenas,
     NixlTransport, PeerClient, PeerLimits, PeerServer, PeerTransport, PoolConfig, TierConfig, WaitFor,
@@ -294,8 +296,9 @@ fn main() {
         let transport =
             NixlTransport::new(&format!("kvtier-bench-reader-{}", std::process::id()), &local).expect("transport");
         let peer = transport.add_peer(&d).expect("the owner");
-        let reads: Vec<BlockRead> =
-            (0..BLOCKS).map(|j| BlockRead { remote_offset: offsets[j as usize], local_offset: j * bb, len: bb }).collect();
+        let reads: Vec<BlockRead> = (0..BLOCKS)
+            .map(|j| BlockRead { remote_offset: offsets[j as usize], local_offset: j * bb, len: bb })
+            .collect();
         let transport_read = |n: u64| {
             let s = Instant::now();
             transport.read(peer, &reads[..n as usize], Instant::now() + Duration::from_secs(60)).expect("a read");
@@ -304,7 +307,8 @@ fn main() {
 
         // PeerClient::fetch: the whole peer path into a reader tier of 43 slots.
         let t = std::sync::Arc::new(
-            NixlTransport::new(&format!("kvtier-bench-fetch-{}", std::process::id()), reader.pool()).expect("transport"),
+            NixlTransport::new(&format!("kvtier-bench-fetch-{}", std::process::id()), reader.pool())
+                .expect("transport"),
         );
         let client = PeerClient::connect(addr.as_str(), &reader, t, Instant::now() + Duration::from_secs(30))
             .expect("a peer connection");
@@ -411,7 +415,10 @@ fn main() {
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 
-    println!("{:<11} {:>6} {:>12} {:>12} {:>10} {:>9}", "contender", "blocks", "median ms", "mean ms", "GB/s", "of raw");
+    println!(
+        "{:<11} {:>6} {:>12} {:>12} {:>10} {:>9}",
+        "contender", "blocks", "median ms", "mean ms", "GB/s", "of raw"
+    );
     for s in &all {
         let raw = all.iter().find(|r| r.name == "raw" && r.blocks == s.blocks).unwrap();
         println!(

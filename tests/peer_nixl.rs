@@ -1,8 +1,11 @@
 //! `NixlTransport` between two processes (feature `nixl`): this test binary re-executes itself as
 //! the owner (`nixl_owner_role`, selected by `KVTIER_NIXL_OWNER`), which saves blocks of known
 //! bytes (the key's pattern, `kvtier::pattern`) into its host tier, registers its pool with NIXL and
-//! prints its descriptor and the blocks' slot offsets. The reader loads the descriptor and reads the
-//! blocks one-sided into its own pool, then checks every byte against the pattern.
+//! prints its descriptor and the blocks' slot offsets, and serves the peer protocol (`PeerServer`)
+//! over the same transport. The first tests load the descriptor and read the blocks one-sided into
+//! the reader's pool (`NixlTransport::read`); the last ones fetch them end to end
+//! (`PeerClient::fetch`: query, read, generation check, publish). Every byte is checked against
+//! the pattern.
 //!
 //! Run with one test thread (NIXL's agents may deadlock under parallel tests):
 //! `cargo test --release -p kvtier --features nixl --test peer_nixl -- --test-threads=1`.
@@ -11,12 +14,12 @@
 //! absence fails them instead. Every wait is bounded.
 
 use kvtier::{
-    pattern, ArenaSpec, BlockRead, ContentKey, EngineArenas, Geometry, HostTier, MemcpyArenas, NixlTransport,
-    PeerTransport, TierConfig, TransportError, WaitFor,
+    pattern, ArenaSpec, BlockRead, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, MemcpyArenas,
+    NixlTransport, PeerClient, PeerError, PeerLimits, PeerServer, PeerTransport, TierConfig, TransportError, WaitFor,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// Set (to anything) in the owner process.
@@ -88,16 +91,21 @@ fn nixl_owner_role() {
     assert_eq!(lease.len() as u64, BLOCKS);
     let slot_bytes = tier.pool().slot_bytes();
     let offsets: Vec<String> = lease.slots().map(|s| (u64::from(s.get()) * slot_bytes).to_string()).collect();
-    let transport = NixlTransport::new(&format!("kvtier-owner-{}", std::process::id()), tier.pool()).unwrap();
+    let transport = Arc::new(NixlTransport::new(&format!("kvtier-owner-{}", std::process::id()), tier.pool()).unwrap());
+    let descriptor = transport.local_descriptor().unwrap();
+    // The peer protocol's owner over the same transport (the end-to-end tests below).
+    let server = PeerServer::bind(&tier, "127.0.0.1:0", transport, PeerLimits::default()).unwrap();
     let mut out = std::io::stdout().lock();
-    writeln!(out, "descriptor {}", hex(&transport.local_descriptor().unwrap())).unwrap();
+    writeln!(out, "descriptor {}", hex(&descriptor)).unwrap();
+    writeln!(out, "addr {}", server.local_addr()).unwrap();
     writeln!(out, "offsets {}", offsets.join(",")).unwrap();
     writeln!(out, "ready").unwrap();
     out.flush().unwrap();
     drop(out);
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {}
-    drop((transport, lease));
+    server.shutdown();
+    drop(lease);
 }
 
 /// An owner process and what it printed.
@@ -108,6 +116,8 @@ struct Owner {
     descriptor: Vec<u8>,
     /// Byte offsets of blocks `0..BLOCKS` in the owner's pool.
     offsets: Vec<u64>,
+    /// The owner's `PeerServer` (control protocol).
+    addr: String,
 }
 
 impl Owner {
@@ -129,7 +139,7 @@ impl Owner {
                 let _ = tx.send(line);
             }
         });
-        let (mut descriptor, mut offsets) = (None, None);
+        let (mut descriptor, mut offsets, mut addr) = (None, None, None);
         let until = Instant::now() + BOUND;
         loop {
             let line = rx
@@ -138,13 +148,15 @@ impl Owner {
             // The owner's test harness may have printed `test nixl_owner_role ... ` before the line.
             if let Some((_, d)) = line.split_once("descriptor ") {
                 descriptor = Some(unhex(d));
+            } else if let Some((_, a)) = line.split_once("addr ") {
+                addr = Some(a.to_string());
             } else if let Some((_, o)) = line.split_once("offsets ") {
                 offsets = Some(o.split(',').map(|x| x.parse().unwrap()).collect());
             } else if line.ends_with("ready") {
                 break;
             }
         }
-        Owner { child, stdin, descriptor: descriptor.unwrap(), offsets: offsets.unwrap() }
+        Owner { child, stdin, descriptor: descriptor.unwrap(), offsets: offsets.unwrap(), addr: addr.unwrap() }
     }
 
     fn kill(&mut self) {
@@ -171,14 +183,14 @@ impl Drop for Owner {
 /// The reader's side: its tier (for the pool) and its transport.
 struct Reader {
     tier: HostTier,
-    transport: NixlTransport,
+    transport: Arc<NixlTransport>,
 }
 
 impl Reader {
     fn new(tag: &str) -> Reader {
         let tier = tier();
         let transport =
-            NixlTransport::new(&format!("kvtier-reader-{tag}-{}", std::process::id()), tier.pool()).unwrap();
+            Arc::new(NixlTransport::new(&format!("kvtier-reader-{tag}-{}", std::process::id()), tier.pool()).unwrap());
         Reader { tier, transport }
     }
 
@@ -352,4 +364,145 @@ fn an_owner_killed_during_reads_gives_a_typed_error_in_bounded_time() {
     println!("a read from the dead owner failed after {:?}: {e}", start.elapsed());
     assert!(matches!(e, TransportError::Disconnected | TransportError::Deadline), "a dead owner: {e:?}");
     assert!(start.elapsed() < Duration::from_secs(6));
+}
+
+impl Reader {
+    /// A peer connection to `owner`'s `PeerServer` over this reader's transport.
+    fn connect(&self, owner: &Owner) -> PeerClient {
+        PeerClient::connect(owner.addr.as_str(), &self.tier, self.transport.clone(), deadline()).unwrap()
+    }
+
+    /// The reader's tier is as an empty tier is once its READY blocks are evicted: every slot
+    /// free, none `WRITING` or pinned, no index entry, no live lease.
+    fn assert_clean(&self) {
+        self.tier.evict(usize::MAX);
+        let s = self.tier.stats();
+        assert_eq!(
+            (s.free_slots, s.writing_slots, s.pinned_slots, s.index_entries, s.live_leases),
+            (s.capacity, 0, 0, 0, 0),
+            "the reader's tier kept something: {s:?}"
+        );
+    }
+}
+
+/// Checks a fetch of every key: all `BLOCKS` from the peer, none stale, each leased slot holding
+/// its key's bytes.
+fn check_fetch(reader: &Reader, f: &kvtier::PeerFetch, keys: &[ContentKey]) {
+    assert_eq!((f.lease.len() as u64, f.lease.from_peer() as u64, f.stale), (BLOCKS, BLOCKS, 0), "a whole fetch");
+    assert!((0..f.lease.len()).all(|i| f.lease.source(i) == Some(BlockSource::Peer)));
+    for (slot, key) in f.lease.slots().zip(keys) {
+        reader.verify(slot.get(), key);
+    }
+}
+
+#[test]
+fn a_peer_fetch_through_nixl_serves_the_owners_bytes_and_the_next_hit_is_local() {
+    if !runtime("a_peer_fetch_through_nixl_serves_the_owners_bytes_and_the_next_hit_is_local") {
+        return;
+    }
+    let owner = Owner::start();
+    let reader = Reader::new("fetch");
+    let keys = keys(&reader.tier);
+    let client = reader.connect(&owner);
+    let f = client.fetch(&keys, deadline()).unwrap();
+    check_fetch(&reader, &f, &keys);
+    // Restored through the production path into host arenas, byte for byte.
+    let arenas = Arc::new(MemcpyArenas::new(reader.tier.geometry()).unwrap());
+    let rank = reader.tier.attach(arenas.backend().unwrap()).unwrap();
+    let pages: Vec<u64> = (0..BLOCKS).map(|p| p + 8).collect();
+    rank.restore(&f.lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    arenas.verify(&pages, &keys).unwrap();
+    drop(f);
+    assert_eq!(client.fetched_blocks(), BLOCKS);
+    // In the reader's pool now: a plain query hits every block locally, and a second fetch asks
+    // the owner for nothing.
+    let again = reader.tier.query(&keys);
+    assert_eq!(again.len() as u64, BLOCKS);
+    assert!((0..again.len()).all(|i| again.source(i) == Some(BlockSource::Host)));
+    drop(again);
+    let f = client.fetch(&keys, deadline()).unwrap();
+    assert_eq!((f.lease.len() as u64, f.lease.from_peer()), (BLOCKS, 0));
+    drop(f);
+    assert_eq!(client.fetched_blocks(), BLOCKS, "nothing fetched the second time");
+    drop((rank, client));
+    reader.assert_clean();
+}
+
+#[test]
+fn two_readers_fetch_the_same_blocks_through_nixl_at_once() {
+    if !runtime("two_readers_fetch_the_same_blocks_through_nixl_at_once") {
+        return;
+    }
+    let owner = Owner::start();
+    let readers = [Reader::new("twin-a"), Reader::new("twin-b")];
+    let keys = keys(&readers[0].tier);
+    let start = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        for reader in &readers {
+            let (owner, keys, start) = (&owner, &keys, &start);
+            s.spawn(move || {
+                let client = reader.connect(owner);
+                start.wait();
+                for _ in 0..10 {
+                    let f = client.fetch(keys, deadline()).unwrap();
+                    check_fetch(reader, &f, keys);
+                    drop(f);
+                    assert_eq!(reader.tier.evict(usize::MAX) as u64, BLOCKS);
+                }
+            });
+        }
+    });
+    for reader in &readers {
+        reader.assert_clean();
+    }
+}
+
+#[test]
+fn an_owner_killed_mid_fetch_is_a_typed_error_and_the_reader_keeps_nothing() {
+    if !runtime("an_owner_killed_mid_fetch_is_a_typed_error_and_the_reader_keeps_nothing") {
+        return;
+    }
+    let mut owner = Owner::start();
+    let reader = Reader::new("kill-fetch");
+    let keys = keys(&reader.tier);
+    let client = reader.connect(&owner);
+    let (killed_tx, killed_rx) = mpsc::channel::<Instant>();
+    let (e, failed_at, done) = std::thread::scope(|s| {
+        let fetching = s.spawn(|| {
+            let mut done = 0u64;
+            loop {
+                match client.fetch(&keys, deadline()) {
+                    Ok(f) => {
+                        check_fetch(&reader, &f, &keys);
+                        drop(f);
+                        reader.tier.evict(usize::MAX);
+                        done += 1;
+                    }
+                    Err(e) => return (e, Instant::now(), done),
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        killed_tx.send(Instant::now()).unwrap();
+        owner.kill();
+        fetching.join().unwrap()
+    });
+    let after = failed_at.saturating_duration_since(killed_rx.recv().unwrap());
+    println!("{done} fetches of {BLOCKS} blocks before the kill; the fetch failed {after:?} after it: {e}");
+    assert!(
+        matches!(
+            e,
+            PeerError::OwnerGone
+                | PeerError::Network(_)
+                | PeerError::Deadline
+                | PeerError::Transport(TransportError::Disconnected | TransportError::Deadline)
+        ),
+        "a killed owner is a typed error: {e:?}"
+    );
+    assert!(after < BOUND, "the failure came {after:?} after the kill");
+    // Nothing the failed fetch reserved stays behind, and the next fetch fails at once.
+    reader.assert_clean();
+    let e = client.fetch(&keys, deadline()).unwrap_err();
+    assert!(matches!(e, PeerError::OwnerGone | PeerError::Network(_)), "a dead owner: {e:?}");
+    reader.assert_clean();
 }

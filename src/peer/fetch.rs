@@ -85,13 +85,16 @@ impl PeerClient {
                 return Ok(0);
             }
             let base = self.core.pool().region().host_base;
+            // Seeded bug (tests only): `peer-reads-into-one-slot` reads every block into the pool's
+            // first slot.
+            let one_slot = crate::seeded::seeded("peer-reads-into-one-slot");
             let reads: Vec<BlockRead> = reservation
                 .entries()
                 .iter()
                 .zip(&owned)
                 .map(|(r, b)| BlockRead {
                     remote_offset: b.offset,
-                    local_offset: (self.core.pool().slot_ptr(r.slot) as usize - base) as u64,
+                    local_offset: if one_slot { 0 } else { (self.core.pool().slot_ptr(r.slot) as usize - base) as u64 },
                     len: self.block_bytes,
                 })
                 .collect();
