@@ -403,6 +403,60 @@ fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
 }
 
 #[test]
+fn the_pin_budget_returns_when_leases_are_released_or_their_connection_closes() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits { pinned_blocks: Some(2), ..PeerLimits::default() });
+    let server = o.server.as_ref().unwrap();
+    let query = |s: &mut TcpStream, keys: &[ContentKey]| match call(
+        s,
+        &PeerRequest::Query { keys: keys.to_vec(), ttl_ms: 60_000 },
+    )
+    .unwrap()
+    {
+        PeerReply::Leased { lease, blocks, .. } => (lease, blocks.len()),
+        // Nothing fits the budget.
+        PeerReply::Refused(PeerRefusal::Limit { .. }) => (0, 0),
+        r => panic!("expected a lease, got {r:?}"),
+    };
+    let (mut a, _) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION);
+    // k0 and k1 fill the budget; released, the budget is whole again for k2 and k3.
+    let (lease, n) = query(&mut a, &o.keys[..2]);
+    assert_eq!(n, 2);
+    assert_eq!(call(&mut a, &PeerRequest::Release { lease }).unwrap(), PeerReply::Released(true));
+    let (_, n) = query(&mut a, &o.keys[2..]);
+    assert_eq!(n, 2, "a released lease gives its blocks back to the pin budget");
+    // The connection closes with k2 and k3 leased: the budget returns when its leases go.
+    drop(a);
+    let until = Instant::now() + Duration::from_secs(10);
+    while server.live_leases() > 0 {
+        assert!(Instant::now() < until, "a closed connection's leases are released");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (mut b, _) = raw_hello(&fabric, o.addr(), o.tier.namespace(), proto::PEER_PROTOCOL_VERSION);
+    let (_, n) = query(&mut b, &o.keys[..2]);
+    assert_eq!(n, 2, "a closed connection gives its blocks back to the pin budget");
+    drop(b);
+    while server.live_leases() > 0 {
+        assert!(Instant::now() < until, "a closed connection's leases are released");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A hold that a fetch ended gives its blocks back too.
+    assert_eq!(server.hold(&o.keys[2..], Duration::from_secs(60)), 2);
+    let reader = tier(8, PolicyKind::Lru);
+    let client = PeerClient::connect(o.addr(), &reader, fabric.transport(&reader), soon()).unwrap();
+    let f = client.fetch(&o.keys[2..], soon()).unwrap();
+    assert_eq!(f.lease.len(), 2);
+    drop((f, client));
+    while server.live_leases() > 0 {
+        assert!(Instant::now() < until, "a closed connection's leases are released");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(server.held_blocks(), 0);
+    assert_eq!(server.hold(&o.keys[..2], Duration::from_secs(60)), 2, "a fetched hold gives its block back");
+    assert_eq!(o.tier.stats().pinned_slots, 2);
+}
+
+#[test]
 fn a_peer_set_query_continues_each_peers_prefix_and_skips_the_failed() {
     let fabric = Fabric::new();
     // Owner A holds k0 k1, owner B k0..k3; the first address has nothing listening.

@@ -93,6 +93,85 @@ struct Hold {
     expires: Instant,
 }
 
+/// The owner's peer leases and holds, and what they pin, under one lock ([`Shared::table`]):
+/// every insertion and removal goes through its methods, which keep `pins` and `per_conn` exact,
+/// so the pin budget and the per-connection limit cost O(keys asked), not O(pinned).
+#[derive(Default)]
+struct PinTable {
+    leases: HashMap<u64, OwnerLease>,
+    holds: HashMap<crate::ContentKey, Hold>,
+    /// Per key, how many peer leases and holds pin it (only counts above 0): `pins.len()` is the
+    /// number of distinct blocks peers pin.
+    pins: HashMap<crate::ContentKey, u32>,
+    /// Peer leases per connection (only counts above 0).
+    per_conn: HashMap<u64, usize>,
+}
+
+impl PinTable {
+    fn pin(&mut self, key: crate::ContentKey) {
+        *self.pins.entry(key).or_insert(0) += 1;
+    }
+
+    fn unpin(&mut self, key: &crate::ContentKey) {
+        match self.pins.get_mut(key) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.pins.remove(key);
+            }
+            None => unreachable!("a peer lease or hold unpinned a key the pin table does not count"),
+        }
+    }
+
+    fn insert_lease(&mut self, id: u64, lease: OwnerLease) {
+        for b in lease.lease.blocks() {
+            self.pin(b.key);
+        }
+        *self.per_conn.entry(lease.conn).or_insert(0) += 1;
+        let old = self.leases.insert(id, lease);
+        assert!(old.is_none(), "peer lease id {id} given twice");
+    }
+
+    /// Removes lease `id` and its pins; the caller drops the lease outside the lock (settling
+    /// unpins the tier's slots).
+    fn remove_lease(&mut self, id: u64) -> Option<OwnerLease> {
+        let lease = self.leases.remove(&id)?;
+        // Seeded bug (tests only): `peer-pins-never-returned` keeps a removed lease's blocks in
+        // the pin budget.
+        if !crate::seeded::seeded("peer-pins-never-returned") {
+            for b in lease.lease.blocks() {
+                self.unpin(&b.key);
+            }
+        }
+        match self.per_conn.get_mut(&lease.conn) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.per_conn.remove(&lease.conn);
+            }
+            None => unreachable!("a peer lease of a connection the pin table does not count"),
+        }
+        Some(lease)
+    }
+
+    /// Holds `key` (replacing an earlier hold of it, returned for the caller to drop).
+    fn insert_hold(&mut self, key: crate::ContentKey, hold: Hold) -> Option<Hold> {
+        let old = self.holds.insert(key, hold);
+        if old.is_none() {
+            self.pin(key);
+        }
+        old
+    }
+
+    fn remove_hold(&mut self, key: &crate::ContentKey) -> Option<Hold> {
+        let hold = self.holds.remove(key)?;
+        self.unpin(key);
+        Some(hold)
+    }
+
+    fn leases_of(&self, conn: u64) -> usize {
+        self.per_conn.get(&conn).copied().unwrap_or(0)
+    }
+}
+
 struct Shared {
     tier: HostTier,
     /// [`PeerLimits::pinned_blocks`], resolved against the pool's capacity.
@@ -101,8 +180,9 @@ struct Shared {
     transport: Arc<dyn PeerTransport>,
     limits: PeerLimits,
     stop: AtomicBool,
-    leases: Mutex<HashMap<u64, OwnerLease>>,
-    holds: Mutex<HashMap<crate::ContentKey, Hold>>,
+    /// Peer leases and holds (lock order: before any tier call made under it; nothing else is
+    /// locked under it).
+    table: Mutex<PinTable>,
     next_lease: AtomicU64,
     next_conn: AtomicU64,
     live_conns: AtomicUsize,
@@ -162,8 +242,7 @@ impl PeerServer {
             transport,
             limits,
             stop: AtomicBool::new(false),
-            leases: Mutex::new(HashMap::new()),
-            holds: Mutex::new(HashMap::new()),
+            table: Mutex::new(PinTable::default()),
             // Lease ids start at a random point: a stale id from an earlier server is not a
             // live lease of this one.
             next_lease: AtomicU64::new(random_start()),
@@ -186,7 +265,7 @@ impl PeerServer {
 
     /// Peer leases live now.
     pub fn live_leases(&self) -> usize {
-        super::lock(&self.shared.leases).len()
+        super::lock(&self.shared.table).leases.len()
     }
 
     /// Settles every peer lease past its time-to-live now (the accept thread does it every
@@ -201,31 +280,30 @@ impl PeerServer {
     /// held (0 if the first key is not ready).
     pub fn hold(&self, keys: &[crate::ContentKey], ttl: Duration) -> usize {
         // Under the lease table's lock, as a query, so the pin budget holds for both.
-        let leases = super::lock(&self.shared.leases);
-        let fit = self.shared.pin_prefix(&leases, keys);
+        let mut table = super::lock(&self.shared.table);
+        let fit = self.shared.pin_prefix(&table, keys);
         let prefix = self.shared.tier.query(&keys[..fit]);
         let expires = Instant::now() + ttl.min(self.shared.limits.max_hold_ttl);
         // One lease per block, so each is let go when a peer fetched it.
-        let mut held = 0;
+        let (mut held, mut replaced) = (0, Vec::new());
         for b in prefix.blocks() {
             let lease = self.shared.tier.query(std::slice::from_ref(&b.key));
             if lease.is_empty() {
                 break;
             }
             held += 1;
-            let mut all = super::lock(&self.shared.holds);
-            let expires = all.get(&b.key).map_or(expires, |h| h.expires.max(expires));
-            let old = all.insert(b.key, Hold { _pins: lease, expires });
-            drop(all);
-            drop(old);
+            let expires = table.holds.get(&b.key).map_or(expires, |h| h.expires.max(expires));
+            replaced.extend(table.insert_hold(b.key, Hold { _pins: lease, expires }));
         }
-        drop(leases);
+        drop(table);
+        // Outside the lock: settling unpins.
+        drop((replaced, prefix));
         held
     }
 
     /// Blocks held for peers ([`PeerServer::hold`]) that no peer has fetched yet.
     pub fn held_blocks(&self) -> usize {
-        super::lock(&self.shared.holds).len()
+        super::lock(&self.shared.table).holds.len()
     }
 
     /// Closes every connection, releases every peer lease and joins every thread.
@@ -245,10 +323,9 @@ impl PeerServer {
                 let _ = h.join();
             }
         }
-        let leases: Vec<_> = super::lock(&self.shared.leases).drain().collect();
-        drop(leases);
-        let holds: Vec<_> = super::lock(&self.shared.holds).drain().collect();
-        drop(holds);
+        // Outside the lock: settling unpins.
+        let all = std::mem::take(&mut *super::lock(&self.shared.table));
+        drop(all);
     }
 }
 
@@ -260,24 +337,24 @@ impl Drop for PeerServer {
 
 impl Shared {
     /// How many leading `keys` peers may pin without going over the pin budget: keys that peer
-    /// leases (`leases`, the locked lease table) or holds pin already cost nothing, every other
-    /// key one block of what is left of the budget.
-    fn pin_prefix(&self, leases: &HashMap<u64, OwnerLease>, keys: &[crate::ContentKey]) -> usize {
+    /// leases or holds pin already (`table`, locked) cost nothing, every other distinct key one
+    /// block of what is left of the budget. O(keys).
+    fn pin_prefix(&self, table: &PinTable, keys: &[crate::ContentKey]) -> usize {
         if crate::seeded::seeded("peer-pins-unbounded") {
             return keys.len();
         }
-        let holds = super::lock(&self.holds);
-        let mut pinned: std::collections::HashSet<crate::ContentKey> = holds.keys().copied().collect();
-        drop(holds);
-        pinned.extend(leases.values().flat_map(|l| l.lease.blocks().iter().map(|b| b.key)));
-        let mut room = self.pin_budget.saturating_sub(pinned.len());
+        let mut room = self.pin_budget.saturating_sub(table.pins.len());
+        let mut new = std::collections::HashSet::new();
         keys.iter()
             .take_while(|k| {
-                if pinned.contains(*k) {
+                if table.pins.contains_key(*k) || new.contains(*k) {
                     return true;
                 }
                 let fits = room > 0;
-                room = room.saturating_sub(1);
+                if fits {
+                    room -= 1;
+                    new.insert(**k);
+                }
                 fits
             })
             .count()
@@ -288,18 +365,16 @@ impl Shared {
             return 0;
         }
         let now = Instant::now();
-        let gone: Vec<OwnerLease> = {
-            let mut map = super::lock(&self.leases);
-            let due: Vec<u64> = map.iter().filter(|(_, l)| l.expires <= now).map(|(&id, _)| id).collect();
-            due.iter().filter_map(|id| map.remove(id)).collect()
+        let (gone, holds): (Vec<OwnerLease>, Vec<Hold>) = {
+            let mut t = super::lock(&self.table);
+            let due: Vec<u64> = t.leases.iter().filter(|(_, l)| l.expires <= now).map(|(&id, _)| id).collect();
+            let gone = due.iter().filter_map(|&id| t.remove_lease(id)).collect();
+            let due: Vec<crate::ContentKey> =
+                t.holds.iter().filter(|(_, h)| h.expires <= now).map(|(k, _)| *k).collect();
+            (gone, due.iter().filter_map(|k| t.remove_hold(k)).collect())
         };
-        let holds: Vec<Hold> = {
-            let mut all = super::lock(&self.holds);
-            let due: Vec<crate::ContentKey> = all.iter().filter(|(_, h)| h.expires <= now).map(|(k, _)| *k).collect();
-            due.iter().filter_map(|k| all.remove(k)).collect()
-        };
-        drop(holds);
         // Dropped outside the lock: settling unpins.
+        drop(holds);
         gone.len()
     }
 
@@ -310,8 +385,8 @@ impl Shared {
             return;
         }
         let done: Vec<Hold> = {
-            let mut all = super::lock(&self.holds);
-            keys.iter().filter_map(|k| all.remove(k)).collect()
+            let mut t = super::lock(&self.table);
+            keys.iter().filter_map(|k| t.remove_hold(k)).collect()
         };
         // Dropped outside the lock: settling unpins.
         drop(done);
@@ -319,9 +394,9 @@ impl Shared {
 
     fn release_conn(&self, conn: u64) {
         let gone: Vec<OwnerLease> = {
-            let mut map = super::lock(&self.leases);
-            let ids: Vec<u64> = map.iter().filter(|(_, l)| l.conn == conn).map(|(&id, _)| id).collect();
-            ids.iter().filter_map(|id| map.remove(id)).collect()
+            let mut t = super::lock(&self.table);
+            let ids: Vec<u64> = t.leases.iter().filter(|(_, l)| l.conn == conn).map(|(&id, _)| id).collect();
+            ids.iter().filter_map(|&id| t.remove_lease(id)).collect()
         };
         drop(gone);
     }
@@ -491,7 +566,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             if keys.len() > shared.limits.keys_per_query {
                 return limit("keys per query", keys.len() as u64, shared.limits.keys_per_query as u64);
             }
-            let held = super::lock(&shared.leases).values().filter(|l| l.conn == conn).count();
+            let held = super::lock(&shared.table).leases_of(conn);
             if held >= shared.limits.leases_per_connection {
                 return limit("leases per connection", held as u64 + 1, shared.limits.leases_per_connection as u64);
             }
@@ -502,8 +577,8 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             };
             // The pin budget is checked and the lease taken under the table's lock, so concurrent
             // queries cannot together pin more than it.
-            let mut leases = super::lock(&shared.leases);
-            let fit = shared.pin_prefix(&leases, &keys);
+            let mut table = super::lock(&shared.table);
+            let fit = shared.pin_prefix(&table, &keys);
             if fit == 0 && !keys.is_empty() {
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
             }
@@ -525,13 +600,15 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let id = shared.next_lease.fetch_add(1, Ordering::Relaxed);
             let expires =
                 Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
-            leases.insert(id, OwnerLease { conn, lease, expires });
+            table.insert_lease(id, OwnerLease { conn, lease, expires });
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
         PeerRequest::Validate { lease, blocks } => {
             let now = Instant::now();
-            let map = super::lock(&shared.leases);
-            let Some(l) = map.get(&lease).filter(|l| l.conn == conn) else { return PeerReply::Valid(Vec::new()) };
+            let map = super::lock(&shared.table);
+            let Some(l) = map.leases.get(&lease).filter(|l| l.conn == conn) else {
+                return PeerReply::Valid(Vec::new());
+            };
             let live = (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
             let read = &l.lease.blocks()[..(blocks.min(l.lease.len() as u64) as usize)];
             let valid: Vec<bool> = read.iter().map(|b| live && still_holds(&shared.core, b)).collect();
@@ -543,9 +620,9 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
         }
         PeerRequest::Release { lease } => {
             let gone = {
-                let mut map = super::lock(&shared.leases);
-                match map.get(&lease) {
-                    Some(l) if l.conn == conn => map.remove(&lease),
+                let mut t = super::lock(&shared.table);
+                match t.leases.get(&lease) {
+                    Some(l) if l.conn == conn => t.remove_lease(lease),
                     _ => None,
                 }
             };
