@@ -134,6 +134,36 @@ struct Args {
     /// quarantined) before /healthz answers 503.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, requires = "metrics")]
     healthz_bound: f64,
+    /// Serve this pool's blocks to other kvtier instances (peers, e.g. decode engines fetching a
+    /// prefill's blocks) at ADDR (host:port; port 0 picks a free one, printed at start): the peer
+    /// control protocol over TCP, the bytes read one-sided from the pool through NIXL, whose
+    /// runtime (libnixl_capi.so and its UCX plugin) must be on LD_LIBRARY_PATH and
+    /// NIXL_PLUGIN_DIR. Anyone who can reach ADDR can read the pool's blocks: keep it on a private
+    /// network. Built with feature `nixl` only.
+    #[cfg(feature = "nixl")]
+    #[arg(long, value_name = "ADDR")]
+    peer_listen: Option<String>,
+    /// Blocks peers may keep pinned at once over all their connections [default: all but an
+    /// eighth of the pool's slots], so the engines' own saves keep victims.
+    #[cfg(feature = "nixl")]
+    #[arg(long, value_name = "N", requires = "peer_listen")]
+    peer_pinned_blocks: Option<usize>,
+}
+
+/// With `--peer-listen`: a NIXL transport over the daemon's pool and a peer server in front of it
+/// (none without the flag).
+///
+/// # Errors
+/// A message naming the flag: the NIXL runtime missing, an address that cannot be bound, a pin
+/// budget of 0.
+#[cfg(feature = "nixl")]
+fn peer_server(a: &Args, tier: &HostTier) -> Result<Option<kvtier::PeerServer>, String> {
+    let Some(addr) = &a.peer_listen else { return Ok(None) };
+    let err = |e: &dyn std::fmt::Display| format!("--peer-listen {addr}: {e}");
+    let transport =
+        kvtier::NixlTransport::new(&format!("kvtierd-{}", std::process::id()), tier.pool()).map_err(|e| err(&e))?;
+    let limits = kvtier::PeerLimits { pinned_blocks: a.peer_pinned_blocks, ..kvtier::PeerLimits::default() };
+    kvtier::PeerServer::bind(tier, addr.as_str(), std::sync::Arc::new(transport), limits).map(Some).map_err(|e| err(&e))
 }
 
 fn geometry(a: &Args) -> Result<Geometry, String> {
@@ -455,6 +485,15 @@ fn main() {
     };
     let setup = t0.elapsed();
     raise_fd_limit();
+    // Before the socket is bound: a peer server that cannot start leaves nothing behind.
+    #[cfg(feature = "nixl")]
+    let peers = match peer_server(&args, &tier) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvtierd: {e}");
+            std::process::exit(1);
+        }
+    };
     let server = match Server::bind_with(&socket, tier, server_cfg) {
         Ok(s) => s,
         Err(e) => {
@@ -493,10 +532,16 @@ fn main() {
         },
         t.policy_name()
     );
-    let at = match &metrics {
+    #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
+    let mut at = match &metrics {
         Some(m) => format!(", metrics at http://{}/metrics", m.addr),
         None => String::new(),
     };
+    #[cfg(feature = "nixl")]
+    if let Some(p) = &peers {
+        tracing::info!("serving peers at {} (NIXL)", p.local_addr());
+        at.push_str(&format!(", peers at {}", p.local_addr()));
+    }
     let ssd = match t.ssd_stats() {
         Some(s) => {
             tracing::info!(
@@ -555,6 +600,12 @@ fn main() {
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
+    // Peers' connections close and their leases settle before the flush.
+    #[cfg(feature = "nixl")]
+    if let Some(p) = peers {
+        p.shutdown();
+    }
+
     if let Some(s) = tier.ssd_stats() {
         // What is queued for the drive is written before the process ends: it is served again
         // after the restart.

@@ -1,0 +1,129 @@
+//! `kvtierd --peer-listen ADDR` (feature `nixl`): the daemon's shared pool served to another kvtier
+//! instance through the peer protocol, the bytes read one-sided through NIXL. An engine saves
+//! blocks into the daemon; a second instance (an in-process tier in this test) fetches them with
+//! `PeerClient::fetch`, restores them and checks every byte. A daemon that cannot serve peers
+//! (no NIXL runtime, an address it cannot bind) exits with a message naming the flag before its
+//! socket exists.
+//!
+//! `cargo test --release -p kvtierd --features nixl --test peer -- --test-threads=1` with the NIXL
+//! runtime in the environment (`eval "$(bash ci/nixl.sh)"`). Without it the tests that need it
+//! are skipped with a message; with `KVTIER_REQUIRE_NIXL=1` (CI sets it) they fail instead.
+
+mod support;
+
+use kvtier::{
+    BackingChoice, BlockSource, ContentKey, EngineArenas, HostTier, MemcpyArenas, NixlTransport, PeerClient,
+    TierConfig, WaitFor,
+};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+use support::{eventually, Daemon, DEADLINE, SLOT_BYTES};
+
+/// False (after printing why) when the NIXL runtime is missing and not required.
+fn runtime(test: &str) -> bool {
+    if NixlTransport::runtime_available() {
+        return true;
+    }
+    let required = std::env::var("KVTIER_REQUIRE_NIXL").is_ok_and(|v| v == "1");
+    assert!(!required, "KVTIER_REQUIRE_NIXL=1 but the NIXL runtime was not found (eval \"$(bash ci/nixl.sh)\")");
+    eprintln!("SKIPPED {test}: the NIXL runtime (libnixl_capi.so) was not found; see ci/nixl.sh");
+    false
+}
+
+fn keys(tier: &HostTier, n: u64) -> Vec<ContentKey> {
+    (0..n).map(|i| tier.namespace().trace_page_key(i, 0)).collect()
+}
+
+#[test]
+fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() {
+    if !runtime("a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs") {
+        return;
+    }
+    let d = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0", "--peer-pinned-blocks", "6"]);
+    let addr = d
+        .line
+        .split(", peers at ")
+        .nth(1)
+        .and_then(|rest| rest.split([',', ' ']).next())
+        .unwrap_or_else(|| panic!("the daemon's line names its peer address: {}", d.line))
+        .to_string();
+    // An engine saves four blocks into the daemon's pool.
+    let engine = HostTier::connect(&d.socket).unwrap();
+    let g = engine.geometry().with_pages(64).unwrap();
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let rank = engine.attach(arenas.backend().unwrap()).unwrap();
+    let k = keys(&engine, 4);
+    arenas.fill(&[0, 1, 2, 3], &k).unwrap();
+    rank.save(&k, &[0, 1, 2, 3], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+
+    // Another instance of the same model: its own tier, its own NIXL agent.
+    let reader =
+        HostTier::new(TierConfig::new(engine.geometry().clone(), 8 * SLOT_BYTES).with_backing(BackingChoice::Plain))
+            .unwrap();
+    assert_eq!(reader.namespace(), engine.namespace());
+    let transport =
+        Arc::new(NixlTransport::new(&format!("kvtierd-test-reader-{}", std::process::id()), reader.pool()).unwrap());
+    let client = PeerClient::connect(addr.as_str(), &reader, transport, Instant::now() + DEADLINE).unwrap();
+    let f = client.fetch(&k, Instant::now() + DEADLINE).unwrap();
+    assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (4, 4, 0), "all four blocks from the daemon");
+    assert!((0..4).all(|i| f.lease.source(i) == Some(BlockSource::Peer)));
+    let g2 = reader.geometry().with_pages(64).unwrap();
+    let mine = Arc::new(MemcpyArenas::new(&g2).unwrap());
+    let my_rank = reader.attach(mine.backend().unwrap()).unwrap();
+    my_rank.restore(&f.lease, &[10, 11, 12, 13], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
+    mine.verify(&[10, 11, 12, 13], &k).unwrap();
+    drop(f);
+
+    // The peer's lease settled with its connection: the daemon's pool is as the engine left it.
+    drop(client);
+    eventually("the peer's pins are gone", || engine.stats().pinned_slots == 0);
+    let again = engine.query(&k);
+    assert_eq!(again.len(), 4);
+    rank.restore(&again, &[20, 21, 22, 23], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
+    arenas.verify(&[20, 21, 22, 23], &k).unwrap();
+    drop(again);
+    rank.shutdown(DEADLINE).unwrap();
+}
+
+/// `kvtierd` on the test geometry with `extra` arguments and the environment variables `removed`, run to
+/// its exit: (status, stderr).
+fn refused(socket: &Path, extra: &[&str], removed: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(support::kvtierd_bin());
+    cmd.arg("--socket").arg(socket).args(["--model", "test-model", "--page-tokens", "16"]);
+    for (name, bytes) in support::ARENAS {
+        cmd.arg("--arena").arg(format!("{name}:{bytes}"));
+    }
+    cmd.args(["--pool", &(4 * SLOT_BYTES).to_string(), "--backing", "plain"]).args(extra);
+    for v in removed {
+        cmd.env_remove(v);
+    }
+    cmd.env("RUST_LOG", "kvtier=warn").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    let out = cmd.spawn().expect("spawning kvtierd").wait_with_output().expect("kvtierd's exit");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    // No NIXL runtime on the library path.
+    let (code, err) = refused(&socket, &["--peer-listen", "127.0.0.1:0"], &["LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer-listen 127.0.0.1:0: ") && err.contains("NIXL runtime not found"), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+    if !runtime("a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists (bad address)") {
+        return;
+    }
+    // An address that cannot be bound.
+    let (code, err) = refused(&socket, &["--peer-listen", "256.0.0.1:7000"], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer-listen 256.0.0.1:7000: "), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+    // A pin budget of 0.
+    let (code, err) = refused(&socket, &["--peer-listen", "127.0.0.1:0", "--peer-pinned-blocks", "0"], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("pinned blocks must be > 0"), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+}
