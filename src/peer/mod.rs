@@ -6,7 +6,8 @@
 //! - `proto`: the control protocol over TCP (hello, query, validate, release): length-prefixed
 //!   postcard frames in the tier daemon's style, with a magic, a version and limits.
 //! - `server`: [`PeerServer`], the owner's side: pins the longest ready prefix of a query under a
-//!   lease with a time-to-live and answers each block's byte offset and generation.
+//!   lease with a time-to-live and answers each block's byte offset and generation; `pins`: its
+//!   table of peer leases and holds with a count of what they pin (the pin budget).
 //! - `client` and `fetch`: [`PeerClient`], the reader's side: the local prefix first, then the
 //!   missing suffix reserved `WRITING` locally, read in one transport batch, validated with the
 //!   owner, and only the leading run of validated blocks published (pinned for the local lease).
@@ -17,6 +18,7 @@
 
 mod client;
 mod fetch;
+mod pins;
 pub(crate) mod proto;
 mod server;
 mod set;
@@ -31,7 +33,8 @@ pub use set::{PeerSet, PeerSetFetch};
 pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
 
 /// Locks `m`, recovering from poisoning: the peer tables stay consistent across a panic in any
-/// one connection's handler (each update is one insert or remove). A `std` mutex in every build:
+/// one connection's handler (each update is a few map operations that cannot fail; the pin table
+/// panics only on a broken invariant of its own). A `std` mutex in every build:
 /// peers are network code, outside the loom models (whose `crate::sync` is loom's).
 pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -1,6 +1,7 @@
 //! [`PeerServer`]: the owner's side of the peer protocol. One thread accepts (and expires leases
 //! past their time-to-live); one thread per connection, at most [`PeerLimits::connections`].
 
+use super::pins::{Hold, OwnerLease, PinTable};
 use super::proto::{self, Frame, PeerRefusal, PeerReply, PeerRequest, WirePeerBlock, WirePeerLimits};
 use super::{PeerError, PeerTransport};
 use crate::slab::slot::SlotState;
@@ -74,101 +75,6 @@ impl PeerLimits {
             leases_per_connection: self.leases_per_connection as u64,
             max_lease_ttl_ms: self.max_lease_ttl.as_millis().min(u64::MAX as u128) as u64,
         }
-    }
-}
-
-/// A lease the owner holds for a peer: the tier lease (its pins), the connection that holds it,
-/// and when it expires.
-struct OwnerLease {
-    conn: u64,
-    lease: Lease,
-    expires: Instant,
-}
-
-/// A block kept pinned for a peer to fetch ([`PeerServer::hold`]): its own one-block lease and
-/// when the hold ends.
-struct Hold {
-    /// Held for its pin (dropping it settles).
-    _pins: Lease,
-    expires: Instant,
-}
-
-/// The owner's peer leases and holds, and what they pin, under one lock ([`Shared::table`]):
-/// every insertion and removal goes through its methods, which keep `pins` and `per_conn` exact,
-/// so the pin budget and the per-connection limit cost O(keys asked), not O(pinned).
-#[derive(Default)]
-struct PinTable {
-    leases: HashMap<u64, OwnerLease>,
-    holds: HashMap<crate::ContentKey, Hold>,
-    /// Per key, how many peer leases and holds pin it (only counts above 0): `pins.len()` is the
-    /// number of distinct blocks peers pin.
-    pins: HashMap<crate::ContentKey, u32>,
-    /// Peer leases per connection (only counts above 0).
-    per_conn: HashMap<u64, usize>,
-}
-
-impl PinTable {
-    fn pin(&mut self, key: crate::ContentKey) {
-        *self.pins.entry(key).or_insert(0) += 1;
-    }
-
-    fn unpin(&mut self, key: &crate::ContentKey) {
-        match self.pins.get_mut(key) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.pins.remove(key);
-            }
-            None => unreachable!("a peer lease or hold unpinned a key the pin table does not count"),
-        }
-    }
-
-    fn insert_lease(&mut self, id: u64, lease: OwnerLease) {
-        for b in lease.lease.blocks() {
-            self.pin(b.key);
-        }
-        *self.per_conn.entry(lease.conn).or_insert(0) += 1;
-        let old = self.leases.insert(id, lease);
-        assert!(old.is_none(), "peer lease id {id} given twice");
-    }
-
-    /// Removes lease `id` and its pins; the caller drops the lease outside the lock (settling
-    /// unpins the tier's slots).
-    fn remove_lease(&mut self, id: u64) -> Option<OwnerLease> {
-        let lease = self.leases.remove(&id)?;
-        // Seeded bug (tests only): `peer-pins-never-returned` keeps a removed lease's blocks in
-        // the pin budget.
-        if !crate::seeded::seeded("peer-pins-never-returned") {
-            for b in lease.lease.blocks() {
-                self.unpin(&b.key);
-            }
-        }
-        match self.per_conn.get_mut(&lease.conn) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.per_conn.remove(&lease.conn);
-            }
-            None => unreachable!("a peer lease of a connection the pin table does not count"),
-        }
-        Some(lease)
-    }
-
-    /// Holds `key` (replacing an earlier hold of it, returned for the caller to drop).
-    fn insert_hold(&mut self, key: crate::ContentKey, hold: Hold) -> Option<Hold> {
-        let old = self.holds.insert(key, hold);
-        if old.is_none() {
-            self.pin(key);
-        }
-        old
-    }
-
-    fn remove_hold(&mut self, key: &crate::ContentKey) -> Option<Hold> {
-        let hold = self.holds.remove(key)?;
-        self.unpin(key);
-        Some(hold)
-    }
-
-    fn leases_of(&self, conn: u64) -> usize {
-        self.per_conn.get(&conn).copied().unwrap_or(0)
     }
 }
 
