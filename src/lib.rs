@@ -104,8 +104,8 @@ pub use peer::nixl::{nixl_sys, NixlTransport};
 #[cfg(all(feature = "peers", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
 pub use peer::{
-    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerSet, PeerSetFetch, PeerTransport,
-    TransportError, TransportPeer,
+    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerServerStats, PeerSet, PeerSetFetch,
+    PeerTransport, TransportError, TransportPeer,
 };
 #[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]

@@ -99,6 +99,15 @@ fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
     let local = reader.query(&o.keys);
     assert_eq!(local.len(), 4);
     assert_eq!(client.fetched_blocks(), 3);
+    // The owner's counts: one connection (still open), one lease of the 3 blocks it held of the 4
+    // asked, all 3 validated, nothing pinned or leased any more.
+    let st = server.stats();
+    assert_eq!(
+        (st.connections, st.connections_accepted, st.leases_granted, st.blocks_leased),
+        (1, 1, 1, 3),
+        "the owner's stats: {st:?}"
+    );
+    assert_eq!((st.blocks_validated, st.blocks_invalid, st.leases, st.pinned_blocks), (3, 0, 0, 0), "{st:?}");
 }
 
 #[test]
@@ -129,6 +138,9 @@ fn a_slot_reused_between_pin_and_read_is_dropped_never_served() {
     assert_untouched(&reader);
     assert!(o.keys.iter().all(|k| !reader.contains(k)));
     assert_eq!(client.stale_blocks(), 4);
+    // The owner counts the four as read but invalid (its lease had expired).
+    let st = o.server.as_ref().unwrap().stats();
+    assert_eq!((st.blocks_leased, st.blocks_validated, st.blocks_invalid), (4, 0, 4), "{st:?}");
     // The owner now holds the other keys' bytes where the fetched keys were.
     assert_eq!(o.tier.query(&others).len(), 4);
 }
@@ -324,6 +336,12 @@ fn requests_over_the_limits_are_refused_without_harming_other_connections() {
         PeerReply::Refused(PeerRefusal::Limit { .. })
     ));
     assert_eq!(o.server.as_ref().unwrap().live_leases(), 2);
+    let st = o.server.as_ref().unwrap().stats();
+    assert_eq!(
+        (st.refused_keys_per_query, st.refused_leases_per_connection, st.refused_pinned_blocks, st.leases),
+        (1, 1, 0, 2),
+        "each refusal counted under its bound: {st:?}"
+    );
     // Closing the connection releases its leases.
     drop(s);
     let t0 = Instant::now();
@@ -387,6 +405,8 @@ fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
     );
     assert_eq!(server.hold(&o.keys[2..], Duration::from_secs(60)), 0);
     assert_eq!(o.tier.stats().pinned_slots, 2);
+    let st = server.stats();
+    assert_eq!((st.pinned_blocks, st.pin_budget, st.refused_pinned_blocks, st.leases), (2, 2, 1, 2), "{st:?}");
     // The owner's own pressure still finds its victims: the two blocks peers do not pin.
     assert_eq!(o.tier.evict(usize::MAX), 2);
     assert!(o.keys[..2].iter().all(|k| o.tier.contains(k)));

@@ -311,12 +311,19 @@ struct MetricsEndpoint {
     health: PoolHealth,
 }
 
-fn metrics_endpoint(addr: &str, a: &Args, server: &Server) -> Result<MetricsEndpoint, String> {
+/// `more` adds further families (the peer server's) to the registry.
+fn metrics_endpoint(
+    addr: &str,
+    a: &Args,
+    server: &Server,
+    more: impl FnOnce(&mut Registry),
+) -> Result<MetricsEndpoint, String> {
     let bound = seconds("healthz-bound", a.healthz_bound)?;
     let http = tiny_http::Server::http(addr).map_err(|e| e.to_string())?;
     let addr = http.server_addr().to_ip().ok_or("not an IP address")?;
     let mut registry = Registry::default();
     server.register_metrics(&mut registry);
+    more(&mut registry);
     Ok(MetricsEndpoint { http, addr, registry, health: PoolHealth::new(server.tier(), bound) })
 }
 
@@ -503,7 +510,12 @@ fn main() {
     };
     let metrics = match &args.metrics {
         None => None,
-        Some(addr) => match metrics_endpoint(addr, &args, &server) {
+        Some(addr) => match metrics_endpoint(addr, &args, &server, |_registry| {
+            #[cfg(feature = "nixl")]
+            if let Some(p) = &peers {
+                p.register_metrics(_registry);
+            }
+        }) {
             Ok(m) => Some(m),
             Err(e) => {
                 eprintln!("kvtierd: --metrics {addr}: {e}");

@@ -15,6 +15,8 @@ use kvtier::{
     BackingChoice, BlockSource, ContentKey, EngineArenas, HostTier, MemcpyArenas, NixlTransport, PeerClient,
     TierConfig, WaitFor,
 };
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -41,7 +43,8 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     if !runtime("a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs") {
         return;
     }
-    let d = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0", "--peer-pinned-blocks", "6"]);
+    let args = ["--peer-listen", "127.0.0.1:0", "--peer-pinned-blocks", "6", "--metrics", "127.0.0.1:0"];
+    let d = Daemon::start_args(8, "lru", None, &args);
     let addr = d
         .line
         .split(", peers at ")
@@ -79,12 +82,48 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     // The peer's lease settled with its connection: the daemon's pool is as the engine left it.
     drop(client);
     eventually("the peer's pins are gone", || engine.stats().pinned_slots == 0);
+    // The owner's side on the daemon's /metrics: one lease of four blocks, all four validated,
+    // nothing pinned or leased now, the budget as asked.
+    let metrics = metrics_addr(&d);
+    eventually("the peer's lease is gone from the metrics", || sample(&metrics, "kvtier_peer_leases") == 0.0);
+    for (series, v) in [
+        ("kvtier_peer_leases_granted_total", 1.0),
+        ("kvtier_peer_blocks_leased_total", 4.0),
+        ("kvtier_peer_blocks_validated_total{result=\"valid\"}", 4.0),
+        ("kvtier_peer_blocks_validated_total{result=\"invalid\"}", 0.0),
+        ("kvtier_peer_pinned_blocks", 0.0),
+        ("kvtier_peer_pin_budget_blocks", 6.0),
+        ("kvtier_peer_connections_accepted_total", 1.0),
+        ("kvtier_peer_refusals_total{limit=\"pinned_blocks\"}", 0.0),
+    ] {
+        assert_eq!(sample(&metrics, series), v, "{series}");
+    }
     let again = engine.query(&k);
     assert_eq!(again.len(), 4);
     rank.restore(&again, &[20, 21, 22, 23], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
     arenas.verify(&[20, 21, 22, 23], &k).unwrap();
     drop(again);
     rank.shutdown(DEADLINE).unwrap();
+}
+
+/// The metrics address the daemon printed (`..., metrics at http://ADDR/metrics`).
+fn metrics_addr(d: &Daemon) -> String {
+    let at = d.line.split("metrics at http://").nth(1).unwrap_or_else(|| panic!("no metrics address in {:?}", d.line));
+    at.split("/metrics").next().unwrap().to_string()
+}
+
+/// The value of `series` (`name` or `name{labels}`) in a scrape of the daemon's `/metrics`.
+fn sample(addr: &str, series: &str) -> f64 {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let line = raw
+        .lines()
+        .find(|l| l.strip_prefix(series).is_some_and(|rest| rest.starts_with(' ')))
+        .unwrap_or_else(|| panic!("no sample {series} in the scrape:\n{raw}"));
+    line.rsplit_once(' ').unwrap().1.parse().unwrap()
 }
 
 /// `kvtierd` on the test geometry with `extra` arguments and the environment variables `removed`, run to

@@ -18,6 +18,8 @@
 
 mod client;
 mod fetch;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod pins;
 pub(crate) mod proto;
 mod server;
@@ -28,7 +30,7 @@ mod transport;
 pub(crate) mod nixl;
 
 pub use client::{PeerClient, PeerFetch};
-pub use server::{PeerLimits, PeerServer};
+pub use server::{PeerLimits, PeerServer, PeerServerStats};
 pub use set::{PeerSet, PeerSetFetch};
 pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
 

@@ -7,7 +7,7 @@ use super::{PeerError, PeerTransport};
 use crate::slab::slot::SlotState;
 use crate::sync::Arc as TierArc;
 use crate::tier::core::Core;
-use crate::tier::lease::{Lease, LeasedBlock};
+use crate::tier::lease::LeasedBlock;
 use crate::HostTier;
 use std::collections::HashMap;
 use std::io::Read;
@@ -78,7 +78,63 @@ impl PeerLimits {
     }
 }
 
-struct Shared {
+/// What a [`PeerServer`] has done since it started, and what it holds now
+/// ([`PeerServer::stats`]; with feature `metrics`, the `kvtier_peer_*` families of
+/// `PeerServer::register_metrics`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct PeerServerStats {
+    /// Control connections open now.
+    pub connections: u64,
+    /// Connections accepted since the server started (refused ones included).
+    pub connections_accepted: u64,
+    /// Peer leases live now.
+    pub leases: u64,
+    /// Peer leases granted (queries answered with at least one block).
+    pub leases_granted: u64,
+    /// Blocks answered under those leases (each lease's blocks counted once).
+    pub blocks_leased: u64,
+    /// Blocks a reader read and the owner then validated (slot at its generation, lease live).
+    pub blocks_validated: u64,
+    /// Blocks a reader read whose validation failed (slot reused, lease expired): the reader
+    /// dropped them.
+    pub blocks_invalid: u64,
+    /// Distinct blocks peer leases and holds pin now.
+    pub pinned_blocks: u64,
+    /// The pin budget ([`PeerLimits::pinned_blocks`], resolved), blocks.
+    pub pin_budget: u64,
+    /// Blocks held for a peer ([`PeerServer::hold`]) not fetched yet.
+    pub held_blocks: u64,
+    /// Connections refused at accept over [`PeerLimits::connections`].
+    pub refused_connections: u64,
+    /// Queries refused over [`PeerLimits::keys_per_query`].
+    pub refused_keys_per_query: u64,
+    /// Queries refused over [`PeerLimits::leases_per_connection`].
+    pub refused_leases_per_connection: u64,
+    /// Queries refused because not even their first block fit the pin budget.
+    pub refused_pinned_blocks: u64,
+}
+
+/// The server's counters (the cumulative half of [`PeerServerStats`]).
+#[derive(Default)]
+struct Counters {
+    connections_accepted: AtomicU64,
+    leases_granted: AtomicU64,
+    blocks_leased: AtomicU64,
+    blocks_validated: AtomicU64,
+    blocks_invalid: AtomicU64,
+    refused_connections: AtomicU64,
+    refused_keys_per_query: AtomicU64,
+    refused_leases_per_connection: AtomicU64,
+    refused_pinned_blocks: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+pub(super) struct Shared {
     tier: HostTier,
     /// [`PeerLimits::pinned_blocks`], resolved against the pool's capacity.
     pin_budget: usize,
@@ -92,6 +148,7 @@ struct Shared {
     next_lease: AtomicU64,
     next_conn: AtomicU64,
     live_conns: AtomicUsize,
+    counters: Counters,
     /// Open connections: a clone of each stream (shut down at stop) and its thread.
     conns: Mutex<HashMap<u64, (TcpStream, Option<JoinHandle<()>>)>>,
 }
@@ -154,6 +211,7 @@ impl PeerServer {
             next_lease: AtomicU64::new(random_start()),
             next_conn: AtomicU64::new(1),
             live_conns: AtomicUsize::new(0),
+            counters: Counters::default(),
             conns: Mutex::new(HashMap::new()),
         });
         let s = shared.clone();
@@ -212,6 +270,21 @@ impl PeerServer {
         super::lock(&self.shared.table).holds.len()
     }
 
+    /// What the server has done and holds now (see [`PeerServerStats`]).
+    pub fn stats(&self) -> PeerServerStats {
+        self.shared.stats()
+    }
+
+    /// Adds the server's metrics to `registry` (the `kvtier_peer_*` families of
+    /// `docs/metrics.md`, read from [`PeerServer::stats`] at scrape time). Call once per server;
+    /// the registry keeps what it reads alive (not the server's threads: after a shutdown the
+    /// figures stop moving).
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "peers", feature = "metrics"))))]
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(super::metrics::PeerCollector(self.shared.clone())));
+    }
+
     /// Closes every connection, releases every peer lease and joins every thread.
     pub fn shutdown(mut self) {
         self.stop();
@@ -242,6 +315,31 @@ impl Drop for PeerServer {
 }
 
 impl Shared {
+    pub(super) fn stats(&self) -> PeerServerStats {
+        let (leases, pinned_blocks, held_blocks) = {
+            let t = super::lock(&self.table);
+            (t.leases.len() as u64, t.pins.len() as u64, t.holds.len() as u64)
+        };
+        let c = &self.counters;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PeerServerStats {
+            connections: self.live_conns.load(Ordering::Relaxed) as u64,
+            connections_accepted: n(&c.connections_accepted),
+            leases,
+            leases_granted: n(&c.leases_granted),
+            blocks_leased: n(&c.blocks_leased),
+            blocks_validated: n(&c.blocks_validated),
+            blocks_invalid: n(&c.blocks_invalid),
+            pinned_blocks,
+            pin_budget: self.pin_budget as u64,
+            held_blocks,
+            refused_connections: n(&c.refused_connections),
+            refused_keys_per_query: n(&c.refused_keys_per_query),
+            refused_leases_per_connection: n(&c.refused_leases_per_connection),
+            refused_pinned_blocks: n(&c.refused_pinned_blocks),
+        }
+    }
+
     /// How many leading `keys` peers may pin without going over the pin budget: keys that peer
     /// leases or holds pin already (`table`, locked) cost nothing, every other distinct key one
     /// block of what is left of the budget. O(keys).
@@ -321,7 +419,9 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
     while !shared.stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, from)) => {
+                bump(&shared.counters.connections_accepted, 1);
                 if shared.live_conns.load(Ordering::Acquire) >= shared.limits.connections {
+                    bump(&shared.counters.refused_connections, 1);
                     tracing::warn!(%from, "peer connection refused: too many connections");
                     continue;
                 }
@@ -470,10 +570,12 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
         PeerRequest::Hello { .. } => PeerReply::Refused(PeerRefusal::OutOfOrder),
         PeerRequest::Query { keys, ttl_ms } => {
             if keys.len() > shared.limits.keys_per_query {
+                bump(&shared.counters.refused_keys_per_query, 1);
                 return limit("keys per query", keys.len() as u64, shared.limits.keys_per_query as u64);
             }
             let held = super::lock(&shared.table).leases_of(conn);
             if held >= shared.limits.leases_per_connection {
+                bump(&shared.counters.refused_leases_per_connection, 1);
                 return limit("leases per connection", held as u64 + 1, shared.limits.leases_per_connection as u64);
             }
             let ttl = if crate::seeded::seeded("peer-trusts-ttl") {
@@ -486,6 +588,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let mut table = super::lock(&shared.table);
             let fit = shared.pin_prefix(&table, &keys);
             if fit == 0 && !keys.is_empty() {
+                bump(&shared.counters.refused_pinned_blocks, 1);
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
             }
             let lease = shared.tier.query(&keys[..fit]);
@@ -506,6 +609,8 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let id = shared.next_lease.fetch_add(1, Ordering::Relaxed);
             let expires =
                 Instant::now().checked_add(ttl).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40));
+            bump(&shared.counters.leases_granted, 1);
+            bump(&shared.counters.blocks_leased, blocks.len() as u64);
             table.insert_lease(id, OwnerLease { conn, lease, expires });
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
@@ -513,6 +618,9 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let now = Instant::now();
             let map = super::lock(&shared.table);
             let Some(l) = map.leases.get(&lease).filter(|l| l.conn == conn) else {
+                // Expired, released or never granted: whatever the reader read is invalid
+                // (counted up to one query's worth, whatever it claims).
+                bump(&shared.counters.blocks_invalid, blocks.min(shared.limits.keys_per_query as u64));
                 return PeerReply::Valid(Vec::new());
             };
             let live = (now < l.expires || crate::seeded::seeded("peer-lease-never-expires")) && !l.lease.is_settled();
@@ -521,6 +629,8 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             let fetched: Vec<crate::ContentKey> =
                 read.iter().zip(&valid).filter(|(_, &v)| v).map(|(b, _)| b.key).collect();
             drop(map);
+            bump(&shared.counters.blocks_validated, fetched.len() as u64);
+            bump(&shared.counters.blocks_invalid, (valid.len() - fetched.len()) as u64);
             shared.fetched(&fetched);
             PeerReply::Valid(valid)
         }
