@@ -1,14 +1,25 @@
 //! The owner's peer metrics (features `peers` and `metrics`): [`super::PeerServerStats`] as the
 //! `kvtier_peer_*` families, read at scrape time.
 
-use super::server::Shared;
+use super::server::{PeerServer, Shared};
 use crate::metrics::{counter, family, gauge};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use std::sync::Arc;
 
+impl PeerServer {
+    /// Adds the server's metrics to `registry` (the `kvtier_peer_*` families of
+    /// `docs/metrics.md`, read from [`PeerServer::stats`] at scrape time). Call once per server;
+    /// the registry keeps what it reads alive (not the server's threads: after a shutdown the
+    /// figures stop moving).
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "peers", feature = "metrics"))))]
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(PeerCollector(self.shared.clone())));
+    }
+}
+
 /// Reads a peer server's stats at scrape time.
-pub(super) struct PeerCollector(pub(super) Arc<Shared>);
+struct PeerCollector(Arc<Shared>);
 
 impl std::fmt::Debug for PeerCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -157,7 +157,7 @@ pub(super) struct Shared {
 /// it (or [`PeerServer::shutdown`]) closes every connection, releases every peer lease and joins
 /// every thread.
 pub struct PeerServer {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
 }
@@ -273,16 +273,6 @@ impl PeerServer {
     /// What the server has done and holds now (see [`PeerServerStats`]).
     pub fn stats(&self) -> PeerServerStats {
         self.shared.stats()
-    }
-
-    /// Adds the server's metrics to `registry` (the `kvtier_peer_*` families of
-    /// `docs/metrics.md`, read from [`PeerServer::stats`] at scrape time). Call once per server;
-    /// the registry keeps what it reads alive (not the server's threads: after a shutdown the
-    /// figures stop moving).
-    #[cfg(feature = "metrics")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "peers", feature = "metrics"))))]
-    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
-        registry.register_collector(Box::new(super::metrics::PeerCollector(self.shared.clone())));
     }
 
     /// Closes every connection, releases every peer lease and joins every thread.
