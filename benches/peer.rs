@@ -19,7 +19,7 @@
 //! reply, interleaved (at least 100 of each). Every contender's bytes are checked against the keys' patterns before timing.
 //!
 //! Printed per contender and request size: median and mean latency per request (ms) and GB/s
-//! (GB = 10^9 B, bytes moved / summed request times); `fetch` also as a fraction of `raw`.
+//! (GB = 10^9 B, bytes moved / summed request times); each row also as a fraction of `raw` at its size.
 //!
 //! ```text
 //! eval "$(bash ci/nixl.sh)"; cargo bench -p kvtier --features nixl --bench peer

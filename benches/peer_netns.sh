@@ -12,6 +12,10 @@
 # netem qdisc (sch_netem); without it the script says so and exits with status 3.
 # The namespaces and the veth pair are removed on exit.
 set -euo pipefail
+# A bench executable named relative to the caller's directory still names it after the cd below.
+if [[ -n ${KVTIER_PEER_BENCH_EXE:-} ]]; then
+    KVTIER_PEER_BENCH_EXE=$(realpath -- "$KVTIER_PEER_BENCH_EXE")
+fi
 cd "$(dirname "$0")/.."
 iters=20
 delays=()

@@ -420,6 +420,9 @@ fn peers_pin_no_more_than_their_budget_and_the_owner_keeps_victims() {
     let t = tier(4, PolicyKind::Lru);
     let zero = PeerLimits { pinned_blocks: Some(0), ..PeerLimits::default() };
     assert!(matches!(PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), zero), Err(PeerError::Config(_))));
+    // So is one over the pool's 4 slots.
+    let over = PeerLimits { pinned_blocks: Some(5), ..PeerLimits::default() };
+    assert!(matches!(PeerServer::bind(&t, "127.0.0.1:0", fabric.transport(&t), over), Err(PeerError::Config(_))));
 }
 
 #[test]

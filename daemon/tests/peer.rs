@@ -155,7 +155,7 @@ fn a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exis
     if !runtime("a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists (bad address)") {
         return;
     }
-    // An address that cannot be bound.
+    // An address that does not parse (no such IPv4 address).
     let (code, err) = refused(&socket, &["--peer-listen", "256.0.0.1:7000"], &[]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("kvtierd: --peer-listen 256.0.0.1:7000: "), "{err}");

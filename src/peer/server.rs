@@ -42,8 +42,8 @@ pub struct PeerLimits {
     /// Longest hold for a peer ([`PeerServer::hold`], 60 s).
     pub max_hold_ttl: Duration,
     /// Blocks that peer leases and holds together may keep pinned at once, over every connection
-    /// (`None`: all but an eighth of the pool's slots, the eighth rounded down; `Some(0)` is a
-    /// [`PeerError::Config`]). A block pinned by several peer leases and holds counts once. A
+    /// (`None`: all but an eighth of the pool's slots, the eighth rounded down; `Some(0)` and a
+    /// budget over the pool's slots are a [`PeerError::Config`]). A block pinned by several peer leases and holds counts once. A
     /// query is answered with the longest prefix that fits (refused with a limit when nothing
     /// fits) and a hold holds what fits, so peers cannot pin the whole pool and leave the owner's
     /// own saves without a victim.
@@ -142,8 +142,10 @@ pub(super) struct Shared {
     transport: Arc<dyn PeerTransport>,
     limits: PeerLimits,
     stop: AtomicBool,
-    /// Peer leases and holds (lock order: before any tier call made under it; nothing else is
-    /// locked under it).
+    /// Peer leases and holds. Queries and holds call the tier (`HostTier::query`: index, slot
+    /// pins, an SSD promotion's reads) under it, so the budget check and the lease are one step;
+    /// the tier never calls back into the server, so no other lock of this module is taken
+    /// under it.
     table: Mutex<PinTable>,
     next_lease: AtomicU64,
     next_conn: AtomicU64,
@@ -173,7 +175,7 @@ impl PeerServer {
     /// through `transport` (its descriptor is sent in each welcome).
     ///
     /// # Errors
-    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0;
+    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0 or a pin budget over the pool's slots;
     /// [`PeerError::Transport`] if the transport has no descriptor; [`PeerError::Connect`] if
     /// `addr` cannot be bound.
     pub fn bind(
@@ -193,6 +195,12 @@ impl PeerServer {
             ));
         }
         let capacity = core.pool().capacity() as usize;
+        if limits.pinned_blocks.is_some_and(|n| n > capacity) {
+            return Err(PeerError::Config(format!(
+                "pinned blocks ({}) must be at most the pool's {capacity} slots",
+                limits.pinned_blocks.unwrap_or(0)
+            )));
+        }
         let pin_budget = limits.pinned_blocks.unwrap_or(capacity - capacity / 8);
         transport.local_descriptor()?;
         let listener = TcpListener::bind(addr).map_err(|source| PeerError::Connect { addr: "bind".into(), source })?;
