@@ -21,8 +21,8 @@ pub(super) struct Hold {
     pub(super) expires: Instant,
 }
 
-/// The owner's peer leases and holds, and what they pin, under one lock (the server's `Shared::table`):
-/// every insertion and removal goes through its methods, which keep `pins` and `per_conn` exact,
+/// The owner's peer leases and holds, and what they pin, under one lock (the server's
+/// `Shared::table`): every insertion and removal goes through its methods, which keep `pins` and `per_conn` exact,
 /// so the pin budget and the per-connection limit cost O(keys asked), not O(pinned).
 #[derive(Default)]
 pub(super) struct PinTable {
@@ -32,7 +32,20 @@ pub(super) struct PinTable {
     /// number of distinct blocks peers pin.
     pub(super) pins: HashMap<crate::ContentKey, u32>,
     /// Peer leases per connection (only counts above 0).
-    per_conn: HashMap<u64, usize>,
+    per_conn: HashMap<u64, u32>,
+}
+
+/// Takes one from `key`'s count in `counts`, removing the entry at zero (so `len()` counts the
+/// keys above zero). False if `key` had no count.
+fn decrement<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, u32>, key: &K) -> bool {
+    match counts.get_mut(key) {
+        Some(n) if *n > 1 => *n -= 1,
+        Some(_) => {
+            counts.remove(key);
+        }
+        None => return false,
+    }
+    true
 }
 
 impl PinTable {
@@ -41,13 +54,7 @@ impl PinTable {
     }
 
     fn unpin(&mut self, key: &crate::ContentKey) {
-        match self.pins.get_mut(key) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.pins.remove(key);
-            }
-            None => unreachable!("a peer lease or hold unpinned a key the pin table does not count"),
-        }
+        assert!(decrement(&mut self.pins, key), "a peer lease or hold unpinned a key the pin table does not count");
     }
 
     pub(super) fn insert_lease(&mut self, id: u64, lease: OwnerLease) {
@@ -70,13 +77,10 @@ impl PinTable {
                 self.unpin(&b.key);
             }
         }
-        match self.per_conn.get_mut(&lease.conn) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.per_conn.remove(&lease.conn);
-            }
-            None => unreachable!("a peer lease of a connection the pin table does not count"),
-        }
+        assert!(
+            decrement(&mut self.per_conn, &lease.conn),
+            "a peer lease of a connection the pin table does not count"
+        );
         Some(lease)
     }
 
@@ -96,6 +100,6 @@ impl PinTable {
     }
 
     pub(super) fn leases_of(&self, conn: u64) -> usize {
-        self.per_conn.get(&conn).copied().unwrap_or(0)
+        self.per_conn.get(&conn).map_or(0, |&n| n as usize)
     }
 }

@@ -43,8 +43,8 @@ pub struct PeerLimits {
     pub max_hold_ttl: Duration,
     /// Blocks that peer leases and holds together may keep pinned at once, over every connection
     /// (`None`: all but an eighth of the pool's slots, the eighth rounded down; `Some(0)` and a
-    /// budget over the pool's slots are a [`PeerError::Config`]). A block pinned by several peer leases and holds counts once. A
-    /// query is answered with the longest prefix that fits (refused with a limit when nothing
+    /// budget over the pool's slots are a [`PeerError::Config`]). A block pinned by several peer
+    /// leases and holds counts once. A query is answered with the longest prefix that fits (refused with a limit when nothing
     /// fits) and a hold holds what fits, so peers cannot pin the whole pool and leave the owner's
     /// own saves without a victim.
     pub pinned_blocks: Option<usize>,
@@ -175,8 +175,8 @@ impl PeerServer {
     /// through `transport` (its descriptor is sent in each welcome).
     ///
     /// # Errors
-    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0 or a pin budget over the pool's slots;
-    /// [`PeerError::Transport`] if the transport has no descriptor; [`PeerError::Connect`] if
+    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0 or
+    /// a pin budget over the pool's slots; [`PeerError::Transport`] if the transport has no descriptor; [`PeerError::Connect`] if
     /// `addr` cannot be bound.
     pub fn bind(
         tier: &HostTier,
@@ -195,11 +195,8 @@ impl PeerServer {
             ));
         }
         let capacity = core.pool().capacity() as usize;
-        if limits.pinned_blocks.is_some_and(|n| n > capacity) {
-            return Err(PeerError::Config(format!(
-                "pinned blocks ({}) must be at most the pool's {capacity} slots",
-                limits.pinned_blocks.unwrap_or(0)
-            )));
+        if let Some(n) = limits.pinned_blocks.filter(|&n| n > capacity) {
+            return Err(PeerError::Config(format!("pinned blocks ({n}) must be at most the pool's {capacity} slots")));
         }
         let pin_budget = limits.pinned_blocks.unwrap_or(capacity - capacity / 8);
         transport.local_descriptor()?;
