@@ -75,6 +75,9 @@ bites=(
     "insert-log-hole|loom_policy|commit_races_a_selection_sieve|a committed, unpinned block exists, yet the save got no slot (sieve)"
     "insert-log-hole|loom_policy|commit_races_a_selection_s3fifo|a committed, unpinned block exists, yet the save got no slot (s3fifo)"
     "hint-race|loom_policy|a_hint_racing_its_keys_reservation_is_kept|the hinted block was evicted first although an unhinted one was evictable"
+    "mark-stack-flag-early|loom_policy|a_mark_pushed_again_during_a_drain_is_not_lost|a pushed mark was never drained"
+    "victim-order-marks-lost|loom_policy|commit_races_a_selection_lru|a committed, unpinned block exists, yet the save got no slot (lru)"
+    "victim-order-marks-lost|loom_policy|commit_races_a_selection_adaptive_lfu|a committed, unpinned block exists, yet the save got no slot (adaptive-lfu)"
 )
 if [[ $what == all || $what == bites ]]; then
     bash ci/seeded-names.sh || fail=1

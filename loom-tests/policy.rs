@@ -106,7 +106,11 @@ fn acquire_races_a_query_pin_adaptive_lfu() {
 /// Chain-aware ranking with a hint: blocks 0 -> 1 form a chain, block 2 (saved first: the least
 /// recently used) is hinted. A query pins the chain's head while a save needs two slots.
 fn hinted_block_goes_only_when_nothing_else_can(policy: PolicyKind) {
-    loom::model(move || {
+    // Three saves, a hint, a selection that files the hinted block and pops past it, and an
+    // eviction: longer than loom's default budget of 1,000 branches per execution.
+    let mut b = loom::model::Builder::new();
+    b.max_branches = 10_000;
+    b.check(move || {
         let core = chain_core_with(3, policy);
         let k: Vec<_> = (0..3).map(key).collect();
         // Block 2 first: the least recently used, the first victim of every policy but for its hint.
@@ -258,4 +262,27 @@ fn every_policy_is_modelled() {
             assert!(source.contains(&name), "no loom model {model} for policy {p}");
         }
     }
+}
+
+/// The victim order's mark stack (what `on_insert`, `on_cancel` and `on_reclass` push and the
+/// selector drains): a slot pushed again while a drain walks the list that holds it must not cut
+/// the rest of that list off. Two producers (one pushes slots 1 then 0, one pushes slot 0 again)
+/// race a drain; after both, a last drain must have seen every slot (at least once).
+#[test]
+fn a_mark_pushed_again_during_a_drain_is_not_lost() {
+    loom::model(|| {
+        let marks = std::sync::Arc::new(kvtier::internals::MarkStack::new(3));
+        let (m1, m2) = (marks.clone(), marks.clone());
+        let a = thread::spawn(move || {
+            m1.push(kvtier::SlotId::new(1));
+            m1.push(kvtier::SlotId::new(0));
+        });
+        let b = thread::spawn(move || m2.push(kvtier::SlotId::new(0)));
+        let mut seen = [false; 3];
+        marks.drain(|s| seen[s.index()] = true);
+        a.join().unwrap();
+        b.join().unwrap();
+        marks.drain(|s| seen[s.index()] = true);
+        assert!(seen[0] && seen[1], "a pushed mark was never drained: {seen:?}");
+    });
 }

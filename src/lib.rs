@@ -133,7 +133,7 @@ pub use tier::{
 pub mod internals {
     pub use crate::copy::layers::copy_layers;
     pub use crate::copy::{check_pages_and_keys, validate_batch};
-    pub use crate::evict::{ChainView, EvictionPolicy, InsertInfo, Ranking};
+    pub use crate::evict::{ChainView, EvictionPolicy, InsertInfo, MarkStack, Ranking};
     #[cfg(all(feature = "remote", not(loom)))]
     pub use crate::remote::proto;
     /// The peer control protocol's messages and frames.

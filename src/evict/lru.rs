@@ -1,16 +1,20 @@
 //! Exact LRU with lock-free recency updates (see [`super::PolicyKind::Lru`]).
 
+use super::order::VictimOrder;
 use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
 use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU64, Ordering};
 
-/// Exact LRU: a global tick per insert or hit, victims by lowest tick. Selection scans the slot
-/// array once per eviction batch: O(capacity), about 10 us for 10,000 slots, paid on the save path
-/// only when the pool is full.
+/// Exact LRU: a global tick per insert or hit, victims by lowest tick. Selection pops the lowest
+/// ticks from a [`VictimOrder`] (one heap per preference class; a hit only stores its tick, and a
+/// stale entry is re-pushed when the selection reaches it): O(n log capacity). With chain-aware
+/// ranking ([`Ranking::chain`]: a block ranks by the newest tick of its resident subtree) it
+/// scans the slot array instead, O(capacity).
 pub(crate) struct Lru {
     ticks: Box<[AtomicU64]>,
     clock: AtomicU64,
     residency: Residency,
+    pub(super) order: VictimOrder,
 }
 
 impl Lru {
@@ -20,12 +24,22 @@ impl Lru {
             ticks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
             clock: AtomicU64::new(1),
             residency: Residency::new(capacity),
+            order: VictimOrder::new(capacity, 1),
         }
     }
 
     fn touch(&self, slot: SlotId) {
         let t = self.clock.fetch_add(1, Ordering::Relaxed);
         self.ticks[slot.index()].store(t, Ordering::Relaxed);
+    }
+}
+
+impl Lru {
+    /// The selection by a scan of every slot (what the victim order replaces): the reference the
+    /// order's tests compare it with.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn select_by_scan(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
+        self.residency.propose_lowest_ranked(n, ranking, |s| self.ticks[s].load(Ordering::Relaxed), out);
     }
 }
 
@@ -36,18 +50,27 @@ impl EvictionPolicy for Lru {
     fn on_insert(&self, slot: SlotId, _info: InsertInfo) {
         self.touch(slot);
         self.residency.insert(slot);
+        self.order.mark(slot);
     }
     fn on_hit(&self, slot: SlotId) {
         self.touch(slot)
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
-        self.residency.propose_lowest(n, evictable, |s| self.ticks[s].load(Ordering::Relaxed), out);
+        self.select_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), out);
     }
     fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
-        self.residency.propose_lowest_ranked(n, ranking, |s| self.ticks[s].load(Ordering::Relaxed), out);
+        let tick = |s: usize| self.ticks[s].load(Ordering::Relaxed);
+        if ranking.chain.is_some() {
+            return self.residency.propose_lowest_ranked(n, ranking, tick, out);
+        }
+        self.order.select(n, ranking, &self.residency, |s| (0, tick(s) as i64), |_| 0, out);
     }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
+        self.order.mark(slot);
+    }
+    fn on_reclass(&self, slot: SlotId) {
+        self.order.mark(slot);
     }
     fn on_remove(&self, slot: SlotId) {
         self.residency.remove(slot);

@@ -51,6 +51,7 @@
 mod clock;
 mod lru;
 mod minisim;
+mod order;
 mod prefix_lfu;
 mod queue;
 mod residency;
@@ -59,6 +60,7 @@ mod sieve;
 
 pub(crate) use clock::Clock;
 pub(crate) use lru::Lru;
+pub use order::MarkStack;
 pub(crate) use prefix_lfu::PrefixLfu;
 pub(crate) use residency::Residency;
 pub(crate) use s3fifo::S3Fifo;
@@ -111,6 +113,13 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     fn on_cancel(&self, slot: SlotId);
     /// A proposed slot was evicted (`PROPOSED -> ABSENT`).
     fn on_remove(&self, slot: SlotId);
+    /// The tier lowered the preference class of resident `slot` ([`Ranking::class_of`]): a hint on
+    /// its key was withdrawn or expired, or its disk copy was written. A policy that keeps its
+    /// candidates by class re-places the slot; may arrive for any slot at any time, like
+    /// [`EvictionPolicy::on_hit`]. Must be lock-free. The default ignores it.
+    fn on_reclass(&self, slot: SlotId) {
+        let _ = slot;
+    }
     /// Admission: may a missing block with `info` take a slot? Called on the save path
     /// ([`crate::Fit::Prefix`] saves only) once per missing key, in prompt order, before any slot
     /// is taken; from the first refusal on, no key of the batch is saved (a prefix hit cannot reach
@@ -130,6 +139,10 @@ pub struct Ranking<'a> {
     /// `None` for a slot that may not be taken now (pinned, not ready), else its class: lower
     /// classes are evicted first.
     pub class_of: &'a dyn Fn(SlotId) -> Option<u8>,
+    /// The class a slot that `class_of` refuses would have once it may be taken (unpinned and
+    /// ready), so a policy that keeps its candidates by class files it where it will belong.
+    /// `None`: class 0.
+    pub base_class: Option<&'a dyn Fn(SlotId) -> u8>,
     /// With chain-aware eviction, the chains of resident blocks. A policy that ranks by a score
     /// then ranks each block by the best score in its subtree (itself and every resident block
     /// that continues it) and, on ties, deeper blocks first: a chain goes from its tail, when its
@@ -141,7 +154,7 @@ pub struct Ranking<'a> {
 impl<'a> Ranking<'a> {
     /// One class: every slot for which `evictable` is true; no chains.
     pub fn plain(evictable: &'a dyn Fn(SlotId) -> Option<u8>) -> Self {
-        Ranking { classes: 1, class_of: evictable, chain: None }
+        Ranking { classes: 1, class_of: evictable, base_class: None, chain: None }
     }
 }
 

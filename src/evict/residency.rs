@@ -86,19 +86,8 @@ impl std::fmt::Debug for Residency {
 }
 
 impl Residency {
-    /// The selection of the scan-based policies (LRU, prefix-LFU): proposes the `n` offerable,
-    /// evictable slots with the lowest `score`, lowest first (ties by slot id). O(capacity).
-    pub(crate) fn propose_lowest<S: Ord + Copy>(
-        &self,
-        n: usize,
-        evictable: &dyn Fn(SlotId) -> bool,
-        score: impl Fn(usize) -> S,
-        out: &mut Vec<SlotId>,
-    ) {
-        self.propose_lowest_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), score, out);
-    }
-
-    /// [`Residency::propose_lowest`] under the tier's preference order
+    /// The scan selection (LRU with chain-aware ranking; the reference of the victim order's
+    /// tests), under the tier's preference order
     /// ([`super::EvictionPolicy::select_ranked`]): the `n` offerable slots with a class, lowest
     /// `(class, score)` first (ties by slot id). With [`Ranking::chain`], a slot's score is the
     /// highest score of its resident subtree, ties going to the deeper block. One pass over the

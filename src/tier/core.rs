@@ -385,6 +385,23 @@ impl Core {
         if w.state() != SlotState::Ready || w.pins() != 0 {
             return None;
         }
+        let (c, hinted) = self.class_parts(slot, w.generation(), hints, now);
+        // Seeded bug (model checking only): hinted blocks are withheld from the policy instead of
+        // ranked last, so a save that needs them fails.
+        if hinted && crate::seeded::seeded("hinted-never-evicted") {
+            return None;
+        }
+        Some(c)
+    }
+
+    /// The class [`Core::victim_class`] would give `slot` if its block were ready and unpinned
+    /// (what [`crate::evict::Ranking::base_class`] tells a policy about a pinned block).
+    pub(crate) fn base_class(&self, slot: SlotId, hints: bool, now: u32) -> u8 {
+        self.class_parts(slot, self.control().load(slot).generation(), hints, now).0
+    }
+
+    /// The class of `slot`'s block of `generation`, and whether a hint raised it.
+    fn class_parts(&self, slot: SlotId, generation: u64, hints: bool, now: u32) -> (u8, bool) {
         let mut c = 0;
         if self.chain_aware {
             c = u8::from(!self.chains.is_orphan(self.control(), slot));
@@ -393,19 +410,15 @@ impl Core {
             // With an SSD tier, a block without a disk copy (dirty) goes after every clean one:
             // evicting a clean block loses nothing the SSD tier cannot give back.
             // (Seeded bug, tests only: `ssd-evicts-dirty-first` ignores the disk copies.)
-            if !ssd.is_clean(slot, w.generation()) && !crate::seeded::seeded("ssd-evicts-dirty-first") {
+            if !ssd.is_clean(slot, generation) && !crate::seeded::seeded("ssd-evicts-dirty-first") {
                 c += self.chain_classes();
             }
         }
-        if hints && self.hints.hinted(slot, w.generation(), now) {
-            // Seeded bug (model checking only): hinted blocks are withheld from the policy instead of
-            // ranked last, so a save that needs them fails.
-            if crate::seeded::seeded("hinted-never-evicted") {
-                return None;
-            }
+        let hinted = hints && self.hints.hinted(slot, generation, now);
+        if hinted {
             c += self.unhinted_classes();
         }
-        Some(c)
+        (c, hinted)
     }
 
     fn chain_classes(&self) -> u8 {
@@ -453,12 +466,12 @@ impl Core {
 
     /// Hints `keys` for `ttl` (see [`crate::HostTier::hint`]).
     pub fn hint(&self, keys: &[ContentKey], ttl: Duration) -> HintId {
-        self.hints.add(self.control(), keys, ttl, |k| self.find_block(k))
+        self.hints.add(self.control(), keys, ttl, |k| self.find_block(k), &|s| self.policy.on_reclass(s))
     }
 
     /// Withdraws hint `id` (see [`crate::HostTier::withdraw_hint`]).
     pub fn withdraw_hint(&self, id: HintId) -> bool {
-        self.hints.withdraw(self.control(), id, |k| self.find_block(k))
+        self.hints.withdraw(self.control(), id, |k| self.find_block(k), &|s| self.policy.on_reclass(s))
     }
 
     /// Slots a save could obtain now: free plus ready-and-unpinned (a snapshot).

@@ -63,9 +63,11 @@ impl<'a> Claims<'a> {
         // The preference order: chain place and hints (see `Core::victim_class`).
         let (hints, now) = (core.hints.any(), core.hints.now());
         let class_of = |s| core.victim_class(s, hints, now);
+        let base_class = |s| core.base_class(s, hints, now);
         let ranking = Ranking {
             classes: core.victim_classes(hints),
             class_of: &class_of,
+            base_class: Some(&base_class),
             chain: core.chain_aware().then_some(core as &dyn ChainView),
         };
         core.policy.select_ranked(n, &ranking, &mut cands);

@@ -437,3 +437,25 @@ fn a_hint_on_a_missing_key_protects_it_once_saved() {
     save_ready(&tier, &arenas, &rank, &k[2..3], &[2]);
     assert!(tier.contains(&k[0]) && !tier.contains(&k[1]));
 }
+
+/// A withdrawn hint puts its block back in its place among the unhinted ones at once: the
+/// policy's victim order is told (`on_reclass`), so the block is not kept behind newer ones.
+#[test]
+fn a_withdrawn_hint_puts_its_block_back_in_its_place() {
+    for policy in [crate::PolicyKind::Lru, crate::PolicyKind::default()] {
+        let (tier, arenas, rank) = small_tier(4, policy);
+        let k = keys(&tier, 0..6);
+        for i in 0..4 {
+            save_ready(&tier, &arenas, &rank, &k[i..i + 1], &[i as u64]);
+        }
+        let h = tier.hint(&k[..1], std::time::Duration::from_secs(3600));
+        // Key 0 is the oldest but hinted: key 1 goes (the selection files key 0 with the hinted).
+        save_ready(&tier, &arenas, &rank, &k[4..5], &[4]);
+        assert!(tier.contains(&k[0]) && !tier.contains(&k[1]), "{policy}");
+        assert!(tier.withdraw_hint(h));
+        // Unhinted again, key 0 is the oldest block: the next victim, before key 2.
+        save_ready(&tier, &arenas, &rank, &k[5..6], &[5]);
+        assert!(!tier.contains(&k[0]), "{policy}: the unhinted key 0 must go before key 2");
+        assert!(tier.contains(&k[2]), "{policy}");
+    }
+}

@@ -56,6 +56,7 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
     let Job { slot, generation, key } = job;
     if ssd.slots.contains(&key) {
         ssd.mark_clean(slot, generation);
+        core.policy.on_reclass(slot);
         bump(&ssd.counters.demotions_skipped, 1);
         return;
     }
@@ -84,6 +85,8 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
         Ok(()) => {
             if ssd.slots.commit(disk, key) {
                 ssd.mark_clean(slot, generation);
+                // Clean blocks go before dirty ones: the policy re-places it.
+                core.policy.on_reclass(slot);
                 bump(&ssd.counters.demoted_blocks, 1);
                 bump(&ssd.counters.bytes_demoted, len as u64);
             } else {

@@ -84,7 +84,10 @@ impl SsdTier {
                 self.slots.unpin(*d, false);
             }
         }
-        let committed = reservation.commit_leading_pinned(verified, |r| self.mark_clean(r.slot, r.generation));
+        let committed = reservation.commit_leading_pinned(verified, |r| {
+            self.mark_clean(r.slot, r.generation);
+            core.policy.on_reclass(r.slot);
+        });
         self.count_promoted(committed.len() as u64);
         for r in &committed {
             blocks.push(LeasedBlock { key: r.key, slot: SlotRef { slot: r.slot, generation: r.generation } });
