@@ -34,7 +34,10 @@
 //!   `--ops / 2000` per thread.
 //!
 //! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
-//! workload sizes its own pool).
+//! workload sizes its own pool). The cost of eviction at scale is the `evict` workload at
+//! `--capacity 10000`, `100000` and `1000000` (a million slots, the SSD tier's scale); `--policy`,
+//! `--chain off` (plain victims, no orphan class) and `--hints N` (N chains of the prefill hinted:
+//! the hinted classes are live) pick the variant.
 //! `cargo bench --bench tier -- --help` lists the options; `-- --quick` runs in a few seconds.
 
 #[path = "harness/mod.rs"]
@@ -160,7 +163,10 @@ fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
     });
     let g = geometry();
     let bytes = slots * g.slot_bytes();
-    let cfg = TierConfig::new(g, bytes).with_backing(BackingChoice::Plain).with_policy(policy);
+    let cfg = TierConfig::new(g, bytes)
+        .with_backing(BackingChoice::Plain)
+        .with_policy(policy)
+        .with_chain_aware(args.chain == "on");
     let tier = HostTier::new(cfg).expect("a tier of 16-byte slots");
     assert_eq!(tier.capacity() as u64, slots, "pool slot count");
     let core = internals::core(&tier);
@@ -177,6 +183,12 @@ fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
             });
         }
     });
+    // Hinted chains (spread over the prefill), kept for the tier's lifetime: the hints' ids are
+    // never withdrawn and their time-to-live outlasts the run.
+    let n = args.hints.min(chains);
+    for i in 0..n {
+        let _ = tier.hint(&chain(i * (chains / n.max(1))), Duration::from_secs(24 * 3600));
+    }
     tier
 }
 
@@ -349,6 +361,8 @@ fn main() {
                 ),
             ),
             ("policy", args.policy.clone().unwrap_or_else(|| PolicyKind::default().name().to_string())),
+            ("chain-aware victims", args.chain.clone()),
+            ("hinted chains", format!("{} of the prefill's (43 blocks each)", args.hints)),
         ],
     );
     let mut failures = Vec::new();

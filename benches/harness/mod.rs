@@ -93,6 +93,13 @@ pub struct Args {
     /// Eviction policy of the tier bench (default: the tier's default).
     #[arg(long)]
     pub policy: Option<String>,
+    /// Chain-aware victims in the tier bench (`on`, the tier's default, or `off`).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub chain: String,
+    /// Chains of the tier bench's prefill hinted for the whole run (`HostTier::hint`, one hint per
+    /// chain): the hinted preference classes are live (default 0: none).
+    #[arg(long, default_value_t = 0)]
+    pub hints: u64,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,

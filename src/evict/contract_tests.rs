@@ -132,7 +132,13 @@ fn random_interleavings_keep_the_contract_and_liveness() {
                             let chain = (rnd(2) == 0).then_some(&forest as &dyn ChainView);
                             p.select_ranked(
                                 n,
-                                &Ranking { classes, class_of: &class_of, base_class: Some(&base_class), chain },
+                                &Ranking {
+                                    classes,
+                                    class_of: &class_of,
+                                    base_class: Some(&base_class),
+                                    empty: None,
+                                    chain,
+                                },
                                 &mut out,
                             );
                             let seq: Vec<u8> = out.iter().map(|v| class[v.index()]).collect();
@@ -230,7 +236,11 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     let forest = Forest { parent: vec![None, Some(0), Some(1), None, None, Some(4)], depth: vec![0, 1, 2, 0, 0, 1] };
     let class_of = |_: SlotId| Some(0);
     let mut out = vec![];
-    p.select_ranked(6, &Ranking { classes: 1, class_of: &class_of, base_class: None, chain: Some(&forest) }, &mut out);
+    p.select_ranked(
+        6,
+        &Ranking { classes: 1, class_of: &class_of, base_class: None, empty: None, chain: Some(&forest) },
+        &mut out,
+    );
     // Subtree ticks: chain 0..2 = block 2's hit (newest), 3 = its own, chain 4..5 = block 5's.
     assert_eq!(out, [3, 5, 4, 2, 1, 0].map(SlotId).to_vec());
     for s in out {
@@ -238,7 +248,11 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     }
     // Without the chain view: plain LRU order (block 2 last: it was hit).
     let mut out = vec![];
-    p.select_ranked(6, &Ranking { classes: 1, class_of: &class_of, base_class: None, chain: None }, &mut out);
+    p.select_ranked(
+        6,
+        &Ranking { classes: 1, class_of: &class_of, base_class: None, empty: None, chain: None },
+        &mut out,
+    );
     assert_eq!(out, [0, 1, 3, 4, 5, 2].map(SlotId).to_vec());
     for s in out {
         p.on_cancel(s);
@@ -246,7 +260,11 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     // A class of its own for block 1 (an orphan, say) sends it first.
     let class_of = |s: SlotId| Some(u8::from(s != SlotId(1)));
     let mut out = vec![];
-    p.select_ranked(2, &Ranking { classes: 2, class_of: &class_of, base_class: None, chain: Some(&forest) }, &mut out);
+    p.select_ranked(
+        2,
+        &Ranking { classes: 2, class_of: &class_of, base_class: None, empty: None, chain: Some(&forest) },
+        &mut out,
+    );
     assert_eq!(out, [1, 3].map(SlotId).to_vec());
 }
 

@@ -89,7 +89,8 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     /// `select_victims`': `min(n, k)` proposals, `k` being the `RESIDENT` slots with a class.
     ///
     /// The provided method asks `select_victims` once per class, lowest first, until `n` are
-    /// proposed (it does not use [`Ranking::chain`]); the scan-based policies override it with one
+    /// proposed, skipping the classes [`Ranking::empty`] names (it does not use
+    /// [`Ranking::chain`]); the scan-based policies override it with one
     /// pass ranked by `(class, chain score)`.
     fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
         let (classes, class_of) = (ranking.classes, ranking.class_of);
@@ -98,6 +99,8 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
             self.select_victims(n, &|s| class_of(s).is_some(), out);
             return;
         }
+        // `lo`: the lowest class no pass has offered yet.
+        let mut lo = 0;
         for c in 0..classes {
             let got = out.len() - start;
             if got >= n {
@@ -105,7 +108,17 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
             }
             // The last pass takes every class left, so a class number out of range is still offered.
             let last = c + 1 == classes;
-            self.select_victims(n - got, &|s| class_of(s).is_some_and(|k| k == c || (last && k > c)), out);
+            // A class the tier says is empty costs no pass (a walk of the whole queue otherwise);
+            // should it hold a slot after all, the next pass offers it with its own class.
+            if !last && ranking.empty.is_some_and(|e| e(c)) {
+                continue;
+            }
+            self.select_victims(
+                n - got,
+                &|s| class_of(s).is_some_and(|k| (lo..=c).contains(&k) || (last && k > c)),
+                out,
+            );
+            lo = c + 1;
         }
     }
     /// A proposed slot was not evicted (`PROPOSED -> RESIDENT`): it must be offered again by later
@@ -143,6 +156,9 @@ pub struct Ranking<'a> {
     /// ready), so a policy that keeps its candidates by class files it where it will belong.
     /// `None`: class 0.
     pub base_class: Option<&'a dyn Fn(SlotId) -> u8>,
+    /// True for a class the tier knows holds no slot now (the orphan classes while no block is
+    /// an orphan): a policy may skip looking for it. `None`: any class may hold slots.
+    pub empty: Option<&'a dyn Fn(u8) -> bool>,
     /// With chain-aware eviction, the chains of resident blocks. A policy that ranks by a score
     /// then ranks each block by the best score in its subtree (itself and every resident block
     /// that continues it) and, on ties, deeper blocks first: a chain goes from its tail, when its
@@ -154,7 +170,7 @@ pub struct Ranking<'a> {
 impl<'a> Ranking<'a> {
     /// One class: every slot for which `evictable` is true; no chains.
     pub fn plain(evictable: &'a dyn Fn(SlotId) -> Option<u8>) -> Self {
-        Ranking { classes: 1, class_of: evictable, base_class: None, chain: None }
+        Ranking { classes: 1, class_of: evictable, base_class: None, empty: None, chain: None }
     }
 }
 

@@ -16,13 +16,11 @@
 //! entry is checked against the slot's present key, bucket and class; a stale one is pushed again
 //! where it belongs and the search goes on. Every change that can *lower* a slot's place (a new
 //! block, a cancelled proposal, a history count that fell after ageing, a class the tier lowered:
-//! a hint withdrawn, a disk copy written) is announced by [`VictimOrder::mark`], a lock-free push
-//! on the **mark stack** that the next selection drains; each drained slot gets a fresh entry and
-//! a new stamp, which retires any entry it had.
-//!
-//! One change is not announced: a block that becomes an orphan when its parent is evicted (the
-//! tier keeps no child lists). Its entry stays in the non-orphan class until it is popped, so
-//! such a block goes in its policy order instead of first; every block stays reachable.
+//! a hint withdrawn, a disk copy written, a parent evicted) is announced by
+//! [`VictimOrder::mark`], a lock-free push on the **mark stack** that the next selection drains;
+//! each drained slot gets a fresh entry and a new stamp, which retires any entry it had. A change
+//! that is missed (an orphan whose link raced its parent's eviction, a hint that expires with no
+//! later hint call) only delays the block to its old class: every block stays reachable.
 //!
 //! # Liveness
 //!
@@ -349,8 +347,13 @@ mod tests {
                     let n = 1 + rnd(4) as usize;
                     let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
                     let base_class = |t: SlotId| class[t.index()];
-                    let ranking =
-                        Ranking { classes: 3, class_of: &class_of, base_class: Some(&base_class), chain: None };
+                    let ranking = Ranking {
+                        classes: 3,
+                        class_of: &class_of,
+                        base_class: Some(&base_class),
+                        empty: None,
+                        chain: None,
+                    };
                     let (mut a, mut b) = (vec![], vec![]);
                     order.select_ranked(n, &ranking, &mut a);
                     scan(&reference, n, &ranking, &mut b);

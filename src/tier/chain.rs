@@ -19,6 +19,15 @@
 //! models; leaves and interior blocks share one class. The last class holds everything, so
 //! liveness is the policy's own.
 //!
+//! **Child lists** (for the victim order: a block that becomes an orphan is announced to the policy,
+//! [`crate::evict::EvictionPolicy::on_reclass`]): per linked parent `(slot, generation)`, the
+//! slots that link to it, in one of 64 mutex-guarded stripes (by parent slot). A link adds the
+//! child to its parent's list after its CAS; an unlink removes it (O(1): each child keeps its
+//! position); a parent that leaves takes its whole list ([`Chains::take_children`]) and every child
+//! that still links to it is an orphan. A link that races its parent's departure may add a child
+//! to a list already taken: that child is not announced (its unlink still removes it, so nothing
+//! leaks), and it goes in its policy order instead of first.
+//!
 //! Concurrency: a link is only written for a block the writer owns (`WRITING`, reserved by its save)
 //! or pins (resident, pinned by its save's plan), by one CAS, and the parent's count is incremented
 //! only by the CAS winner and only while the count's tag matches the parent's generation; a block
@@ -29,7 +38,11 @@
 
 use crate::index::SlotRef;
 use crate::slab::slot::{SlotControl, SlotId};
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Mutex, Ordering};
+use std::collections::HashMap;
+
+/// Stripes of the child lists.
+const STRIPES: usize = 64;
 
 /// No parent link.
 const NONE: u64 = u64::MAX;
@@ -69,6 +82,15 @@ pub(crate) struct Chains {
     parent: Box<[AtomicU64]>,
     /// `tag(own generation) << 32 | resident children`.
     children: Box<[AtomicU64]>,
+    /// Child lists: `pack(parent) -> children`, striped by parent slot.
+    lists: Box<[Mutex<HashMap<u64, Vec<u32>>>]>,
+    /// Each child's position in its parent's list (read and written under that list's stripe).
+    pos: Box<[AtomicU32]>,
+    /// Per slot, 1 while the block is counted in `orphans`.
+    counted: Box<[AtomicU8]>,
+    /// Orphans announced by [`Chains::take_children`] and still orphaned (not unlinked, not
+    /// re-attached): when 0, no selection needs an orphan pass ([`Chains::orphans`]).
+    orphans: AtomicUsize,
 }
 
 impl Chains {
@@ -76,6 +98,75 @@ impl Chains {
         Chains {
             parent: (0..capacity).map(|_| AtomicU64::new(NONE)).collect(),
             children: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            lists: (0..STRIPES).map(|_| Mutex::new(HashMap::new())).collect(),
+            pos: (0..capacity).map(|_| AtomicU32::new(0)).collect(),
+            counted: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
+            orphans: AtomicUsize::new(0),
+        }
+    }
+
+    /// Orphans counted now: every block that became one when its parent left, less those that
+    /// left or were re-attached since. An orphan whose link raced its parent's departure is not
+    /// counted (nor announced). While this is 0, the orphan classes hold nothing a selection must
+    /// look for.
+    pub(crate) fn orphans(&self) -> usize {
+        self.orphans.load(Ordering::Acquire)
+    }
+
+    /// `slot` is no longer an orphan (it left or was re-attached): uncounted.
+    fn uncount(&self, slot: SlotId) {
+        if self.counted[slot.index()].swap(0, Ordering::AcqRel) != 0 {
+            self.orphans.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    fn stripe(&self, parent: u64) -> &Mutex<HashMap<u64, Vec<u32>>> {
+        &self.lists[(parent as u32 as usize) % STRIPES]
+    }
+
+    /// Adds `child` to the list of the parent packed as `w`.
+    fn list_add(&self, w: u64, child: SlotId) {
+        let mut lists = crate::sync::lock(self.stripe(w));
+        let v = lists.entry(w).or_default();
+        self.pos[child.index()].store(v.len() as u32, Ordering::Relaxed);
+        v.push(child.0);
+    }
+
+    /// Removes `child` from the list of the parent packed as `w`, if it is there.
+    fn list_remove(&self, w: u64, child: SlotId) {
+        let mut lists = crate::sync::lock(self.stripe(w));
+        let Some(v) = lists.get_mut(&w) else { return };
+        let at = self.pos[child.index()].load(Ordering::Relaxed) as usize;
+        let i = if v.get(at) == Some(&child.0) { Some(at) } else { v.iter().position(|&c| c == child.0) };
+        if let Some(i) = i {
+            v.swap_remove(i);
+            if let Some(&moved) = v.get(i) {
+                self.pos[moved as usize].store(i as u32, Ordering::Relaxed);
+            }
+        }
+        if v.is_empty() {
+            lists.remove(&w);
+        }
+    }
+
+    /// `parent` has left (its generation is bumped): calls `orphaned` for each block that still
+    /// links to it, and forgets its list. O(its children).
+    pub(crate) fn take_children(&self, parent: SlotRef, mut orphaned: impl FnMut(SlotId)) {
+        let w = pack(parent);
+        let Some(v) = crate::sync::lock(self.stripe(w)).remove(&w) else { return };
+        for c in v {
+            if self.parent[c as usize].load(Ordering::Relaxed) == w {
+                // Seeded bug (tests only): `orphans-uncounted` leaves the orphan count at 0.
+                if self.counted[c as usize].swap(1, Ordering::AcqRel) == 0
+                    && !crate::seeded::seeded("orphans-uncounted")
+                {
+                    self.orphans.fetch_add(1, Ordering::AcqRel);
+                }
+                // Seeded bug (tests only): `orphans-unannounced` never tells the policy of new orphans.
+                if !crate::seeded::seeded("orphans-unannounced") {
+                    orphaned(SlotId(c));
+                }
+            }
         }
     }
 
@@ -104,7 +195,14 @@ impl Chains {
         if cell.compare_exchange(cur, pack(parent), Ordering::Relaxed, Ordering::Relaxed).is_err() {
             return false; // another save linked it meanwhile
         }
+        if cur != NONE {
+            // A dead link replaced (the block is re-attached): out of the old parent's list, and no
+            // longer an orphan.
+            self.list_remove(cur, child);
+            self.uncount(child);
+        }
         self.adjust(parent.slot, parent.generation, true);
+        self.list_add(pack(parent), child);
         true
     }
 
@@ -114,6 +212,8 @@ impl Chains {
         let w = self.parent[slot.index()].swap(NONE, Ordering::Relaxed);
         if w != NONE {
             self.adjust(SlotId(w as u32), w >> 32, false);
+            self.list_remove(w, slot);
+            self.uncount(slot);
         }
     }
 

@@ -333,6 +333,7 @@ impl Core {
         debug_assert!(removed, "reserved block {:?} lost its index entry", r.key);
         self.chains.unlink(r.slot);
         self.control().release(r.slot);
+        self.chains.take_children(SlotRef { slot: r.slot, generation: r.generation }, |c| self.policy.on_reclass(c));
         self.pool.free(r.slot);
         sub(&self.counters.writing_slots, 1);
     }
@@ -419,6 +420,17 @@ impl Core {
             c += self.unhinted_classes();
         }
         (c, hinted)
+    }
+
+    /// True if class `c` of [`Core::victim_class`] holds no block now: an orphan class (even,
+    /// with chain-aware victims) while no orphan is counted ([`super::chain`]).
+    pub(crate) fn class_is_empty(&self, c: u8) -> bool {
+        self.chain_aware && c % CHAIN_CLASSES == 0 && self.chains.orphans() == 0
+    }
+
+    /// Orphaned blocks counted now (see [`Core::class_is_empty`]); for tests and audits.
+    pub fn orphans(&self) -> usize {
+        self.chains.orphans()
     }
 
     fn chain_classes(&self) -> u8 {

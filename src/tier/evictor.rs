@@ -64,10 +64,12 @@ impl<'a> Claims<'a> {
         let (hints, now) = (core.hints.any(), core.hints.now());
         let class_of = |s| core.victim_class(s, hints, now);
         let base_class = |s| core.base_class(s, hints, now);
+        let empty = |c| core.class_is_empty(c);
         let ranking = Ranking {
             classes: core.victim_classes(hints),
             class_of: &class_of,
             base_class: Some(&base_class),
+            empty: Some(&empty),
             chain: core.chain_aware().then_some(core as &dyn ChainView),
         };
         core.policy.select_ranked(n, &ranking, &mut cands);
@@ -115,6 +117,8 @@ impl<'a> Claims<'a> {
             core.policy.on_remove(s);
             core.chains.unlink(s);
             core.control().release(s);
+            // Its resident children are orphans now: the policy re-files them (orphans go first).
+            core.chains.take_children(SlotRef { slot: s, generation }, |c| core.policy.on_reclass(c));
             super::stats::sub(&core.counters.evicting_slots, 1);
             add(&core.counters.evictions, 1);
             if reason == EvictReason::Explicit {

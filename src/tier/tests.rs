@@ -459,3 +459,50 @@ fn a_withdrawn_hint_puts_its_block_back_in_its_place() {
         assert!(tier.contains(&k[2]), "{policy}");
     }
 }
+
+/// Orphans go first even when they are the most recently used blocks (a block whose parent left
+/// while it was pinned, then its own child once it goes): the tier announces each new orphan to the
+/// policy when its parent leaves (`Chains::take_children`), so a policy that files
+/// its candidates by class (the victim order) moves it to the orphan class at once.
+#[test]
+fn recently_used_orphans_still_go_first_with_every_policy() {
+    for &policy in crate::PolicyKind::ALL {
+        let (tier, arenas, rank) = small_tier(6, policy);
+        let k = keys(&tier, 0..6);
+        save_chain(&rank, &arenas, &k[..3], &[0, 1, 2], SaveOptions::new().prefix_depth(0));
+        save_ready(&tier, &arenas, &rank, &k[3..], &[3, 4, 5]);
+        let core = tier.core();
+        // A selection files every block (the pool is full; one victim, then given back).
+        {
+            let _all = crate::tier::pins::SlotPins::take(core, (1..6).map(|i| core.index().get(&k[i]).unwrap()));
+            let mut claims = Claims::new(core);
+            assert_eq!(claims.claim(1), 1, "{policy}");
+        }
+        // The chain is used again: its blocks are now the most recent.
+        drop(tier.query(&k[..3]));
+        // Evict the chain's head alone (the rest pinned): blocks 1 and 2 become orphans.
+        {
+            let pins =
+                crate::tier::pins::SlotPins::take(core, (1..6).map(|i| core.index().get(&k[i]).unwrap())).unwrap();
+            let mut out = Vec::new();
+            assert_eq!(core.evict_into(1, &mut out), 1, "{policy}");
+            drop(pins);
+            for x in out {
+                tier.pool().free(x);
+            }
+        }
+        assert!(!tier.contains(&k[0]), "{policy}");
+        assert_eq!(core.orphans(), 1, "{policy}: block 1 is counted as an orphan");
+        // Block 1 is the orphan; once it goes, block 2 is one (announced by block 1's eviction).
+        for i in 1..3 {
+            let mut out = Vec::new();
+            assert_eq!(core.evict_into(1, &mut out), 1, "{policy}");
+            for x in out {
+                tier.pool().free(x);
+            }
+            assert!(!tier.contains(&k[i]), "{policy}: the recently used orphan {i} must go before older blocks");
+            assert_eq!(core.orphans(), 2 - i, "{policy}: orphans counted after orphan {i} went");
+        }
+        assert!(k[3..].iter().all(|k| tier.contains(k)), "{policy}");
+    }
+}
