@@ -24,6 +24,7 @@ if [[ ${1:-} == bites ]]; then
         guard-borrows-lease-pin
         lease-first-consume-settles
         requeue-claimed-victim
+        victim-order-marks-lost
     )
     if ! cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null; then
         echo "FAIL: the state machine does not build with the seeded bugs"
