@@ -31,7 +31,7 @@ fi
 run() { "$bin" --workloads evict --contenders core --sample 1 --ops "$ops" "$@" 2>&1 | grep -E '^ +[0-9.]+s +evict' | sed "s|^|$* :|" || true; }
 echo "# $(date -u +%FT%TZ) $(nproc) CPUs, $bin"
 for c in "${caps[@]}"; do
-    for p in adaptive-lfu prefix-lfu lru clock sieve s3fifo; do
+    for p in adaptive-lfu prefix-lfu lru clock sieve s3fifo 2q; do
         run --capacity "$c" --threads 1 --policy "$p"
         run --capacity "$c" --threads 1 --policy "$p" --hints 64
     done

@@ -62,9 +62,25 @@ machine_properties! {
     tier_matches_reference_model_clock => PolicyKind::Clock,
     tier_matches_reference_model_sieve => PolicyKind::Sieve,
     tier_matches_reference_model_s3fifo => PolicyKind::S3Fifo,
+    tier_matches_reference_model_2q => PolicyKind::TwoQ,
     tier_matches_reference_model_prefix_lfu => PolicyKind::PrefixLfu,
     tier_matches_reference_model_prefix_tinylfu => PolicyKind::PrefixTinyLfu,
     tier_matches_reference_model_adaptive_lfu => PolicyKind::AdaptiveLfu,
+}
+
+proptest! {
+    /// Queue-protecting admission ([`kvtier::TierConfig::protect_hinted`]): the same machine, whose
+    /// model predicts that a prefix save takes free slots and unhinted victims only and never
+    /// evicts a hinted block, while all-or-nothing saves still take hinted blocks last.
+    #[test]
+    fn tier_matches_reference_model_protecting_hinted_lru(capacity in 1..=MAX_CAPACITY, ops in prop::collection::vec(op(), 1..24)) {
+        Machine::run_with(PolicyKind::Lru, capacity, true, &ops);
+    }
+
+    #[test]
+    fn tier_matches_reference_model_protecting_hinted_adaptive_lfu(capacity in 1..=MAX_CAPACITY, ops in prop::collection::vec(op(), 1..24)) {
+        Machine::run_with(PolicyKind::AdaptiveLfu, capacity, true, &ops);
+    }
 }
 
 /// Sequences found by the property above (or written to pin a scenario); each must keep passing.

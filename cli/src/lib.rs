@@ -2,7 +2,7 @@
 //!
 //! The `kvtier` command line as a library: Mooncake-format request traces ([`trace`]), the byte-moving
 //! replay through the host tier ([`replay`]), the policy simulation ([`simulate`]), synthetic traces
-//! fitted to a real one ([`synth`]), a running daemon's statistics ([`stats`]) and the size arguments ([`size`]). The binary (`kvtier replay`, `kvtier simulate`) is a thin layer
+//! fitted to a real one ([`synth`]) or written from stated shapes ([`shapes`]), a running daemon's statistics ([`stats`]) and the size arguments ([`size`]). The binary (`kvtier replay`, `kvtier simulate`) is a thin layer
 //! over these modules; the library crate an engine depends on is `kvtier`, which knows nothing of
 //! traces, reports or command lines.
 #![warn(missing_docs)]
@@ -10,6 +10,7 @@
 pub mod error;
 pub mod replay;
 mod seeded;
+pub mod shapes;
 pub mod simulate;
 pub mod size;
 pub mod stats;

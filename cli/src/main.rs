@@ -68,8 +68,18 @@ struct StatsArgs {
 
 #[derive(clap::Args)]
 struct SynthArgs {
-    /// The trace to measure (JSON Lines, Mooncake format; plain or zstd-compressed).
-    trace: PathBuf,
+    /// The trace to measure (JSON Lines, Mooncake format; plain or zstd-compressed). Not with
+    /// --shape.
+    #[arg(required_unless_present = "shape", conflicts_with = "shape")]
+    trace: Option<PathBuf>,
+    /// Write a trace of a stated workload shape instead of one fitted to a trace: agentic (long
+    /// coding-agent sessions, prompts of 40 k-200 k tokens), short (many independent short
+    /// requests), shared-prompt (every session behind one 10 k-token system prompt) or bursty
+    /// (bursts of requests over one long document, over background conversations). Takes --seed
+    /// and --requests.
+    #[arg(long, value_parser = |s: &str| s.parse::<kvtier_cli::shapes::Shape>(),
+          conflicts_with_all = ["half", "gap_scale", "system_prompts", "describe"])]
+    shape: Option<kvtier_cli::shapes::Shape>,
     /// Measure only one half of the trace, split at the middle of its time span.
     #[arg(long, value_enum)]
     half: Option<HalfArg>,
@@ -109,7 +119,7 @@ struct ReplayArgs {
     /// GPU pages for the replay. Default: the largest request's pages x concurrency.
     #[arg(long)]
     gpu_pages: Option<u64>,
-    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu
+    /// Eviction policy: lru, clock, sieve, s3fifo, 2q, prefix-lfu, prefix-tinylfu, adaptive-lfu
     /// (default: the crate's default policy).
     #[arg(long, default_value_t = PolicyKind::default(), value_parser = str::parse::<PolicyKind>)]
     policy: PolicyKind,
@@ -158,7 +168,7 @@ struct SimulateArgs {
     /// Pool sizes, comma-separated: bytes with a unit (`8GiB`, `500MB`) or slots (`9952slots`).
     #[arg(long, default_value = "8GiB,16GiB,32GiB,64GiB", value_delimiter = ',')]
     pool: Vec<String>,
-    /// Policies to run, comma-separated (default: all of lru, clock, sieve, s3fifo, prefix-lfu,
+    /// Policies to run, comma-separated (default: all of lru, clock, sieve, s3fifo, 2q, prefix-lfu,
     /// prefix-tinylfu, adaptive-lfu).
     #[arg(long, value_delimiter = ',', value_parser = |s: &str| s.trim().parse::<PolicyKind>())]
     policies: Vec<PolicyKind>,
@@ -170,6 +180,10 @@ struct SimulateArgs {
     /// order): each queued request's keys are hinted until it is admitted.
     #[arg(long, default_value_t = 0)]
     lookahead: usize,
+    /// With --lookahead, also run each policy with queue-protecting admission (a save never evicts
+    /// a block a queued request will look up; the rows labelled `+protect`).
+    #[arg(long, requires = "lookahead")]
+    protect: bool,
     /// Use only the requests of one half of the trace, split at the middle of its time span.
     #[arg(long, value_enum)]
     half: Option<HalfArg>,
@@ -434,6 +448,7 @@ fn simulate(args: SimulateArgs, every: std::time::Duration) -> Result<(), Error>
             ChainArg::Both => vec![false, true],
         },
         lookahead: args.lookahead,
+        protect: args.protect,
         optimum: !args.no_optimum,
         ssd: args.ssd,
         ssd_admit: args.ssd_admit,
@@ -486,7 +501,32 @@ impl Drop for PlotFile {
 }
 
 fn synth(args: SynthArgs) -> Result<(), Error> {
-    let (_, mut requests) = requests(Some(&args.trace), None)?;
+    let out = match (args.shape, &args.trace) {
+        (Some(shape), _) => kvtier_cli::shapes::generate(shape, args.seed, args.requests),
+        (None, Some(trace)) => fitted(&args, trace)?,
+        (None, None) => unreachable!("clap requires a trace or a shape"),
+    };
+    if out.is_empty() {
+        return Err(Error::Config("--requests 0: no request to write".into()));
+    }
+    match &args.output {
+        Some(p) => {
+            let f = std::fs::File::create(p).map_err(|source| Error::Output { path: p.clone(), source })?;
+            synth::write_jsonl(&out, std::io::BufWriter::new(f))
+                .map_err(|source| Error::Output { path: p.clone(), source })?;
+        }
+        None => {
+            let stdout = std::io::stdout();
+            synth::write_jsonl(&out, std::io::BufWriter::new(stdout.lock()))
+                .map_err(|source| Error::Output { path: "<stdout>".into(), source })?;
+        }
+    }
+    Ok(())
+}
+
+/// `kvtier synth TRACE`: a trace fitted to `trace`'s measured statistics.
+fn fitted(args: &SynthArgs, trace: &PathBuf) -> Result<Vec<kvtier_cli::trace::TraceRequest>, Error> {
+    let (_, mut requests) = requests(Some(trace), None)?;
     if let Some(half) = args.half {
         let (first, second) = trace::split_by_time(&requests);
         requests = match half {
@@ -509,21 +549,9 @@ fn synth(args: SynthArgs) -> Result<(), Error> {
     };
     let out = synth::generate(&params, &opts);
     if out.is_empty() {
-        return Err(TraceError::Empty { path: args.trace.clone() }.into());
+        return Err(TraceError::Empty { path: trace.clone() }.into());
     }
-    match &args.output {
-        Some(p) => {
-            let f = std::fs::File::create(p).map_err(|source| Error::Output { path: p.clone(), source })?;
-            synth::write_jsonl(&out, std::io::BufWriter::new(f))
-                .map_err(|source| Error::Output { path: p.clone(), source })?;
-        }
-        None => {
-            let stdout = std::io::stdout();
-            synth::write_jsonl(&out, std::io::BufWriter::new(stdout.lock()))
-                .map_err(|source| Error::Output { path: "<stdout>".into(), source })?;
-        }
-    }
-    Ok(())
+    Ok(out)
 }
 
 fn stats(args: StatsArgs) -> Result<(), Error> {

@@ -187,10 +187,10 @@ impl Default for SynthOptions {
 }
 
 /// splitmix64: a small, well-mixed generator (no dependency for a handful of draws).
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -198,10 +198,10 @@ impl Rng {
         z ^ (z >> 31)
     }
     /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+    pub(crate) fn pick<T: Copy>(&mut self, v: &[T]) -> T {
         v[(self.next() % v.len() as u64) as usize]
     }
 }

@@ -103,7 +103,7 @@ fn optimum_bounds_every_policy() {
             let opt = belady(&keys, cap);
             for &policy in PolicyKind::ALL {
                 for (chain, lookahead) in [(false, 0), (true, 0), (true, 8)] {
-                    let v = Variant { policy, chain, lookahead };
+                    let v = Variant::new(policy, chain, lookahead);
                     let r = run_policy(&keys, v, cap, &g, &|_| {}).unwrap();
                     let l = v.label();
                     assert!(r.hit_pages <= opt, "{l} got {} > optimum {opt} (seed {seed}, {cap} slots)", r.hit_pages);
@@ -169,7 +169,7 @@ fn the_ssd_only_adds_hits_under_the_host_pools() {
         let all = unbounded(&keys);
         for &policy in [PolicyKind::Lru, PolicyKind::S3Fifo, PolicyKind::AdaptiveLfu].iter() {
             for (chain, lookahead) in [(false, 0), (true, 4)] {
-                let v = Variant { policy, chain, lookahead };
+                let v = Variant::new(policy, chain, lookahead);
                 let host = run_policy(&keys, v, 24, &g, &|_| {}).unwrap();
                 for ssd in [16u32, 64, 4096] {
                     let r = run_two_level(&keys, v, 24, ssd, 2, &g, &|_| {}).unwrap();
@@ -281,7 +281,7 @@ fn chain_aware_lru_through_the_tier_equals_its_model() {
     let g = glm52();
     for (seed, cap) in [(11u64, 40u32), (12, 90)] {
         let keys = page_keys(&synthetic(seed, 200, 10), &g).unwrap();
-        let v = Variant { policy: PolicyKind::Lru, chain: true, lookahead: 0 };
+        let v = Variant::new(PolicyKind::Lru, true, 0);
         let got = run_policy(&keys, v, cap, &g, &|_| {}).unwrap();
         assert_eq!(got.hit_pages, reference_chain_lru(&keys, cap as usize), "seed {seed}, {cap} slots");
         // The chain order changes what is evicted (1,227 against 1,250 and 1,952 against 1,912 hits).

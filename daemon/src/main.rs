@@ -89,7 +89,7 @@ struct Args {
     /// size) slots; the start-up line says the bytes chosen.
     #[arg(long, default_value = "4GiB")]
     pool: String,
-    /// Eviction policy: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu.
+    /// Eviction policy: lru, clock, sieve, s3fifo, 2q, prefix-lfu, prefix-tinylfu, adaptive-lfu.
     #[arg(long, default_value_t = PolicyKind::default().name().to_string())]
     policy: String,
     /// Pages behind the pool: auto (hugetlb if reserved, else 4 KiB), hugetlb, thp, plain.

@@ -52,7 +52,7 @@ fn config_error(message: String) -> PyErr {
 ///
 /// - `geometry`: the block layout (`Geometry`); every attached rank's tensors must match it.
 /// - `pool_bytes`: host memory for block slots, in bytes; capacity = `pool_bytes // geometry.slot_bytes`.
-/// - `policy`: eviction policy name: `lru`, `clock`, `sieve`, `s3fifo`, `prefix-lfu`,
+/// - `policy`: eviction policy name: `lru`, `clock`, `sieve`, `s3fifo`, `2q`, `prefix-lfu`,
 ///   `prefix-tinylfu`, `adaptive-lfu` (None: kvtier's default, `adaptive-lfu`).
 /// - `backing`: `auto` (hugetlb if reserved, else transparent hugepages), `hugetlb`, `thp`, `plain`.
 /// - `prefault`: touch every page now (slower start, no page faults on first saves).

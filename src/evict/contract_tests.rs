@@ -276,7 +276,7 @@ fn names_parse_and_unknown_names_list_the_known_ones() {
     let e = "fifo".parse::<PolicyKind>().unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown policy `fifo` (known: lru, clock, sieve, s3fifo, prefix-lfu, prefix-tinylfu, adaptive-lfu)"
+        "unknown policy `fifo` (known: lru, clock, sieve, s3fifo, 2q, prefix-lfu, prefix-tinylfu, adaptive-lfu)"
     );
 }
 

@@ -57,6 +57,7 @@ mod queue;
 mod residency;
 mod s3fifo;
 mod sieve;
+mod two_q;
 
 pub(crate) use clock::Clock;
 pub(crate) use lru::Lru;
@@ -65,6 +66,7 @@ pub(crate) use prefix_lfu::PrefixLfu;
 pub(crate) use residency::Residency;
 pub(crate) use s3fifo::S3Fifo;
 pub(crate) use sieve::Sieve;
+pub(crate) use two_q::TwoQ;
 
 use crate::slab::slot::SlotId;
 use std::fmt;
@@ -246,6 +248,12 @@ pub enum PolicyKind {
     /// ghost table; a block whose key is in the ghost enters the main FIFO directly. The main FIFO
     /// reinserts blocks with a non-zero 2-bit frequency (decrementing it).
     S3Fifo,
+    /// 2Q (Johnson and Shasha, VLDB'94) as probationary admission: a new block enters a
+    /// probationary FIFO; its second use (a hit there, or a save of a key evicted from probation,
+    /// which a ghost table of key hashes remembers) moves it to the main LRU. Victims come from
+    /// probation while it holds more than 10% of the pool, else from main. Blocks used once pass
+    /// through probation without flushing blocks used twice. Ignores chains.
+    TwoQ,
     /// Prefix-aware frequency-weighted recency: the score of a block is its last-touch tick plus
     /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
     /// eviction and is halved every `64 x capacity` references), minus twice its prompt depth, so
@@ -284,6 +292,7 @@ impl PolicyKind {
         PolicyKind::Clock,
         PolicyKind::Sieve,
         PolicyKind::S3Fifo,
+        PolicyKind::TwoQ,
         PolicyKind::PrefixLfu,
         PolicyKind::PrefixTinyLfu,
         PolicyKind::AdaptiveLfu,
@@ -296,6 +305,7 @@ impl PolicyKind {
             PolicyKind::Clock => Box::new(Clock::new(capacity)),
             PolicyKind::Sieve => Box::new(Sieve::new(capacity)),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity)),
+            PolicyKind::TwoQ => Box::new(TwoQ::new(capacity)),
             PolicyKind::PrefixLfu => Box::new(PrefixLfu::new(capacity)),
             PolicyKind::PrefixTinyLfu => Box::new(PrefixLfu::with_doorkeeper(capacity)),
             PolicyKind::AdaptiveLfu => Box::new(PrefixLfu::adaptive(capacity)),
@@ -309,6 +319,7 @@ impl PolicyKind {
             PolicyKind::Clock => "clock",
             PolicyKind::Sieve => "sieve",
             PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::TwoQ => "2q",
             PolicyKind::PrefixLfu => "prefix-lfu",
             PolicyKind::PrefixTinyLfu => "prefix-tinylfu",
             PolicyKind::AdaptiveLfu => "adaptive-lfu",

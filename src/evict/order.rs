@@ -98,8 +98,17 @@ impl MarkStack {
                 continue;
             }
             h = self.next[s as usize].load(Ordering::Relaxed);
-            // After the link is read: the slot may be pushed again from here on.
-            self.queued[s as usize].store(0, Ordering::Release);
+            // After the link is read: the slot may be pushed again from here on. A swap, not a
+            // store: a push that found the flag set returned at once, trusting this drain to see
+            // what it wrote before (a cancel's RESIDENT). The acquiring read of its swap's value
+            // makes that write visible to `f`; a plain store could let `f` read the old state (a
+            // store-buffering race), and the slot would never be offered again.
+            // (Seeded bug, model checking only: `mark-stack-clear-unordered` stores instead.)
+            if crate::seeded::seeded("mark-stack-clear-unordered") {
+                self.queued[s as usize].store(0, Ordering::Release);
+            } else {
+                self.queued[s as usize].swap(0, Ordering::AcqRel);
+            }
             f(SlotId(s));
         }
     }

@@ -83,6 +83,9 @@ pub struct Core {
     pub(super) chains: Chains,
     /// Rank victims by their place in their chain ([`crate::TierConfig::chain_aware`]).
     chain_aware: bool,
+    /// [`Fit::Prefix`](crate::Fit::Prefix) saves spare hinted blocks
+    /// ([`crate::TierConfig::protect_hinted`]).
+    protect_hinted: bool,
     /// Scheduler hints ([`super::hints`]).
     pub(super) hints: Hints,
     pub(crate) counters: Counters,
@@ -119,6 +122,7 @@ impl Core {
             slot_resumed: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
             chains: Chains::new(cap),
             chain_aware: false,
+            protect_hinted: false,
             hints: Hints::new(cap),
             counters: Counters::default(),
             evict_lock: Mutex::new(()),
@@ -137,6 +141,18 @@ impl Core {
     pub fn with_chain_aware(mut self, on: bool) -> Self {
         self.chain_aware = on;
         self
+    }
+
+    /// Makes [`Fit::Prefix`](crate::Fit::Prefix) saves spare hinted blocks or not
+    /// ([`crate::TierConfig::protect_hinted`]; off after [`Core::new`]).
+    pub fn with_protect_hinted(mut self, on: bool) -> Self {
+        self.protect_hinted = on;
+        self
+    }
+
+    /// True if [`Fit::Prefix`](crate::Fit::Prefix) saves spare hinted blocks.
+    pub fn protect_hinted(&self) -> bool {
+        self.protect_hinted
     }
 
     /// Puts an SSD tier under the pool (none after [`Core::new`]); its demotion thread starts when
@@ -443,7 +459,7 @@ impl Core {
 
     /// The classes of unhinted blocks: the chain classes, twice over with an SSD tier (clean,
     /// then dirty).
-    fn unhinted_classes(&self) -> u8 {
+    pub(crate) fn unhinted_classes(&self) -> u8 {
         self.chain_classes() * if self.ssd.is_some() { 2 } else { 1 }
     }
 

@@ -170,7 +170,8 @@ impl HostTier {
             None => None,
         };
         let mut core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
-            .with_chain_aware(config.chain_aware);
+            .with_chain_aware(config.chain_aware)
+            .with_protect_hinted(config.protect_hinted);
         if let Some(ssd) = ssd {
             core = core.with_ssd(Box::new(ssd));
         }

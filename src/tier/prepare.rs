@@ -64,7 +64,7 @@ pub(crate) fn prepare_save(
             if need > core.available_slots() {
                 core.expire_leases();
             }
-            Want::UpTo(need)
+            Want::Admitted(need)
         }
     };
     let slots = core.acquire_slots(want).inspect_err(|_| add(&c.saves_refused, 1))?;

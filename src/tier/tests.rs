@@ -506,3 +506,55 @@ fn recently_used_orphans_still_go_first_with_every_policy() {
         assert!(k[3..].iter().all(|k| tier.contains(k)), "{policy}");
     }
 }
+
+/// Queue-protecting admission ([`TierConfig::protect_hinted`]): a `Fit::Prefix` save larger than
+/// the pool's unhinted part keeps its head and evicts no hinted block; without it the save flushes
+/// the hinted blocks too. An all-or-nothing save is never refused for them (it takes them last).
+#[test]
+fn a_prefix_save_spares_the_queued_requests_blocks_when_protecting() {
+    for &policy in crate::PolicyKind::ALL {
+        for protect in [false, true] {
+            let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
+            let cfg = TierConfig::new(g.clone(), 6 * g.slot_bytes())
+                .with_backing(BackingChoice::Plain)
+                .with_policy(policy)
+                .with_protect_hinted(protect);
+            let tier = HostTier::new(cfg).unwrap();
+            let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
+            let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+            let k = keys(&tier, 0..16);
+            for i in 0..6 {
+                save_ready(&tier, &arenas, &rank, &k[i..i + 1], &[i as u64]);
+            }
+            // A queued request will look up keys 0..3.
+            let _h = tier.hint(&k[..3], std::time::Duration::from_secs(3600));
+            let pages: Vec<u64> = (6..11).collect();
+            arenas.fill(&pages, &k[6..11]).unwrap();
+            let prefix = SaveOptions::new().fit(Fit::Prefix);
+            if policy == crate::PolicyKind::PrefixTinyLfu {
+                // The doorkeeper admits a key on its second sighting: show the keys once.
+                let t = rank.save_with(&k[6..11], &pages, WaitFor::Nothing, prefix).unwrap();
+                assert_eq!(t.dropped, 5);
+            }
+            let t = rank.save_with(&k[6..11], &pages, WaitFor::Nothing, prefix).unwrap();
+            t.handle.wait().unwrap();
+            let hinted_left = k[..3].iter().filter(|x| tier.contains(x)).count();
+            if protect {
+                assert_eq!(
+                    (t.saving.len(), t.dropped, hinted_left),
+                    (3, 2, 3),
+                    "{policy}: a protecting prefix save keeps 3 blocks and every hinted block"
+                );
+                assert!(k[6..9].iter().all(|x| tier.contains(x)), "{policy}: the save keeps its head");
+            } else {
+                assert_eq!((t.saving.len(), t.dropped, hinted_left), (5, 0, 1), "{policy}: an unprotected save");
+            }
+            // All-or-nothing: 4 new blocks when only 3 are unhinted, saved whatever the setting.
+            let pages: Vec<u64> = (11..15).collect();
+            arenas.fill(&pages, &k[11..15]).unwrap();
+            let t = rank.save_with(&k[11..15], &pages, WaitFor::Nothing, SaveOptions::new()).unwrap();
+            t.handle.wait().unwrap();
+            assert_eq!(t.saving.len(), 4, "{policy} protect {protect}: an all-or-nothing save is never refused");
+        }
+    }
+}

@@ -327,6 +327,9 @@ struct SavePlan {
     duplicates: usize,
     /// Free plus unpinned ready slots, less this save's resident blocks (the save pins them).
     available: usize,
+    /// `available` less the unpinned ready blocks of hinted keys (what a protecting prefix save
+    /// may take).
+    unhinted: usize,
     /// This save's resident keys: never evicted by it.
     resident_keys: Vec<u8>,
 }
@@ -339,6 +342,8 @@ pub struct Machine {
     geometry: Geometry,
     keys: Vec<ContentKey>,
     policy: PolicyKind,
+    /// The tier's queue-protecting admission ([`TierConfig::protect_hinted`]).
+    protect_hinted: bool,
     model: Model,
     leases: Vec<(Lease, ModelLease)>,
     /// Kept hints and their keys.
@@ -366,10 +371,16 @@ fn wait(h: &CopyHandle, what: &str) -> Result<(), TierError> {
 impl Machine {
     /// A machine with a `capacity`-slot tier evicting with `policy`.
     pub fn new(policy: PolicyKind, capacity: u8) -> Self {
+        Self::with_protect(policy, capacity, false)
+    }
+
+    /// [`Machine::new`] whose tier has queue-protecting admission
+    /// ([`TierConfig::protect_hinted`]) on or off.
+    pub fn with_protect(policy: PolicyKind, capacity: u8, protect_hinted: bool) -> Self {
         let geometry = geometry();
         let arenas_a = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
         let arenas_b = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
-        let tier = Self::build_tier(&geometry, policy, capacity);
+        let tier = Self::build_tier(&geometry, policy, capacity, protect_hinted);
         let keys: Vec<ContentKey> = (0..KEYS as u64).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
         let pages: Vec<u64> = (0..KEYS as u64).collect();
         arenas_a.fill(&pages, &keys).expect("fill");
@@ -379,6 +390,7 @@ impl Machine {
             geometry,
             keys,
             policy,
+            protect_hinted,
             model: Model::new(capacity as usize),
             leases: Vec::new(),
             hints: Vec::new(),
@@ -399,9 +411,10 @@ impl Machine {
 
     /// LRU runs without chain-aware ranking, so the model predicts its victims exactly (with it,
     /// chain saves reorder victims by their chains); every other policy runs with it.
-    fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8) -> HostTier {
+    fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8, protect_hinted: bool) -> HostTier {
         let cfg = TierConfig::new(g.clone(), capacity as u64 * g.slot_bytes())
             .with_policy(policy)
+            .with_protect_hinted(protect_hinted)
             .with_chain_aware(policy != PolicyKind::Lru)
             .with_backing(BackingChoice::Plain);
         HostTier::new(cfg).expect("tier")
@@ -463,7 +476,12 @@ impl Machine {
 
     /// Runs every op with `policy`, checking after each.
     pub fn run(policy: PolicyKind, capacity: u8, ops: &[Op]) {
-        let mut m = Machine::new(policy, capacity);
+        Self::run_with(policy, capacity, false, ops)
+    }
+
+    /// [`Machine::run`] with queue-protecting admission on or off ([`Machine::with_protect`]).
+    pub fn run_with(policy: PolicyKind, capacity: u8, protect_hinted: bool, ops: &[Op]) {
+        let mut m = Machine::with_protect(policy, capacity, protect_hinted);
         for &op in ops {
             m.step(op);
         }
@@ -484,6 +502,7 @@ impl Machine {
             in_flight: 0,
             duplicates: 0,
             available: 0,
+            unhinted: 0,
             resident_keys: vec![],
         };
         let mut seen = BTreeSet::new();
@@ -506,6 +525,8 @@ impl Machine {
         m.stats.save_skipped_duplicate += plan.duplicates as u64;
         let protected = plan.resident_keys.iter().filter(|k| m.ready[k].pins == 0).count();
         plan.available = m.free() + m.ready.len() - m.pinned() - protected;
+        let hinted = m.ready.iter().filter(|(k, b)| b.pins == 0 && !plan.resident_keys.contains(k) && m.is_hinted(**k));
+        plan.unhinted = plan.available - hinted.count();
         plan
     }
 
@@ -593,7 +614,9 @@ impl Machine {
             (plan.resident, plan.in_flight, plan.duplicates),
             "save ticket for keys {ks:?}"
         );
-        let take = need.min(plan.available);
+        // With queue-protecting admission a prefix save takes no hinted block.
+        let protecting = fit == Fit::Prefix && self.protect_hinted;
+        let take = need.min(if protecting { plan.unhinted } else { plan.available });
         match fit {
             Fit::AllOrNothing => assert_eq!(t.saving, plan.missing, "save of keys {ks:?}: saved keys"),
             _ => {
@@ -612,7 +635,17 @@ impl Machine {
         self.model.stats.save_dropped += t.dropped as u64;
         let saved: Vec<u8> = t.saving.iter().map(|&i| ks[i]).collect();
         let evicted = saved.len().saturating_sub(self.model.free());
+        let hinted_before: Vec<u8> = self.model.ready.keys().copied().filter(|&k| self.model.is_hinted(k)).collect();
         self.observe_evictions(evicted, "save", &plan.resident_keys);
+        if protecting {
+            for k in hinted_before {
+                assert!(
+                    self.model.ready.contains_key(&k),
+                    "prefix save of keys {ks:?} ({}): evicted hinted key {k} although the tier protects hinted blocks",
+                    self.policy
+                );
+            }
+        }
         for &k in &saved {
             assert!(self.model.writing.insert(k));
         }
@@ -792,7 +825,7 @@ impl Machine {
         self.rank_b = None;
         // Hints belong to the old tier.
         self.hints.clear();
-        self.tier = Self::build_tier(&self.geometry, self.policy, capacity);
+        self.tier = Self::build_tier(&self.geometry, self.policy, capacity, self.protect_hinted);
         self.model = Model::new(capacity as usize);
         self.attach();
         for (_, k) in resident {

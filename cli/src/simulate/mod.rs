@@ -45,15 +45,25 @@ pub struct Variant {
     /// engine queue holds requests `i + 1 ..= i + lookahead` (trace order), each hinted with
     /// [`HostTier::hint`] while it waits and withdrawn when it is admitted.
     pub lookahead: usize,
+    /// Queue-protecting admission ([`TierConfig::protect_hinted`]): a save never evicts a block
+    /// a queued request will look up (only with a lookahead).
+    pub protect: bool,
 }
 
 impl Variant {
     /// `policy` alone: no chain ranking, no hints (the classic policy).
     pub fn plain(policy: PolicyKind) -> Self {
-        Variant { policy, chain: false, lookahead: 0 }
+        Variant { policy, chain: false, lookahead: 0, protect: false }
     }
 
-    /// The row label: the policy's name, `+chain` if chain-aware, `+la{N}` with a lookahead of N.
+    /// `policy` with chain-aware victims `chain` and hints for `lookahead` requests, without
+    /// queue-protecting admission.
+    pub fn new(policy: PolicyKind, chain: bool, lookahead: usize) -> Self {
+        Variant { policy, chain, lookahead, protect: false }
+    }
+
+    /// The row label: the policy's name, `+chain` if chain-aware, `+la{N}` with a lookahead of N,
+    /// `+protect` with queue-protecting admission.
     pub fn label(&self) -> String {
         let mut s = self.policy.name().to_string();
         if self.chain {
@@ -61,6 +71,9 @@ impl Variant {
         }
         if self.lookahead > 0 {
             let _ = write!(s, "+la{}", self.lookahead);
+        }
+        if self.protect {
+            s.push_str("+protect");
         }
         s
     }
@@ -80,6 +93,9 @@ pub struct SimConfig {
     pub chain: Vec<bool>,
     /// Also run each policy with hints for an engine queue of this many requests (0: not).
     pub lookahead: usize,
+    /// With a lookahead, also run each policy with it and queue-protecting admission
+    /// ([`Variant::protect`]).
+    pub protect: bool,
     /// Also compute the offline optimum ([`belady`]) at each size.
     pub optimum: bool,
     /// SSD tier sizes as given (bytes with a unit or `Nslots`; see [`parse_disk_slots`]): each
@@ -100,6 +116,7 @@ impl Default for SimConfig {
             policies: PolicyKind::ALL.to_vec(),
             chain: vec![false, true],
             lookahead: 0,
+            protect: false,
             optimum: true,
             ssd: Vec::new(),
             ssd_admit: 2,
@@ -108,15 +125,22 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
-    /// The variants run, in report order: each policy, with each chain setting, without hints and
-    /// (with a lookahead) with them.
+    /// The variants run, in report order: each policy, with each chain setting, without hints,
+    /// (with a lookahead) with them, and (with [`SimConfig::protect`] too) with them and
+    /// queue-protecting admission.
     pub fn variants(&self) -> Vec<Variant> {
         let mut v = Vec::new();
-        let looks: &[usize] = if self.lookahead > 0 { &[0, self.lookahead] } else { &[0] };
+        let mut looks = vec![(0, false)];
+        if self.lookahead > 0 {
+            looks.push((self.lookahead, false));
+            if self.protect {
+                looks.push((self.lookahead, true));
+            }
+        }
         for &policy in &self.policies {
             for &chain in &self.chain {
-                for &lookahead in looks {
-                    v.push(Variant { policy, chain, lookahead });
+                for &(lookahead, protect) in &looks {
+                    v.push(Variant { policy, chain, lookahead, protect });
                 }
             }
         }
@@ -154,6 +178,8 @@ pub struct PolicyRun {
     pub chain: bool,
     /// Requests hinted ahead (0: no hints).
     pub lookahead: usize,
+    /// Queue-protecting admission ([`Variant::protect`]).
+    pub protect: bool,
     /// Pool size in slots.
     pub slots: u32,
     /// Pages found by queries.
@@ -247,7 +273,8 @@ impl Level {
         let cfg = TierConfig::new(proxy.clone(), bytes)
             .with_backing(BackingChoice::Plain)
             .with_policy(variant.policy)
-            .with_chain_aware(variant.chain);
+            .with_chain_aware(variant.chain)
+            .with_protect_hinted(variant.protect);
         let tier = HostTier::new(cfg)?;
         if tier.capacity() != slots {
             return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
@@ -356,6 +383,7 @@ pub fn run_policy(
         policy: variant.label(),
         chain: variant.chain,
         lookahead: variant.lookahead,
+        protect: variant.protect,
         slots,
         hit_pages: hits,
         hit_ratio: ratio(hits, total),
@@ -530,6 +558,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
                 policy: "optimum".into(),
                 chain: false,
                 lookahead: 0,
+                protect: false,
                 slots: *slots,
                 hit_pages: hits,
                 hit_ratio: ratio(hits, total),
