@@ -184,7 +184,7 @@ mod tests {
         for s in 0..4 {
             p.on_hit(SlotId(s));
         }
-        assert_eq!(p.in_probation(), 16);
+        assert_eq!(p.in_probation(), 16, "the blocks used twice were promoted");
         for k in 0..200u64 {
             let v = evict_one(&p);
             assert!(v.0 >= 4, "flood block {k} evicted block {} that was used twice", v.0);

@@ -162,6 +162,14 @@ impl Chains {
                 {
                     self.orphans.fetch_add(1, Ordering::AcqRel);
                 }
+                // The child may have left (or been re-attached) since the link was read: then its
+                // own `uncount` may have run before the flag was set, so take the count back here
+                // (whichever of the two clears the flag decrements; the swap that read the other's
+                // write orders its link change before this load).
+                if self.parent[c as usize].load(Ordering::Acquire) != w {
+                    self.uncount(SlotId(c));
+                    continue;
+                }
                 // Seeded bug (tests only): `orphans-unannounced` never tells the policy of new orphans.
                 if !crate::seeded::seeded("orphans-unannounced") {
                     orphaned(SlotId(c));
