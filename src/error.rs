@@ -158,6 +158,14 @@ pub enum GeometryError {
         /// What is wrong, naming the arena.
         reason: String,
     },
+    /// Cache groups of a hybrid layout ([`crate::HybridLayout::new`]) that cannot be used
+    /// together: none, too many, a repeated or empty name, groups of different page sizes, a
+    /// sliding window of 0 tokens, or no attention group.
+    #[error("cache groups: {reason}")]
+    Groups {
+        /// What is wrong, naming the group.
+        reason: String,
+    },
 }
 
 /// The host pool could not be created or configured.

@@ -58,6 +58,7 @@ mod disk;
 mod error;
 mod evict;
 mod geometry;
+mod hybrid;
 mod index;
 mod key;
 #[cfg(feature = "metrics")]
@@ -93,6 +94,10 @@ pub use disk::{DiskError, IoPreference};
 pub use error::{CopyError, Error, GeometryError, IndexError, Limit, LimitsError, PoolError, SizeError, TierError};
 pub use evict::{PolicyKind, UnknownPolicy};
 pub use geometry::{ArenaBinding, ArenaSpec, Geometry, Placement, COPY_ALIGN, MAX_ARENAS, SLOT_CHUNK_ALIGN};
+pub use hybrid::{
+    CacheGroup, GroupKind, GroupPages, HybridConfig, HybridLayout, HybridLease, HybridRank, HybridRestore, HybridSave,
+    HybridTier, MAX_GROUPS,
+};
 pub use index::{BlockIndex, IndexReader, SlotRef};
 pub use key::{ContentKey, Namespace};
 #[cfg(feature = "metrics")]

@@ -94,16 +94,23 @@ impl EvictionPolicy for TwoQ {
     }
     fn on_hit(&self, slot: SlotId) {
         let i = slot.index();
-        // The second use promotes (its place rises: the victim order finds out when it pops the
-        // old entry). A hit on a slot with no block fails the CAS and changes nothing.
-        // (Seeded bug, tests only: `two-q-no-promotion` keeps hit blocks in probation.)
-        if !crate::seeded::seeded("two-q-no-promotion")
-            && self.queue[i].compare_exchange(PROBATION, MAIN, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-        {
+        // The second use promotes. A hit on a slot with no block fails the CAS and changes
+        // nothing. (Seeded bug, tests only: `two-q-no-promotion` keeps hit blocks in probation.)
+        let promoted = !crate::seeded::seeded("two-q-no-promotion")
+            && self.queue[i].compare_exchange(PROBATION, MAIN, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+        if promoted {
             self.probation.fetch_sub(1, Ordering::Relaxed);
         }
         if self.queue[i].load(Ordering::Relaxed) == MAIN {
             self.ticks[i].store(self.tick(), Ordering::Relaxed);
+        }
+        // A promotion changes the slot's bucket. The victim order's lazy entries may only be
+        // stale towards later places within a bucket; the old probation entry, ranked after all
+        // of main in a main-first pass, would hold the block back in insert order. The mark gives
+        // it an entry in main at its new tick (after the store above, so the entry is current).
+        // (Seeded bug, tests only: `two-q-promotion-unmarked` leaves the order to find out.)
+        if promoted && !crate::seeded::seeded("two-q-promotion-unmarked") {
+            self.order.mark(slot);
         }
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
@@ -216,6 +223,24 @@ mod tests {
         out.clear();
         p.select_victims(3, &|_| true, &mut out);
         assert_eq!(out, vec![SlotId(0), SlotId(1), SlotId(3)]);
+    }
+
+    #[test]
+    fn main_evicts_promoted_blocks_in_lru_order_not_insert_order() {
+        // Promotion moves a block between buckets of the victim order; the order must be told,
+        // or the block's stale probation entry (insert order) ranks it in main.
+        let p = TwoQ::new(10); // target 1
+        for s in 0..10 {
+            insert(&p, s, 300 + s as u64);
+        }
+        assert_eq!(evict_one(&p), SlotId(0), "probation above its target: its oldest goes");
+        for s in 1..9 {
+            p.on_hit(SlotId(s)); // promoted: main holds 1..8, probation 9 (at its target)
+        }
+        p.on_hit(SlotId(1)); // 1 is main's most recent now
+        let mut out = vec![];
+        p.select_victims(2, &|_| true, &mut out);
+        assert_eq!(out, vec![SlotId(2), SlotId(3)], "main's least recently used go first");
     }
 
     #[test]

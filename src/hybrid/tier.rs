@@ -1,0 +1,454 @@
+//! A host tier for a hybrid layout: one [`HostTier`] per cache group, queries that answer the
+//! longest prefix the model can use, and saves and restores that move every group's blocks in one
+//! call.
+
+use std::time::Duration;
+
+use super::layout::{GroupKind, HybridLayout};
+use crate::copy::{CopyBackend, WaitFor};
+use crate::error::{Error, TierError};
+use crate::key::ContentKey;
+use crate::tier::handle::CopyHandle;
+use crate::tier::lease::Lease;
+use crate::tier::{HostTier, Rank, SaveTicket, TierConfig};
+
+/// The configuration of a [`HybridTier`]: the layout and one [`TierConfig`] per group, in group
+/// order (each group has its own host pool, of its own slot size).
+#[derive(Clone, Debug)]
+pub struct HybridConfig {
+    /// The layout.
+    pub layout: HybridLayout,
+    /// One tier configuration per group; `tiers[g].geometry` must be group `g`'s geometry.
+    pub tiers: Vec<TierConfig>,
+}
+
+impl HybridConfig {
+    /// `pool_bytes` of host memory split over the groups in proportion to their slot bytes, so
+    /// every group's pool holds the same number of blocks (a group that keeps fewer blocks, a
+    /// sliding window's, may be given less through `tiers`). Each group's tier has the defaults
+    /// of [`TierConfig::new`].
+    pub fn new(layout: HybridLayout, pool_bytes: u64) -> Self {
+        let total: u64 = layout.groups().iter().map(|g| g.geometry.slot_bytes()).sum();
+        let tiers = layout
+            .groups()
+            .iter()
+            .map(|g| {
+                let share = (pool_bytes as u128 * g.geometry.slot_bytes() as u128 / total as u128) as u64;
+                TierConfig::new(g.geometry.clone(), share)
+            })
+            .collect();
+        HybridConfig { layout, tiers }
+    }
+}
+
+/// A host tier for a hybrid model: one [`HostTier`] per cache group.
+///
+/// A prefix is usable at boundary `L` (in blocks) only when every group holds the blocks a
+/// restore at `L` needs ([`HybridLayout::needed`]): all of `0..L` for full attention, the window's
+/// last blocks for sliding-window attention, the checkpoint at `L` for recurrent state.
+/// [`HybridTier::query`] answers the longest usable prefix and pins all of its blocks in every
+/// group at once, so a restore never mixes groups of different prefixes, and a save becomes a hit
+/// only when every group's blocks of a boundary are committed.
+#[derive(Debug)]
+pub struct HybridTier {
+    layout: HybridLayout,
+    tiers: Vec<HostTier>,
+}
+
+/// Pins on the blocks a restore at one boundary needs, in every group (from
+/// [`HybridTier::query`]). Dropping it releases every pin; each group's lease allows the uses the
+/// query asked for.
+#[derive(Debug)]
+#[must_use = "a hybrid lease dropped at once lets its blocks go: restore from it"]
+pub struct HybridLease {
+    boundary: usize,
+    ranges: Vec<std::ops::Range<usize>>,
+    leases: Vec<Lease>,
+}
+
+impl HybridLease {
+    /// The usable prefix, in blocks (0: a miss).
+    pub fn boundary(&self) -> usize {
+        self.boundary
+    }
+
+    /// True for a miss.
+    pub fn is_empty(&self) -> bool {
+        self.boundary == 0
+    }
+
+    /// The block indices leased in group `group` (what a restore of that group writes, in order).
+    ///
+    /// # Panics
+    /// If `group` is not below the number of groups.
+    pub fn range(&self, group: usize) -> std::ops::Range<usize> {
+        self.ranges[group].clone()
+    }
+
+    /// Group `group`'s lease (for inspection: sources, uses left).
+    ///
+    /// # Panics
+    /// If `group` is not below the number of groups.
+    pub fn group(&self, group: usize) -> &Lease {
+        &self.leases[group]
+    }
+
+    /// Releases every group's pins now; true if any was still held.
+    pub fn release(self) -> bool {
+        self.leases.into_iter().fold(false, |any, l| l.release() | any)
+    }
+}
+
+impl HybridTier {
+    /// Makes one tier per group.
+    ///
+    /// # Errors
+    /// [`Error::Tier`] with [`TierError::GeometryMismatch`] when the number of tier
+    /// configurations is not the number of groups or a configuration's geometry is not its
+    /// group's; the errors of [`HostTier::new`] (a group's pool smaller than one of its slots:
+    /// [`crate::PoolError::TooSmall`]).
+    pub fn new(config: HybridConfig) -> Result<Self, Error> {
+        let HybridConfig { layout, tiers } = config;
+        if tiers.len() != layout.groups().len() {
+            return Err(Error::Tier(TierError::GeometryMismatch {
+                backend: format!("{} tier configurations", tiers.len()),
+                tier: format!("{} ({} cache groups)", layout.model(), layout.groups().len()),
+            }));
+        }
+        for (t, g) in tiers.iter().zip(layout.groups()) {
+            if t.geometry != g.geometry {
+                return Err(Error::Tier(TierError::GeometryMismatch {
+                    backend: t.geometry.model().to_string(),
+                    tier: format!("{} group `{}`", g.geometry.model(), g.name),
+                }));
+            }
+        }
+        let tiers = tiers.into_iter().map(HostTier::new).collect::<Result<Vec<_>, _>>()?;
+        Ok(HybridTier { layout, tiers })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &HybridLayout {
+        &self.layout
+    }
+
+    /// Group `group`'s tier (stats, hints, eviction, its own queries by group key).
+    ///
+    /// # Panics
+    /// If `group` is not below the number of groups.
+    pub fn group(&self, group: usize) -> &HostTier {
+        &self.tiers[group]
+    }
+
+    /// Attaches one rank: `backends[g]` copies group `g`'s arenas.
+    ///
+    /// # Errors
+    /// [`TierError::GeometryMismatch`] for a count other than the groups'; the errors of
+    /// [`HostTier::attach`] (the ranks attached before the failing one are shut down).
+    pub fn attach(&self, backends: Vec<Box<dyn CopyBackend>>) -> Result<HybridRank, TierError> {
+        if backends.len() != self.tiers.len() {
+            return Err(TierError::GeometryMismatch {
+                backend: format!("{} backends", backends.len()),
+                tier: format!("{} ({} cache groups)", self.layout.model(), self.tiers.len()),
+            });
+        }
+        let mut ranks = Vec::with_capacity(backends.len());
+        for (t, b) in self.tiers.iter().zip(backends) {
+            match t.attach(b) {
+                Ok(r) => ranks.push(r),
+                Err(e) => {
+                    for r in ranks {
+                        let _ = r.shutdown(Duration::from_secs(5));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(HybridRank { layout: self.layout.clone(), ranks })
+    }
+
+    /// Group `group`'s keys of blocks `range` of `keys`.
+    fn keys_of(&self, group: usize, keys: &[ContentKey], range: std::ops::Range<usize>) -> Vec<ContentKey> {
+        keys[range].iter().map(|k| self.layout.group_key(group, k)).collect()
+    }
+
+    /// Whether a restore at `boundary` finds every group's needed blocks ready (no pins taken;
+    /// the full-attention groups are already known to hold `0..boundary`).
+    fn looks_usable(&self, keys: &[ContentKey], boundary: usize) -> bool {
+        (0..self.tiers.len()).filter(|&g| self.layout.groups()[g].kind != GroupKind::Full).all(|g| {
+            self.layout.needed(g, boundary).all(|i| self.tiers[g].contains(&self.layout.group_key(g, &keys[i])))
+        })
+    }
+
+    /// [`HybridTier::query_shared`] with one use.
+    pub fn query(&self, keys: &[ContentKey]) -> HybridLease {
+        self.query_shared(keys, 1)
+    }
+
+    /// Pins the blocks of the longest prefix of `keys` (content keys of the layout's namespace,
+    /// one per block) that the model can restore at, and returns a lease on them in every group
+    /// with `uses` restores allowed. The boundary is the largest `L` such that every
+    /// full-attention group holds blocks `0..L`, every sliding-window group the window before
+    /// `L`, and every state group the checkpoint at `L`; a prefix whose state checkpoint is gone is
+    /// not usable at that boundary even though its attention blocks are there.
+    ///
+    /// The full-attention prefixes are pinned first; boundaries below them are tried from the
+    /// longest down, each one's other blocks pinned together and the boundary taken only if every
+    /// pin held (a block evicted between the look and the pin sends the search one boundary down).
+    /// Hits refresh recency in the groups whose leases are kept.
+    pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> HybridLease {
+        // Seeded bug (tests only): `hybrid-attention-prefix-only` answers the longest attention
+        // prefix, ignoring what the sliding-window and state groups hold.
+        let attention_only = crate::seeded::seeded("hybrid-attention-prefix-only");
+        // Pins on each full-attention group's ready prefix: while they are held, `0..top` stays.
+        let mut top = keys.len();
+        let full: Vec<Lease> = (0..self.tiers.len())
+            .filter(|&g| self.layout.groups()[g].kind == GroupKind::Full)
+            .map(|g| {
+                let l = self.tiers[g].query_shared(&self.keys_of(g, keys, 0..keys.len()), uses);
+                top = top.min(l.len());
+                l
+            })
+            .collect();
+        let mut boundary = top;
+        while boundary > 0 {
+            if attention_only || self.looks_usable(keys, boundary) {
+                match self.pin_at(keys, boundary, uses, attention_only) {
+                    Ok(lease) => return lease,
+                    Err(shorter) => boundary = shorter.min(boundary - 1),
+                }
+            } else {
+                boundary -= 1;
+            }
+        }
+        drop(full);
+        HybridLease {
+            boundary: 0,
+            ranges: vec![0..0; self.tiers.len()],
+            leases: self.tiers.iter().map(|t| t.query_shared(&[], uses)).collect(),
+        }
+    }
+
+    /// Pins every group's needed blocks for a restore at `boundary`, or says that one was not
+    /// ready: `Err(b)` with a boundary `b` to try next (the pins taken are let go).
+    fn pin_at(
+        &self,
+        keys: &[ContentKey],
+        boundary: usize,
+        uses: u32,
+        attention_only: bool,
+    ) -> Result<HybridLease, usize> {
+        let n = self.tiers.len();
+        let (mut leases, mut ranges) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (g, group) in self.layout.groups().iter().enumerate() {
+            let range =
+                if attention_only && group.kind != GroupKind::Full { 0..0 } else { self.layout.needed(g, boundary) };
+            let lease = self.tiers[g].query_shared(&self.keys_of(g, keys, range.clone()), uses);
+            if lease.len() < range.len() {
+                // Evicted since the look (or a slot at its most lease pins): a full-attention
+                // group's shorter run is the next boundary to try; any other, one down.
+                return Err(if group.kind == GroupKind::Full { lease.len() } else { boundary - 1 });
+            }
+            ranges.push(range);
+            // Seeded bug (tests only): `hybrid-lease-drops-state` lets the state groups' pins go
+            // as soon as the boundary is decided.
+            if group.kind == GroupKind::State && crate::seeded::seeded("hybrid-lease-drops-state") {
+                let _ = lease.clone().release();
+            }
+            leases.push(lease);
+        }
+        Ok(HybridLease { boundary, ranges, leases })
+    }
+
+    /// The longest usable prefix of `keys`, in blocks, looked up without pinning (the answer may
+    /// be stale by the time it is used: restore from [`HybridTier::query`]).
+    pub fn usable_prefix(&self, keys: &[ContentKey]) -> usize {
+        let mut top = keys.len();
+        for (g, group) in self.layout.groups().iter().enumerate() {
+            if group.kind == GroupKind::Full {
+                let run = keys.iter().take_while(|k| self.tiers[g].contains(&self.layout.group_key(g, k))).count();
+                top = top.min(run);
+            }
+        }
+        (1..=top).rev().find(|&b| self.looks_usable(keys, b)).unwrap_or(0)
+    }
+
+    /// Stops every group's tier (see [`HostTier::shutdown`]).
+    pub fn shutdown(&self) {
+        for t in &self.tiers {
+            t.shutdown();
+        }
+    }
+}
+
+/// GPU pages of one group in a [`HybridRank::save`]: `pages[i]` holds block `first_block + i` of
+/// the prefix (for a state group: the checkpoint at boundary `first_block + i + 1`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupPages {
+    /// Index of the first block the pages hold.
+    pub first_block: usize,
+    /// GPU page ids in the group's arenas, one per block.
+    pub pages: Vec<u64>,
+}
+
+impl GroupPages {
+    /// Pages for blocks `first_block..first_block + pages.len()`.
+    pub fn new(first_block: usize, pages: Vec<u64>) -> Self {
+        GroupPages { first_block, pages }
+    }
+
+    /// Nothing of this group.
+    pub fn none() -> Self {
+        GroupPages::default()
+    }
+}
+
+/// One rank of a [`HybridTier`]: a [`Rank`] per group.
+#[derive(Debug)]
+pub struct HybridRank {
+    layout: HybridLayout,
+    ranks: Vec<Rank>,
+}
+
+/// What a [`HybridRank::save`] submitted: one ticket per group (`None` for a group given no
+/// pages).
+#[derive(Debug)]
+pub struct HybridSave {
+    /// Per group, in group order.
+    pub tickets: Vec<Option<SaveTicket>>,
+}
+
+impl HybridSave {
+    /// Waits for every group's copy; the first error, after all have finished.
+    ///
+    /// # Errors
+    /// The first group's copy error, in group order.
+    pub fn wait(&self) -> Result<(), TierError> {
+        let results: Vec<_> = self.tickets.iter().flatten().map(|t| t.handle.wait()).collect();
+        results.into_iter().collect()
+    }
+}
+
+/// A restore of every group of a [`HybridLease`], one handle per group given pages.
+#[derive(Debug)]
+pub struct HybridRestore {
+    /// Per group, in group order (`None` for a group with nothing to restore).
+    pub handles: Vec<Option<CopyHandle>>,
+}
+
+impl HybridRestore {
+    /// Waits for every group's copy; the first error, after all have finished (the GPU pages of
+    /// every group may be reused once this returns, even on error).
+    ///
+    /// # Errors
+    /// The first group's copy error, in group order.
+    pub fn wait(&self) -> Result<(), TierError> {
+        let results: Vec<_> = self.handles.iter().flatten().map(|h| h.wait()).collect();
+        results.into_iter().collect()
+    }
+}
+
+impl HybridRank {
+    /// Group `group`'s rank.
+    ///
+    /// # Panics
+    /// If `group` is not below the number of groups.
+    pub fn group(&self, group: usize) -> &Rank {
+        &self.ranks[group]
+    }
+
+    fn check_count(&self, given: usize) -> Result<(), TierError> {
+        if given != self.ranks.len() {
+            return Err(TierError::GeometryMismatch {
+                backend: format!("pages for {given} cache groups"),
+                tier: format!("{} ({} cache groups)", self.layout.model(), self.ranks.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Saves a prefix's blocks in every group (GPU -> host, one batch per group, after `wait`):
+    /// `keys` are the prefix's content keys (layout namespace, one per block), `pages[g]` the GPU
+    /// pages of group `g` and the blocks they hold. Each group's blocks are saved under their
+    /// group keys as [`Rank::save`] does (resident ones refreshed and skipped).
+    ///
+    /// Every group's pages are checked before any copy starts. A boundary becomes a hit only
+    /// when every group's blocks it needs are committed; if one group's save fails, the others'
+    /// blocks stay (visible in their groups, not usable at that boundary until the missing ones
+    /// are saved, and evictable like any other).
+    ///
+    /// # Errors
+    /// [`TierError::GeometryMismatch`] for a count of `pages` other than the groups';
+    /// [`TierError::LengthMismatch`] for a group whose blocks run past `keys` (nothing saved in
+    /// any group); the errors of [`Rank::save`] for the first group that fails (the groups before
+    /// it were submitted: their copies finish, and this call waits for them before returning).
+    pub fn save(&self, keys: &[ContentKey], pages: &[GroupPages], wait: WaitFor) -> Result<HybridSave, TierError> {
+        self.check_count(pages.len())?;
+        for p in pages {
+            if p.first_block.checked_add(p.pages.len()).is_none_or(|end| end > keys.len()) {
+                return Err(TierError::LengthMismatch {
+                    keys: keys.len(),
+                    pages: p.first_block.saturating_add(p.pages.len()),
+                });
+            }
+        }
+        let mut tickets = Vec::with_capacity(pages.len());
+        for (g, p) in pages.iter().enumerate() {
+            if p.pages.is_empty() {
+                tickets.push(None);
+                continue;
+            }
+            let gkeys: Vec<_> = keys[p.first_block..p.first_block + p.pages.len()]
+                .iter()
+                .map(|k| self.layout.group_key(g, k))
+                .collect();
+            match self.ranks[g].save(&gkeys, &p.pages, wait) {
+                Ok(t) => tickets.push(Some(t)),
+                Err(e) => {
+                    let _ = HybridSave { tickets }.wait();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(HybridSave { tickets })
+    }
+
+    /// Restores every group's leased blocks (host -> GPU, one batch per group, after `wait`):
+    /// `pages[g][i]` receives block `lease.range(g).start + i` of group `g`. A group given an empty
+    /// page list is not restored (its lease keeps its use).
+    ///
+    /// # Errors
+    /// [`TierError::GeometryMismatch`] for a count of `pages` other than the groups';
+    /// [`TierError::LeaseTooShort`] for a group given more pages than its lease holds (nothing
+    /// restored in any group); the errors of [`Rank::restore`] for the first group that fails
+    /// (the groups before it were submitted: this call waits for their copies before returning).
+    pub fn restore(&self, lease: &HybridLease, pages: &[Vec<u64>], wait: WaitFor) -> Result<HybridRestore, TierError> {
+        self.check_count(pages.len())?;
+        if let Some((g, p)) = pages.iter().enumerate().find(|(g, p)| p.len() > lease.ranges[*g].len()) {
+            return Err(TierError::LeaseTooShort { asked: p.len(), held: lease.ranges[g].len() });
+        }
+        let mut handles = Vec::with_capacity(pages.len());
+        for (g, p) in pages.iter().enumerate() {
+            if p.is_empty() {
+                handles.push(None);
+                continue;
+            }
+            match self.ranks[g].restore(&lease.leases[g], p, wait) {
+                Ok(h) => handles.push(Some(h)),
+                Err(e) => {
+                    let _ = HybridRestore { handles }.wait();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(HybridRestore { handles })
+    }
+
+    /// Waits until no group's rank has a copy in flight (see [`Rank::drain`]).
+    ///
+    /// # Errors
+    /// [`TierError::DrainTimeout`] from the first group still busy at the deadline.
+    pub fn drain(&self, timeout: Duration) -> Result<(), TierError> {
+        self.ranks.iter().try_for_each(|r| r.drain(timeout))
+    }
+}

@@ -1,0 +1,267 @@
+//! Hybrid layouts through the public API: the usable-prefix rule (a boundary is a hit only when
+//! every cache group holds what a restore there needs), pins across groups, bytes restored
+//! through each group's arenas, and a reference model of the rule under random saves and
+//! evictions.
+
+use std::sync::Arc;
+
+use kvtier::{
+    ArenaSpec, CacheGroup, ContentKey, EngineArenas, Geometry, GroupKind, GroupPages, HybridConfig, HybridLayout,
+    HybridRank, HybridTier, MemcpyArenas, PolicyKind, TierConfig, WaitFor,
+};
+use proptest::prelude::*;
+
+const T: u32 = 16; // tokens per block
+const PAGES: u64 = 64; // GPU pages per arena
+
+/// A toy hybrid: one full-attention group, one sliding-window group of `window` tokens, and (if
+/// `state`) a recurrent-state group; each group's slot pool holds `slots` blocks.
+struct Toy {
+    layout: HybridLayout,
+    tier: HybridTier,
+    arenas: Vec<Arc<MemcpyArenas>>,
+    rank: HybridRank,
+}
+
+impl Toy {
+    fn new(window: u32, state: bool, slots: u64) -> Toy {
+        let mut groups = vec![
+            CacheGroup::new(
+                "global",
+                GroupKind::Full,
+                Geometry::new("toy", T, vec![ArenaSpec::packed("g", 1024, PAGES)]).unwrap(),
+            ),
+            CacheGroup::new(
+                "local",
+                GroupKind::SlidingWindow { window_tokens: window },
+                Geometry::new(
+                    "toy",
+                    T,
+                    vec![ArenaSpec::packed("l.0", 512, PAGES), ArenaSpec::packed("l.1", 512, PAGES)],
+                )
+                .unwrap(),
+            ),
+        ];
+        if state {
+            groups.push(CacheGroup::new(
+                "ssm",
+                GroupKind::State,
+                Geometry::new("toy", T, vec![ArenaSpec::packed("ssm", 2048, PAGES)]).unwrap(),
+            ));
+        }
+        let layout = HybridLayout::new("toy", groups).unwrap();
+        let mut config = HybridConfig::new(layout.clone(), 1 << 30);
+        for (t, g) in config.tiers.iter_mut().zip(layout.groups()) {
+            *t = TierConfig::new(g.geometry.clone(), slots * g.geometry.slot_bytes()).with_policy(PolicyKind::Lru);
+        }
+        let tier = HybridTier::new(config).unwrap();
+        let arenas: Vec<_> =
+            layout.groups().iter().map(|g| Arc::new(MemcpyArenas::new(&g.geometry).unwrap())).collect();
+        let rank = tier.attach(arenas.iter().map(|a| a.backend().unwrap()).collect()).unwrap();
+        Toy { layout, tier, arenas, rank }
+    }
+
+    /// Content keys of a chain of `n` blocks whose tokens all derive from `seed`.
+    fn chain(&self, seed: u32, n: usize) -> Vec<ContentKey> {
+        let mut keys: Vec<ContentKey> = Vec::with_capacity(n);
+        for i in 0..n {
+            let tokens = [seed * 1000 + i as u32; T as usize];
+            keys.push(self.layout.namespace().chain(keys.last(), &tokens));
+        }
+        keys
+    }
+
+    fn group_keys(&self, g: usize, keys: &[ContentKey], range: std::ops::Range<usize>) -> Vec<ContentKey> {
+        keys[range].iter().map(|k| self.layout.group_key(g, k)).collect()
+    }
+
+    /// "Prefill" blocks `ranges[g]` of `keys` in each group (bytes derived from the group keys,
+    /// GPU pages from 0) and save them.
+    fn save(&self, keys: &[ContentKey], ranges: &[std::ops::Range<usize>]) {
+        let pages: Vec<GroupPages> = ranges
+            .iter()
+            .enumerate()
+            .map(|(g, r)| {
+                let p: Vec<u64> = (0..r.len() as u64).collect();
+                self.arenas[g].fill(&p, &self.group_keys(g, keys, r.clone())).unwrap();
+                GroupPages::new(r.start, p)
+            })
+            .collect();
+        self.rank.save(keys, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    }
+
+    /// Queries `keys`, restores every group's leased blocks to GPU pages from 32 and checks their
+    /// bytes; returns the boundary.
+    fn restore_and_verify(&self, keys: &[ContentKey]) -> usize {
+        let lease = self.tier.query(keys);
+        let pages: Vec<Vec<u64>> =
+            (0..self.arenas.len()).map(|g| (32..32 + lease.range(g).len() as u64).collect()).collect();
+        self.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+        for g in 0..self.arenas.len() {
+            self.arenas[g].verify(&pages[g], &self.group_keys(g, keys, lease.range(g))).unwrap();
+        }
+        lease.boundary()
+    }
+}
+
+#[test]
+fn a_state_checkpoint_evicted_while_its_attention_blocks_remain_stops_the_query_at_the_last_usable_boundary() {
+    let toy = Toy::new(32, true, 8);
+    let keys = toy.chain(1, 6);
+    // Attention for all 6 blocks, the window before boundary 6, and checkpoints at 6, then 2 and 4
+    // (saved in that order, so the LRU state pool holds the checkpoint at 6 as its oldest).
+    toy.save(&keys, &[0..6, 4..6, 5..6]);
+    toy.save(&keys, &[0..0, 0..2, 1..2]);
+    toy.save(&keys, &[0..0, 2..4, 3..4]);
+    assert_eq!(toy.tier.usable_prefix(&keys), 6);
+    assert_eq!(toy.tier.group(2).evict(1), 1, "the checkpoint at 6 goes");
+    assert!(toy.tier.group(0).contains(&toy.layout.group_key(0, &keys[5])), "its attention blocks remain");
+    let lease = toy.tier.query(&keys);
+    assert_eq!(lease.boundary(), 4, "the query stops at the last usable boundary");
+    assert_eq!((lease.range(0), lease.range(1), lease.range(2)), (0..4, 2..4, 3..4));
+    drop(lease);
+    assert_eq!(toy.restore_and_verify(&keys), 4);
+    assert_eq!(toy.tier.group(2).evict(2), 2); // the checkpoints at 2 and 4
+    assert_eq!(toy.tier.query(&keys).boundary(), 0, "no checkpoint left: a miss, though attention holds 6 blocks");
+}
+
+#[test]
+fn a_sliding_window_needs_only_the_blocks_of_its_window() {
+    let toy = Toy::new(40, false, 16); // 40 tokens: 3 blocks at a block boundary (2.5 rounded out)
+    let keys = toy.chain(2, 8);
+    toy.save(&keys, &[0..8, 5..8]);
+    let lease = toy.tier.query(&keys);
+    assert_eq!(lease.boundary(), 8);
+    assert_eq!(lease.range(1), 5..8, "tokens 88..128 lie in blocks 5, 6 and 7");
+    drop(lease);
+    // Boundary 7 needs blocks 4..7: block 4 was never saved, nor are 3 and 2 for boundaries 6, 5.
+    assert_eq!(toy.tier.usable_prefix(&keys[..7]), 0);
+    toy.save(&keys, &[0..0, 2..5]);
+    assert_eq!(toy.tier.usable_prefix(&keys[..7]), 7);
+    assert_eq!(toy.restore_and_verify(&keys[..6]), 6);
+    // Boundaries 1 and 2 need the window group's blocks 0 and 1, never saved.
+    assert_eq!(toy.tier.usable_prefix(&keys[..2]), 0);
+    assert_eq!(toy.tier.usable_prefix(&keys[..3]), 3, "boundary 3 needs blocks 0..3 of the window: tokens 8..48");
+}
+
+#[test]
+fn every_block_of_a_hybrid_lease_stays_while_it_is_held() {
+    let toy = Toy::new(32, true, 8);
+    let keys = toy.chain(3, 5);
+    toy.save(&keys, &[0..5, 3..5, 4..5]);
+    let lease = toy.tier.query(&keys);
+    assert_eq!(lease.boundary(), 5);
+    for g in 0..3 {
+        assert_eq!(toy.tier.group(g).evict(usize::MAX), 0, "group {g}: every block is leased");
+    }
+    let pages: Vec<Vec<u64>> = (0..3).map(|g| (40..40 + lease.range(g).len() as u64).collect()).collect();
+    toy.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    for g in 0..3 {
+        toy.arenas[g].verify(&pages[g], &toy.group_keys(g, &keys, lease.range(g))).unwrap();
+    }
+    drop(lease);
+    assert_eq!(toy.tier.group(0).evict(usize::MAX), 5, "the restore spent the lease's one use");
+}
+
+#[test]
+fn a_save_whose_pages_run_past_the_keys_saves_nothing_in_any_group() {
+    let toy = Toy::new(32, false, 8);
+    let keys = toy.chain(4, 3);
+    let err = toy
+        .rank
+        .save(&keys, &[GroupPages::new(0, vec![0, 1, 2]), GroupPages::new(2, vec![0, 1])], WaitFor::Nothing)
+        .unwrap_err();
+    assert!(matches!(err, kvtier::TierError::LengthMismatch { keys: 3, pages: 4 }), "{err}");
+    assert_eq!(toy.tier.group(0).stats().saved_blocks, 0, "nothing saved in the group before the bad one");
+    let err = toy.rank.save(&keys, &[GroupPages::none()], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::GeometryMismatch { .. }), "{err}");
+    let lease = toy.tier.query(&keys);
+    let err = toy.rank.restore(&lease, &[vec![], vec![7]], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::LeaseTooShort { asked: 1, held: 0 }), "{err}");
+}
+
+/// The rule, written from its statement: boundary `b` is usable when every group holds its
+/// blocks for `b` (full: `0..b`; window: the blocks holding tokens `[b*T - w, b*T)`; state: block
+/// `b - 1`), presence read from the group tiers.
+fn reference_boundary(toy: &Toy, keys: &[ContentKey], window: u32, state: bool) -> usize {
+    let has = |g: usize, i: usize| toy.tier.group(g).contains(&toy.layout.group_key(g, &keys[i]));
+    (1..=keys.len())
+        .rev()
+        .find(|&b| {
+            let full = (0..b).all(|i| has(0, i));
+            let tokens_from = (b as u32 * T).saturating_sub(window);
+            let local = (0..b).filter(|&i| (i as u32 + 1) * T > tokens_from).all(|i| has(1, i));
+            let ckpt = !state || has(2, b - 1);
+            full && local && ckpt
+        })
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Save blocks of chain `chain` (of `len` blocks): full `0..a`, window blocks `w0..w1`,
+    /// checkpoint at block `c` (if any).
+    Save {
+        chain: u32,
+        a: usize,
+        w: (usize, usize),
+        c: Option<usize>,
+    },
+    Evict {
+        group: usize,
+        n: usize,
+    },
+    Query {
+        chain: u32,
+        len: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3u32, 0..=8usize, 0..=8usize, 0..=8usize, proptest::option::of(0..8usize))
+            .prop_map(|(chain, a, x, y, c)| Op::Save { chain, a, w: (x.min(y), x.max(y)), c }),
+        1 => (0..3usize, 0..4usize).prop_map(|(group, n)| Op::Evict { group, n }),
+        3 => (0..3u32, 1..=8usize).prop_map(|(chain, len)| Op::Query { chain, len }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random saves (any subset of each group's blocks), evictions (small pools also evict on
+    /// save) and queries: every query's boundary is the reference rule's, its leases cover the
+    /// needed ranges, and the restored bytes are each group's blocks of that prefix.
+    #[test]
+    fn queries_answer_the_longest_usable_prefix_of_the_reference_rule(
+        window in 1..=48u32,
+        state in any::<bool>(),
+        ops in proptest::collection::vec(op(), 1..40),
+    ) {
+        let toy = Toy::new(window, state, 10);
+        let chains: Vec<Vec<ContentKey>> = (0..3).map(|c| toy.chain(c, 8)).collect();
+        for op in ops {
+            match op {
+                Op::Save { chain, a, w, c } => {
+                    let mut ranges = vec![0..a, w.0..w.1];
+                    if state {
+                        ranges.push(c.map_or(0..0, |c| c..c + 1));
+                    }
+                    toy.save(&chains[chain as usize], &ranges);
+                }
+                Op::Evict { group, n } => {
+                    if group < toy.arenas.len() {
+                        toy.tier.group(group).evict(n);
+                    }
+                }
+                Op::Query { chain, len } => {
+                    let keys = &chains[chain as usize][..len];
+                    let want = reference_boundary(&toy, keys, window, state);
+                    prop_assert_eq!(toy.tier.usable_prefix(keys), want);
+                    let got = toy.restore_and_verify(keys);
+                    prop_assert_eq!(got, want, "window {} state {}", window, state);
+                }
+            }
+        }
+    }
+}
