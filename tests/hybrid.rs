@@ -141,7 +141,9 @@ fn a_sliding_window_needs_only_the_blocks_of_its_window() {
     assert_eq!(toy.restore_and_verify(&keys[..6]), 6);
     // Boundaries 1 and 2 need the window group's blocks 0 and 1, never saved.
     assert_eq!(toy.tier.usable_prefix(&keys[..2]), 0);
+    toy.save(&keys, &[0..0, 0..2]);
     assert_eq!(toy.tier.usable_prefix(&keys[..3]), 3, "boundary 3 needs blocks 0..3 of the window: tokens 8..48");
+    assert_eq!(toy.tier.usable_prefix(&keys[..2]), 2);
 }
 
 #[test]
