@@ -267,3 +267,49 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn evictions_racing_queries_never_break_a_hybrid_restore() {
+    // One thread saves four chains over and over (attention, the window before the end, and
+    // checkpoints at 2, 4 and 6); one evicts checkpoints and window blocks; the main thread
+    // queries, restores and checks every answer: each group's range is what its boundary needs,
+    // and the bytes restored are each group's blocks of that prefix.
+    let toy = Toy::new(32, true, 12);
+    let chains: Vec<Vec<ContentKey>> = (0..4).map(|c| toy.chain(10 + c, 6)).collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..200 {
+                let keys = &chains[i % 4];
+                toy.save(keys, &[0..6, 4..6, 5..6]);
+                toy.save(keys, &[0..0, 0..4, 1..2]);
+                toy.save(keys, &[0..0, 0..0, 3..4]);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                toy.tier.group(2).evict(1);
+                toy.tier.group(1).evict(1);
+                std::thread::yield_now();
+            }
+        });
+        let mut hits = 0;
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            for keys in &chains {
+                let lease = toy.tier.query(keys);
+                let b = lease.boundary();
+                for g in 0..3 {
+                    assert_eq!(lease.range(g), toy.layout.needed(g, b), "group {g} at boundary {b}");
+                }
+                let pages: Vec<Vec<u64>> = (0..3).map(|g| (32..32 + lease.range(g).len() as u64).collect()).collect();
+                toy.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+                for g in 0..3 {
+                    toy.arenas[g].verify(&pages[g], &toy.group_keys(g, keys, lease.range(g))).unwrap();
+                }
+                hits += usize::from(b > 0);
+            }
+        }
+        assert!(hits > 0, "some query found a usable prefix");
+    });
+}

@@ -57,7 +57,9 @@ pub struct HybridTier {
 
 /// Pins on the blocks a restore at one boundary needs, in every group (from
 /// [`HybridTier::query`]). Dropping it releases every pin; each group's lease allows the uses the
-/// query asked for.
+/// query asked for. A full-attention group's lease is on the group's whole ready prefix, which
+/// may run past the boundary (a restore reads its first [`HybridLease::range`] blocks; the rest
+/// are let go when the lease settles).
 #[derive(Debug)]
 #[must_use = "a hybrid lease dropped at once lets its blocks go: restore from it"]
 pub struct HybridLease {
@@ -192,34 +194,47 @@ impl HybridTier {
     /// `L`, and every state group the checkpoint at `L`; a prefix whose state checkpoint is gone is
     /// not usable at that boundary even though its attention blocks are there.
     ///
-    /// The full-attention prefixes are pinned first; boundaries below them are tried from the
-    /// longest down, each one's other blocks pinned together and the boundary taken only if every
-    /// pin held (a block evicted between the look and the pin sends the search one boundary down).
-    /// Hits refresh recency in the groups whose leases are kept.
+    /// The full-attention prefixes are pinned first (those leases are the answer's for their
+    /// groups); boundaries at or below the shortest are tried from the longest down, each one's
+    /// other blocks looked up, then pinned together, the boundary taken only if every pin held (a
+    /// block evicted between the look and the pin sends the search one boundary down). Each
+    /// group's tier counts the hits and misses of its leases, as for its own queries.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32) -> HybridLease {
         // Seeded bug (tests only): `hybrid-attention-prefix-only` answers the longest attention
         // prefix, ignoring what the sliding-window and state groups hold.
         let attention_only = crate::seeded::seeded("hybrid-attention-prefix-only");
-        // Pins on each full-attention group's ready prefix: while they are held, `0..top` stays.
+        let groups = self.layout.groups();
+        // One lease per full-attention group on its ready prefix: while they are held, `0..top`
+        // stays in every such group. They become the answer's leases (a restore reads their first
+        // `boundary` blocks), so each group's tier counts the query once.
         let mut top = keys.len();
-        let full: Vec<Lease> = (0..self.tiers.len())
-            .filter(|&g| self.layout.groups()[g].kind == GroupKind::Full)
+        let mut full: Vec<Option<Lease>> = (0..self.tiers.len())
             .map(|g| {
-                let l = self.tiers[g].query_shared(&self.keys_of(g, keys, 0..keys.len()), uses);
-                top = top.min(l.len());
-                l
+                (groups[g].kind == GroupKind::Full).then(|| {
+                    let l = self.tiers[g].query_shared(&self.keys_of(g, keys, 0..keys.len()), uses);
+                    top = top.min(l.len());
+                    l
+                })
             })
             .collect();
         let mut boundary = top;
         while boundary > 0 {
             if attention_only || self.looks_usable(keys, boundary) {
-                match self.pin_at(keys, boundary, uses, attention_only) {
-                    Ok(lease) => return lease,
-                    Err(shorter) => boundary = shorter.min(boundary - 1),
+                if let Some(others) = self.pin_others(keys, boundary, uses, attention_only) {
+                    let mut ranges = Vec::with_capacity(groups.len());
+                    let mut leases = Vec::with_capacity(groups.len());
+                    for (g, other) in others.into_iter().enumerate() {
+                        let skipped = attention_only && groups[g].kind != GroupKind::Full;
+                        ranges.push(if skipped { 0..0 } else { self.layout.needed(g, boundary) });
+                        leases.push(match full[g].take() {
+                            Some(l) => l,
+                            None => other.expect("a lease for every group that is not full attention"),
+                        });
+                    }
+                    return HybridLease { boundary, ranges, leases };
                 }
-            } else {
-                boundary -= 1;
             }
+            boundary -= 1;
         }
         drop(full);
         HybridLease {
@@ -229,35 +244,35 @@ impl HybridTier {
         }
     }
 
-    /// Pins every group's needed blocks for a restore at `boundary`, or says that one was not
-    /// ready: `Err(b)` with a boundary `b` to try next (the pins taken are let go).
-    fn pin_at(
+    /// Leases the needed blocks at `boundary` of every group that is not full attention, or
+    /// `None` if one of them is no longer ready (evicted since the look; the pins taken are let
+    /// go). Full-attention groups get `None` entries (their prefix leases serve).
+    fn pin_others(
         &self,
         keys: &[ContentKey],
         boundary: usize,
         uses: u32,
         attention_only: bool,
-    ) -> Result<HybridLease, usize> {
-        let n = self.tiers.len();
-        let (mut leases, mut ranges) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    ) -> Option<Vec<Option<Lease>>> {
+        let mut leases = Vec::with_capacity(self.tiers.len());
         for (g, group) in self.layout.groups().iter().enumerate() {
-            let range =
-                if attention_only && group.kind != GroupKind::Full { 0..0 } else { self.layout.needed(g, boundary) };
+            if group.kind == GroupKind::Full {
+                leases.push(None);
+                continue;
+            }
+            let range = if attention_only { 0..0 } else { self.layout.needed(g, boundary) };
             let lease = self.tiers[g].query_shared(&self.keys_of(g, keys, range.clone()), uses);
             if lease.len() < range.len() {
-                // Evicted since the look (or a slot at its most lease pins): a full-attention
-                // group's shorter run is the next boundary to try; any other, one down.
-                return Err(if group.kind == GroupKind::Full { lease.len() } else { boundary - 1 });
+                return None;
             }
-            ranges.push(range);
             // Seeded bug (tests only): `hybrid-lease-drops-state` lets the state groups' pins go
             // as soon as the boundary is decided.
             if group.kind == GroupKind::State && crate::seeded::seeded("hybrid-lease-drops-state") {
                 let _ = lease.clone().release();
             }
-            leases.push(lease);
+            leases.push(Some(lease));
         }
-        Ok(HybridLease { boundary, ranges, leases })
+        Some(leases)
     }
 
     /// The longest usable prefix of `keys`, in blocks, looked up without pinning (the answer may
