@@ -313,3 +313,103 @@ fn evictions_racing_queries_never_break_a_hybrid_restore() {
         assert!(hits > 0, "some query found a usable prefix");
     });
 }
+
+#[test]
+fn a_restore_refused_before_any_copy_keeps_every_group_s_use_and_a_retry_is_served() {
+    let toy = Toy::new(32, false, 8);
+    let keys = toy.chain(5, 4);
+    toy.save(&keys, &[0..4, 2..4]);
+    let lease = toy.tier.query(&keys);
+    assert_eq!(lease.boundary(), 4);
+    // Group 1's second page is outside its arenas: refused before group 0 is copied.
+    let err = toy.rank.restore(&lease, &[vec![10, 11, 12, 13], vec![20, PAGES]], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::Copy(kvtier::CopyError::PageOutOfRange { .. })), "{err}");
+    assert_eq!(toy.tier.group(0).stats().restored_blocks, 0, "nothing restored in any group");
+    assert_eq!(lease.group(0).uses_left(), 1, "group 0's lease keeps its use");
+    let err = toy.rank.restore(&lease, &[vec![10, 11, 12, 13], vec![20, 20]], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::Copy(kvtier::CopyError::DuplicateDestination { .. })), "{err}");
+    let pages = [vec![10, 11, 12, 13], vec![20, 21]];
+    toy.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    toy.arenas[0].verify(&pages[0], &toy.group_keys(0, &keys, 0..4)).unwrap();
+    toy.arenas[1].verify(&pages[1], &toy.group_keys(1, &keys, 2..4)).unwrap();
+}
+
+#[test]
+fn a_save_with_a_page_out_of_range_saves_nothing_in_any_group() {
+    let toy = Toy::new(32, false, 8);
+    let keys = toy.chain(6, 4);
+    let pages = [GroupPages::new(0, vec![0, 1, 2, 3]), GroupPages::new(2, vec![0, PAGES + 3])];
+    let err = toy.rank.save(&keys, &pages, WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::Copy(kvtier::CopyError::PageOutOfRange { page: 67, .. })), "{err}");
+    assert_eq!(toy.tier.group(0).stats().saved_blocks, 0);
+}
+
+#[test]
+fn a_lease_of_a_layout_with_other_groups_is_refused() {
+    let (two, three) = (Toy::new(32, false, 8), Toy::new(32, true, 8));
+    let keys = two.chain(7, 2);
+    two.save(&keys, &[0..2, 0..2]);
+    let lease = two.tier.query(&keys);
+    let err = three.rank.restore(&lease, &[vec![], vec![], vec![]], WaitFor::Nothing).unwrap_err();
+    assert!(matches!(err, kvtier::TierError::ForeignLease), "{err}");
+}
+
+#[test]
+fn a_query_with_no_use_is_a_miss_and_a_miss_pins_nothing() {
+    let toy = Toy::new(32, true, 8);
+    let keys = toy.chain(8, 4);
+    toy.save(&keys, &[0..4, 2..4, 1..2]); // a checkpoint at 2 only
+    let none = toy.tier.query_shared(&keys, 0);
+    assert!(none.is_empty(), "no use: nothing to restore with");
+    drop(none);
+    assert_eq!(toy.tier.query(&keys[..1]).boundary(), 0, "no checkpoint at 1, nor a window for it");
+    let before = toy.tier.group(0).stats().queries;
+    let miss = toy.tier.query(&keys[..1]);
+    assert_eq!(toy.tier.group(0).stats().queries, before + 1, "a miss is one query of the attention group");
+    assert_eq!(toy.tier.group(0).evict(usize::MAX), 4, "a miss holds no pin");
+    drop(miss);
+}
+
+#[test]
+fn two_full_attention_groups_answer_the_shorter_prefix_and_repeated_keys_end_it() {
+    let geo = |name: &str| Geometry::new("toy", T, vec![ArenaSpec::packed(name, 256, PAGES)]).unwrap();
+    let layout = HybridLayout::new(
+        "toy",
+        vec![CacheGroup::new("a", GroupKind::Full, geo("a")), CacheGroup::new("b", GroupKind::Full, geo("b"))],
+    )
+    .unwrap();
+    let tier = HybridTier::new(HybridConfig::new(layout.clone(), 1 << 20)).unwrap();
+    let arenas: Vec<_> = layout.groups().iter().map(|g| Arc::new(MemcpyArenas::new(&g.geometry).unwrap())).collect();
+    let rank = tier.attach(arenas.iter().map(|a| a.backend().unwrap()).collect()).unwrap();
+    let mut keys = vec![layout.namespace().chain(None, &[1; 16])];
+    for i in 1..5u32 {
+        let k = layout.namespace().chain(keys.last(), &[i; 16]);
+        keys.push(k);
+    }
+    for (g, n) in [(0usize, 5usize), (1, 3)] {
+        let gk: Vec<_> = keys[..n].iter().map(|k| layout.group_key(g, k)).collect();
+        let p: Vec<u64> = (0..n as u64).collect();
+        arenas[g].fill(&p, &gk).unwrap();
+    }
+    let pages = [GroupPages::new(0, (0..5).collect()), GroupPages::new(0, (0..3).collect())];
+    rank.save(&keys, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+    assert_eq!(tier.query(&keys).boundary(), 3, "the shorter group's prefix");
+    assert_eq!(tier.usable_prefix(&keys), 3);
+    let repeated = [keys[0], keys[1], keys[0], keys[2]];
+    assert_eq!(tier.query(&repeated).boundary(), 2, "a repeated key ends the prefix");
+    assert_eq!(tier.usable_prefix(&repeated), 2, "and the unpinned look agrees");
+}
+
+#[test]
+fn pools_that_cannot_serve_a_group_are_refused_at_construction() {
+    let toy = Toy::new(48, false, 8);
+    let mut config = HybridConfig::new(toy.layout.clone(), 1 << 30);
+    let local = toy.layout.groups()[1].geometry.clone();
+    config.tiers[1] = TierConfig::new(local.clone(), 2 * local.slot_bytes());
+    let err = HybridTier::new(config.clone()).unwrap_err();
+    assert!(err.to_string().contains("its window needs 3 at once"), "{err}");
+    config.tiers[1] = TierConfig::new(local.clone(), 3 * local.slot_bytes())
+        .with_ssd(kvtier::SsdConfig::new(std::env::temp_dir().join("kvtier-hybrid-never-made"), 1 << 20));
+    let err = HybridTier::new(config).unwrap_err();
+    assert!(err.to_string().contains("has an SSD tier"), "{err}");
+}

@@ -187,8 +187,9 @@ impl HybridLayout {
         match self.groups[group].kind {
             GroupKind::Full => 0..boundary,
             GroupKind::SlidingWindow { window_tokens } => {
-                let t = self.page_tokens as u64;
-                let first = (boundary as u64 * t).saturating_sub(window_tokens as u64) / t;
+                // In u128: `boundary * T` of any `usize` boundary fits.
+                let t = self.page_tokens as u128;
+                let first = ((boundary as u128 * t).saturating_sub(window_tokens as u128) / t) as u64;
                 // Seeded bug (tests only): `sliding-window-short` leaves out the window's oldest
                 // block (the one only partly inside the window).
                 let first =
@@ -200,11 +201,11 @@ impl HybridLayout {
     }
 
     /// Bytes a restore at boundary `boundary` moves, over every group: the sum of each group's
-    /// needed blocks times its slot bytes.
+    /// needed blocks times its slot bytes (saturating at `u64::MAX`).
     pub fn restore_bytes(&self, boundary: usize) -> u64 {
         (0..self.groups.len())
-            .map(|g| self.needed(g, boundary).len() as u64 * self.groups[g].geometry.slot_bytes())
-            .sum()
+            .map(|g| (self.needed(g, boundary).len() as u64).saturating_mul(self.groups[g].geometry.slot_bytes()))
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Bytes the same restore moves in a layout without groups, where every attention layer is
@@ -216,9 +217,9 @@ impl HybridLayout {
             .map(|g| match g.kind {
                 GroupKind::State if boundary > 0 => g.geometry.slot_bytes(),
                 GroupKind::State => 0,
-                _ => boundary as u64 * g.geometry.slot_bytes(),
+                _ => (boundary as u64).saturating_mul(g.geometry.slot_bytes()),
             })
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::layout::{GroupKind, HybridLayout};
 use crate::copy::{CopyBackend, WaitFor};
-use crate::error::{Error, TierError};
+use crate::error::{CopyError, Error, GeometryError, TierError};
 use crate::key::ContentKey;
 use crate::tier::handle::CopyHandle;
 use crate::tier::lease::Lease;
@@ -125,7 +125,30 @@ impl HybridTier {
                 }));
             }
         }
+        let refuse = |reason: String| Err(Error::Geometry(GeometryError::Groups { reason }));
+        if let Some(g) = tiers.iter().zip(layout.groups()).find(|(t, _)| t.ssd.is_some()) {
+            // The usable-prefix search looks at host blocks only; a group's SSD tier would be
+            // asked (and promote) only for full-attention prefixes.
+            return refuse(format!("cache group `{}` has an SSD tier: hybrid tiers keep host pools only", g.1.name));
+        }
         let tiers = tiers.into_iter().map(HostTier::new).collect::<Result<Vec<_>, _>>()?;
+        for (t, group) in tiers.iter().zip(layout.groups()) {
+            // A restore at a boundary past the window needs the window's `ceil(W / T)` blocks at
+            // once: a pool that cannot hold them never gives a hit there.
+            let need = match group.kind {
+                GroupKind::SlidingWindow { window_tokens } => {
+                    (window_tokens as u64).div_ceil(layout.page_tokens() as u64) as usize
+                }
+                _ => 1,
+            };
+            if (t.capacity() as usize) < need {
+                return refuse(format!(
+                    "cache group `{}`'s pool holds {} blocks; its window needs {need} at once",
+                    group.name,
+                    t.capacity()
+                ));
+            }
+        }
         Ok(HybridTier { layout, tiers })
     }
 
@@ -204,6 +227,10 @@ impl HybridTier {
         // prefix, ignoring what the sliding-window and state groups hold.
         let attention_only = crate::seeded::seeded("hybrid-attention-prefix-only");
         let groups = self.layout.groups();
+        if uses == 0 {
+            // A lease with no use pins nothing: not a hit (as `HostTier::query_shared`'s is settled).
+            return self.miss(vec![None; groups.len()], 0);
+        }
         // One lease per full-attention group on its ready prefix: while they are held, `0..top`
         // stays in every such group. They become the answer's leases (a restore reads their first
         // `boundary` blocks), so each group's tier counts the query once.
@@ -236,12 +263,25 @@ impl HybridTier {
             }
             boundary -= 1;
         }
-        drop(full);
-        HybridLease {
-            boundary: 0,
-            ranges: vec![0..0; self.tiers.len()],
-            leases: self.tiers.iter().map(|t| t.query_shared(&[], uses)).collect(),
-        }
+        self.miss(full, uses)
+    }
+
+    /// A miss: every group's lease settled. A full-attention group's prefix lease is let go and
+    /// kept settled (so its tier counts the query once); the other groups get a settled lease.
+    fn miss(&self, full: Vec<Option<Lease>>, uses: u32) -> HybridLease {
+        let leases = full
+            .into_iter()
+            .enumerate()
+            .map(|(g, l)| match l {
+                Some(l) => {
+                    let settled = l.clone();
+                    let _ = l.release();
+                    settled
+                }
+                None => self.tiers[g].query_shared(&[], uses.min(1)),
+            })
+            .collect();
+        HybridLease { boundary: 0, ranges: vec![0..0; self.tiers.len()], leases }
     }
 
     /// Leases the needed blocks at `boundary` of every group that is not full attention, or
@@ -281,7 +321,12 @@ impl HybridTier {
         let mut top = keys.len();
         for (g, group) in self.layout.groups().iter().enumerate() {
             if group.kind == GroupKind::Full {
-                let run = keys.iter().take_while(|k| self.tiers[g].contains(&self.layout.group_key(g, k))).count();
+                // As a query's lease, the run ends at a repeated key.
+                let mut seen = std::collections::HashSet::new();
+                let run = keys
+                    .iter()
+                    .take_while(|k| seen.insert(**k) && self.tiers[g].contains(&self.layout.group_key(g, k)))
+                    .count();
                 top = top.min(run);
             }
         }
@@ -372,6 +417,21 @@ impl HybridRank {
         &self.ranks[group]
     }
 
+    /// Page ids of group `g` below its arenas' page count and, for a restore (`writes`), none
+    /// repeated (what each group's rank would refuse), checked for every group before any copy
+    /// is submitted.
+    fn check_pages(&self, g: usize, pages: &[u64], writes: bool) -> Result<(), TierError> {
+        let n = self.ranks[g].gpu_pages();
+        if let Some(&page) = pages.iter().find(|&&p| p >= n) {
+            return Err(TierError::Copy(CopyError::PageOutOfRange { page, pages: n }));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(pages.len());
+        if let Some(&id) = pages.iter().find(|&&p| writes && !seen.insert(p)) {
+            return Err(TierError::Copy(CopyError::DuplicateDestination { what: "GPU page", id }));
+        }
+        Ok(())
+    }
+
     fn check_count(&self, given: usize) -> Result<(), TierError> {
         if given != self.ranks.len() {
             return Err(TierError::GeometryMismatch {
@@ -387,25 +447,29 @@ impl HybridRank {
     /// pages of group `g` and the blocks they hold. Each group's blocks are saved under their
     /// group keys as [`Rank::save`] does (resident ones refreshed and skipped).
     ///
-    /// Every group's pages are checked before any copy starts. A boundary becomes a hit only
+    /// Every group's run of blocks and page ids are checked before any copy starts. A boundary
+    /// becomes a hit only
     /// when every group's blocks it needs are committed; if one group's save fails, the others'
     /// blocks stay (visible in their groups, not usable at that boundary until the missing ones
     /// are saved, and evictable like any other).
     ///
     /// # Errors
     /// [`TierError::GeometryMismatch`] for a count of `pages` other than the groups';
-    /// [`TierError::LengthMismatch`] for a group whose blocks run past `keys` (nothing saved in
-    /// any group); the errors of [`Rank::save`] for the first group that fails (the groups before
-    /// it were submitted: their copies finish, and this call waits for them before returning).
+    /// [`TierError::LengthMismatch`] for a group whose blocks run past `keys`, or
+    /// [`TierError::Copy`] with [`CopyError::PageOutOfRange`] for a page id outside a group's
+    /// arenas (nothing saved in any group); the errors of [`Rank::save`] for the first group that
+    /// fails otherwise (a full pool, shutdown, the backend: the groups before it were submitted,
+    /// their copies finish, and this call waits for them before returning).
     pub fn save(&self, keys: &[ContentKey], pages: &[GroupPages], wait: WaitFor) -> Result<HybridSave, TierError> {
         self.check_count(pages.len())?;
-        for p in pages {
+        for (g, p) in pages.iter().enumerate() {
             if p.first_block.checked_add(p.pages.len()).is_none_or(|end| end > keys.len()) {
                 return Err(TierError::LengthMismatch {
                     keys: keys.len(),
                     pages: p.first_block.saturating_add(p.pages.len()),
                 });
             }
+            self.check_pages(g, &p.pages, false)?;
         }
         let mut tickets = Vec::with_capacity(pages.len());
         for (g, p) in pages.iter().enumerate() {
@@ -432,15 +496,44 @@ impl HybridRank {
     /// `pages[g][i]` receives block `lease.range(g).start + i` of group `g`. A group given an empty
     /// page list is not restored (its lease keeps its use).
     ///
+    /// Checked for every group before any copy is submitted (an error then restores nothing and
+    /// every group's lease keeps its use, so a retry with good pages is served): the lease's
+    /// group count, each group's page count against its range, the lease still live, page ids
+    /// inside the group's arenas and none repeated. An error of a group's submission after that
+    /// (its rank shutting down, a pin count at its limit, the backend) is returned after the
+    /// groups already submitted have finished: their pages hold their blocks, their leases' uses
+    /// are spent, and the lease as a whole cannot be restored again: query again, or prefill.
+    ///
     /// # Errors
+    /// [`TierError::ForeignLease`] for a lease of a layout with another number of groups;
     /// [`TierError::GeometryMismatch`] for a count of `pages` other than the groups';
-    /// [`TierError::LeaseTooShort`] for a group given more pages than its lease holds (nothing
-    /// restored in any group); the errors of [`Rank::restore`] for the first group that fails
-    /// (the groups before it were submitted: this call waits for their copies before returning).
+    /// [`TierError::LeaseTooShort`] for a group given more pages than its range holds;
+    /// [`TierError::LeaseExpired`] or [`TierError::LeaseSettled`] for a group lease that can no
+    /// longer restore; [`TierError::Copy`] with [`CopyError::PageOutOfRange`] or
+    /// [`CopyError::DuplicateDestination`]; the errors of [`Rank::restore`] for the first group
+    /// whose submission fails.
     pub fn restore(&self, lease: &HybridLease, pages: &[Vec<u64>], wait: WaitFor) -> Result<HybridRestore, TierError> {
+        if lease.ranges.len() != self.ranks.len() {
+            return Err(TierError::ForeignLease);
+        }
         self.check_count(pages.len())?;
-        if let Some((g, p)) = pages.iter().enumerate().find(|(g, p)| p.len() > lease.ranges[*g].len()) {
-            return Err(TierError::LeaseTooShort { asked: p.len(), held: lease.ranges[g].len() });
+        for (g, p) in pages.iter().enumerate() {
+            if p.len() > lease.ranges[g].len() {
+                return Err(TierError::LeaseTooShort { asked: p.len(), held: lease.ranges[g].len() });
+            }
+            if !p.is_empty() {
+                if lease.leases[g].is_expired() {
+                    return Err(TierError::LeaseExpired);
+                }
+                if lease.leases[g].is_settled() {
+                    return Err(TierError::LeaseSettled);
+                }
+            }
+            // Seeded bug (tests only): `hybrid-restore-unchecked` leaves page ids to each group's
+            // rank, so a bad page in a later group is found after earlier groups were restored.
+            if !crate::seeded::seeded("hybrid-restore-unchecked") {
+                self.check_pages(g, p, true)?;
+            }
         }
         let mut handles = Vec::with_capacity(pages.len());
         for (g, p) in pages.iter().enumerate() {

@@ -324,6 +324,11 @@ impl Rank {
         self.backend.geometry().namespace()
     }
 
+    /// GPU pages of the backend's arenas (the page ids a save or restore may name are below it).
+    pub(crate) fn gpu_pages(&self) -> u64 {
+        self.backend.geometry().pages()
+    }
+
     /// The copy backend's name.
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
