@@ -25,7 +25,6 @@
 //! ```sh
 //! cargo bench --features cuda --bench hybrid_copy
 //! ```
-//! (on the device: `.gpu/run bench hybrid_copy` after `../shared/tools/gpu-pack`).
 
 use std::ffi::c_void;
 use std::sync::Arc;

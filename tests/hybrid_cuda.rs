@@ -3,9 +3,9 @@
 //! block, the sliding window's blocks before the prefix's end, the one state checkpoint at the
 //! end), queried, restored into other GPU pages and verified there; then prefixes whose window
 //! block or state checkpoint is missing, which answer a shorter boundary or a miss, the shorter
-//! one restored and verified too. Every test needs an NVIDIA GPU; run them on the device with
-//! `--include-ignored` (`.gpu/run tests hybrid_gpu_`). GPU arenas per test: at most 2.5 GB
-//! (Qwen3-Next's 32 state pages of 77.9 MB), plus the staged path's buffers (20 slots per
+//! one restored and verified too. Every test needs an NVIDIA GPU: `cargo test --features cuda
+//! --test hybrid_cuda -- --include-ignored`. GPU arenas per test: at most 2.5 GB (Qwen3-Next's
+//! 32 state pages of 77.9 MB), plus the staged path's buffers (20 slots per
 //! direction of a group that moves 2 blocks or more: 0.3 GB for Gemma-3's sliding group); host
 //! pools at most 1.7 GB (Gemma-3's).
 #![cfg(feature = "cuda")]
