@@ -20,6 +20,12 @@ Engines that run one process per GPU rank share one pool through the tier daemon
 ``kvtierd`` once, then ``tier = kvtier.connect()`` (its default socket, ``default_socket_path()``)
 in every process gives the same ``Tier`` API over the daemon's pool.
 
+Hybrid models (full attention beside sliding-window attention or recurrent state, e.g. Gemma-3,
+Qwen3-Next, Jamba) describe their cache groups in a ``HybridLayout`` (``CacheGroup`` per group,
+or ``HybridLayout.preset``); a ``HybridTier`` keeps one ``Tier`` per group (``tier.group(g)``) and
+its ``query`` answers the longest prefix every group can restore at (``HybridLease``);
+``hybrid_save`` / ``hybrid_restore`` call each group's ``Rank`` with that group's keys.
+
 See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
 :mod:`kvtier.errors`, all subclasses of :class:`KvtierError`, exported here too: for example
 ``kvtier.PoolExceedsMemoryError`` (a ``Tier`` whose ``pool_bytes`` the machine cannot back,
@@ -27,8 +33,12 @@ refused before anything is mapped).
 """
 
 from ._kvtier import (
+    CacheGroup,
     CopyHandle,
     Geometry,
+    HybridLayout,
+    HybridLease,
+    HybridTier,
     Lease,
     Namespace,
     Rank,
@@ -39,6 +49,7 @@ from ._kvtier import (
     default_socket_path,
     cuda_available,
 )
+from .hybrid import hybrid_restore, hybrid_save, hybrid_wait
 from .errors import *  # noqa: F401,F403  (the exception classes)
 from .errors import __all__ as _errors_all
 
@@ -50,6 +61,13 @@ __all__ = [
     "Lease",
     "CopyHandle",
     "SaveTicket",
+    "CacheGroup",
+    "HybridLayout",
+    "HybridTier",
+    "HybridLease",
+    "hybrid_save",
+    "hybrid_restore",
+    "hybrid_wait",
     "cuda_available",
     "connect",
     "default_socket_path",

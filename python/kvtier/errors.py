@@ -35,6 +35,7 @@ __all__ = [
     "BaseCountError",
     "NullBaseError",
     "UnknownPresetError",
+    "CacheGroupsError",
     "TensorError",
     "DeviceMismatchError",
     "NotContiguousError",
@@ -166,6 +167,13 @@ class NullBaseError(GeometryError):
 
 class UnknownPresetError(GeometryError):
     """A preset name that does not exist. Attributes: ``name``, ``known``."""
+
+
+class CacheGroupsError(GeometryError):
+    """A hybrid layout (``HybridLayout``) that cannot be used: an empty model name, no cache
+    groups or more than 16, an empty or repeated group name, groups whose ``page_tokens`` differ,
+    a sliding window of 0 tokens, or state groups only (no attention to restore a prefix of).
+    Attribute: ``reason`` (what is wrong, naming the group)."""
 
 
 class TensorError(GeometryError):

@@ -133,6 +133,7 @@ impl From<&GeometryError> for Raised {
             G::BaseCount { got, want } => r("BaseCountError").int("got", usize_(*got)).int("want", usize_(*want)),
             G::NullBase { arena } => r("NullBaseError").str("arena", arena),
             G::UnknownPreset { name, known } => r("UnknownPresetError").str("name", name).str("known", known),
+            G::Groups { reason } => r("CacheGroupsError").str("reason", reason),
             _ => r("GeometryError"),
         }
     }
@@ -354,6 +355,7 @@ pub fn examples() -> Vec<(&'static str, Raised)> {
         GeometryError::BaseCount { got: 1, want: 2 },
         GeometryError::NullBase { arena: s("a") },
         GeometryError::UnknownPreset { name: s("x"), known: s("glm52") },
+        GeometryError::Groups { reason: s("cache group name `full` is used twice") },
     ];
     let pool = [
         PoolError::TooSmall { bytes: 10, slot_bytes: 256 },

@@ -1,13 +1,15 @@
 //! `kvtier._kvtier`: the native half of the `kvtier` Python package (PyO3, abi3 for CPython >= 3.10).
 //!
 //! The classes here wrap kvtier's public API: `Geometry`, `Namespace`, `Tier`, `Rank`, `Lease`,
-//! `CopyHandle`, `SaveTicket`. The pure Python half (`kvtier/`) defines the exception classes
+//! `CopyHandle`, `SaveTicket`, and the hybrid layouts' `CacheGroup`, `HybridLayout`, `HybridTier`,
+//! `HybridLease` (`hybrid.rs`). The pure Python half (`kvtier/`) defines the exception classes
 //! (`kvtier/errors.py`) and reads tensors and arrays (`kvtier/_tensors.py`); this crate calls into
 //! it only on the caller's thread. kvtier's own threads never call into Python.
 
 mod convert;
 mod errors;
 mod geometry;
+mod hybrid;
 mod reaper;
 mod seeded;
 mod tier;
@@ -47,6 +49,10 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::PyLease>()?;
     m.add_class::<tier::PyCopyHandle>()?;
     m.add_class::<tier::PySaveTicket>()?;
+    m.add_class::<hybrid::PyCacheGroup>()?;
+    m.add_class::<hybrid::PyHybridLayout>()?;
+    m.add_class::<hybrid::PyHybridTier>()?;
+    m.add_class::<hybrid::PyHybridLease>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(tier::connect, m)?)?;
     m.add_function(wrap_pyfunction!(tier::default_socket_path, m)?)?;

@@ -39,8 +39,28 @@ fn py_bool(b: bool) -> &'static str {
     }
 }
 
-fn config_error(message: String) -> PyErr {
+pub(crate) fn config_error(message: String) -> PyErr {
     Raised::custom("ConfigError", message).into()
+}
+
+/// A pool backing name of `Tier(..., backing=...)`: `auto`, `hugetlb`, `thp`, `plain`.
+///
+/// Raises: `ConfigError` for another name.
+pub(crate) fn parse_backing(backing: &str) -> PyResult<BackingChoice> {
+    Ok(match backing {
+        "auto" => BackingChoice::Auto,
+        "hugetlb" => BackingChoice::HugeTlb,
+        "thp" => BackingChoice::TransparentHuge,
+        "plain" => BackingChoice::Plain,
+        b => return Err(config_error(format!("unknown backing `{b}` (auto, hugetlb, thp, plain)"))),
+    })
+}
+
+/// An eviction policy name of `Tier(..., policy=...)`.
+///
+/// Raises: `ConfigError` for an unknown name (the message lists the known ones).
+pub(crate) fn parse_policy(policy: &str) -> PyResult<PolicyKind> {
+    policy.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))
 }
 
 /// The host tier: one pinned host pool of block slots, a content index and an eviction policy,
@@ -78,6 +98,14 @@ fn config_error(message: String) -> PyErr {
 #[pyclass(module = "kvtier", name = "Tier", frozen)]
 pub struct PyTier {
     inner: HostTier,
+}
+
+impl PyTier {
+    /// A `Tier` over `inner` (for a hybrid tier's group: a clone of that group's `HostTier`,
+    /// which shares its pool, index and counters).
+    pub(crate) fn wrap(inner: HostTier) -> Self {
+        PyTier { inner }
+    }
 }
 
 fn rank_geometry(tier: &Geometry, views: &[ArenaView]) -> PyResult<Geometry> {
@@ -281,7 +309,7 @@ pub fn _serve(
 ) -> PyResult<()> {
     let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes).with_backing(BackingChoice::Plain);
     if let Some(p) = policy {
-        cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
+        cfg = cfg.with_policy(parse_policy(p)?);
     }
     // One test process is the daemon's only client: it may have the whole pool in flight.
     let limits = kvtier::Limits { slots_per_process: usize::MAX, ..Default::default() };
@@ -333,7 +361,7 @@ impl PyTier {
             cfg = cfg.with_ssd(ssd);
         }
         if let Some(p) = policy {
-            cfg = cfg.with_policy(p.parse::<PolicyKind>().map_err(|e| config_error(e.to_string()))?);
+            cfg = cfg.with_policy(parse_policy(p)?);
         }
         if let Some(ttl) = lease_ttl_s {
             let ttl = std::time::Duration::try_from_secs_f64(ttl).map_err(|_| {
@@ -342,13 +370,7 @@ impl PyTier {
             cfg = cfg.with_lease_ttl(ttl);
         }
         let mut pool = kvtier::PoolConfig::new(pool_bytes);
-        pool.backing = match backing {
-            "auto" => BackingChoice::Auto,
-            "hugetlb" => BackingChoice::HugeTlb,
-            "thp" => BackingChoice::TransparentHuge,
-            "plain" => BackingChoice::Plain,
-            b => return Err(config_error(format!("unknown backing `{b}` (auto, hugetlb, thp, plain)"))),
-        };
+        pool.backing = parse_backing(backing)?;
         pool = pool.with_prefault(prefault).with_mlock(mlock);
         if let Some(node) = numa_node {
             pool = pool.with_numa_node(node);
@@ -1057,8 +1079,13 @@ pub struct PyLease {
 }
 
 impl PyLease {
-    fn new(inner: Lease) -> Self {
+    pub(crate) fn new(inner: Lease) -> Self {
         PyLease { inner: ManuallyDrop::new(inner) }
+    }
+
+    /// The lease (a shared handle: a clone settles the same lease).
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.inner
     }
 }
 

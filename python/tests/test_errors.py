@@ -11,9 +11,9 @@ from conftest import PAGES, make_arrays
 def test_every_rust_error_variant_maps_to_its_class_with_fields():
     examples = kvtier._kvtier._error_examples()
     names = {name for name, _ in examples}
-    # One class per variant of GeometryError (12), PoolError (9), CopyError (8), TierError (19,
+    # One class per variant of GeometryError (13), PoolError (9), CopyError (8), TierError (19,
     # Copy aside), plus kvtier::Error's Verification and Config.
-    assert len(names) == 12 + 9 + 8 + 19 + 2
+    assert len(names) == 13 + 9 + 8 + 19 + 2
     for name, exc in examples:
         cls = getattr(errors, name)
         assert type(exc) is cls, (name, type(exc))
@@ -40,6 +40,8 @@ def test_every_rust_error_variant_maps_to_its_class_with_fields():
     assert isinstance(by["DisconnectedError"], kvtier.TierError) and isinstance(by["DisconnectedError"], ConnectionError)
     assert "restarted" in by["DisconnectedError"].reason
     assert (by["ProtocolMismatchError"].daemon, by["ProtocolMismatchError"].client) == (2, 1)
+    assert "used twice" in by["CacheGroupsError"].reason
+    assert isinstance(by["CacheGroupsError"], kvtier.GeometryError) and isinstance(by["CacheGroupsError"], ValueError)
 
 
 def test_the_bounded_protocol_errors_map_to_their_classes_with_fields():
