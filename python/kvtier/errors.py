@@ -172,7 +172,8 @@ class UnknownPresetError(GeometryError):
 class CacheGroupsError(GeometryError):
     """A hybrid layout (``HybridLayout``) that cannot be used: an empty model name, no cache
     groups or more than 16, an empty or repeated group name, groups whose ``page_tokens`` differ,
-    a sliding window of 0 tokens, or state groups only (no attention to restore a prefix of).
+    a sliding window of 0 tokens, or state groups only (no attention to restore a prefix of); from
+    ``HybridTier``, a sliding-window group whose pool holds fewer blocks than its window spans.
     Attribute: ``reason`` (what is wrong, naming the group)."""
 
 
