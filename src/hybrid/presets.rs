@@ -21,6 +21,25 @@ fn attention(prefix: &str, layers: &[u32], kv_heads: u64, head_dim: u64) -> Vec<
     layers.iter().map(|&l| (format!("{prefix}.L{l}"), page, l)).collect()
 }
 
+/// A layout of a `full` attention group and a `state` group whose checkpoint holds `state(l)`'s
+/// arenas for each recurrent layer `l` of `recurrent`.
+fn attention_and_state(
+    model: &str,
+    full: Vec<(String, u64, u32)>,
+    recurrent: &[u32],
+    state: impl Fn(u32) -> [(String, u64, u32); 2],
+    pages: u64,
+) -> Result<HybridLayout, GeometryError> {
+    let state = recurrent.iter().flat_map(|&l| state(l)).collect();
+    HybridLayout::new(
+        model,
+        vec![
+            CacheGroup::new("full", GroupKind::Full, group_geometry(model, full, pages)?),
+            CacheGroup::new("state", GroupKind::State, group_geometry(model, state, pages)?),
+        ],
+    )
+}
+
 impl HybridLayout {
     /// Names of the built-in presets, for [`HybridLayout::preset`].
     pub const PRESETS: &'static [&'static str] = &["gemma3-27b", "qwen3-next-80b", "jamba-v0.1"];
@@ -70,44 +89,15 @@ impl HybridLayout {
                 )
             }
             "qwen3-next-80b" => {
-                let model = "Qwen3-Next-80B-A3B";
                 let (full, linear): (Vec<u32>, Vec<u32>) = (0..48).partition(|l| (l + 1) % 4 == 0);
-                let state = linear
-                    .iter()
-                    .flat_map(|&l| {
-                        [(format!("conv.L{l}"), 8192 * 4 * 2, l), (format!("delta.L{l}"), 32 * 128 * 128 * 4, l)]
-                    })
-                    .collect();
-                HybridLayout::new(
-                    model,
-                    vec![
-                        CacheGroup::new(
-                            "full",
-                            GroupKind::Full,
-                            group_geometry(model, attention("full", &full, 2, 256), pages)?,
-                        ),
-                        CacheGroup::new("state", GroupKind::State, group_geometry(model, state, pages)?),
-                    ],
-                )
+                let state =
+                    |l| [(format!("conv.L{l}"), 8192 * 4 * 2, l), (format!("delta.L{l}"), 32 * 128 * 128 * 4, l)];
+                attention_and_state("Qwen3-Next-80B-A3B", attention("full", &full, 2, 256), &linear, state, pages)
             }
             "jamba-v0.1" => {
-                let model = "Jamba-v0.1";
                 let (attn, mamba): (Vec<u32>, Vec<u32>) = (0..32).partition(|l| l % 8 == 4);
-                let state = mamba
-                    .iter()
-                    .flat_map(|&l| [(format!("conv.L{l}"), 8192 * 4 * 2, l), (format!("ssm.L{l}"), 8192 * 16 * 2, l)])
-                    .collect();
-                HybridLayout::new(
-                    model,
-                    vec![
-                        CacheGroup::new(
-                            "full",
-                            GroupKind::Full,
-                            group_geometry(model, attention("full", &attn, 8, 128), pages)?,
-                        ),
-                        CacheGroup::new("state", GroupKind::State, group_geometry(model, state, pages)?),
-                    ],
-                )
+                let state = |l| [(format!("conv.L{l}"), 8192 * 4 * 2, l), (format!("ssm.L{l}"), 8192 * 16 * 2, l)];
+                attention_and_state("Jamba-v0.1", attention("full", &attn, 8, 128), &mamba, state, pages)
             }
             _ => Err(GeometryError::UnknownPreset { name: name.to_string(), known: Self::PRESETS.join(", ") }),
         }

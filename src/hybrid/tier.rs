@@ -192,17 +192,17 @@ impl HybridTier {
         Ok(HybridRank { layout: self.layout.clone(), ranks })
     }
 
-    /// Group `group`'s keys of blocks `range` of `keys`.
-    fn keys_of(&self, group: usize, keys: &[ContentKey], range: std::ops::Range<usize>) -> Vec<ContentKey> {
-        keys[range].iter().map(|k| self.layout.group_key(group, k)).collect()
+    /// Every group's keys of `keys`, derived once per query: `[group][block]`.
+    fn group_keys(&self, keys: &[ContentKey]) -> Vec<Vec<ContentKey>> {
+        (0..self.tiers.len()).map(|g| keys.iter().map(|k| self.layout.group_key(g, k)).collect()).collect()
     }
 
     /// Whether a restore at `boundary` finds every group's needed blocks ready (no pins taken;
     /// the full-attention groups are already known to hold `0..boundary`).
-    fn looks_usable(&self, keys: &[ContentKey], boundary: usize) -> bool {
-        (0..self.tiers.len()).filter(|&g| self.layout.groups()[g].kind != GroupKind::Full).all(|g| {
-            self.layout.needed(g, boundary).all(|i| self.tiers[g].contains(&self.layout.group_key(g, &keys[i])))
-        })
+    fn looks_usable(&self, gkeys: &[Vec<ContentKey>], boundary: usize) -> bool {
+        (0..self.tiers.len())
+            .filter(|&g| self.layout.groups()[g].kind != GroupKind::Full)
+            .all(|g| self.layout.needed(g, boundary).all(|i| self.tiers[g].contains(&gkeys[g][i])))
     }
 
     /// [`HybridTier::query_shared`] with one use.
@@ -231,6 +231,7 @@ impl HybridTier {
             // A lease with no use pins nothing: not a hit (as `HostTier::query_shared`'s is settled).
             return self.miss(vec![None; groups.len()], 0);
         }
+        let gkeys = self.group_keys(keys);
         // One lease per full-attention group on its ready prefix: while they are held, `0..top`
         // stays in every such group. They become the answer's leases (a restore reads their first
         // `boundary` blocks), so each group's tier counts the query once.
@@ -238,7 +239,7 @@ impl HybridTier {
         let mut full: Vec<Option<Lease>> = (0..self.tiers.len())
             .map(|g| {
                 (groups[g].kind == GroupKind::Full).then(|| {
-                    let l = self.tiers[g].query_shared(&self.keys_of(g, keys, 0..keys.len()), uses);
+                    let l = self.tiers[g].query_shared(&gkeys[g], uses);
                     top = top.min(l.len());
                     l
                 })
@@ -246,8 +247,8 @@ impl HybridTier {
             .collect();
         let mut boundary = top;
         while boundary > 0 {
-            if attention_only || self.looks_usable(keys, boundary) {
-                if let Some(others) = self.pin_others(keys, boundary, uses, attention_only) {
+            if attention_only || self.looks_usable(&gkeys, boundary) {
+                if let Some(others) = self.pin_others(&gkeys, boundary, uses, attention_only) {
                     let mut ranges = Vec::with_capacity(groups.len());
                     let mut leases = Vec::with_capacity(groups.len());
                     for (g, other) in others.into_iter().enumerate() {
@@ -289,7 +290,7 @@ impl HybridTier {
     /// go). Full-attention groups get `None` entries (their prefix leases serve).
     fn pin_others(
         &self,
-        keys: &[ContentKey],
+        gkeys: &[Vec<ContentKey>],
         boundary: usize,
         uses: u32,
         attention_only: bool,
@@ -301,7 +302,7 @@ impl HybridTier {
                 continue;
             }
             let range = if attention_only { 0..0 } else { self.layout.needed(g, boundary) };
-            let lease = self.tiers[g].query_shared(&self.keys_of(g, keys, range.clone()), uses);
+            let lease = self.tiers[g].query_shared(&gkeys[g][range.clone()], uses);
             if lease.len() < range.len() {
                 return None;
             }
@@ -318,19 +319,17 @@ impl HybridTier {
     /// The longest usable prefix of `keys`, in blocks, looked up without pinning (the answer may
     /// be stale by the time it is used: restore from [`HybridTier::query`]).
     pub fn usable_prefix(&self, keys: &[ContentKey]) -> usize {
+        let gkeys = self.group_keys(keys);
         let mut top = keys.len();
         for (g, group) in self.layout.groups().iter().enumerate() {
             if group.kind == GroupKind::Full {
                 // As a query's lease, the run ends at a repeated key.
                 let mut seen = std::collections::HashSet::new();
-                let run = keys
-                    .iter()
-                    .take_while(|k| seen.insert(**k) && self.tiers[g].contains(&self.layout.group_key(g, k)))
-                    .count();
+                let run = gkeys[g].iter().take_while(|k| seen.insert(**k) && self.tiers[g].contains(k)).count();
                 top = top.min(run);
             }
         }
-        (1..=top).rev().find(|&b| self.looks_usable(keys, b)).unwrap_or(0)
+        (1..=top).rev().find(|&b| self.looks_usable(&gkeys, b)).unwrap_or(0)
     }
 
     /// Stops every group's tier (see [`HostTier::shutdown`]).

@@ -70,6 +70,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 import kvtier
 
+from .llama_restore import _bits, _sync
 from .paged_cache import PagedKV
 
 __all__ = [
@@ -359,16 +360,6 @@ class HybridPagedCache(Cache):
     def tokens(self) -> int:
         """Tokens held (every layer agrees between forwards)."""
         return self.layers[0].get_seq_length()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, for bitwise comparisons (NaN == NaN, -0 != +0)."""
-    return t.contiguous().view(torch.uint8)
 
 
 class HybridBench:
