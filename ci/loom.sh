@@ -78,6 +78,9 @@ bites=(
     "mark-stack-flag-early|loom_policy|a_mark_pushed_again_during_a_drain_is_not_lost|a pushed mark was never drained"
     "victim-order-marks-lost|loom_policy|commit_races_a_selection_lru|a committed, unpinned block exists, yet the save got no slot (lru)"
     "victim-order-marks-lost|loom_policy|commit_races_a_selection_adaptive_lfu|a committed, unpinned block exists, yet the save got no slot (adaptive-lfu)"
+    "hybrid-pin-unchecked|loom_hybrid|query_racing_a_checkpoint_eviction|holds 0 blocks of its range"
+    "hybrid-lease-drops-state|loom_hybrid|query_racing_a_checkpoint_eviction|a hybrid lease's block"
+    "cold-mark-unchecked|loom_hybrid|cold_mark_racing_its_blocks_eviction|a cold mark is counted only while its block is resident"
     "mark-stack-clear-unordered|loom_policy|a_cancel_racing_the_drain_of_its_queued_mark_is_not_lost|a resident, unpinned slot was never offered again"
 )
 if [[ $what == all || $what == bites ]]; then

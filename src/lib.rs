@@ -163,6 +163,7 @@ pub mod internals {
         pub use crate::sync::*;
     }
     pub use crate::tier::chain::ChainClass;
+    pub use crate::tier::cold::ColdOutcome;
     pub use crate::tier::core::{Core, KeyState, Reserved};
     pub use crate::tier::evictor::{Claims, EvictReason, Want};
     pub use crate::tier::save_plan::SavePlan;

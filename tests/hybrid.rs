@@ -25,6 +25,11 @@ struct Toy {
 
 impl Toy {
     fn new(window: u32, state: bool, slots: u64) -> Toy {
+        Toy::with_pools(window, state, &[slots; 3], true)
+    }
+
+    /// A toy whose group `g` pool holds `slots[g]` blocks, with eviction across groups on or off.
+    fn with_pools(window: u32, state: bool, slots: &[u64], group_eviction: bool) -> Toy {
         let mut groups = vec![
             CacheGroup::new(
                 "global",
@@ -50,8 +55,8 @@ impl Toy {
             ));
         }
         let layout = HybridLayout::new("toy", groups).unwrap();
-        let mut config = HybridConfig::new(layout.clone(), 1 << 30);
-        for (t, g) in config.tiers.iter_mut().zip(layout.groups()) {
+        let mut config = HybridConfig::new(layout.clone(), 1 << 30).with_group_eviction(group_eviction);
+        for ((t, g), slots) in config.tiers.iter_mut().zip(layout.groups()).zip(slots) {
             *t = TierConfig::new(g.geometry.clone(), slots * g.geometry.slot_bytes()).with_policy(PolicyKind::Lru);
         }
         let tier = HybridTier::new(config).unwrap();
@@ -412,4 +417,81 @@ fn pools_that_cannot_serve_a_group_are_refused_at_construction() {
         .with_ssd(kvtier::SsdConfig::new(std::env::temp_dir().join("kvtier-hybrid-never-made"), 1 << 20));
     let err = HybridTier::new(config).unwrap_err();
     assert!(err.to_string().contains("has an SSD tier"), "{err}");
+}
+
+/// Touches group `g`'s blocks `range` of `keys` through the group's own tier (its LRU order only:
+/// not a hybrid query, so no boundary becomes live).
+fn touch(toy: &Toy, g: usize, keys: &[ContentKey], range: std::ops::Range<usize>) {
+    let lease = toy.tier.group(g).query(&toy.group_keys(g, keys, range.clone()));
+    assert_eq!(lease.len(), range.len(), "group {g}: blocks {range:?} are resident");
+}
+
+#[test]
+fn a_checkpoint_whose_attention_prefix_was_evicted_goes_before_a_usable_one() {
+    for group_eviction in [true, false] {
+        // Attention and window pools hold 16 blocks, the state pool two checkpoints.
+        let toy = Toy::with_pools(32, true, &[16, 16, 2], group_eviction);
+        let (a, b, c) = (toy.chain(1, 4), toy.chain(2, 4), toy.chain(3, 4));
+        toy.save(&a, &[0..4, 2..4, 3..4]);
+        toy.save(&b, &[0..4, 2..4, 3..4]);
+        // LRU orders differ by group: attention keeps B's blocks newer, state keeps A's
+        // checkpoint newer (B's is the state pool's LRU victim).
+        touch(&toy, 0, &b, 0..4);
+        touch(&toy, 2, &a, 3..4);
+        // The attention pool evicts one of A's blocks: A's checkpoint at 4 needs it.
+        assert_eq!(toy.tier.group(0).evict(1), 1);
+        assert_eq!(toy.tier.usable_prefix(&a), 0, "A's prefix is broken");
+        assert_eq!(toy.tier.usable_prefix(&b), 4);
+        // C's checkpoint needs a state slot.
+        toy.save(&c, &[0..4, 2..4, 3..4]);
+        assert_eq!(toy.tier.usable_prefix(&c), 4);
+        let a_ckpt = toy.tier.group(2).contains(&toy.layout.group_key(2, &a[3]));
+        if group_eviction {
+            assert!(!a_ckpt, "the checkpoint no restore can use went first");
+            assert_eq!(toy.tier.usable_prefix(&b), 4, "B's usable checkpoint stays");
+            assert_eq!(toy.restore_and_verify(&b), 4);
+        } else {
+            // Each group by its own policy: the LRU victim was B's checkpoint.
+            assert!(a_ckpt);
+            assert_eq!(toy.tier.usable_prefix(&b), 0);
+        }
+    }
+}
+
+#[test]
+fn window_blocks_behind_every_live_boundary_go_first() {
+    // Windows of 2 blocks; the window pool holds 4 blocks.
+    let toy = Toy::with_pools(32, false, &[32, 4], true);
+    let a = toy.chain(1, 6);
+    // Turn 1 ends at boundary 4 (window blocks 2, 3); turn 2 restores it and continues to 6.
+    toy.save(&a[..4], &[0..4, 2..4]);
+    assert_eq!(toy.restore_and_verify(&a), 4);
+    toy.save(&a, &[4..6, 4..6]);
+    // Blocks 2 and 3 are behind A's window now. Make them the window pool's newest blocks
+    // (through the group's own tier): by LRU alone, A's live window (4, 5) would go next.
+    touch(&toy, 1, &a, 2..4);
+    let b = toy.chain(2, 2);
+    toy.save(&b, &[0..2, 0..2]);
+    assert_eq!(toy.tier.usable_prefix(&b), 2);
+    assert_eq!(toy.tier.usable_prefix(&a), 6, "A's live window stays; the blocks behind it went");
+    assert_eq!(toy.restore_and_verify(&a), 6);
+}
+
+#[test]
+fn a_query_at_a_boundary_keeps_its_window_from_going_first() {
+    let toy = Toy::with_pools(32, false, &[32, 4], true);
+    let a = toy.chain(1, 6);
+    toy.save(&a[..4], &[0..4, 2..4]);
+    assert_eq!(toy.restore_and_verify(&a), 4);
+    toy.save(&a, &[4..6, 4..6]);
+    // A branch of A's first 4 blocks: its query at boundary 4 reads blocks 2 and 3 again, so they
+    // are a live boundary's window (no longer the first victims).
+    let mut branch = a[..4].to_vec();
+    branch.extend(toy.chain(9, 2));
+    assert_eq!(toy.restore_and_verify(&branch), 4);
+    // Now A's window (4, 5) is the window pool's oldest: LRU takes it, not the branch's.
+    let b = toy.chain(2, 2);
+    toy.save(&b, &[0..2, 0..2]);
+    assert_eq!(toy.tier.usable_prefix(&branch), 4, "the branch's window stays");
+    assert_eq!(toy.tier.usable_prefix(&a), 4, "A's blocks 4 and 5 of the window pool went by LRU");
 }

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from . import errors
-from ._kvtier import CopyHandle, HybridLayout, HybridLease, Rank, SaveTicket
+from ._kvtier import CopyHandle, HybridLayout, HybridLease, HybridTier, Rank, SaveTicket
 
 __all__ = ["hybrid_save", "hybrid_restore", "hybrid_wait"]
 
@@ -50,6 +50,7 @@ def hybrid_save(
     *,
     after_stream: Any = None,
     after_event: Any = None,
+    tier: Optional[HybridTier] = None,
 ) -> List[Optional[SaveTicket]]:
     """Saves a prefix's blocks in every group, one ``Rank.save`` per group given pages.
 
@@ -57,7 +58,12 @@ def hybrid_save(
     keys (16 ``bytes`` each, one per block, of ``layout.namespace``; not group keys).
     ``group_pages[g]``: ``(first_block, pages)`` or ``None``; for a state group, ``pages[i]`` is the
     checkpoint at boundary ``first_block + i + 1``. ``after_stream`` / ``after_event``: as
-    ``Rank.save`` (what the copies wait for: the kernels that wrote the pages).
+    ``Rank.save`` (what the copies wait for: the kernels that wrote the pages). ``tier``: the
+    ``HybridTier`` the ranks belong to, for eviction across cache groups: its
+    ``settle_evictions()`` runs before each group's save (so the blocks the full-attention
+    groups' evictions left unusable go first) and its ``record_save`` after them (the prefix's
+    new end keeps its window; the window blocks behind it go first). Without it each group
+    evicts by its policy alone.
 
     Returns one ``SaveTicket`` per group (``None`` where nothing was given), in group order; a
     boundary becomes a hit once every group's blocks it needs are committed (``hybrid_wait``).
@@ -85,13 +91,22 @@ def hybrid_save(
             )
         plans.append((first, pages) if pages else None)
     tickets: List[Optional[SaveTicket]] = []
-    for g, plan in enumerate(plans):
-        if plan is None:
-            tickets.append(None)
-            continue
-        first, pages = plan
-        gkeys = layout.group_keys(g, keys[first : first + len(pages)])
-        tickets.append(ranks[g].save(gkeys, pages, after_stream, after_event=after_event))
+    ranges: List[Optional[Tuple[int, int]]] = [None] * groups
+    try:
+        for g, plan in enumerate(plans):
+            if plan is None:
+                tickets.append(None)
+                continue
+            first, pages = plan
+            gkeys = layout.group_keys(g, keys[first : first + len(pages)])
+            if tier is not None:
+                tier.settle_evictions()
+            tickets.append(ranks[g].save(gkeys, pages, after_stream, after_event=after_event))
+            ranges[g] = (first, first + len(pages))
+    finally:
+        # What the groups submitted brought is recorded, even when a later group's save raised.
+        if tier is not None:
+            tier.record_save(keys, ranges)
     return tickets
 
 

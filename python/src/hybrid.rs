@@ -254,7 +254,7 @@ impl PyHybridLayout {
 /// size, index and eviction), and queries that answer the longest prefix the model can restore
 /// at. Thread-safe.
 ///
-/// `HybridTier(layout, pool_bytes, policy=None, *, backing="auto")`:
+/// `HybridTier(layout, pool_bytes, policy=None, *, backing="auto", group_eviction=True)`:
 ///
 /// - `layout`: a `HybridLayout`.
 /// - `pool_bytes`: host memory in bytes, an int split over the groups in proportion to their
@@ -262,6 +262,9 @@ impl PyHybridLayout {
 ///   ints, group `g`'s pool bytes (a sliding group keeps only its window's blocks per prefix and
 ///   may be given less).
 /// - `policy`, `backing`: as `Tier(...)`'s, for every group's pool.
+/// - `group_eviction`: eviction across cache groups (the sliding-window and state blocks no
+///   restore can use go first in their groups; saves tell it through `kvtier.hybrid_save(...,
+///   tier=tier)`); `False`: each group evicts by its policy alone.
 ///
 /// Attach each GPU to every group: `tier.group(g).attach_cuda(device, group_g_tensors)` (or
 /// `attach_host`); save and restore through those ranks with group keys (`kvtier.hybrid_save`,
@@ -278,13 +281,14 @@ pub struct PyHybridTier {
 #[pymethods]
 impl PyHybridTier {
     #[new]
-    #[pyo3(signature = (layout, pool_bytes, policy = None, *, backing = "auto"))]
+    #[pyo3(signature = (layout, pool_bytes, policy = None, *, backing = "auto", group_eviction = true))]
     fn new(
         py: Python<'_>,
         layout: &PyHybridLayout,
         pool_bytes: &Bound<'_, PyAny>,
         policy: Option<&str>,
         backing: &str,
+        group_eviction: bool,
     ) -> PyResult<Self> {
         let groups = layout.inner.groups().len();
         let per_group: Option<Vec<u64>> = if pool_bytes.is_instance_of::<PyInt>() {
@@ -303,7 +307,7 @@ impl PyHybridTier {
             Some(v) => v.iter().sum(),
             None => pool_bytes.extract::<u64>()?,
         };
-        let mut config = HybridConfig::new(layout.inner.clone(), total);
+        let mut config = HybridConfig::new(layout.inner.clone(), total).with_group_eviction(group_eviction);
         let policy = policy.map(parse_policy).transpose()?;
         let backing = parse_backing(backing)?;
         for (g, t) in config.tiers.iter_mut().enumerate() {
@@ -347,6 +351,45 @@ impl PyHybridTier {
         let ranges = (0..groups).map(|g| lease.range(g)).collect();
         // The clones above hold the pins; dropping the Rust lease here lets go of nothing.
         Ok(PyHybridLease { boundary: lease.boundary(), ranges, leases })
+    }
+
+    /// For saves through each group's own rank (`kvtier.hybrid_save` with `tier=` calls it): reads
+    /// the full-attention groups' evictions so far and marks the other groups' blocks they left
+    /// unusable as the first victims (eviction across cache groups; GIL released). Call it before
+    /// saving a sliding-window or state group. Does nothing with `group_eviction=False`.
+    fn settle_evictions(&self, py: Python<'_>) {
+        let tier = &self.inner;
+        py.detach(|| tier.settle_evictions())
+    }
+
+    /// For saves through each group's own rank (`kvtier.hybrid_save` with `tier=` calls it):
+    /// records that blocks `ranges[g]` (a `(start, end)` pair, end exclusive, or `None` for
+    /// nothing) of the prefix `keys` (content keys of `layout.namespace`) were submitted in group
+    /// `g`, once per hybrid save after every group's submission: the boundary the prompt now ends
+    /// at keeps its window, the window blocks it left behind go first. Does nothing with
+    /// `group_eviction=False`.
+    ///
+    /// Raises: `KeyLengthError`; `GeometryMismatchError` (`ranges` not one per group);
+    /// `LengthMismatchError` (a range past `keys`): nothing recorded.
+    fn record_save(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ranges: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_of(keys)?;
+        let ranges = ranges
+            .try_iter()?
+            .map(|r| {
+                let r = r?;
+                if r.is_none() {
+                    return Ok(0..0);
+                }
+                let (start, end): (usize, usize) = r.extract()?;
+                Ok(start..end)
+            })
+            .collect::<PyResult<Vec<Range<usize>>>>()?;
+        let tier = &self.inner;
+        // Seeded bug (tests only): `record-save-ignored` records nothing.
+        if crate::seeded::seeded("record-save-ignored") {
+            return Ok(());
+        }
+        py.detach(|| tier.record_save(&keys, &ranges)).py()
     }
 
     /// The longest usable prefix of `keys` in blocks, looked up without pinning (GIL released);

@@ -25,10 +25,10 @@ def page(arr, p):
 
 class Toy:
     """One full-attention group (1 arena), one sliding-window group of `window` tokens (2 arenas)
-    and, with `state`, a recurrent-state group (1 arena); each group's pool holds `slots` blocks,
-    LRU. Host ranks over numpy arrays."""
+    and, with `state`, a recurrent-state group (1 arena); each group's pool holds `slots` blocks
+    (an int, or one per group), LRU. Host ranks over numpy arrays."""
 
-    def __init__(self, window=32, state=True, slots=8):
+    def __init__(self, window=32, state=True, slots=8, group_eviction=True):
         self.arrays = [arenas(1, seed=1), arenas(2, seed=2)] + ([arenas(1, seed=3)] if state else [])
         names = [["g"], ["l.0", "l.1"], ["ssm"]]
         geos = [
@@ -42,7 +42,14 @@ class Toy:
         if state:
             groups.append(kvtier.CacheGroup("ssm", "state", geos[2]))
         self.layout = kvtier.HybridLayout("toy", groups)
-        self.tier = kvtier.HybridTier(self.layout, [slots * g.slot_bytes for g in geos], "lru", backing="plain")
+        slots = [slots] * len(geos) if isinstance(slots, int) else slots
+        self.tier = kvtier.HybridTier(
+            self.layout,
+            [n * g.slot_bytes for n, g in zip(slots, geos)],
+            "lru",
+            backing="plain",
+            group_eviction=group_eviction,
+        )
         self.ranks = [self.tier.group(g).attach_host(a) for g, a in enumerate(self.arrays)]
 
     def close(self):
@@ -69,7 +76,7 @@ class Toy:
                 blocks[start + i] = [page(arr, p).copy() for arr in self.arrays[g]]
             saved.append(blocks)
         pages = [(start, list(range(end - start))) if end > start else None for start, end in ranges]
-        kvtier.hybrid_wait(kvtier.hybrid_save(self.ranks, self.layout, keys, pages))
+        kvtier.hybrid_wait(kvtier.hybrid_save(self.ranks, self.layout, keys, pages, tier=self.tier))
         return saved
 
     def restore(self, lease, first_page=16):
@@ -348,3 +355,42 @@ def test_glue_checks_every_group_before_any_copy(toy):
     assert handles[1] is None and handles[2] is None and kvtier.hybrid_wait(handles)
     assert lease.group(0).settled and lease.group(1).uses_left == 1
     lease.release()
+
+
+@pytest.mark.parametrize("group_eviction", [True, False])
+def test_a_checkpoint_whose_attention_prefix_was_evicted_goes_before_a_usable_one(group_eviction):
+    toy = Toy(slots=[16, 16, 2], group_eviction=group_eviction)
+    try:
+        a, b, c = toy.chain(1, 4), toy.chain(2, 4), toy.chain(3, 4)
+        toy.save(a, [(0, 4), (2, 4), (3, 4)])
+        toy.save(b, [(0, 4), (2, 4), (3, 4)])
+        # The groups' LRU orders differ: attention keeps B newer, state keeps A's checkpoint newer.
+        with toy.tier.group(0).query(toy.layout.group_keys(0, b)) as lease:
+            assert len(lease) == 4
+        with toy.tier.group(2).query([toy.layout.group_key(2, a[3])]) as lease:
+            assert len(lease) == 1
+        assert toy.tier.group(0).evict(1) == 1, "one of A's attention blocks goes"
+        assert toy.tier.usable_prefix(a) == 0
+        toy.save(c, [(0, 4), (2, 4), (3, 4)])
+        a_ckpt = toy.tier.group(2).contains(toy.layout.group_key(2, a[3]))
+        if group_eviction:
+            assert not a_ckpt, "the checkpoint no restore can use went first"
+            assert toy.tier.usable_prefix(b) == 4
+        else:
+            assert a_ckpt and toy.tier.usable_prefix(b) == 0, "by LRU alone B's checkpoint went"
+    finally:
+        toy.close()
+
+
+def test_record_save_checks_its_ranges():
+    toy = Toy()
+    try:
+        keys = toy.chain(5, 3)
+        with pytest.raises(kvtier.GeometryMismatchError):
+            toy.tier.record_save(keys, [(0, 3)])
+        with pytest.raises(kvtier.LengthMismatchError):
+            toy.tier.record_save(keys, [(0, 4), None, None])
+        toy.tier.record_save(keys, [(0, 3), None, None])
+        toy.tier.settle_evictions()
+    finally:
+        toy.close()

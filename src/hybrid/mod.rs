@@ -37,6 +37,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod evict;
 mod layout;
 mod presets;
 mod tier;

@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
+use super::evict::GroupEviction;
 use super::layout::{GroupKind, HybridLayout};
 use crate::copy::{CopyBackend, WaitFor};
 use crate::error::{CopyError, Error, GeometryError, TierError};
 use crate::key::ContentKey;
+use crate::sync::Arc;
 use crate::tier::handle::CopyHandle;
 use crate::tier::lease::Lease;
 use crate::tier::{HostTier, Rank, SaveTicket, TierConfig};
@@ -20,6 +22,11 @@ pub struct HybridConfig {
     pub layout: HybridLayout,
     /// One tier configuration per group; `tiers[g].geometry` must be group `g`'s geometry.
     pub tiers: Vec<TierConfig>,
+    /// Eviction across groups (default on): the blocks of the sliding-window and state groups
+    /// that no restore can use (their full-attention prefix evicted, or behind the window of
+    /// every live boundary) are evicted first in their groups (docs/design.md, "Eviction across
+    /// cache groups"). Off: each group evicts by its policy alone.
+    pub group_eviction: bool,
 }
 
 impl HybridConfig {
@@ -37,7 +44,14 @@ impl HybridConfig {
                 TierConfig::new(g.geometry.clone(), share)
             })
             .collect();
-        HybridConfig { layout, tiers }
+        HybridConfig { layout, tiers, group_eviction: true }
+    }
+
+    /// This configuration with eviction across groups on or off (see
+    /// [`HybridConfig::group_eviction`]).
+    pub fn with_group_eviction(mut self, on: bool) -> Self {
+        self.group_eviction = on;
+        self
     }
 }
 
@@ -53,6 +67,7 @@ impl HybridConfig {
 pub struct HybridTier {
     layout: HybridLayout,
     tiers: Vec<HostTier>,
+    eviction: Option<Arc<GroupEviction>>,
 }
 
 /// Pins on the blocks a restore at one boundary needs, in every group (from
@@ -110,7 +125,7 @@ impl HybridTier {
     /// group's; the errors of [`HostTier::new`] (a group's pool smaller than one of its slots:
     /// [`crate::PoolError::TooSmall`]).
     pub fn new(config: HybridConfig) -> Result<Self, Error> {
-        let HybridConfig { layout, tiers } = config;
+        let HybridConfig { layout, tiers, group_eviction } = config;
         if tiers.len() != layout.groups().len() {
             return Err(Error::Tier(TierError::GeometryMismatch {
                 backend: format!("{} tier configurations", tiers.len()),
@@ -131,7 +146,19 @@ impl HybridTier {
             // asked (and promote) only for full-attention prefixes.
             return refuse(format!("cache group `{}` has an SSD tier: hybrid tiers keep host pools only", g.1.name));
         }
-        let tiers = tiers.into_iter().map(HostTier::new).collect::<Result<Vec<_>, _>>()?;
+        let tiers = tiers
+            .into_iter()
+            .zip(layout.groups())
+            .map(|(t, g)| {
+                let capacity = (t.pool.bytes / t.geometry.slot_bytes().max(1)) as usize;
+                HostTier::new_adjusted(t, |core| match (group_eviction, g.kind) {
+                    (false, _) => core,
+                    // A full-attention group's evictions are followed; the others are marked.
+                    (true, GroupKind::Full) => core.with_eviction_log(2 * capacity + 64),
+                    (true, _) => core.with_cold_marks(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         for (t, group) in tiers.iter().zip(layout.groups()) {
             // A restore at a boundary past the window needs the window's `ceil(W / T)` blocks at
             // once: a pool that cannot hold them never gives a hit there.
@@ -149,7 +176,9 @@ impl HybridTier {
                 ));
             }
         }
-        Ok(HybridTier { layout, tiers })
+        let eviction = group_eviction
+            .then(|| Arc::new(GroupEviction::new(layout.clone(), tiers.iter().map(|t| t.core().clone()).collect())));
+        Ok(HybridTier { layout, tiers, eviction })
     }
 
     /// The layout.
@@ -189,7 +218,7 @@ impl HybridTier {
                 }
             }
         }
-        Ok(HybridRank { layout: self.layout.clone(), ranks })
+        Ok(HybridRank { layout: self.layout.clone(), ranks, eviction: self.eviction.clone() })
     }
 
     /// Every group's keys of `keys`, derived once per query: `[group][block]`.
@@ -259,6 +288,9 @@ impl HybridTier {
                             None => other.expect("a lease for every group that is not full attention"),
                         });
                     }
+                    if let Some(e) = &self.eviction {
+                        e.after_query(keys, boundary);
+                    }
                     return HybridLease { boundary, ranges, leases };
                 }
             }
@@ -303,7 +335,9 @@ impl HybridTier {
             }
             let range = if attention_only { 0..0 } else { self.layout.needed(g, boundary) };
             let lease = self.tiers[g].query_shared(&gkeys[g][range.clone()], uses);
-            if lease.len() < range.len() {
+            // Seeded bug (model checking only): `hybrid-pin-unchecked` takes the boundary from the
+            // look alone, whether or not every pin held.
+            if lease.len() < range.len() && !crate::seeded::seeded("hybrid-pin-unchecked") {
                 return None;
             }
             // Seeded bug (tests only): `hybrid-lease-drops-state` lets the state groups' pins go
@@ -332,12 +366,54 @@ impl HybridTier {
         (1..=top).rev().find(|&b| self.looks_usable(&gkeys, b)).unwrap_or(0)
     }
 
+    /// For saves made through each group's own [`Rank`] instead of [`HybridRank::save`] (the
+    /// Python binding's, or an engine's that saves groups at different times): reads the
+    /// full-attention groups' evictions so far and marks cold the other groups' blocks they left
+    /// unusable (see [`HybridConfig::group_eviction`]). Call it before saving a sliding-window or
+    /// state group's blocks, so they evict those first. Does nothing with group eviction off.
+    pub fn settle_evictions(&self) {
+        if let Some(e) = &self.eviction {
+            e.settle();
+        }
+    }
+
+    /// For saves made through each group's own [`Rank`]: tells eviction across groups that blocks
+    /// `ranges[g]` of the prefix `keys` (content keys of the layout's namespace, one per block)
+    /// were submitted in group `g` (what [`HybridRank::save`] records itself): the prompt's
+    /// blocks, the boundary it now ends at (its window in use), the window blocks it left behind.
+    /// Call it once per hybrid save, after every group's submission; a group given nothing (or
+    /// whose save failed) has an empty range. Does nothing with group eviction off.
+    ///
+    /// # Errors
+    /// [`TierError::GeometryMismatch`] for a count of `ranges` other than the groups';
+    /// [`TierError::LengthMismatch`] for a range that runs past `keys` (nothing recorded).
+    pub fn record_save(&self, keys: &[ContentKey], ranges: &[std::ops::Range<usize>]) -> Result<(), TierError> {
+        if ranges.len() != self.tiers.len() {
+            return Err(TierError::GeometryMismatch {
+                backend: format!("block ranges for {} cache groups", ranges.len()),
+                tier: format!("{} ({} cache groups)", self.layout.model(), self.tiers.len()),
+            });
+        }
+        if let Some(r) = ranges.iter().find(|r| r.end > keys.len() || r.start > r.end) {
+            return Err(TierError::LengthMismatch { keys: keys.len(), pages: r.end });
+        }
+        if let Some(e) = &self.eviction {
+            e.after_save(keys, ranges);
+        }
+        Ok(())
+    }
+
     /// Stops every group's tier (see [`HostTier::shutdown`]).
     pub fn shutdown(&self) {
         for t in &self.tiers {
             t.shutdown();
         }
     }
+}
+
+/// The block ranges of `pages`.
+fn ranges_of(pages: &[GroupPages]) -> Vec<std::ops::Range<usize>> {
+    pages.iter().map(|p| p.first_block..p.first_block + p.pages.len()).collect()
 }
 
 /// GPU pages of one group in a [`HybridRank::save`]: `pages[i]` holds block `first_block + i` of
@@ -367,6 +443,7 @@ impl GroupPages {
 pub struct HybridRank {
     layout: HybridLayout,
     ranks: Vec<Rank>,
+    eviction: Option<Arc<GroupEviction>>,
 }
 
 /// What a [`HybridRank::save`] submitted: one ticket per group (`None` for a group given no
@@ -480,13 +557,39 @@ impl HybridRank {
                 .iter()
                 .map(|k| self.layout.group_key(g, k))
                 .collect();
-            match self.ranks[g].save(&gkeys, &p.pages, wait) {
+            if let Some(e) = &self.eviction {
+                e.before_group_save(g);
+            }
+            // A full-attention group's blocks are one prompt's chain from `first_block` (its
+            // policy and chain-aware ranking see the depth and the parent); the other groups'
+            // blocks do not continue each other (a window block does not need the one before it
+            // for every boundary it serves, a checkpoint needs none).
+            let opts = match self.layout.groups()[g].kind {
+                GroupKind::Full => {
+                    let o = crate::tier::SaveOptions::new().prefix_depth(p.first_block as u32);
+                    match p.first_block.checked_sub(1) {
+                        Some(i) => o.parent(self.layout.group_key(g, &keys[i])),
+                        None => o,
+                    }
+                }
+                _ => crate::tier::SaveOptions::new(),
+            };
+            match self.ranks[g].save_with(&gkeys, &p.pages, wait, opts) {
                 Ok(t) => tickets.push(Some(t)),
-                Err(e) => {
+                Err(err) => {
                     let _ = HybridSave { tickets }.wait();
-                    return Err(e);
+                    if let Some(e) = &self.eviction {
+                        // What the groups before this one brought is recorded as saved.
+                        let mut done = ranges_of(&pages[..g]);
+                        done.resize(pages.len(), 0..0);
+                        e.after_save(keys, &done);
+                    }
+                    return Err(err);
                 }
             }
+        }
+        if let Some(e) = &self.eviction {
+            e.after_save(keys, &ranges_of(pages));
         }
         Ok(HybridSave { tickets })
     }

@@ -7,6 +7,7 @@
 //! it, and the facade ([`crate::HostTier`]) and ranks ([`crate::Rank`]) on top of those.
 
 use super::chain::{Chains, CHAIN_CLASSES};
+use super::cold::{ColdMarks, ColdOutcome, EvictionLog};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
 use super::saving::SavingKeys;
@@ -97,6 +98,10 @@ pub struct Core {
     next_rank: AtomicU32,
     /// The SSD tier under the pool, if the tier has one ([`crate::TierConfig::ssd`]).
     ssd: Option<Box<dyn LowerTier>>,
+    /// Cold marks, for a tier whose owner ranks some blocks first ([`super::cold`]).
+    cold: Option<ColdMarks>,
+    /// The keys of evicted blocks, for an owner that follows them ([`super::cold`]).
+    evicted: Option<EvictionLog>,
 }
 
 impl Core {
@@ -131,6 +136,8 @@ impl Core {
             shutting_down: AtomicBool::new(false),
             next_rank: AtomicU32::new(0),
             ssd: None,
+            cold: None,
+            evicted: None,
             geometry,
             pool,
         })
@@ -160,6 +167,87 @@ impl Core {
     pub(crate) fn with_ssd(mut self, ssd: Box<dyn LowerTier>) -> Self {
         self.ssd = Some(ssd);
         self
+    }
+
+    /// Enables cold marks ([`Core::mark_cold`]; off after [`Core::new`]): with them the first
+    /// preference class (chain-aware ranking's orphans) exists even without chain-aware victims.
+    pub fn with_cold_marks(mut self) -> Self {
+        self.cold = Some(ColdMarks::new(self.pool.capacity()));
+        self
+    }
+
+    /// Enables the eviction log, holding up to `capacity` keys ([`Core::take_evicted`]; off after
+    /// [`Core::new`]).
+    pub fn with_eviction_log(mut self, capacity: usize) -> Self {
+        self.evicted = Some(EvictionLog::new(capacity));
+        self
+    }
+
+    /// Marks the ready block of `key` cold: it is ranked with the orphans, before every block
+    /// that is neither ([`super::cold`]). Nothing happens without cold marks enabled.
+    pub fn mark_cold(&self, key: &ContentKey) -> ColdOutcome {
+        let Some(cold) = &self.cold else { return ColdOutcome::Absent };
+        let Some(r) = self.find_block(key) else { return ColdOutcome::Absent };
+        let w = self.control().load(r.slot);
+        if w.state() == SlotState::Writing {
+            return ColdOutcome::Writing;
+        }
+        if w.state() != SlotState::Ready {
+            return ColdOutcome::Absent;
+        }
+        // Seeded bug (tests only): `cold-marks-ignored` never marks a block.
+        if crate::seeded::seeded("cold-marks-ignored") {
+            return ColdOutcome::Marked;
+        }
+        if cold.set(r.slot, r.generation) {
+            // The block may have left between the look and the mark: then its eviction may have
+            // missed the mark, so take it back here (whichever of the two sees the other does).
+            crate::sync::fence(Ordering::SeqCst);
+            // (Seeded bug, model checking only: `cold-mark-unchecked` skips the look back.)
+            if self.control().load(r.slot).generation() != r.generation && !crate::seeded::seeded("cold-mark-unchecked")
+            {
+                cold.clear(r.slot, r.generation);
+                return ColdOutcome::Absent;
+            }
+            // Its class fell: the victim order re-files it.
+            self.policy.on_reclass(r.slot);
+        }
+        ColdOutcome::Marked
+    }
+
+    /// Clears the cold mark of the block of `key`, if it has one; true if it had.
+    pub fn clear_cold(&self, key: &ContentKey) -> bool {
+        let (Some(cold), Some(r)) = (&self.cold, self.find_block(key)) else { return false };
+        cold.clear(r.slot, r.generation)
+    }
+
+    /// Cold marks that may name a ready block now (0 without cold marks); for tests and audits.
+    pub fn cold_blocks(&self) -> usize {
+        self.cold.as_ref().map_or(0, ColdMarks::count)
+    }
+
+    /// Moves the keys evicted since the last call to `out`, in eviction order (nothing without
+    /// the eviction log); returns how many keys the log has dropped so far because it was full.
+    pub fn take_evicted(&self, out: &mut Vec<ContentKey>) -> u64 {
+        match &self.evicted {
+            Some(log) => {
+                log.take(out);
+                log.lost()
+            }
+            None => 0,
+        }
+    }
+
+    /// What an eviction of the block in `slot` of `generation`, just released, tells the cold
+    /// marks and the eviction log.
+    pub(crate) fn on_evicted(&self, slot: SlotId, generation: u64, key: &ContentKey) {
+        if let Some(cold) = &self.cold {
+            crate::sync::fence(Ordering::SeqCst);
+            cold.clear(slot, generation);
+        }
+        if let Some(log) = &self.evicted {
+            log.push(*key);
+        }
     }
 
     /// The SSD tier under the pool, if any.
@@ -420,8 +508,10 @@ impl Core {
     /// The class of `slot`'s block of `generation`, and whether a hint raised it.
     fn class_parts(&self, slot: SlotId, generation: u64, hints: bool, now: u32) -> (u8, bool) {
         let mut c = 0;
-        if self.chain_aware {
-            c = u8::from(!self.chains.is_orphan(self.control(), slot));
+        if self.chain_classes() == CHAIN_CLASSES {
+            let orphan = self.chain_aware && self.chains.is_orphan(self.control(), slot);
+            let cold = self.cold.as_ref().is_some_and(|m| m.is_cold(slot, generation));
+            c = u8::from(!(orphan || cold));
         }
         if let Some(ssd) = &self.ssd {
             // With an SSD tier, a block without a disk copy (dirty) goes after every clean one:
@@ -439,9 +529,13 @@ impl Core {
     }
 
     /// True if class `c` of [`Core::victim_class`] holds no block now: an orphan class (even,
-    /// with chain-aware victims) while no orphan is counted ([`super::chain`]).
+    /// with chain-aware victims or cold marks) while no orphan ([`super::chain`]) and no cold mark
+    /// ([`super::cold`]) is counted.
     pub(crate) fn class_is_empty(&self, c: u8) -> bool {
-        self.chain_aware && c % CHAIN_CLASSES == 0 && self.chains.orphans() == 0
+        self.chain_classes() == CHAIN_CLASSES
+            && c % CHAIN_CLASSES == 0
+            && (!self.chain_aware || self.chains.orphans() == 0)
+            && self.cold.as_ref().is_none_or(|m| m.count() == 0)
     }
 
     /// Orphaned blocks counted now (see [`Core::class_is_empty`]); for tests and audits.
@@ -450,7 +544,7 @@ impl Core {
     }
 
     fn chain_classes(&self) -> u8 {
-        if self.chain_aware {
+        if self.chain_aware || self.cold.is_some() {
             CHAIN_CLASSES
         } else {
             1

@@ -131,6 +131,7 @@ impl<'a> Claims<'a> {
             core.policy.on_remove(s);
             core.chains.unlink(s);
             core.control().release(s);
+            core.on_evicted(s, generation, &key);
             // Its resident children are orphans now: the policy re-files them (orphans go first).
             core.chains.take_children(SlotRef { slot: s, generation }, |c| core.policy.on_reclass(c));
             super::stats::sub(&core.counters.evicting_slots, 1);

@@ -42,6 +42,7 @@ macro_rules! match_flavor {
 }
 
 pub(crate) mod chain;
+pub(crate) mod cold;
 mod config;
 #[cfg(all(feature = "remote", not(loom)))]
 pub(crate) mod connected;
@@ -164,7 +165,18 @@ impl HostTier {
         Self::over_pool(config, pool)
     }
 
+    /// [`HostTier::new`] with the core adjusted by `adjust` before it is shared (what a hybrid
+    /// tier's groups enable: cold marks, the eviction log).
+    pub(crate) fn new_adjusted(config: TierConfig, adjust: impl FnOnce(Core) -> Core) -> Result<Self, Error> {
+        let pool = HostPool::new(config.geometry.slot_bytes(), &config.pool)?;
+        Self::build(config, pool, adjust)
+    }
+
     fn over_pool(config: TierConfig, pool: HostPool) -> Result<Self, Error> {
+        Self::build(config, pool, |c| c)
+    }
+
+    fn build(config: TierConfig, pool: HostPool, adjust: impl FnOnce(Core) -> Core) -> Result<Self, Error> {
         let ssd = match &config.ssd {
             Some(ssd) => Some(ssd::SsdTier::open(ssd, &config.geometry, pool.capacity())?),
             None => None,
@@ -175,7 +187,7 @@ impl HostTier {
         if let Some(ssd) = ssd {
             core = core.with_ssd(Box::new(ssd));
         }
-        let tier = HostTier::from_core(core);
+        let tier = HostTier::from_core(adjust(core));
         #[cfg(not(loom))]
         ssd::demote::start(tier.core())
             .map_err(|source| Error::Thread { what: "starting the demotion thread", source })?;

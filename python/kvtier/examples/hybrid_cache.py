@@ -513,7 +513,12 @@ class HybridBench:
         # 2. Save: every full-attention block; of the sliding group the window's blocks only.
         keys = self._keys(id_list, pp)
         tickets = kvtier.hybrid_save(
-            self.ranks, self.layout, keys, [(0, cold_full), (ws, cold_sliding[ws:we])], after_stream=self._stream()
+            self.ranks,
+            self.layout,
+            keys,
+            [(0, cold_full), (ws, cold_sliding[ws:we])],
+            after_stream=self._stream(),
+            tier=self.tier,
         )
         kvtier.hybrid_wait(tickets)
         saved_blocks = [t.saving for t in tickets]
