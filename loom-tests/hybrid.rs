@@ -71,7 +71,8 @@ fn assert_lease_holds(tier: &HybridTier, lease: &kvtier::HybridLease) {
 
 /// A query races an eviction in the state group, which holds the checkpoints at boundaries 2
 /// (its LRU victim) and 1: the answer is boundary 2 or 1, and whatever it is, every group's lease
-/// holds that boundary's blocks for as long as it is held (the evictor cannot take them).
+/// holds that boundary's blocks for as long as it is held (the evictor, which runs while the
+/// lease is held or before it was taken, cannot take them).
 #[test]
 fn query_racing_a_checkpoint_eviction() {
     loom::model(|| {
@@ -89,14 +90,18 @@ fn query_racing_a_checkpoint_eviction() {
             assert_lease_holds(&t, &lease);
             thread::yield_now();
             assert_lease_holds(&t, &lease);
-            lease.boundary()
+            lease
         });
         let evicted = evict_one(&ssm);
-        let boundary = reader.join().unwrap();
+        // The lease is still held here (the reader handed it back).
+        let lease = reader.join().unwrap();
+        let boundary = lease.boundary();
         assert!(evicted.is_some(), "the query pins one checkpoint at most: the other is evictable");
+        assert_lease_holds(&tier, &lease);
         // The checkpoint left is the one of the boundary answered.
         let left: Vec<usize> = (1..=2).filter(|&b| ssm.index().get(&gk(1, b - 1)).is_some()).collect();
         assert_eq!(left, vec![boundary], "the answer's checkpoint stayed, the other was evicted");
+        drop(lease);
     });
 }
 

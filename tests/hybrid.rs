@@ -484,14 +484,36 @@ fn a_query_at_a_boundary_keeps_its_window_from_going_first() {
     toy.save(&a[..4], &[0..4, 2..4]);
     assert_eq!(toy.restore_and_verify(&a), 4);
     toy.save(&a, &[4..6, 4..6]);
+    assert_eq!(toy.tier.cold_blocks(1), 2, "blocks 2 and 3 are behind A's window");
     // A branch of A's first 4 blocks: its query at boundary 4 reads blocks 2 and 3 again, so they
     // are a live boundary's window (no longer the first victims).
     let mut branch = a[..4].to_vec();
     branch.extend(toy.chain(9, 2));
     assert_eq!(toy.restore_and_verify(&branch), 4);
+    assert_eq!(toy.tier.cold_blocks(1), 0, "the branch's query made its window live");
     // Now A's window (4, 5) is the window pool's oldest: LRU takes it, not the branch's.
     let b = toy.chain(2, 2);
     toy.save(&b, &[0..2, 0..2]);
     assert_eq!(toy.tier.usable_prefix(&branch), 4, "the branch's window stays");
     assert_eq!(toy.tier.usable_prefix(&a), 4, "A's blocks 4 and 5 of the window pool went by LRU");
+}
+
+#[test]
+fn when_attention_loses_a_prompt_s_tail_the_window_before_the_new_end_is_kept() {
+    // Windows of 2 blocks; the window pool holds 4 blocks.
+    let toy = Toy::with_pools(32, false, &[16, 4], true);
+    let a = toy.chain(1, 6);
+    // The window group gets blocks 3, 4, 5: block 3 lies behind the end's window (4, 5).
+    toy.save(&a, &[0..6, 3..6]);
+    toy.tier.settle_evictions(); // its mark waited for the copy
+    assert_eq!(toy.tier.cold_blocks(1), 1);
+    // Attention evicts the prompt's tail: the usable prefix now ends at 5, whose window is 3, 4.
+    assert_eq!(toy.tier.group(0).evict(1), 1);
+    assert!(!toy.tier.group(0).contains(&toy.layout.group_key(0, &a[5])), "chain-aware LRU takes the tail");
+    assert_eq!(toy.tier.usable_prefix(&a), 5);
+    // Another prompt's window needs two slots: one is free, the other is a victim's.
+    let b = toy.chain(2, 2);
+    toy.save(&b, &[0..2, 0..2]);
+    assert_eq!(toy.tier.usable_prefix(&b), 2);
+    assert_eq!(toy.tier.usable_prefix(&a), 5, "the window before the new end stayed; block 5's went");
 }

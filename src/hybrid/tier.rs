@@ -403,6 +403,17 @@ impl HybridTier {
         Ok(())
     }
 
+    /// Blocks of group `group` marked cold now (eviction across cache groups: the first victims of
+    /// their group; 0 with group eviction off and for full-attention groups). For operators and
+    /// tests.
+    ///
+    /// # Panics
+    /// If `group` is not below the number of groups.
+    pub fn cold_blocks(&self, group: usize) -> usize {
+        assert!(group < self.tiers.len(), "cache group {group} of {}", self.tiers.len());
+        self.eviction.as_ref().map_or(0, |e| e.cold_blocks(group))
+    }
+
     /// Stops every group's tier (see [`HostTier::shutdown`]).
     pub fn shutdown(&self) {
         for t in &self.tiers {
