@@ -392,6 +392,15 @@ impl PyHybridTier {
         py.detach(|| tier.record_save(&keys, &ranges)).py()
     }
 
+    /// Blocks of group `group` marked cold now by eviction across cache groups (the first victims
+    /// of their group; 0 with `group_eviction=False` and for full-attention groups).
+    ///
+    /// Raises: `IndexError` (no such group).
+    fn cold_blocks(&self, group: usize) -> PyResult<usize> {
+        check_group(group, self.inner.layout().groups().len())?;
+        Ok(self.inner.cold_blocks(group))
+    }
+
     /// The longest usable prefix of `keys` in blocks, looked up without pinning (GIL released);
     /// it may be stale by the time it is used: restore from `query`.
     ///

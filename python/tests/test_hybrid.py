@@ -376,6 +376,7 @@ def test_a_checkpoint_whose_attention_prefix_was_evicted_goes_before_a_usable_on
         if group_eviction:
             assert not a_ckpt, "the checkpoint no restore can use went first"
             assert toy.tier.usable_prefix(b) == 4
+            assert toy.tier.cold_blocks(2) == 0, "the cold checkpoint was the one evicted"
         else:
             assert a_ckpt and toy.tier.usable_prefix(b) == 0, "by LRU alone B's checkpoint went"
     finally:
@@ -392,5 +393,8 @@ def test_record_save_checks_its_ranges():
             toy.tier.record_save(keys, [(0, 4), None, None])
         toy.tier.record_save(keys, [(0, 3), None, None])
         toy.tier.settle_evictions()
+        assert [toy.tier.cold_blocks(g) for g in range(3)] == [0, 0, 0]
+        with pytest.raises(IndexError):
+            toy.tier.cold_blocks(3)
     finally:
         toy.close()
