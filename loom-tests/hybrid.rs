@@ -2,7 +2,8 @@
 //! its eviction across groups sets: a query racing the eviction of a state checkpoint answers a
 //! boundary whose every group's blocks it holds; a query racing a save's commit of a checkpoint
 //! answers the longer boundary only once the checkpoint is ready, and pinned; a cold mark racing
-//! its block's eviction is never left counted.
+//! its block's eviction is never left counted, and one racing an eviction of either of two blocks
+//! is counted exactly when its block stayed.
 //!
 //! The query is `HybridTier::query` itself; saves and evictions go through each group's core with
 //! the steps production runs (`acquire_slots`, `WriteReservation`, `evict_into`).
@@ -163,4 +164,31 @@ fn cold_core() -> Arc<Core> {
     let cfg = kvtier::PoolConfig::new(g.slot_bytes()).with_backing(BackingChoice::Plain);
     let pool = kvtier::HostPool::new(g.slot_bytes(), &cfg).expect("pool");
     Arc::new(Core::new(g, pool, PolicyKind::Lru, Some(4), None).expect("core").with_cold_marks())
+}
+
+/// A cold mark races an eviction of one of two blocks: `j` (the LRU victim) or `k` once it is
+/// cold. Both outcomes occur (`k` marked first and taken, or `j` taken and `k` left marked), and
+/// afterwards the mark is counted exactly when `k` is resident and was marked.
+#[test]
+fn cold_mark_racing_an_eviction_of_either_block() {
+    loom::model(|| {
+        let g = Geometry::new("loom", 16, vec![ArenaSpec::packed("a", 16, 4)]).expect("valid geometry");
+        let cfg = kvtier::PoolConfig::new(2 * g.slot_bytes()).with_backing(BackingChoice::Plain);
+        let pool = kvtier::HostPool::new(g.slot_bytes(), &cfg).expect("pool");
+        let core = Arc::new(Core::new(g, pool, PolicyKind::Lru, Some(4), None).expect("core").with_cold_marks());
+        let (j, k) = (key(1), key(0));
+        save_ready(&core, j);
+        save_ready(&core, k);
+        let c = core.clone();
+        let marker = thread::spawn(move || c.mark_cold(&k));
+        assert!(evict_one(&core).is_some(), "two unpinned blocks: one is evicted");
+        let outcome = marker.join().unwrap();
+        let k_resident = core.index().get(&k).is_some();
+        assert_eq!(k_resident, core.index().get(&j).is_none(), "exactly one of the two blocks went");
+        assert_eq!(
+            core.cold_blocks(),
+            usize::from(k_resident && outcome == ColdOutcome::Marked),
+            "a cold mark is counted only while its block is resident (marked: {outcome:?}, k resident: {k_resident})"
+        );
+    });
 }
