@@ -53,6 +53,19 @@ fn prompt(tier: &HybridTier) -> Vec<ContentKey> {
     vec![k0, k1]
 }
 
+/// A two-slot hybrid tier whose attention group holds both blocks of the prompt (ready), its
+/// prompt's keys and its state group's core.
+fn attention_saved() -> (Arc<HybridTier>, Vec<ContentKey>, Arc<Core>) {
+    let tier = Arc::new(hybrid(2));
+    let keys = prompt(&tier);
+    let attn = core_of(tier.group(0)).clone();
+    for k in &keys {
+        save_ready(&attn, tier.layout().group_key(0, k));
+    }
+    let ssm = core_of(tier.group(1)).clone();
+    (tier, keys, ssm)
+}
+
 /// Asserts every group's lease of `lease` holds the blocks of its range, ready.
 fn assert_lease_holds(tier: &HybridTier, lease: &kvtier::HybridLease) {
     for g in 0..tier.layout().groups().len() {
@@ -77,12 +90,8 @@ fn assert_lease_holds(tier: &HybridTier, lease: &kvtier::HybridLease) {
 #[test]
 fn query_racing_a_checkpoint_eviction() {
     loom::model(|| {
-        let tier = Arc::new(hybrid(2));
-        let keys = prompt(&tier);
-        let (attn, ssm) = (core_of(tier.group(0)).clone(), core_of(tier.group(1)).clone());
+        let (tier, keys, ssm) = attention_saved();
         let gk = |g: usize, i: usize| tier.layout().group_key(g, &keys[i]);
-        save_ready(&attn, gk(0, 0));
-        save_ready(&attn, gk(0, 1));
         save_ready(&ssm, gk(1, 1)); // the checkpoint at 2 (oldest: the LRU victim)
         save_ready(&ssm, gk(1, 0)); // the checkpoint at 1
         let (t, k) = (tier.clone(), keys.clone());
@@ -112,12 +121,8 @@ fn query_racing_a_checkpoint_eviction() {
 #[test]
 fn query_racing_a_checkpoint_commit() {
     loom::model(|| {
-        let tier = Arc::new(hybrid(2));
-        let keys = prompt(&tier);
-        let (attn, ssm) = (core_of(tier.group(0)).clone(), core_of(tier.group(1)).clone());
+        let (tier, keys, ssm) = attention_saved();
         let gk = |g: usize, i: usize| tier.layout().group_key(g, &keys[i]);
-        save_ready(&attn, gk(0, 0));
-        save_ready(&attn, gk(0, 1));
         save_ready(&ssm, gk(1, 0));
         let writing = reserve(&ssm, gk(1, 1));
         let (t, k) = (tier.clone(), keys.clone());

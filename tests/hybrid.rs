@@ -458,15 +458,20 @@ fn a_checkpoint_whose_attention_prefix_was_evicted_goes_before_a_usable_one() {
     }
 }
 
-#[test]
-fn window_blocks_behind_every_live_boundary_go_first() {
-    // Windows of 2 blocks; the window pool holds 4 blocks.
+/// Windows of 2 blocks, a window pool of 4 blocks, and a conversation A of 6 blocks in two turns:
+/// turn 1 ends at boundary 4 (window blocks 2, 3); turn 2 restores it and continues to 6.
+fn two_turns() -> (Toy, Vec<ContentKey>) {
     let toy = Toy::with_pools(32, false, &[32, 4], true);
     let a = toy.chain(1, 6);
-    // Turn 1 ends at boundary 4 (window blocks 2, 3); turn 2 restores it and continues to 6.
     toy.save(&a[..4], &[0..4, 2..4]);
     assert_eq!(toy.restore_and_verify(&a), 4);
     toy.save(&a, &[4..6, 4..6]);
+    (toy, a)
+}
+
+#[test]
+fn window_blocks_behind_every_live_boundary_go_first() {
+    let (toy, a) = two_turns();
     // Blocks 2 and 3 are behind A's window now. Make them the window pool's newest blocks
     // (through the group's own tier): by LRU alone, A's live window (4, 5) would go next.
     touch(&toy, 1, &a, 2..4);
@@ -479,11 +484,7 @@ fn window_blocks_behind_every_live_boundary_go_first() {
 
 #[test]
 fn a_query_at_a_boundary_keeps_its_window_from_going_first() {
-    let toy = Toy::with_pools(32, false, &[32, 4], true);
-    let a = toy.chain(1, 6);
-    toy.save(&a[..4], &[0..4, 2..4]);
-    assert_eq!(toy.restore_and_verify(&a), 4);
-    toy.save(&a, &[4..6, 4..6]);
+    let (toy, a) = two_turns();
     assert_eq!(toy.tier.cold_blocks(1), 2, "blocks 2 and 3 are behind A's window");
     // A branch of A's first 4 blocks: its query at boundary 4 reads blocks 2 and 3 again, so they
     // are a live boundary's window (no longer the first victims).

@@ -4,67 +4,29 @@
 //! (`HybridTier::cold_blocks`) through the production path (`HybridRank::save`, `HybridTier::query`,
 //! `HybridTier::settle_evictions`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+mod common;
+
 use std::sync::Arc;
 
+use common::{Gate, TestBackend};
 use kvtier::{
-    ArenaSpec, CacheGroup, Completion, ContentKey, CopyBackend, CopyError, CopyPair, Done, Geometry, GroupKind,
-    GroupPages, HostPool, HybridConfig, HybridLayout, HybridRank, HybridTier, NullBackend, PolicyKind, TierConfig,
-    WaitFor,
+    ArenaSpec, CacheGroup, ContentKey, Geometry, GroupKind, GroupPages, HybridConfig, HybridLayout, HybridRank,
+    HybridTier, MemcpyArenas, PolicyKind, TierConfig, WaitFor,
 };
 
 const T: u32 = 16;
 
-/// A save's copy that finishes only once its gate is open.
-struct Held(Arc<AtomicBool>);
-
-impl Completion for Held {
-    fn poll(&mut self) -> Result<bool, CopyError> {
-        Ok(self.0.load(Ordering::SeqCst))
-    }
-    fn wait(&mut self) -> Result<(), CopyError> {
-        while !self.0.load(Ordering::SeqCst) {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        Ok(())
-    }
-}
-
-/// A backend that moves no bytes and holds every save open until its gate opens.
-struct Gated {
-    inner: NullBackend,
-    open: Arc<AtomicBool>,
-}
-
-impl CopyBackend for Gated {
-    fn name(&self) -> &'static str {
-        "gated"
-    }
-    fn geometry(&self) -> &Geometry {
-        self.inner.geometry()
-    }
-    fn bind_pool(&mut self, pool: &HostPool) -> Result<(), CopyError> {
-        self.inner.bind_pool(pool)
-    }
-    unsafe fn save(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Held(self.open.clone())))
-    }
-    unsafe fn restore(&self, _batch: &[CopyPair], _wait: WaitFor) -> Result<Box<dyn Completion>, CopyError> {
-        Ok(Box::new(Done(Ok(()))))
-    }
-}
-
-/// Full attention (32 blocks) beside a sliding window of `window` tokens (8 blocks), LRU, saves
-/// held at the gate while it is closed.
+/// Full attention (32 blocks) beside a sliding window of `window` tokens (8 blocks), LRU, every
+/// copy held until the gate opens (`held`), or never held.
 struct Held2 {
     layout: HybridLayout,
     tier: HybridTier,
     rank: HybridRank,
-    open: Arc<AtomicBool>,
+    gate: Gate,
 }
 
 impl Held2 {
-    fn new(window: u32) -> Held2 {
+    fn new(window: u32, held: bool) -> Held2 {
         let geometry = |n: &str| Geometry::new("held", T, vec![ArenaSpec::packed(n, 16, 64)]).unwrap();
         let layout = HybridLayout::new(
             "held",
@@ -79,17 +41,17 @@ impl Held2 {
             *t = TierConfig::new(g.geometry.clone(), n * g.geometry.slot_bytes()).with_policy(PolicyKind::Lru);
         }
         let tier = HybridTier::new(config).unwrap();
-        let open = Arc::new(AtomicBool::new(true));
+        let gate = Gate::default();
+        if !held {
+            gate.open();
+        }
         let backends = layout
             .groups()
             .iter()
-            .map(|g| {
-                Box::new(Gated { inner: NullBackend::new(g.geometry.clone()), open: open.clone() })
-                    as Box<dyn CopyBackend>
-            })
+            .map(|g| TestBackend::gated(&Arc::new(MemcpyArenas::new(&g.geometry).unwrap()), &gate))
             .collect();
         let rank = tier.attach(backends).unwrap();
-        Held2 { layout, tier, rank, open }
+        Held2 { layout, tier, rank, gate }
     }
 
     fn chain(&self, seed: u32, n: usize) -> Vec<ContentKey> {
@@ -113,22 +75,20 @@ impl Held2 {
 fn a_window_block_covered_by_a_query_before_its_copy_landed_is_not_marked_later() {
     // Window of 2 blocks. A prompt of 6 blocks saved whole: blocks 2 and 3 of its window group
     // lie behind its end's window, marked cold once their copies land.
-    let alone = Held2::new(32);
+    let alone = Held2::new(32, true);
     let a = alone.chain(1, 6);
-    alone.open.store(false, Ordering::SeqCst);
     let s = alone.save(&a, [0..6, 2..6]);
-    alone.open.store(true, Ordering::SeqCst);
+    alone.gate.open();
     s.wait().unwrap();
     alone.tier.settle_evictions();
     assert_eq!(alone.tier.cold_blocks(1), 2, "blocks 2 and 3: behind the window, no live boundary");
 
     // The same, but a branch of the first 4 blocks queries at boundary 4 after the copies landed
     // and before the marks were applied: its window (blocks 2 and 3) is live.
-    let branched = Held2::new(32);
+    let branched = Held2::new(32, true);
     let a = branched.chain(1, 6);
-    branched.open.store(false, Ordering::SeqCst);
     let s = branched.save(&a, [0..6, 2..6]);
-    branched.open.store(true, Ordering::SeqCst);
+    branched.gate.open();
     s.wait().unwrap();
     let mut branch = a[..4].to_vec();
     branch.extend(branched.chain(9, 2));
@@ -141,12 +101,11 @@ fn a_window_block_covered_by_a_query_before_its_copy_landed_is_not_marked_later(
 fn a_continuation_saved_before_the_last_turn_landed_marks_only_what_its_window_left() {
     // Window of 4 blocks: turn 1 ends at boundary 4 (window 0..4), turn 2 at 5 (window 1..5),
     // both saved while the copies are held.
-    let h = Held2::new(64);
+    let h = Held2::new(64, true);
     let a = h.chain(2, 5);
-    h.open.store(false, Ordering::SeqCst);
     let s1 = h.save(&a[..4], [0..4, 0..4]);
     let s2 = h.save(&a, [4..5, 4..5]);
-    h.open.store(true, Ordering::SeqCst);
+    h.gate.open();
     s1.wait().unwrap();
     s2.wait().unwrap();
     h.tier.settle_evictions();
@@ -155,7 +114,7 @@ fn a_continuation_saved_before_the_last_turn_landed_marks_only_what_its_window_l
 
 #[test]
 fn a_prompt_saved_again_from_its_first_block_lets_its_old_end_go() {
-    let h = Held2::new(32);
+    let h = Held2::new(32, false);
     let a = h.chain(3, 6);
     h.save(&a[..4], [0..4, 2..4]).wait().unwrap();
     // The engine passes the whole prompt again (the resident blocks are skipped).
@@ -166,7 +125,7 @@ fn a_prompt_saved_again_from_its_first_block_lets_its_old_end_go() {
 
 #[test]
 fn an_attention_block_saved_again_before_its_eviction_was_read_marks_nothing() {
-    let h = Held2::new(32);
+    let h = Held2::new(32, false);
     let a = h.chain(4, 4);
     h.save(&a, [0..4, 2..4]).wait().unwrap();
     assert_eq!(h.tier.group(0).evict(1), 1);

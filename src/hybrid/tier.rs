@@ -150,11 +150,10 @@ impl HybridTier {
             .into_iter()
             .zip(layout.groups())
             .map(|(t, g)| {
-                let capacity = (t.pool.bytes / t.geometry.slot_bytes().max(1)) as usize;
                 HostTier::new_adjusted(t, |core| match (group_eviction, g.kind) {
                     (false, _) => core,
                     // A full-attention group's evictions are followed; the others are marked.
-                    (true, GroupKind::Full) => core.with_eviction_log(2 * capacity + 64),
+                    (true, GroupKind::Full) => core.with_eviction_log(),
                     (true, _) => core.with_cold_marks(),
                 })
             })

@@ -176,10 +176,10 @@ impl Core {
         self
     }
 
-    /// Enables the eviction log, holding up to `capacity` keys ([`Core::take_evicted`]; off after
-    /// [`Core::new`]).
-    pub fn with_eviction_log(mut self, capacity: usize) -> Self {
-        self.evicted = Some(EvictionLog::new(capacity));
+    /// Enables the eviction log, holding up to twice the pool's slots and 64 keys
+    /// ([`Core::take_evicted`]; off after [`Core::new`]).
+    pub fn with_eviction_log(mut self) -> Self {
+        self.evicted = Some(EvictionLog::new(2 * self.pool.capacity() as usize + 64));
         self
     }
 
