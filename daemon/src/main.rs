@@ -148,22 +148,64 @@ struct Args {
     #[cfg(feature = "nixl")]
     #[arg(long, value_name = "N", requires = "peer_listen")]
     peer_pinned_blocks: Option<usize>,
+    /// Read from the peer at ADDR (host:port of another instance's `--peer-listen`; repeat for
+    /// several, asked in order): a client's query whose prefix ends short here asks the peers for
+    /// the keys after it, and the blocks they hold are read through NIXL into this pool (the next
+    /// query hits here) and leased to the client, marked as from a peer. The peers must serve the
+    /// same model (namespace) and block size. Built with feature `nixl` only.
+    #[cfg(feature = "nixl")]
+    #[arg(long = "peer", value_name = "ADDR")]
+    peers: Vec<String>,
+    /// Milliseconds a query may spend on its peers (connecting, the owner's lease, the read, the
+    /// generation check); past it the client gets the prefix held so far.
+    #[cfg(feature = "nixl")]
+    #[arg(long, value_name = "MS", default_value_t = 2000, requires = "peers")]
+    peer_timeout_ms: u64,
 }
 
-/// With `--peer-listen`: a NIXL transport over the daemon's pool and a peer server in front of it
-/// (none without the flag).
+/// What `--peer-listen` and `--peer` give: the peer server in front of the pool, and the peers
+/// this daemon reads from.
+#[cfg(feature = "nixl")]
+struct PeerRoles {
+    server: Option<kvtier::PeerServer>,
+    readers: Option<std::sync::Arc<kvtier::PeerSet>>,
+}
+
+/// With `--peer-listen` or `--peer`: one NIXL transport over the daemon's pool (registered once),
+/// a peer server in front of it and the configured peers to read from (each only with its flag).
 ///
 /// # Errors
 /// A message naming the flag: the NIXL runtime missing, an address that cannot be bound, a pin
-/// budget of 0.
+/// budget of 0, a peer address empty or given twice.
 #[cfg(feature = "nixl")]
-fn peer_server(a: &Args, tier: &HostTier) -> Result<Option<kvtier::PeerServer>, String> {
-    let Some(addr) = &a.peer_listen else { return Ok(None) };
-    let err = |e: &dyn std::fmt::Display| format!("--peer-listen {addr}: {e}");
-    let transport =
-        kvtier::NixlTransport::new(&format!("kvtierd-{}", std::process::id()), tier.pool()).map_err(|e| err(&e))?;
-    let limits = kvtier::PeerLimits { pinned_blocks: a.peer_pinned_blocks, ..kvtier::PeerLimits::default() };
-    kvtier::PeerServer::bind(tier, addr.as_str(), std::sync::Arc::new(transport), limits).map(Some).map_err(|e| err(&e))
+fn peer_roles(a: &Args, tier: &HostTier) -> Result<PeerRoles, String> {
+    let flag = match (&a.peer_listen, a.peers.first()) {
+        (None, None) => return Ok(PeerRoles { server: None, readers: None }),
+        (Some(addr), _) => format!("--peer-listen {addr}"),
+        (None, Some(addr)) => format!("--peer {addr}"),
+    };
+    let transport: std::sync::Arc<dyn kvtier::PeerTransport> = std::sync::Arc::new(
+        kvtier::NixlTransport::new(&format!("kvtierd-{}", std::process::id()), tier.pool())
+            .map_err(|e| format!("{flag}: {e}"))?,
+    );
+    let server = match &a.peer_listen {
+        None => None,
+        Some(addr) => {
+            let limits = kvtier::PeerLimits { pinned_blocks: a.peer_pinned_blocks, ..kvtier::PeerLimits::default() };
+            Some(
+                kvtier::PeerServer::bind(tier, addr.as_str(), transport.clone(), limits)
+                    .map_err(|e| format!("--peer-listen {addr}: {e}"))?,
+            )
+        }
+    };
+    let readers = if a.peers.is_empty() {
+        None
+    } else {
+        let set = kvtier::PeerSet::new(tier, transport, a.peers.iter().cloned())
+            .map_err(|e| format!("--peer {}: {e}", a.peers.join(",")))?;
+        Some(std::sync::Arc::new(set))
+    };
+    Ok(PeerRoles { server, readers })
 }
 
 fn geometry(a: &Args) -> Result<Geometry, String> {
@@ -494,7 +536,7 @@ fn main() {
     raise_fd_limit();
     // Before the socket is bound: a peer server that cannot start leaves nothing behind.
     #[cfg(feature = "nixl")]
-    let peers = match peer_server(&args, &tier) {
+    let PeerRoles { server: peers, readers } = match peer_roles(&args, &tier) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("kvtierd: {e}");
@@ -508,6 +550,19 @@ fn main() {
             std::process::exit(1);
         }
     };
+    #[cfg(feature = "nixl")]
+    if let Some(r) = &readers {
+        let timeout = Duration::from_millis(args.peer_timeout_ms);
+        if let Err(e) = server.fetch_from_peers(r.clone(), timeout) {
+            eprintln!("kvtierd: --peer-timeout-ms {}: {e}", args.peer_timeout_ms);
+            std::process::exit(1);
+        }
+        tracing::info!(
+            "reading misses from peers {} (NIXL), {} ms per query",
+            args.peers.join(", "),
+            args.peer_timeout_ms
+        );
+    }
     let metrics = match &args.metrics {
         None => None,
         Some(addr) => match metrics_endpoint(addr, &args, &server, |_registry| {

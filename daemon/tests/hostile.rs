@@ -114,7 +114,7 @@ impl Raw {
 
     fn query(&mut self, keys: &[ContentKey], uses: u32) -> u64 {
         match self.call(&Request::Query { keys: keys.to_vec(), uses }) {
-            Reply::Leased { lease, blocks } => {
+            Reply::Leased { lease, blocks, .. } => {
                 assert_eq!(blocks.len(), keys.len(), "every key is resident");
                 lease
             }
@@ -284,7 +284,7 @@ fn oversized_frames_and_requests_over_a_bound_are_refused_and_the_connection_kep
     engine_is_served(&d.socket, 100..101);
     let one = keys(&obs, 100..101);
     match r.call(&Request::Query { keys: vec![one[0]; 64], uses: 1 }) {
-        Reply::Leased { lease, blocks } => {
+        Reply::Leased { lease, blocks, .. } => {
             assert_eq!(blocks.len(), 1);
             assert_eq!(obs.stats().pinned_slots, 1);
             r.send(&Request::DropLease { lease });

@@ -1,9 +1,10 @@
-//! `kvtierd --peer-listen ADDR` (feature `nixl`): the daemon's shared pool served to another kvtier
-//! instance through the peer protocol, the bytes read one-sided through NIXL. An engine saves
-//! blocks into the daemon; a second instance (an in-process tier in this test) fetches them with
-//! `PeerClient::fetch`, restores them and checks every byte. A daemon that cannot serve peers
-//! (no NIXL runtime, an address it cannot bind) exits with a message naming the flag before its
-//! socket exists.
+//! `kvtierd --peer-listen ADDR` and `kvtierd --peer ADDR` (feature `nixl`): the daemon's shared
+//! pool served to another kvtier instance through the peer protocol, the bytes read one-sided
+//! through NIXL, and a daemon that reads its clients' misses from such a peer. An engine saves
+//! blocks into the daemon; a second instance (an in-process tier in the first test, a second
+//! daemon's client in the second) gets them from it, restores them and checks every byte. A
+//! daemon that cannot serve or read peers (no NIXL runtime, an address it cannot bind, one given
+//! twice) exits with a message naming the flag before its socket exists.
 //!
 //! `cargo test --release -p kvtierd --features nixl --test peer -- --test-threads=1` with the NIXL
 //! runtime in the environment (`eval "$(bash ci/nixl.sh)"`). Without it the tests that need it
@@ -106,6 +107,85 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     rank.shutdown(DEADLINE).unwrap();
 }
 
+/// The peer address the daemon printed (`..., peers at ADDR`).
+fn peer_addr(d: &Daemon) -> String {
+    d.line
+        .split(", peers at ")
+        .nth(1)
+        .and_then(|rest| rest.split([',', ' ']).next())
+        .unwrap_or_else(|| panic!("the daemon's line names its peer address: {}", d.line))
+        .to_string()
+}
+
+#[test]
+fn a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_peer() {
+    if !runtime("a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_peer") {
+        return;
+    }
+    // The prefill side: a daemon serving its pool to peers; its engine saves six blocks.
+    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
+    let addr = peer_addr(&owner);
+    let prefill = HostTier::connect(&owner.socket).unwrap();
+    let g = prefill.geometry().with_pages(64).unwrap();
+    let prefill_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let prefill_rank = prefill.attach(prefill_arenas.backend().unwrap()).unwrap();
+    let k = keys(&prefill, 6);
+    prefill_arenas.fill(&[0, 1, 2, 3, 4, 5], &k).unwrap();
+    prefill_rank
+        .save(&k[..4], &[0, 1, 2, 3], WaitFor::Nothing)
+        .unwrap()
+        .handle
+        .wait_timeout(DEADLINE)
+        .unwrap()
+        .unwrap();
+
+    // The decode side: a daemon that reads its misses from the owner; its engine has saved only
+    // the first block itself.
+    let reader = Daemon::start_args(8, "lru", None, &["--peer", addr.as_str(), "--peer-timeout-ms", "20000"]);
+    let decode = HostTier::connect(&reader.socket).unwrap();
+    assert_eq!(decode.namespace(), prefill.namespace());
+    let decode_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let decode_rank = decode.attach(decode_arenas.backend().unwrap()).unwrap();
+    decode_arenas.fill(&[0], &k[..1]).unwrap();
+    decode_rank.save(&k[..1], &[0], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+
+    // Six keys asked: one local, three from the peer (it holds four, the first of which the
+    // reader has), two nowhere.
+    let lease = decode.query_shared(&k, 2);
+    assert_eq!(lease.len(), 4, "the local block, then the peer's three after it");
+    let sources: Vec<_> = (0..4).map(|i| lease.source(i)).collect();
+    assert_eq!(
+        sources,
+        [Some(BlockSource::Host), Some(BlockSource::Peer), Some(BlockSource::Peer), Some(BlockSource::Peer)]
+    );
+    assert_eq!(lease.from_peer(), 3);
+    decode_rank.restore(&lease, &[10, 11, 12, 13], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
+    decode_arenas.verify(&[10, 11, 12, 13], &k[..4]).unwrap();
+    drop(lease);
+
+    // The fetched blocks are the reader's now: the next query is local, even with the owner gone.
+    prefill_rank.shutdown(DEADLINE).unwrap();
+    drop(prefill);
+    drop(owner);
+    let again = decode.query(&k);
+    assert_eq!(again.len(), 4);
+    assert!((0..4).all(|i| again.source(i) == Some(BlockSource::Host)), "the second hit is local");
+    decode_rank.restore(&again, &[20, 21, 22, 23], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
+    decode_arenas.verify(&[20, 21, 22, 23], &k[..4]).unwrap();
+    drop(again);
+
+    // A key neither has, with the owner gone: the peer's failure is logged and skipped, the
+    // client gets the local prefix, and the reader's pool is as it was.
+    let other: Vec<ContentKey> = (100..103).map(|i| decode.namespace().trace_page_key(i, 0)).collect();
+    let miss = decode.query(&[k[0], other[0], other[1]]);
+    assert_eq!(miss.len(), 1);
+    assert_eq!(miss.from_peer(), 0);
+    drop(miss);
+    eventually("the reader's pins are gone", || decode.stats().pinned_slots == 0);
+    assert_eq!(decode.stats().writing_slots, 0, "no slot left being written by a failed fetch");
+    decode_rank.shutdown(DEADLINE).unwrap();
+}
+
 /// The metrics address the daemon printed (`..., metrics at http://ADDR/metrics`).
 fn metrics_addr(d: &Daemon) -> String {
     let at = d.line.split("metrics at http://").nth(1).unwrap_or_else(|| panic!("no metrics address in {:?}", d.line));
@@ -147,10 +227,14 @@ fn refused(socket: &Path, extra: &[&str], removed: &[&str]) -> (Option<i32>, Str
 fn a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("kvtierd.sock");
-    // No NIXL runtime on the library path.
+    // No NIXL runtime on the library path, to serve or to read.
     let (code, err) = refused(&socket, &["--peer-listen", "127.0.0.1:0"], &["LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("kvtierd: --peer-listen 127.0.0.1:0: ") && err.contains("NIXL runtime not found"), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+    let (code, err) = refused(&socket, &["--peer", "127.0.0.1:7000"], &["LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer 127.0.0.1:7000: ") && err.contains("NIXL runtime not found"), "{err}");
     assert!(!socket.exists(), "no socket is left behind");
     if !runtime("a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists (bad address)") {
         return;
@@ -165,4 +249,15 @@ fn a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exis
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("pinned blocks must be > 0"), "{err}");
     assert!(!socket.exists(), "no socket is left behind");
+    // A peer to read from, given twice; and a peer timeout of 0.
+    let (code, err) = refused(&socket, &["--peer", "127.0.0.1:7000", "--peer", "127.0.0.1:7000"], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("kvtierd: --peer 127.0.0.1:7000,127.0.0.1:7000: ") && err.contains("configured twice"),
+        "{err}"
+    );
+    assert!(!socket.exists(), "no socket is left behind");
+    let (code, err) = refused(&socket, &["--peer", "127.0.0.1:7000", "--peer-timeout-ms", "0"], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer-timeout-ms 0: ") && err.contains("timeout must be > 0"), "{err}");
 }

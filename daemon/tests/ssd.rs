@@ -4,7 +4,7 @@
 
 mod support;
 
-use kvtier::{ContentKey, EngineArenas, HostTier, MemcpyArenas, WaitFor};
+use kvtier::{BlockSource, ContentKey, EngineArenas, HostTier, MemcpyArenas, WaitFor};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -69,6 +69,12 @@ fn the_daemon_creates_its_ssd_file_at_the_size_asked_and_serves_its_blocks_after
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
     let lease = tier.query(&k);
     assert_eq!(lease.len(), 3, "the blocks come back from the drive");
+    // The daemon's lease says where its query found them: all three promoted from the drive.
+    assert_eq!(
+        (lease.promoted(), (0..3).map(|i| lease.source(i)).collect::<Vec<_>>()),
+        (3, vec![Some(BlockSource::Ssd); 3]),
+        "the client's lease names the blocks the daemon promoted"
+    );
     rank.restore(&lease, &[32, 33, 34], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
     arenas.verify(&[32, 33, 34], &k).unwrap();
     drop(lease);

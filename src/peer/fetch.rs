@@ -39,13 +39,23 @@ impl PeerClient {
     /// protocol, e.g. keys not asked for), [`PeerError::Transport`]. On every error the local tier
     /// is unchanged: the local prefix's pins are dropped, no slot stays taken, no key `WRITING`.
     pub fn fetch(&self, keys: &[ContentKey], deadline: Instant) -> Result<PeerFetch, PeerError> {
+        self.fetch_shared(keys, 1, deadline)
+    }
+
+    /// [`PeerClient::fetch`] with a lease of `uses` restores (as [`crate::HostTier::query_shared`]:
+    /// one per rank that restores it). `uses == 0` gives a settled lease and asks the owner
+    /// nothing.
+    ///
+    /// # Errors
+    /// Those of [`PeerClient::fetch`], with the local tier unchanged.
+    pub fn fetch_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> Result<PeerFetch, PeerError> {
         let mut stale = 0;
         let mut step = |rest: &[ContentKey], blocks: &mut Vec<LeasedBlock>| -> Result<usize, PeerError> {
             let (n, s) = self.fetch_run(rest, blocks, deadline)?;
             stale = s;
             Ok(n)
         };
-        let lease = Lease::acquire_with(&self.core, keys, 1, Some(&mut step))?;
+        let lease = Lease::acquire_with(&self.core, keys, uses, Some(&mut step))?;
         self.stale_blocks.fetch_add(stale as u64, Ordering::Relaxed);
         self.fetched_blocks.fetch_add(lease.from_peer() as u64, Ordering::Relaxed);
         Ok(PeerFetch { lease, stale })

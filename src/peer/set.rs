@@ -80,6 +80,11 @@ impl PeerSet {
         Ok(PeerSet { tier: tier.clone(), transport, peers })
     }
 
+    /// The tier whose pool this set's fetches fill.
+    pub(crate) fn tier(&self) -> &HostTier {
+        &self.tier
+    }
+
     /// The configured addresses, in order.
     pub fn addrs(&self) -> impl Iterator<Item = &str> {
         self.peers.iter().map(|p| p.addr.as_str())
@@ -92,13 +97,24 @@ impl PeerSet {
     /// a refusal) is recorded in [`PeerSetFetch::errors`] and skipped. Every network step must
     /// finish by `deadline`. Never fails: with no peer answering it is the local query.
     pub fn query(&self, keys: &[ContentKey], deadline: Instant) -> PeerSetFetch {
-        let mut best =
-            PeerSetFetch { lease: self.tier.query(keys), fetched: 0, peer: None, stale: 0, errors: Vec::new() };
+        self.query_shared(keys, 1, deadline)
+    }
+
+    /// [`PeerSet::query`] with a lease of `uses` restores (one per rank that restores it, as
+    /// [`HostTier::query_shared`]); `uses == 0` gives a settled lease and asks no peer.
+    pub fn query_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> PeerSetFetch {
+        let mut best = PeerSetFetch {
+            lease: self.tier.query_shared(keys, uses),
+            fetched: 0,
+            peer: None,
+            stale: 0,
+            errors: Vec::new(),
+        };
         for i in 0..self.peers.len() {
-            if best.lease.len() == keys.len() {
+            if best.lease.len() == keys.len() || uses == 0 {
                 break;
             }
-            match self.fetch_from(i, keys, deadline) {
+            match self.fetch_shared_from(i, keys, uses, deadline) {
                 // The new lease pinned the old one's blocks again (they are this instance's now)
                 // before the old one goes.
                 Ok(f) if f.lease.len() > best.lease.len() => {
@@ -126,12 +142,26 @@ impl PeerSet {
     /// [`PeerClient::connect`] and [`PeerClient::fetch`]. After any error but a refusal the
     /// connection is dropped, and the next call connects again.
     pub fn fetch_from(&self, peer: usize, keys: &[ContentKey], deadline: Instant) -> Result<PeerFetch, PeerError> {
+        self.fetch_shared_from(peer, keys, 1, deadline)
+    }
+
+    /// [`PeerSet::fetch_from`] with a lease of `uses` restores ([`PeerClient::fetch_shared`]).
+    ///
+    /// # Errors
+    /// Those of [`PeerSet::fetch_from`].
+    pub fn fetch_shared_from(
+        &self,
+        peer: usize,
+        keys: &[ContentKey],
+        uses: u32,
+        deadline: Instant,
+    ) -> Result<PeerFetch, PeerError> {
         let p = self
             .peers
             .get(peer)
             .ok_or_else(|| PeerError::Config(format!("peer {peer} of {} configured", self.peers.len())))?;
         let client = self.client(p, deadline)?;
-        let r = client.fetch(keys, deadline);
+        let r = client.fetch_shared(keys, uses, deadline);
         if client.is_broken() || matches!(r, Err(ref e) if !matches!(e, PeerError::Refused(_))) {
             let mut c = super::lock(&p.client);
             if c.as_ref().is_some_and(|c| Arc::ptr_eq(c, &client)) {

@@ -366,11 +366,11 @@ impl Conn {
         keys: &[ContentKey],
         uses: u32,
         capacity: u32,
-    ) -> Result<(RemoteLease, Vec<WireBlock>), TierError> {
+    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::BlockSource>), TierError> {
         match self.call(&Request::Query { keys: keys.to_vec(), uses })? {
-            Reply::Leased { lease, blocks } => {
-                check_blocks(Some(keys), &blocks, capacity)?;
-                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks))
+            Reply::Leased { lease, blocks, sources } => {
+                check_blocks(Some(keys), &blocks, &sources, capacity)?;
+                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks, sources))
             }
             r => Err(unexpected(&r)),
         }
@@ -385,14 +385,14 @@ impl Conn {
         self: &Arc<Self>,
         token: &LeaseToken,
         capacity: u32,
-    ) -> Result<(RemoteLease, Vec<WireBlock>), TierError> {
+    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::BlockSource>), TierError> {
         if token.instance != self.instance {
             return Err(TierError::ForeignLease);
         }
         match self.call(&Request::OpenLease { instance: token.instance, lease: token.lease })? {
-            Reply::Leased { lease, blocks } => {
-                check_blocks(None, &blocks, capacity)?;
-                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks))
+            Reply::Leased { lease, blocks, sources } => {
+                check_blocks(None, &blocks, &sources, capacity)?;
+                Ok((RemoteLease { conn: self.clone(), id: lease }, blocks, sources))
             }
             r => Err(unexpected(&r)),
         }
@@ -400,9 +400,17 @@ impl Conn {
 }
 
 /// Refuses leased blocks that are not a prefix of `keys` (when given) or name slots beyond
-/// `capacity`.
-fn check_blocks(keys: Option<&[ContentKey]>, wire: &[WireBlock], capacity: u32) -> Result<(), TierError> {
+/// `capacity`, and sources that are neither empty nor one per block.
+fn check_blocks(
+    keys: Option<&[ContentKey]>,
+    wire: &[WireBlock],
+    sources: &[crate::BlockSource],
+    capacity: u32,
+) -> Result<(), TierError> {
     let asked = |i: usize, b: &WireBlock| keys.is_none_or(|k| k[i] == b.key);
+    if !sources.is_empty() && sources.len() != wire.len() {
+        return Err(lost("the daemon named sources for another number of blocks than it leased"));
+    }
     if keys.is_some_and(|k| wire.len() > k.len())
         || wire.iter().any(|b| b.slot >= capacity)
         || !wire.iter().enumerate().all(|(i, b)| asked(i, b))

@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -515,6 +515,9 @@ pub enum Reply {
         lease: u64,
         /// Its blocks, in key order.
         blocks: Vec<WireBlock>,
+        /// Where the daemon's query found each block: empty when every block was resident on its
+        /// host pool, else one per block (its SSD tier, a peer). Added in version 6.
+        sources: Vec<crate::BlockSource>,
     },
     /// A lease's state.
     LeaseInfo {
@@ -739,6 +742,9 @@ mod tests {
         let reply = Reply::Leased {
             lease: 7,
             blocks: keys.iter().map(|&key| WireBlock { key, slot: 3, generation: 1 << 39 }).collect(),
+            sources: (0..43)
+                .map(|i| if i < 40 { crate::BlockSource::Host } else { crate::BlockSource::Peer })
+                .collect(),
         };
         encode(&reply, &mut buf).unwrap();
         let back: Reply = read_frame(&mut &buf[..], &mut scratch).unwrap();

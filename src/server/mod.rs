@@ -146,6 +146,40 @@ impl Server {
         Ok(Server { listener, shared, path })
     }
 
+    /// Makes this daemon a peer reader: a client's query whose local prefix (host pool, then SSD
+    /// tier) ends short asks `peers` for the keys after it ([`crate::PeerSet::query_shared`]),
+    /// each peer's steps bounded by `timeout` from the query's start. Blocks a peer brings are
+    /// published in this daemon's pool (the next query hits locally) and the client's lease says
+    /// so per block ([`crate::Lease::source`] is [`crate::BlockSource::Peer`]). A peer that fails
+    /// is logged and skipped: the client gets the prefix held so far, as without peers. Call it
+    /// before [`Server::run`]; the session threads of later connections read it.
+    ///
+    /// # Errors
+    /// [`crate::PeerError::Config`] if `peers` fills another tier's pool than this server's, if
+    /// `timeout` is zero, or if peers were already set.
+    #[cfg(feature = "peers")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
+    pub fn fetch_from_peers(
+        &self,
+        peers: Arc<crate::PeerSet>,
+        timeout: std::time::Duration,
+    ) -> Result<(), crate::PeerError> {
+        let same = match (peers.tier().in_process_core(), self.shared.tier.in_process_core()) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if !same {
+            return Err(crate::PeerError::Config("the peer set fills another tier's pool than this server's".into()));
+        }
+        if timeout.is_zero() {
+            return Err(crate::PeerError::Config("the peer timeout must be > 0".into()));
+        }
+        self.shared
+            .peers
+            .set((peers, timeout))
+            .map_err(|_| crate::PeerError::Config("this server already reads from peers".into()))
+    }
+
     /// The tier served.
     pub fn tier(&self) -> &HostTier {
         &self.shared.tier

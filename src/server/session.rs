@@ -175,13 +175,40 @@ impl Session {
         leases.get(&id).map(|e| e.lease.clone()).ok_or(TierError::LeaseSettled)
     }
 
+    /// The lease a `Query` answers: the local prefix, continued from the peers when this daemon
+    /// reads from peers ([`super::Server::fetch_from_peers`]).
+    fn query_lease(&self, keys: &[ContentKey], uses: u32) -> Lease {
+        #[cfg(feature = "peers")]
+        if let Some((peers, timeout)) = self.shared.peers.get() {
+            let f = peers.query_shared(keys, uses, std::time::Instant::now() + *timeout);
+            for (i, e) in &f.errors {
+                let addr = peers.addrs().nth(*i).unwrap_or("?");
+                tracing::warn!("process {}: peer {addr} failed a fetch: {e}", ShowPid(self.pid));
+            }
+            if f.fetched > 0 || f.stale > 0 {
+                tracing::debug!(
+                    "process {}: {} blocks fetched from peers, {} stale",
+                    ShowPid(self.pid),
+                    f.fetched,
+                    f.stale
+                );
+            }
+            return f.lease;
+        }
+        self.shared.tier.query_shared(keys, uses)
+    }
+
     fn leased(lease: u64, l: &Lease) -> Reply {
         let blocks = l
             .blocks()
             .iter()
             .map(|b| WireBlock { key: b.key, slot: b.slot.slot.0, generation: b.slot.generation })
             .collect();
-        Reply::Leased { lease, blocks }
+        // Seeded bug (tests only): `daemon-drops-block-sources` tells every client its blocks
+        // were on the daemon's host pool.
+        let sources =
+            if crate::seeded::seeded("daemon-drops-block-sources") { Vec::new() } else { l.sources().to_vec() };
+        Reply::Leased { lease, blocks, sources }
     }
 
     fn check_keys(&self, n: usize) -> Result<(), TierError> {
@@ -290,7 +317,7 @@ impl Session {
                 let mut seen = HashSet::with_capacity(keys.len().min(4096));
                 let distinct = keys.iter().take_while(|k| seen.insert(**k)).count();
                 self.check_leased_blocks(distinct)?;
-                let lease = self.shared.tier.query_shared(&keys[..distinct], uses);
+                let lease = self.query_lease(&keys[..distinct], uses);
                 let c = &self.counters;
                 ClientCounters::add(&c.queries, 1);
                 ClientCounters::add(&c.hit_blocks, lease.len() as u64);
@@ -306,7 +333,7 @@ impl Session {
                 self.lease_sizes.insert(id, n);
                 self.leased_blocks += n;
                 match reply_blocks {
-                    Reply::Leased { blocks, .. } => Reply::Leased { lease: id, blocks },
+                    Reply::Leased { blocks, sources, .. } => Reply::Leased { lease: id, blocks, sources },
                     r => r,
                 }
             }

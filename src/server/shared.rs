@@ -84,6 +84,10 @@ pub(super) struct Shared {
     /// Tests: requests for which this returns true panic in the daemon (see
     /// [`Server::panic_on_requests`](super::Server::panic_on_requests)).
     pub(super) panic_hook: OnceLock<PanicHook>,
+    /// Where queries go for the keys after the local prefix, and how long each may take
+    /// ([`Server::fetch_from_peers`](super::Server::fetch_from_peers)).
+    #[cfg(feature = "peers")]
+    pub(super) peers: OnceLock<(Arc<crate::PeerSet>, std::time::Duration)>,
 }
 
 impl Shared {
@@ -142,6 +146,8 @@ impl Shared {
             refusals: Mutex::new(Vec::new()),
             clients: Clients::new(),
             panic_hook: OnceLock::new(),
+            #[cfg(feature = "peers")]
+            peers: OnceLock::new(),
         }
     }
 

@@ -56,14 +56,14 @@ impl ConnectedTier {
 
     /// [`HostTier::try_query_shared`]: the daemon's lease on the longest ready prefix of `keys`.
     pub(super) fn query(&self, keys: &[ContentKey], uses: u32) -> Result<Lease, TierError> {
-        let (remote, blocks) = self.conn.query(keys, uses, self.pool.capacity())?;
-        Ok(Lease::connected(leased(blocks), remote))
+        let (remote, blocks, sources) = self.conn.query(keys, uses, self.pool.capacity())?;
+        Ok(Lease::connected(leased(blocks), remote, sources))
     }
 
     /// The lease [`HostTier::query_shared`] answers when the daemon is gone: settled from birth,
     /// nothing leased (a miss).
     pub(super) fn settled_lease(&self) -> Lease {
-        Lease::connected(Vec::new(), RemoteLease::settled(self.conn.clone()))
+        Lease::connected(Vec::new(), RemoteLease::settled(self.conn.clone()), Vec::new())
     }
 
     /// [`HostTier::try_stats`]: the daemon's statistics of its tier.
@@ -313,8 +313,8 @@ impl HostTier {
     #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
     pub fn open_lease(&self, token: &LeaseToken) -> Result<Lease, TierError> {
         let Flavor::Connected(d) = &self.flavor else { return Err(TierError::ForeignLease) };
-        let (remote, blocks) = d.conn.open_lease(token, d.pool.capacity())?;
-        Ok(Lease::connected(leased(blocks), remote))
+        let (remote, blocks, sources) = d.conn.open_lease(token, d.pool.capacity())?;
+        Ok(Lease::connected(leased(blocks), remote, sources))
     }
 }
 

@@ -47,7 +47,13 @@ pub(crate) enum LeaseOf {
     /// A lease of a connected tier: the daemon holds the pins; this process has the blocks as the
     /// daemon leased them and the daemon's lease (dropping it tells the daemon).
     #[cfg(all(feature = "remote", not(loom)))]
-    Connected { blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease },
+    Connected {
+        blocks: Vec<LeasedBlock>,
+        remote: crate::remote::client::RemoteLease,
+        /// Per leased block, where the daemon's query found it (empty when every block was
+        /// resident on the daemon's host pool).
+        sources: Vec<BlockSource>,
+    },
 }
 
 /// A lease of an in-process tier: its core and its settle state (which the core's lease clock may
@@ -59,8 +65,10 @@ pub(crate) struct InProcessLease {
     sources: Vec<BlockSource>,
 }
 
-/// Where a leased block came from ([`Lease::source`]).
+/// Where a leased block came from ([`Lease::source`]). With feature `remote` it crosses the tier
+/// daemon's protocol in this variant order (a reordering is a protocol version bump).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum BlockSource {
     /// Resident in this instance's host pool when the lease was taken.
     Host,
@@ -234,10 +242,22 @@ impl Lease {
         false
     }
 
-    /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there.
+    /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there,
+    /// `sources` where the daemon found each block (empty: all on its host pool; else one per
+    /// block, checked by the connection).
     #[cfg(all(feature = "remote", not(loom)))]
-    pub(crate) fn connected(blocks: Vec<LeasedBlock>, remote: crate::remote::client::RemoteLease) -> Lease {
-        Lease { inner: Arc::new(LeaseOf::Connected { blocks, remote }) }
+    pub(crate) fn connected(
+        blocks: Vec<LeasedBlock>,
+        remote: crate::remote::client::RemoteLease,
+        sources: Vec<BlockSource>,
+    ) -> Lease {
+        Lease { inner: Arc::new(LeaseOf::Connected { blocks, remote, sources }) }
+    }
+
+    /// Per leased block, where it came from; empty when every block was resident on the host
+    /// (the form the daemon's protocol carries).
+    pub(crate) fn sources(&self) -> &[BlockSource] {
+        match_flavor!(self.of(), LeaseOf::InProcess(l) => &l.sources, LeaseOf::Connected { sources, .. } => sources)
     }
 
     /// The lease as its tier's flavour holds it.
@@ -262,22 +282,19 @@ impl Lease {
 
     /// Leased blocks the query read from the SSD tier (promoted into host slots); the others were
     /// resident on the host or fetched from a peer. [`Lease::is_promoted`] says which. 0 without
-    /// an SSD tier, and for a lease of a connected tier.
+    /// an SSD tier. For a lease of a connected tier, the blocks the daemon's query promoted.
     pub fn promoted(&self) -> usize {
         self.count_from(BlockSource::Ssd)
     }
 
-    /// Leased blocks fetched from a peer's pool (feature `peers`); 0 for a lease of a connected
-    /// tier.
+    /// Leased blocks fetched from a peer's pool (feature `peers`). For a lease of a connected
+    /// tier, the blocks the daemon fetched from its peers for this query (`kvtierd --peer`).
     pub fn from_peer(&self) -> usize {
         self.count_from(BlockSource::Peer)
     }
 
     fn count_from(&self, source: BlockSource) -> usize {
-        match_flavor!(self.of(),
-            LeaseOf::InProcess(l) => l.sources.iter().filter(|&&s| s == source).count(),
-            LeaseOf::Connected { .. } => 0,
-        )
+        self.sources().iter().filter(|&&s| s == source).count()
     }
 
     /// True if leased block `i` (an index into [`Lease::blocks`]) was read from the SSD tier by
@@ -288,15 +305,13 @@ impl Lease {
     }
 
     /// Where leased block `i` (an index into [`Lease::blocks`]) came from; `None` if `i` is out of
-    /// range. A connected tier's blocks are its daemon's host blocks ([`BlockSource::Host`]).
+    /// range. For a connected tier, where the daemon's query found it: its host pool, its SSD
+    /// tier, or one of its peers.
     pub fn source(&self, i: usize) -> Option<BlockSource> {
         if i >= self.len() {
             return None;
         }
-        match_flavor!(self.of(),
-            LeaseOf::InProcess(l) => Some(l.sources.get(i).copied().unwrap_or(BlockSource::Host)),
-            LeaseOf::Connected { .. } => Some(BlockSource::Host),
-        )
+        Some(self.sources().get(i).copied().unwrap_or(BlockSource::Host))
     }
 
     /// The leased blocks, in key order.
