@@ -47,11 +47,17 @@ mkdir -p "$TMPDIR"
 torch_needs_gb=9
 step() { printf '\n--- %s (%s UTC)\n' "$1" "$(date -u +%T)"; }
 
-step "build the wheel (maturin, release, abi3)"
+step "the NIXL runtime and libclang (ci/nixl.sh), for the wheel's peers"
+# The wheel is built with the cargo feature `peers` (nixl-sys's stub API: libclang to build, the
+# NIXL runtime loaded at run time); the peer tests (test_peers.py) then run, and must not skip.
+eval "$(bash "$repo/ci/nixl.sh")"
+export KVTIER_REQUIRE_NIXL=1
+
+step "build the wheel (maturin, release, abi3, --features peers)"
 "$py" -m venv "$work/build"
 "$work/build/bin/pip" install -q --disable-pip-version-check "$maturin_pin"
 rm -f "$wheels"/kvtier-*.whl
-"$work/build/bin/maturin" build --release -m python/Cargo.toml -o "$wheels"
+"$work/build/bin/maturin" build --release -m python/Cargo.toml --features peers -o "$wheels"
 wheel=$(ls "$wheels"/kvtier-*.whl)
 
 step "check the wheel"
@@ -123,13 +129,14 @@ if ((bites)); then
         "ssd-stats-unmapped|test_ssd.py::test_evicted_blocks_come_back_from_the_ssd_in_one_lease_over_both_tiers|'NoneType' object is not subscriptable"
         "record-save-ignored|test_hybrid.py::test_a_checkpoint_whose_attention_prefix_was_evicted_goes_before_a_usable_one|the checkpoint no restore can use went first"
         "ssd-error-untyped|test_ssd.py::test_a_file_of_another_geometry_is_refused_and_left_untouched|kvtier.errors.KvtierError: "
+        "py-query-skips-peers|test_peers.py::test_a_tier_with_a_peer_leases_the_peers_blocks_and_the_next_hit_is_local|the local block, then the peer's three after it"
     )
     failed=0
     bash "$repo/ci/seeded-names.sh" || failed=1
     step "build the wheel with the seeded bugs (KVTIER_PY_SEEDED_BUGS=1)"
     rm -rf "$work/bite-wheel"
     if ! KVTIER_PY_SEEDED_BUGS=1 "$work/build/bin/maturin" build --release -m "$repo/python/Cargo.toml" \
-        -o "$work/bite-wheel" >"$work/bite-build.log" 2>&1; then
+        --features peers -o "$work/bite-wheel" >"$work/bite-build.log" 2>&1; then
         tail -20 "$work/bite-build.log"
         echo "FAIL: the wheel does not build with the seeded bugs"
         exit 1

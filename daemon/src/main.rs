@@ -609,6 +609,10 @@ fn main() {
         tracing::info!("serving peers at {} (NIXL)", p.local_addr());
         at.push_str(&format!(", peers at {}", p.local_addr()));
     }
+    #[cfg(feature = "nixl")]
+    if readers.is_some() {
+        at.push_str(&format!(", reading from peers {}", args.peers.join(" ")));
+    }
     let ssd = match t.ssd_stats() {
         Some(s) => {
             tracing::info!(

@@ -26,6 +26,11 @@ or ``HybridLayout.preset``); a ``HybridTier`` keeps one ``Tier`` per group (``ti
 its ``query`` answers the longest prefix every group can restore at (``HybridLease``);
 ``hybrid_save`` / ``hybrid_restore`` call each group's ``Rank`` with that group's keys.
 
+Peers: a ``Tier`` made with ``peer_listen="host:port"`` serves its pool to other instances, and one
+made with ``peers=["host:port", ...]`` reads its misses from theirs through NIXL (a wheel built
+with the cargo feature ``peers``, the NIXL runtime loadable: ``peers_available()``);
+``Lease.sources`` says per block whether it came from the host pool, the SSD tier or a peer.
+
 See ``docs/python.md`` in the repository for a complete example. Errors are the classes of
 :mod:`kvtier.errors`, all subclasses of :class:`KvtierError`, exported here too: for example
 ``kvtier.PoolExceedsMemoryError`` (a ``Tier`` whose ``pool_bytes`` the machine cannot back,
@@ -48,6 +53,7 @@ from ._kvtier import (
     connect,
     default_socket_path,
     cuda_available,
+    peers_available,
 )
 from .hybrid import hybrid_restore, hybrid_save, hybrid_wait
 from .errors import *  # noqa: F401,F403  (the exception classes)
@@ -69,6 +75,7 @@ __all__ = [
     "hybrid_restore",
     "hybrid_wait",
     "cuda_available",
+    "peers_available",
     "connect",
     "default_socket_path",
     "__version__",

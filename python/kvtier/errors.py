@@ -82,6 +82,8 @@ __all__ = [
     "PanickedError",
     "ForkedChildError",
     "UntrustedDaemonError",
+    # peers
+    "PeerError",
 ]
 
 
@@ -403,3 +405,14 @@ class UntrustedDaemonError(TierError, PermissionError):
     """The process listening on the daemon's socket runs as another user than expected (possibly
     an impostor squatting the socket path); nothing but the hello was sent to it. Attributes:
     ``expected`` and ``found`` (uids)."""
+
+
+# --- peers ----------------------------------------------------------------------------------
+
+
+class PeerError(KvtierError):
+    """A tier's peer roles could not be started (``Tier(..., peers=..., peer_listen=...)``): the
+    NIXL runtime is missing or refused the pool's registration (``kind`` ``"transport"``), the
+    listen address cannot be bound (``"connect"``), or a limit is out of range (``"config"``).
+    A peer that fails during a query raises nothing: see :attr:`kvtier.Lease.peer_errors`.
+    Attribute: ``kind``."""

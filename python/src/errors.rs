@@ -29,7 +29,7 @@ impl Raised {
         self.fields.push((name, Field::Int(v.into())));
         self
     }
-    fn str(mut self, name: &'static str, v: impl ToString) -> Self {
+    pub(crate) fn str(mut self, name: &'static str, v: impl ToString) -> Self {
         self.fields.push((name, Field::Str(v.to_string())));
         self
     }

@@ -10,6 +10,7 @@ mod convert;
 mod errors;
 mod geometry;
 mod hybrid;
+mod peers;
 mod reaper;
 mod seeded;
 mod tier;
@@ -54,6 +55,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hybrid::PyHybridTier>()?;
     m.add_class::<hybrid::PyHybridLease>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(peers::peers_available, m)?)?;
     m.add_function(wrap_pyfunction!(tier::connect, m)?)?;
     m.add_function(wrap_pyfunction!(tier::default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(tier::_serve, m)?)?;

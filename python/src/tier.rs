@@ -98,13 +98,15 @@ pub(crate) fn parse_policy(policy: &str) -> PyResult<PolicyKind> {
 #[pyclass(module = "kvtier", name = "Tier", frozen)]
 pub struct PyTier {
     inner: HostTier,
+    /// The peer roles `peers=` and `peer_listen=` started (feature `peers`).
+    peers: Option<crate::peers::TierPeers>,
 }
 
 impl PyTier {
     /// A `Tier` over `inner` (for a hybrid tier's group: a clone of that group's `HostTier`,
     /// which shares its pool, index and counters).
     pub(crate) fn wrap(inner: HostTier) -> Self {
-        PyTier { inner }
+        PyTier { inner, peers: None }
     }
 }
 
@@ -283,7 +285,7 @@ pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Optio
             None => HostTier::connect(&path),
         })
         .py()?;
-    Ok(PyTier { inner })
+    Ok(PyTier { inner, peers: None })
 }
 
 /// The socket path `kvtierd` listens on when started without `--socket`, and `connect()`'s default:
@@ -339,7 +341,7 @@ fn new_rank(rank: Rank, watch: Py<PyAny>, device: Option<u32>) -> PyRank {
 impl PyTier {
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
-    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None))]
+    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None, peers = None, peer_listen = None, peer_timeout_s = 2.0, peer_pinned_blocks = None))]
     fn new(
         py: Python<'_>,
         geometry: &PyGeometry,
@@ -354,6 +356,10 @@ impl PyTier {
         ssd_admit_uses: Option<u32>,
         ssd_io: Option<&str>,
         ssd_read_depth: Option<usize>,
+        peers: Option<Vec<String>>,
+        peer_listen: Option<&str>,
+        peer_timeout_s: f64,
+        peer_pinned_blocks: Option<usize>,
     ) -> PyResult<Self> {
         let ssd = parse_ssd(ssd, SsdOptions { admit_uses: ssd_admit_uses, io: ssd_io, read_depth: ssd_read_depth })?;
         let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes);
@@ -377,7 +383,14 @@ impl PyTier {
         }
         let cfg = cfg.with_pool(pool);
         let inner = py.detach(|| HostTier::new(cfg)).py()?;
-        Ok(PyTier { inner })
+        let options = crate::peers::PeerOptions {
+            peers,
+            listen: peer_listen,
+            timeout_s: peer_timeout_s,
+            pinned_blocks: peer_pinned_blocks,
+        };
+        let peers = py.detach(|| crate::peers::start(&inner, options))?;
+        Ok(PyTier { inner, peers })
     }
 
     /// Attaches one GPU's paged KV tensors as a rank (a copy backend on CUDA device `device`).
@@ -473,8 +486,54 @@ impl PyTier {
     #[pyo3(signature = (keys, uses = 1))]
     fn query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
         let keys = keys_of(keys)?;
+        // Seeded bug (tests only): `py-query-skips-peers` never asks the tier's peers.
+        let peers = self.peers.as_ref().filter(|_| !crate::seeded::seeded("py-query-skips-peers"));
+        if let Some((lease, errors)) = peers.and_then(|p| py.detach(|| p.query(&keys, uses))) {
+            return Ok(PyLease::with_peer_errors(lease, errors));
+        }
         let inner = py.detach(|| self.inner.try_query_shared(&keys, uses)).py()?;
         Ok(PyLease::new(inner))
+    }
+
+    /// `host:port` this tier serves its pool to peers at (`peer_listen=`; port 0 resolved), or
+    /// None.
+    #[getter]
+    fn peer_address(&self) -> Option<String> {
+        self.peers.as_ref().and_then(|p| p.address())
+    }
+
+    /// The peers this tier reads its misses from (`peers=`), in the order they are asked.
+    #[getter]
+    fn peers(&self) -> Vec<String> {
+        self.peers.as_ref().map_or_else(Vec::new, |p| p.readers())
+    }
+
+    /// Prefill/decode handoff, on the prefill side: keeps the longest ready prefix of `keys`
+    /// pinned for peers until a peer has fetched each block or `ttl_s` seconds passed (capped at
+    /// the server's limit, 60 s by default), whichever comes first. Returns how many blocks are
+    /// held (0 if the first key is not ready). GIL released.
+    ///
+    /// Raises: `ConfigError` (a tier without `peer_listen`, a `ttl_s` that is not a
+    /// non-negative number of seconds); `KeyLengthError`.
+    fn hold_for_peers(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ttl_s: f64) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        let ttl = std::time::Duration::try_from_secs_f64(ttl_s)
+            .map_err(|_| config_error(format!("ttl_s must be a non-negative number of seconds, not {ttl_s}")))?;
+        let peers = self.peers.as_ref().filter(|p| p.address().is_some());
+        let peers = peers.ok_or_else(|| config_error("hold_for_peers needs a tier made with peer_listen=".into()))?;
+        Ok(py.detach(|| peers.hold(&keys, ttl)).unwrap_or(0))
+    }
+
+    /// The peer server's figures (`peer_listen=`): `connections`, `connections_accepted`,
+    /// `live_leases`, `leases_granted`, `blocks_leased`, `blocks_validated`, `blocks_invalid`
+    /// (blocks), `pinned_blocks`, `pin_budget`, `held_blocks`; None without a server.
+    fn peer_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(figures) = self.peers.as_ref().and_then(|p| p.server_stats()) else { return Ok(None) };
+        let d = PyDict::new(py);
+        for (k, v) in figures {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
     }
 
     /// Opens a lease another process shared (`Lease.token`), for a tier from `kvtier.connect`:
@@ -1076,11 +1135,18 @@ impl PyRank {
 pub struct PyLease {
     /// Taken only by `Drop`, which hands it to `reaper::drop_lease`.
     inner: ManuallyDrop<Lease>,
+    /// The peers the query asked that failed, as (address, message).
+    peer_errors: Vec<(String, String)>,
 }
 
 impl PyLease {
     pub(crate) fn new(inner: Lease) -> Self {
-        PyLease { inner: ManuallyDrop::new(inner) }
+        PyLease { inner: ManuallyDrop::new(inner), peer_errors: Vec::new() }
+    }
+
+    /// A lease whose query asked peers, with the ones that failed.
+    pub(crate) fn with_peer_errors(inner: Lease, peer_errors: Vec<(String, String)>) -> Self {
+        PyLease { inner: ManuallyDrop::new(inner), peer_errors }
     }
 
     /// The lease (a shared handle: a clone settles the same lease).
@@ -1112,12 +1178,38 @@ impl PyLease {
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         self.inner.blocks().iter().map(|b| PyBytes::new(py, b.key.as_bytes())).collect()
     }
-    /// Leased blocks the query read back from the SSD tier into host slots: always the last
-    /// `promoted` of `keys`; the first `len(lease) - promoted` were resident on the host. 0
-    /// without an SSD tier, and for a lease of a tier from `kvtier.connect`.
+    /// Leased blocks the query read back from the SSD tier into host slots (the daemon's SSD tier
+    /// for a tier from `kvtier.connect`); `sources` says which. 0 without an SSD tier.
     #[getter]
     fn promoted(&self) -> usize {
         self.inner.promoted()
+    }
+    /// Where each leased block came from, in key order: `"host"` (resident in the pool),
+    /// `"ssd"` (promoted from the SSD tier by this query) or `"peer"` (fetched from a peer's pool
+    /// by this query, its generation checked with the owner). For a tier from `kvtier.connect`,
+    /// where the daemon's query found it.
+    #[getter]
+    fn sources(&self) -> Vec<&'static str> {
+        (0..self.inner.len())
+            .map(|i| match self.inner.source(i) {
+                Some(kvtier::BlockSource::Ssd) => "ssd",
+                Some(kvtier::BlockSource::Peer) => "peer",
+                _ => "host",
+            })
+            .collect()
+    }
+    /// Leased blocks this query fetched from peers (`Tier(peers=...)`, or `kvtierd --peer` for a
+    /// tier from `kvtier.connect`).
+    #[getter]
+    fn from_peer(&self) -> usize {
+        self.inner.from_peer()
+    }
+    /// The peers this query asked that failed (unreachable, gone, past `peer_timeout_s`, another
+    /// protocol version or model, a refusal), as `(address, message)` pairs; the query went on
+    /// without them. Empty for a tier without `peers=`. A daemon's peer failures are in its log.
+    #[getter]
+    fn peer_errors(&self) -> Vec<(String, String)> {
+        self.peer_errors.clone()
     }
     /// True once the lease has settled (its pins are gone). A connected tier's lease asks the
     /// daemon (GIL released); a lost connection counts as settled.
