@@ -11,7 +11,8 @@
 //!
 //! With feature `cuda` on a machine with a GPU, 43 blocks are also restored into GPU arenas after
 //! each peer fetch (the fetch lands in the reader's pool, then the usual restore kernels run),
-//! against the local restore of the same blocks; the arenas are checked against the patterns.
+//! against the local restore of the same blocks, and read by NIXL straight into GPU arenas
+//! registered as VRAM (no host slot in between); the arenas are checked against the patterns.
 //!
 //! And two control round trips for 43 keys: a peer `Query` answered with a lease (the owner pins
 //! 43 blocks), against a local daemon's query of the same 43 keys (`kvtier::Server` on a
@@ -189,6 +190,99 @@ fn gpu_stage(reader: &HostTier, client: &PeerClient, keys: &[ContentKey], iters:
     vec![through_peer, local]
 }
 
+/// With feature `cuda` and a GPU: the other path into the GPU, a NIXL READ of the owner's 43 blocks
+/// straight into GPU arenas (device 0), no host slot in between: the reader's arenas registered
+/// with NIXL as VRAM, one descriptor per (block, arena) chunk (43 x the geometry's arenas), each
+/// from the owner's slot at its arena's offset into the arena's page. Timed from the request's
+/// creation to its completion; the arenas are checked against the keys' patterns after the first
+/// and the last read. `None` (after printing why) when NIXL refuses the VRAM registration or the
+/// read (UCX without its CUDA module, or without `libcudart.so.12`).
+#[cfg(feature = "cuda")]
+fn vram_stage(g: &Geometry, d: &[u8], offsets: &[u64], keys: &[ContentKey], iters: u64) -> Option<Series> {
+    if !kvtier::cuda_available() {
+        return None;
+    }
+    let arenas = kvtier::CudaArenas::new(0, g, kvtier::CudaOptions::default()).expect("GPU arenas");
+    let agent = Agent::new(&format!("kvtier-bench-vram-{}", std::process::id())).expect("agent");
+    let (_m, params) = agent.get_plugin_params("UCX").expect("UCX plugin");
+    let shown: Vec<String> =
+        params.iter().map(|it| it.filter_map(|p| p.ok()).map(|(k, v)| format!("{k}={v}")).collect()).unwrap_or_default();
+    println!("vram: UCX backend parameters: {}", shown.join(" "));
+    let ucx = agent.create_backend("UCX", &params).expect("UCX backend");
+    let mut args = OptArgs::new().unwrap();
+    args.add_backend(&ucx).unwrap();
+    let bases = arenas.binding().bases().to_vec();
+    let mut regs = Vec::new();
+    for (spec, &base) in g.arenas().iter().zip(&bases) {
+        match agent.register_memory(&Vram(base, spec.extent() as usize), Some(&args)) {
+            Ok(r) => regs.push(r),
+            Err(e) => {
+                println!("vram: NIXL refused to register GPU memory ({e:?}); the straight-into-GPU path is not run");
+                return None;
+            }
+        }
+    }
+    let remote_base = u64::from_le_bytes(d[8..16].try_into().unwrap());
+    let remote = agent.load_remote_md(&d[28..]).expect("the owner's metadata");
+    let pages: Vec<u64> = (0..BLOCKS).collect();
+    let read = || -> Result<Duration, String> {
+        let t = Instant::now();
+        let mut l = XferDescList::new(MemType::Vram).unwrap();
+        let mut r = XferDescList::new(MemType::Dram).unwrap();
+        for (j, &off) in offsets.iter().enumerate().take(BLOCKS as usize) {
+            for ((spec, &base), &chunk) in g.arenas().iter().zip(&bases).zip(g.chunk_offsets()) {
+                l.add_desc((base + j as u64 * spec.page_stride) as usize, spec.bytes_per_page as usize, 0);
+                r.add_desc((remote_base + off + chunk) as usize, spec.bytes_per_page as usize, 0);
+            }
+        }
+        let req = agent.create_xfer_req(XferOp::Read, &l, &r, &remote, Some(&args)).map_err(|e| format!("{e:?}"))?;
+        if agent.post_xfer_req(&req, None).map_err(|e| format!("{e:?}"))? {
+            loop {
+                match agent.get_xfer_status(&req).map_err(|e| format!("{e:?}"))? {
+                    XferStatus::InProgress => std::hint::spin_loop(),
+                    _ => break,
+                }
+            }
+        }
+        Ok(t.elapsed())
+    };
+    if let Err(e) = read() {
+        println!("vram: the READ into GPU memory failed ({e}); the straight-into-GPU path is not run");
+        return None;
+    }
+    arenas.verify(&pages, keys).expect("the GPU arenas hold the owner's bytes (NIXL READ into VRAM)");
+    let mut s = Series { name: "gpu: NIXL READ into GPU arenas (43 blocks)", blocks: BLOCKS, times: vec![] };
+    for _ in 0..iters {
+        s.times.push(read().expect("a READ into GPU memory"));
+    }
+    arenas.verify(&pages, keys).expect("the GPU arenas hold the owner's bytes (NIXL READ into VRAM)");
+    drop(regs);
+    Some(s)
+}
+
+/// GPU memory registered with NIXL: one arena's extent on device 0.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+struct Vram(u64, usize);
+#[cfg(feature = "cuda")]
+impl MemoryRegion for Vram {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.0 as *const u8
+    }
+    fn size(&self) -> usize {
+        self.1
+    }
+}
+#[cfg(feature = "cuda")]
+impl NixlDescriptor for Vram {
+    fn mem_type(&self) -> MemType {
+        MemType::Vram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
 /// The raw loop's registered memory: a host pool's mapping.
 #[derive(Debug)]
 struct Raw(*const u8, usize);
@@ -352,7 +446,11 @@ fn main() {
             all.extend(series);
         }
         #[cfg(feature = "cuda")]
-        let gpu = gpu_stage(&reader, &client, &keys, iters);
+        let gpu = {
+            let mut gpu = gpu_stage(&reader, &client, &keys, iters);
+            gpu.extend(vram_stage(&g, &d, &offsets, &keys, iters));
+            gpu
+        };
         #[cfg(not(feature = "cuda"))]
         let gpu: Vec<Series> = Vec::new();
         (all, gpu)
@@ -431,8 +529,8 @@ fn main() {
             s.gbps(bb) / raw.gbps(bb)
         );
     }
-    if let [through_peer, local] = &gpu[..] {
-        for s in [through_peer, local] {
+    if let [through_peer, local, rest @ ..] = &gpu[..] {
+        for s in [through_peer, local].into_iter().chain(rest) {
             println!(
                 "{:<42} median {:8.3} ms  mean {:8.3} ms  {:6.2} GB/s",
                 s.name,
@@ -442,6 +540,9 @@ fn main() {
             );
         }
         println!("peer fetch + restore / local restore (GB/s): {:.3}", through_peer.gbps(bb) / local.gbps(bb));
+        for s in rest {
+            println!("{} / local restore (GB/s): {:.3}", s.name, s.gbps(bb) / local.gbps(bb));
+        }
     }
     for s in [&peer_rtt, &daemon_rtt] {
         println!("{:<42} median {:8.1} us  mean {:8.1} us", s.name, s.median_ms() * 1e3, s.mean_ms() * 1e3);
