@@ -205,8 +205,10 @@ fn vram_stage(g: &Geometry, d: &[u8], offsets: &[u64], keys: &[ContentKey], iter
     let arenas = kvtier::CudaArenas::new(0, g, kvtier::CudaOptions::default()).expect("GPU arenas");
     let agent = Agent::new(&format!("kvtier-bench-vram-{}", std::process::id())).expect("agent");
     let (_m, params) = agent.get_plugin_params("UCX").expect("UCX plugin");
-    let shown: Vec<String> =
-        params.iter().map(|it| it.filter_map(|p| p.ok()).map(|(k, v)| format!("{k}={v}")).collect()).unwrap_or_default();
+    let shown: Vec<String> = params
+        .iter()
+        .map(|it| it.filter_map(|p| p.ok()).map(|(k, v)| format!("{k}={v}")).collect())
+        .unwrap_or_default();
     println!("vram: UCX backend parameters: {}", shown.join(" "));
     let ucx = agent.create_backend("UCX", &params).expect("UCX backend");
     let mut args = OptArgs::new().unwrap();
@@ -239,6 +241,9 @@ fn vram_stage(g: &Geometry, d: &[u8], offsets: &[u64], keys: &[ContentKey], iter
         if agent.post_xfer_req(&req, None).map_err(|e| format!("{e:?}"))? {
             loop {
                 match agent.get_xfer_status(&req).map_err(|e| format!("{e:?}"))? {
+                    XferStatus::InProgress if t.elapsed() > Duration::from_secs(60) => {
+                        return Err("no completion within 60 s".into());
+                    }
                     XferStatus::InProgress => std::hint::spin_loop(),
                     _ => break,
                 }

@@ -111,6 +111,33 @@ fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
 }
 
 #[test]
+fn a_fetched_run_that_reaches_a_block_held_locally_goes_on_from_there() {
+    // The reader holds k0 and k2 (k1 was evicted there, say); the owner holds k0-k3.
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    let a = arenas();
+    let rank = reader.attach(a.backend().unwrap()).unwrap();
+    let _ = save_filled(&rank, &a, &[o.keys[0], o.keys[2]], &[0, 2]);
+    let t = fabric.transport(&reader);
+    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let f = client.fetch(&o.keys, soon()).unwrap();
+    let sources: Vec<_> = (0..f.lease.len()).map(|i| f.lease.source(i).unwrap()).collect();
+    assert_eq!(
+        sources,
+        [BlockSource::Host, BlockSource::Peer, BlockSource::Host, BlockSource::Peer],
+        "the whole prefix: k1 and k3 from the peer, k0 and k2 local"
+    );
+    assert_eq!((f.lease.from_peer(), f.stale), (2, 0));
+    assert_eq!(t.reads.load(std::sync::atomic::Ordering::Relaxed), 2, "one read per fetched run");
+    restore_and_verify(&reader, &f.lease, &o.keys);
+    drop(f);
+    let s = reader.stats();
+    assert_eq!((s.ready_slots, s.writing_slots, s.pinned_slots), (4, 0, 0));
+    assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
+}
+
+#[test]
 fn a_slot_reused_between_pin_and_read_is_dropped_never_served() {
     let fabric = Fabric::new();
     // The owner's pool holds exactly its 4 blocks: new saves must reuse their slots.
@@ -490,14 +517,20 @@ fn a_peer_set_query_continues_each_peers_prefix_and_skips_the_failed() {
     let addrs = [dead.to_string(), a.addr().to_string(), b.addr().to_string()];
     let peers = PeerSet::new(&reader, fabric.transport(&reader), addrs.iter().cloned()).unwrap();
     let k = keys(&reader, 0..6);
+    let queries = reader.stats().queries;
     let f = peers.query(&k[..4], soon());
     assert_eq!(f.lease.len(), 4, "the longest prefix across the peers: A's two, then B's next two");
     assert_eq!(f.peer, Some(2));
     assert!(matches!(f.errors.as_slice(), [(0, PeerError::Connect { .. })]), "{:?}", f.errors);
-    // A's blocks were local by the time B was asked: the lease names B's two as the peer's.
+    // A's blocks were local by the time B was asked; the lease still names them as a peer's.
     assert_eq!(f.fetched, 4);
     let sources: Vec<_> = (0..4).map(|i| f.lease.source(i).unwrap()).collect();
-    assert_eq!(sources, [BlockSource::Host, BlockSource::Host, BlockSource::Peer, BlockSource::Peer]);
+    assert_eq!(sources, [BlockSource::Peer; 4], "every block came from a peer, A's two as B's");
+    assert_eq!(reader.stats().queries, queries + 1, "one query, however many peers it asked");
+    // The dead address failed: it is paused, not connected to again at once.
+    let paused = peers.query(&k[4..], soon());
+    assert!(matches!(paused.errors.first(), Some((0, PeerError::Paused { .. }))), "{:?}", paused.errors);
+    drop(paused);
     restore_and_verify(&reader, &f.lease, &k);
     drop(f);
     // Held locally now: no peer is asked.

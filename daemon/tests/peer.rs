@@ -161,6 +161,7 @@ fn a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_p
     assert_eq!(lease.from_peer(), 3);
     decode_rank.restore(&lease, &[10, 11, 12, 13], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
     decode_arenas.verify(&[10, 11, 12, 13], &k[..4]).unwrap();
+    assert_eq!(lease.uses_left(), 1, "the lease has the two uses asked, one spent");
     drop(lease);
 
     // The fetched blocks are the reader's now: the next query is local, even with the owner gone.

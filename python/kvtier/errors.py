@@ -412,7 +412,8 @@ class UntrustedDaemonError(TierError, PermissionError):
 
 class PeerError(KvtierError):
     """A tier's peer roles could not be started (``Tier(..., peers=..., peer_listen=...)``): the
-    NIXL runtime is missing or refused the pool's registration (``kind`` ``"transport"``), the
-    listen address cannot be bound (``"connect"``), or a limit is out of range (``"config"``).
+    NIXL runtime is missing or refused the pool's registration (``kind`` ``"transport"``) or the
+    listen address cannot be bound (``"connect"``); a value out of range is a
+    :class:`ConfigError`.
     A peer that fails during a query raises nothing: see :attr:`kvtier.Lease.peer_errors`.
     Attribute: ``kind``."""

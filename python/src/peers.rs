@@ -41,13 +41,16 @@ pub(crate) struct TierPeers {
 #[cfg(not(feature = "peers"))]
 pub(crate) enum TierPeers {}
 
-/// A `PeerError` exception (`kvtier.errors.PeerError`) for a failed peer set-up.
+/// A `PeerError` exception (`kvtier.errors.PeerError`) for a failed peer set-up; a configuration
+/// value the library refuses is a `ConfigError`, as the binding's own checks raise.
 #[cfg(feature = "peers")]
 fn peer_error(what: &str, e: &kvtier::PeerError) -> PyErr {
+    if let kvtier::PeerError::Config(m) = e {
+        return config_error(format!("{what}: {m}"));
+    }
     let kind = match e {
         kvtier::PeerError::Transport(_) => "transport",
         kvtier::PeerError::Connect { .. } => "connect",
-        kvtier::PeerError::Config(_) => "config",
         _ => "other",
     };
     crate::errors::Raised::custom("PeerError", format!("{what}: {e}")).str("kind", kind).into()
@@ -56,16 +59,23 @@ fn peer_error(what: &str, e: &kvtier::PeerError) -> PyErr {
 /// Starts the roles `o` asks of `tier` (an in-process tier): one NIXL agent over its pool, named
 /// after the process and `tier`'s namespace, shared by the server and the readers.
 ///
-/// Raises: `ConfigError` (no feature `peers`, a timeout that is not a positive number of seconds,
-/// a peer address empty or given twice); `PeerError` (the NIXL runtime missing, an address that
-/// cannot be bound, a pin budget of 0 or over the pool).
+/// Raises: `ConfigError` (no feature `peers`, a timeout that is not a number of seconds in
+/// (0, 3600], `peer_pinned_blocks` without `peer_listen`, a peer address empty or given twice, a
+/// pin budget of 0 or over the pool); `PeerError` (the NIXL runtime missing, an address that
+/// cannot be bound).
 pub(crate) fn start(tier: &HostTier, o: PeerOptions<'_>) -> PyResult<Option<TierPeers>> {
+    if o.pinned_blocks.is_some() && o.listen.is_none() {
+        return Err(config_error("peer_pinned_blocks bounds what peers pin here: it needs peer_listen=".into()));
+    }
     if !o.any() {
         return Ok(None);
     }
-    let timeout = Duration::try_from_secs_f64(o.timeout_s).ok().filter(|t| !t.is_zero()).ok_or_else(|| {
-        config_error(format!("peer_timeout_s must be a positive number of seconds, not {}", o.timeout_s))
-    })?;
+    let timeout = Duration::try_from_secs_f64(o.timeout_s)
+        .ok()
+        .filter(|t| !t.is_zero() && *t <= Duration::from_secs(3600))
+        .ok_or_else(|| {
+            config_error(format!("peer_timeout_s must be a number of seconds in (0, 3600], not {}", o.timeout_s))
+        })?;
     start_roles(tier, o, timeout)
 }
 

@@ -109,8 +109,11 @@ def test_a_lease_says_where_each_block_came_from(tier, rank):
 
 
 def test_peer_options_are_refused_with_a_typed_error_without_peers_or_bad(geometry):
-    with pytest.raises(kvtier.ConfigError, match="peer_timeout_s must be a positive number of seconds"):
-        kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peers=["127.0.0.1:1"], peer_timeout_s=0)
+    for bad in (0, -1.0, 1e19):
+        with pytest.raises(kvtier.ConfigError, match=r"peer_timeout_s must be a number of seconds in \(0, 3600\]"):
+            kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peers=["127.0.0.1:1"], peer_timeout_s=bad)
+    with pytest.raises(kvtier.ConfigError, match="peer_pinned_blocks bounds what peers pin here: it needs peer_listen="):
+        kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peer_pinned_blocks=2)
     tier = kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain")
     with pytest.raises(kvtier.ConfigError, match="hold_for_peers needs a tier made with peer_listen="):
         tier.hold_for_peers(tier.namespace.keys([b"a"]), 1.0)
@@ -120,6 +123,8 @@ def test_peer_options_are_refused_with_a_typed_error_without_peers_or_bad(geomet
         with pytest.raises(kvtier.PeerError, match="peer_listen 256.0.0.1:1") as e:
             kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peer_listen="256.0.0.1:1")
         assert e.value.kind == "connect"
+        with pytest.raises(kvtier.ConfigError, match="pinned blocks must be > 0"):
+            kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peer_listen="127.0.0.1:0", peer_pinned_blocks=0)
         return
     # A wheel without the feature names it; one with it but no runtime says the runtime is missing.
     with pytest.raises((kvtier.ConfigError, kvtier.PeerError)) as e:
@@ -139,7 +144,7 @@ def test_a_tier_with_a_peer_leases_the_peers_blocks_and_the_next_hit_is_local(ow
             assert lease.sources == ["host", "peer", "peer", "peer"]
             assert (lease.from_peer, lease.peer_errors) == (3, [])
             restore_and_check(rank, arrays, lease, [10, 11, 12, 13], [1, 2, 3, 4])
-            assert lease.uses_left == 1
+            assert lease.uses_left == 1, "the lease has the two uses asked, one spent"
         assert owner.finish() == 3, "the owner validated the three blocks it served"
         # The fetched blocks are the reader's now: the next hit is local, with the owner gone; the
         # owner's failure to answer the rest is reported, not raised.

@@ -28,8 +28,9 @@ use std::time::Instant;
 
 impl PeerClient {
     /// Leases the longest prefix of `keys` it can: the blocks this instance holds, continued with
-    /// blocks fetched from the owner (steps in the module docs). Every network step must finish
-    /// by `deadline`. The returned lease has one use ([`Lease::source`] says per block whether it
+    /// blocks fetched from the owner (steps in the module docs); where a fetched run reaches a
+    /// block this instance holds, the lease goes on with it, and then with the owner again (one
+    /// query, read and validation per run). Every network step must finish by `deadline`. The returned lease has one use ([`Lease::source`] says per block whether it
     /// was local or came from the peer); fetched blocks stay in the local pool (the next query hits
     /// locally).
     ///
@@ -38,6 +39,8 @@ impl PeerClient {
     /// [`PeerError::Refused`] (a limit), [`PeerError::Protocol`] (a reply that breaks the
     /// protocol, e.g. keys not asked for), [`PeerError::Transport`]. On every error the local tier
     /// is unchanged: the local prefix's pins are dropped, no slot stays taken, no key `WRITING`.
+    /// A failure of a later run (after a block held here) is no error: the lease ends at the
+    /// blocks leased before it.
     pub fn fetch(&self, keys: &[ContentKey], deadline: Instant) -> Result<PeerFetch, PeerError> {
         self.fetch_shared(keys, 1, deadline)
     }
@@ -49,16 +52,51 @@ impl PeerClient {
     /// # Errors
     /// Those of [`PeerClient::fetch`], with the local tier unchanged.
     pub fn fetch_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> Result<PeerFetch, PeerError> {
-        let mut stale = 0;
+        match self.fetch_partial(keys, uses, deadline, usize::MAX, true) {
+            (f, None) => Ok(f),
+            // Dropped first: the local prefix's pins go before the error is returned.
+            (f, Some(e)) => {
+                drop(f);
+                Err(e)
+            }
+        }
+    }
+
+    /// The fetch of [`PeerClient::fetch_shared`], fetching at most `max_fetch` blocks from the
+    /// owner, with the first run's error returned beside the lease on what was leased before it
+    /// (the local prefix: host and SSD blocks, sources kept) instead of in its place. `record`
+    /// counts the lease's acquisition as a query of this tier.
+    pub(crate) fn fetch_partial(
+        &self,
+        keys: &[ContentKey],
+        uses: u32,
+        deadline: Instant,
+        max_fetch: usize,
+        record: bool,
+    ) -> (PeerFetch, Option<PeerError>) {
+        let (mut stale, mut runs, mut left) = (0, 0, max_fetch);
         let mut step = |rest: &[ContentKey], blocks: &mut Vec<LeasedBlock>| -> Result<usize, PeerError> {
-            let (n, s) = self.fetch_run(rest, blocks, deadline)?;
-            stale = s;
-            Ok(n)
+            runs += 1;
+            match self.fetch_run(&rest[..rest.len().min(left)], blocks, deadline) {
+                Ok((n, s)) => {
+                    stale += s;
+                    left -= n.min(left);
+                    Ok(n)
+                }
+                // A later run (after a block this instance held) that fails ends the lease at the
+                // blocks leased so far, fetched and validated ones included; only the first run's
+                // failure is the fetch's error.
+                Err(e) if runs > 1 => {
+                    tracing::debug!("a later peer run ended the lease: {e}");
+                    Ok(0)
+                }
+                Err(e) => Err(e),
+            }
         };
-        let lease = Lease::acquire_with(&self.core, keys, uses, Some(&mut step))?;
+        let (lease, err) = Lease::acquire_with(&self.core, keys, uses, Some(&mut step), record);
         self.stale_blocks.fetch_add(stale as u64, Ordering::Relaxed);
         self.fetched_blocks.fetch_add(lease.from_peer() as u64, Ordering::Relaxed);
-        Ok(PeerFetch { lease, stale })
+        (PeerFetch { lease, stale }, err)
     }
 
     /// Steps 2-7 for `rest`, the keys after the local prefix `blocks`: appends the published

@@ -103,6 +103,15 @@ pub enum PeerError {
     /// only.
     #[error("peers need an in-process tier (this one is connected to a tier daemon)")]
     NotInProcess,
+    /// The peer failed recently and is not asked again before its pause ends ([`PeerSet`]
+    /// pauses a failed peer 50 ms, doubling up to 5 s, until it answers again).
+    #[error("the peer {addr} failed recently: not asked for another {for_ms} ms")]
+    Paused {
+        /// The peer's address.
+        addr: String,
+        /// Milliseconds left of the pause.
+        for_ms: u64,
+    },
     /// A configuration value out of range (which and why).
     #[error("invalid peer configuration: {0}")]
     Config(String),

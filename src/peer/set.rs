@@ -1,6 +1,6 @@
-//! The peers an instance knows from configuration ([`PeerSet`]): one control connection per
-//! address, opened on first use and opened again after a failure, and a query that asks them for
-//! what this instance misses.
+//! The peers an instance knows from configuration ([`PeerSet`]): a few control connections per
+//! address, opened on first use and taken by one fetch at a time, a pause after a peer fails, and
+//! a query that asks them for what this instance misses.
 
 use super::client::{PeerClient, PeerFetch};
 use super::transport::PeerTransport;
@@ -9,18 +9,36 @@ use crate::key::ContentKey;
 use crate::tier::lease::Lease;
 use crate::HostTier;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-/// One configured peer: its address and its control connection, if open.
+/// Idle control connections kept per peer (more concurrent fetches open more, closed after).
+const IDLE_PER_PEER: usize = 4;
+/// The first pause after a peer fails; each further failure doubles it, up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+/// The longest pause after failures.
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// One configured peer: its address, its idle connections and its pause after failures.
 struct Peer {
     addr: String,
-    client: Mutex<Option<Arc<PeerClient>>>,
+    idle: Mutex<Vec<PeerClient>>,
+    health: Mutex<Health>,
+}
+
+/// A peer's failures: asked again only after `until`.
+#[derive(Default)]
+struct Health {
+    until: Option<Instant>,
+    pause: Duration,
 }
 
 /// The peers of one in-process tier, from configuration (a list of `host:port` addresses of their
 /// [`super::PeerServer`]s), all reached through one transport (this instance's registered pool).
-/// Connections are opened lazily and dropped on any failure but a refusal, so an owner that
-/// restarted is reached again on the next call.
+/// Each fetch takes a control connection of its own (an idle one, or a new one), so concurrent
+/// queries never wait for each other's round trips and one query's failure breaks only its own
+/// connection; up to 4 idle connections per peer are kept. A peer that fails (anything but a
+/// refusal) is not asked again for a pause, 50 ms doubling up to 5 s and reset by a success:
+/// meanwhile a query records [`PeerError::Paused`] for it without touching the network.
 pub struct PeerSet {
     tier: HostTier,
     transport: Arc<dyn PeerTransport>,
@@ -30,10 +48,9 @@ pub struct PeerSet {
 /// The outcome of [`PeerSet::query`].
 #[derive(Debug)]
 pub struct PeerSetFetch {
-    /// A one-use lease on the longest prefix of the keys this instance now holds: its own blocks,
-    /// then blocks fetched from peers, each pinned. [`Lease::source`] says `Peer` for the blocks
-    /// the last peer brought; those an earlier peer of the same query brought were local by then
-    /// and say `Host` ([`PeerSetFetch::fetched`] counts them all).
+    /// A lease on the longest prefix of the keys this instance now holds: its own blocks, then
+    /// blocks fetched from peers, each pinned. [`Lease::source`] says per block where it came
+    /// from (host, SSD tier, or a peer: an earlier peer's blocks too).
     pub lease: Lease,
     /// Blocks this query fetched from peers and published locally, over every peer asked.
     pub fetched: usize,
@@ -75,7 +92,7 @@ impl PeerSet {
             if peers.iter().any(|p| p.addr == addr) {
                 return Err(PeerError::Config(format!("peer {addr} is configured twice")));
             }
-            peers.push(Peer { addr, client: Mutex::new(None) });
+            peers.push(Peer { addr, idle: Mutex::new(Vec::new()), health: Mutex::new(Health::default()) });
         }
         Ok(PeerSet { tier: tier.clone(), transport, peers })
     }
@@ -90,12 +107,13 @@ impl PeerSet {
         self.peers.iter().map(|p| p.addr.as_str())
     }
 
-    /// Leases the longest prefix of `keys` this instance holds or can fetch: a local query first;
-    /// where it falls short, each peer in configuration order is asked for the keys after the
-    /// prefix held so far (so a later peer continues where an earlier one stopped), until every
-    /// key is held. A peer that fails (unreachable, gone, its deadline, another protocol version,
-    /// a refusal) is recorded in [`PeerSetFetch::errors`] and skipped. Every network step must
-    /// finish by `deadline`. Never fails: with no peer answering it is the local query.
+    /// Leases the longest prefix of `keys` this instance holds or can fetch: its own blocks
+    /// (host pool, SSD tier) first; where they fall short, each peer in configuration order is
+    /// asked for the keys after the prefix held so far (so a later peer continues where an
+    /// earlier one stopped), until every key is held. A peer that fails (unreachable, gone, its
+    /// deadline, another protocol version, a refusal, paused after a recent failure) is recorded
+    /// in [`PeerSetFetch::errors`] and skipped. Every network step must finish by `deadline`.
+    /// Never fails: with no peer answering it is the local query.
     pub fn query(&self, keys: &[ContentKey], deadline: Instant) -> PeerSetFetch {
         self.query_shared(keys, 1, deadline)
     }
@@ -103,6 +121,15 @@ impl PeerSet {
     /// [`PeerSet::query`] with a lease of `uses` restores (one per rank that restores it, as
     /// [`HostTier::query_shared`]); `uses == 0` gives a settled lease and asks no peer.
     pub fn query_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> PeerSetFetch {
+        self.query_bounded(keys, uses, deadline, usize::MAX)
+    }
+
+    /// [`PeerSet::query_shared`] fetching at most `max_fetch` blocks from peers in all (the tier
+    /// daemon bounds it by the asking process's slot budget: fetched blocks take slots being
+    /// written until they are published). Counted as one query of the tier; a fully local hit
+    /// asks no peer.
+    pub fn query_bounded(&self, keys: &[ContentKey], uses: u32, deadline: Instant, max_fetch: usize) -> PeerSetFetch {
+        // The local query (host pool, SSD tier) counts as the query; a peer's fetch continues it.
         let mut best = PeerSetFetch {
             lease: self.tier.query_shared(keys, uses),
             fetched: 0,
@@ -111,19 +138,25 @@ impl PeerSet {
             errors: Vec::new(),
         };
         for i in 0..self.peers.len() {
-            if best.lease.len() == keys.len() || uses == 0 {
+            if uses == 0 || best.lease.len() == keys.len() || best.fetched >= max_fetch {
                 break;
             }
-            match self.fetch_shared_from(i, keys, uses, deadline) {
-                // The new lease pinned the old one's blocks again (they are this instance's now)
-                // before the old one goes.
-                Ok(f) if f.lease.len() > best.lease.len() => {
-                    best.stale += f.stale;
-                    best.fetched += f.lease.from_peer();
-                    best.lease = f.lease;
-                    best.peer = Some(i);
+            match self.fetch_inner(i, keys, uses, deadline, max_fetch - best.fetched, false) {
+                Ok((f, err)) => {
+                    if let Some(e) = err {
+                        best.errors.push((i, e));
+                    }
+                    let PeerFetch { mut lease, stale } = f;
+                    best.stale += stale;
+                    // The new lease pinned the old one's blocks again (they are this instance's
+                    // now) before the old one goes; it keeps where they came from.
+                    if lease.len() > best.lease.len() {
+                        lease.inherit_sources(&best.lease);
+                        best.fetched += lease.from_peer().saturating_sub(best.lease.from_peer());
+                        best.lease = lease;
+                        best.peer = Some(i);
+                    }
                 }
-                Ok(f) => best.stale += f.stale,
                 Err(e) => best.errors.push((i, e)),
             }
             // Seeded bug (tests only): `peers-ask-only-the-first` stops after one peer.
@@ -135,12 +168,12 @@ impl PeerSet {
     }
 
     /// [`PeerClient::fetch`] from the peer at index `peer` (the prefill/decode case: the router
-    /// names the instance that holds the request's blocks), connecting first if needed.
+    /// names the instance that holds the request's blocks), on a connection of its own.
     ///
     /// # Errors
-    /// [`PeerError::Config`] for an index past the configured peers; the errors of
-    /// [`PeerClient::connect`] and [`PeerClient::fetch`]. After any error but a refusal the
-    /// connection is dropped, and the next call connects again.
+    /// [`PeerError::Config`] for an index past the configured peers; [`PeerError::Paused`] if
+    /// the peer failed recently; the errors of [`PeerClient::connect`] and
+    /// [`PeerClient::fetch`].
     pub fn fetch_from(&self, peer: usize, keys: &[ContentKey], deadline: Instant) -> Result<PeerFetch, PeerError> {
         self.fetch_shared_from(peer, keys, 1, deadline)
     }
@@ -156,29 +189,70 @@ impl PeerSet {
         uses: u32,
         deadline: Instant,
     ) -> Result<PeerFetch, PeerError> {
-        let p = self
-            .peers
-            .get(peer)
-            .ok_or_else(|| PeerError::Config(format!("peer {peer} of {} configured", self.peers.len())))?;
-        let client = self.client(p, deadline)?;
-        let r = client.fetch_shared(keys, uses, deadline);
-        if client.is_broken() || matches!(r, Err(ref e) if !matches!(e, PeerError::Refused(_))) {
-            let mut c = super::lock(&p.client);
-            if c.as_ref().is_some_and(|c| Arc::ptr_eq(c, &client)) {
-                *c = None;
+        match self.fetch_inner(peer, keys, uses, deadline, usize::MAX, true)? {
+            (f, None) => Ok(f),
+            (f, Some(e)) => {
+                drop(f);
+                Err(e)
             }
         }
-        r
     }
 
-    /// The open connection to `p`, or a new one.
-    fn client(&self, p: &Peer, deadline: Instant) -> Result<Arc<PeerClient>, PeerError> {
-        if let Some(c) = super::lock(&p.client).as_ref() {
-            return Ok(c.clone());
+    /// A fetch from peer `i` on a connection taken for it: `Err` when no connection could be
+    /// had (paused, a failed connect), else the lease and the fetch's error beside it
+    /// ([`PeerClient::fetch_partial`]). The connection goes back to the idle ones unless it
+    /// broke; the peer's pause is set by a failure (not a refusal) and cleared by a success.
+    fn fetch_inner(
+        &self,
+        i: usize,
+        keys: &[ContentKey],
+        uses: u32,
+        deadline: Instant,
+        max_fetch: usize,
+        record: bool,
+    ) -> Result<(PeerFetch, Option<PeerError>), PeerError> {
+        let p = self
+            .peers
+            .get(i)
+            .ok_or_else(|| PeerError::Config(format!("peer {i} of {} configured", self.peers.len())))?;
+        if let Some(until) = super::lock(&p.health).until {
+            let now = Instant::now();
+            if until > now {
+                return Err(PeerError::Paused { addr: p.addr.clone(), for_ms: (until - now).as_millis() as u64 });
+            }
         }
-        // Connected outside the lock: a slow peer does not hold up callers that find a connection.
-        let c = Arc::new(PeerClient::connect(p.addr.as_str(), &self.tier, self.transport.clone(), deadline)?);
-        let mut slot = super::lock(&p.client);
-        Ok(slot.get_or_insert(c).clone())
+        let taken = super::lock(&p.idle).pop();
+        let client = match taken {
+            Some(c) => c,
+            None => match PeerClient::connect(p.addr.as_str(), &self.tier, self.transport.clone(), deadline) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.failed(p, &e);
+                    return Err(e);
+                }
+            },
+        };
+        let (f, err) = client.fetch_partial(keys, uses, deadline, max_fetch, record);
+        match &err {
+            Some(e) => self.failed(p, e),
+            None => *super::lock(&p.health) = Health::default(),
+        }
+        if !client.is_broken() {
+            let mut idle = super::lock(&p.idle);
+            if idle.len() < IDLE_PER_PEER {
+                idle.push(client);
+            }
+        }
+        Ok((f, err))
+    }
+
+    /// Pauses peer `p` after `e` (not after a refusal: the peer answered).
+    fn failed(&self, p: &Peer, e: &PeerError) {
+        if matches!(e, PeerError::Refused(_)) {
+            return;
+        }
+        let mut h = super::lock(&p.health);
+        h.pause = if h.pause.is_zero() { FIRST_PAUSE } else { (h.pause * 2).min(MAX_PAUSE) };
+        h.until = Some(Instant::now() + h.pause);
     }
 }

@@ -156,14 +156,10 @@ impl Server {
     ///
     /// # Errors
     /// [`crate::PeerError::Config`] if `peers` fills another tier's pool than this server's, if
-    /// `timeout` is zero, or if peers were already set.
+    /// `timeout` is zero or over an hour, or if peers were already set.
     #[cfg(feature = "peers")]
     #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
-    pub fn fetch_from_peers(
-        &self,
-        peers: Arc<crate::PeerSet>,
-        timeout: std::time::Duration,
-    ) -> Result<(), crate::PeerError> {
+    pub fn fetch_from_peers(&self, peers: Arc<crate::PeerSet>, timeout: Duration) -> Result<(), crate::PeerError> {
         let same = match (peers.tier().in_process_core(), self.shared.tier.in_process_core()) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             _ => false,
@@ -171,8 +167,8 @@ impl Server {
         if !same {
             return Err(crate::PeerError::Config("the peer set fills another tier's pool than this server's".into()));
         }
-        if timeout.is_zero() {
-            return Err(crate::PeerError::Config("the peer timeout must be > 0".into()));
+        if timeout.is_zero() || timeout > Duration::from_secs(3600) {
+            return Err(crate::PeerError::Config("the peer timeout must be > 0 and at most 1 hour".into()));
         }
         self.shared
             .peers

@@ -180,10 +180,22 @@ impl Session {
     fn query_lease(&self, keys: &[ContentKey], uses: u32) -> Lease {
         #[cfg(feature = "peers")]
         if let Some((peers, timeout)) = self.shared.peers.get() {
-            let f = peers.query_shared(keys, uses, std::time::Instant::now() + *timeout);
+            // The blocks a fetch brings are being written until published: they take slots of
+            // this process's bound for the fetch's length, as a save's reservation does.
+            let room = self.shared.slot_room(self.pid).min(keys.len());
+            if room == 0 || self.shared.take_slots(self.pid, room).is_err() {
+                return self.shared.tier.query_shared(keys, uses);
+            }
+            let f = peers.query_bounded(keys, uses, std::time::Instant::now() + *timeout, room);
+            self.shared.give_slots(self.pid, room);
             for (i, e) in &f.errors {
                 let addr = peers.addrs().nth(*i).unwrap_or("?");
-                tracing::warn!("process {}: peer {addr} failed a fetch: {e}", ShowPid(self.pid));
+                // A paused peer is logged when it failed, not at every query after.
+                if matches!(e, crate::PeerError::Paused { .. }) {
+                    tracing::debug!("process {}: peer {addr} skipped: {e}", ShowPid(self.pid));
+                } else {
+                    tracing::warn!("process {}: peer {addr} failed a fetch: {e}", ShowPid(self.pid));
+                }
             }
             if f.fetched > 0 || f.stale > 0 {
                 tracing::debug!(

@@ -172,6 +172,13 @@ impl Shared {
         Ok(())
     }
 
+    /// Slots process `pid` may still take of its bound.
+    #[cfg(feature = "peers")]
+    pub(super) fn slot_room(&self, pid: Option<u32>) -> usize {
+        let held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        self.slot_bound.saturating_sub(held.get(&pid).copied().unwrap_or(0))
+    }
+
     /// Gives `n` slots back to process `pid`'s bound.
     pub(super) fn give_slots(&self, pid: Option<u32>, n: usize) {
         let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
