@@ -187,6 +187,43 @@ fn a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_p
     decode_rank.shutdown(DEADLINE).unwrap();
 }
 
+#[test]
+fn a_daemon_fetches_for_a_process_no_more_than_its_slot_bound() {
+    if !runtime("a_daemon_fetches_for_a_process_no_more_than_its_slot_bound") {
+        return;
+    }
+    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
+    let addr = peer_addr(&owner);
+    let prefill = HostTier::connect(&owner.socket).unwrap();
+    let g = prefill.geometry().with_pages(64).unwrap();
+    let prefill_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let prefill_rank = prefill.attach(prefill_arenas.backend().unwrap()).unwrap();
+    let k = keys(&prefill, 4);
+    prefill_arenas.fill(&[0, 1, 2, 3], &k).unwrap();
+    prefill_rank.save(&k, &[0, 1, 2, 3], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+    // A process may hold 2 slots being written at once: a query fetches at most 2 blocks.
+    let args = ["--peer", addr.as_str(), "--peer-timeout-ms", "20000", "--max-slots-per-process", "2"];
+    let reader = Daemon::start_args(8, "lru", None, &args);
+    let decode = HostTier::connect(&reader.socket).unwrap();
+    let decode_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let decode_rank = decode.attach(decode_arenas.backend().unwrap()).unwrap();
+    let first = decode.query(&k);
+    assert_eq!((first.len(), first.from_peer()), (2, 2), "a fetch is charged to the process's slot bound");
+    drop(first);
+    // The next query has them locally and fetches the next two.
+    let second = decode.query(&k);
+    let sources: Vec<_> = (0..second.len()).map(|i| second.source(i)).collect();
+    assert_eq!(
+        sources,
+        [Some(BlockSource::Host), Some(BlockSource::Host), Some(BlockSource::Peer), Some(BlockSource::Peer)]
+    );
+    decode_rank.restore(&second, &[10, 11, 12, 13], WaitFor::Nothing).unwrap().wait_timeout(DEADLINE).unwrap().unwrap();
+    decode_arenas.verify(&[10, 11, 12, 13], &k).unwrap();
+    drop(second);
+    decode_rank.shutdown(DEADLINE).unwrap();
+    prefill_rank.shutdown(DEADLINE).unwrap();
+}
+
 /// The metrics address the daemon printed (`..., metrics at http://ADDR/metrics`).
 fn metrics_addr(d: &Daemon) -> String {
     let at = d.line.split("metrics at http://").nth(1).unwrap_or_else(|| panic!("no metrics address in {:?}", d.line));
