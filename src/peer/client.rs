@@ -154,11 +154,14 @@ impl PeerClient {
         self.broken.load(Ordering::Acquire)
     }
 
-    /// One request and its reply, by `deadline`. Any failure breaks the connection.
+    /// One request and its reply, by `deadline`. Any failure once the request is being sent
+    /// breaks the connection.
     fn call(&self, req: &PeerRequest, deadline: Instant) -> Result<PeerReply, PeerError> {
         if self.broken.load(Ordering::Acquire) {
             return Err(PeerError::OwnerGone);
         }
+        // A deadline passed before anything was sent leaves the connection in step: not broken.
+        remaining(deadline)?;
         let r = self.call_once(req, deadline);
         if r.is_err() {
             self.broken.store(true, Ordering::Release);

@@ -53,7 +53,9 @@ impl PeerClient {
     /// Those of [`PeerClient::fetch`], with the local tier unchanged.
     pub fn fetch_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> Result<PeerFetch, PeerError> {
         match self.fetch_partial(keys, uses, deadline, usize::MAX, true) {
+            // A later run's failure after blocks were fetched: the lease on them.
             (f, None) => Ok(f),
+            (f, Some(_)) if f.lease.from_peer() > 0 => Ok(f),
             // Dropped first: the local prefix's pins go before the error is returned.
             (f, Some(e)) => {
                 drop(f);
@@ -63,8 +65,9 @@ impl PeerClient {
     }
 
     /// The fetch of [`PeerClient::fetch_shared`], fetching at most `max_fetch` blocks from the
-    /// owner, with the first run's error returned beside the lease on what was leased before it
-    /// (the local prefix: host and SSD blocks, sources kept) instead of in its place. `record`
+    /// owner, with a run's error returned beside the lease on what was leased before it (the
+    /// local prefix, and the runs fetched before a later run failed; sources kept) instead of in
+    /// its place. `record`
     /// counts the lease's acquisition as a query of this tier.
     pub(crate) fn fetch_partial(
         &self,
@@ -74,7 +77,7 @@ impl PeerClient {
         max_fetch: usize,
         record: bool,
     ) -> (PeerFetch, Option<PeerError>) {
-        let (mut stale, mut runs, mut left) = (0, 0, max_fetch);
+        let (mut stale, mut runs, mut left, mut later) = (0, 0, max_fetch, None);
         let mut step = |rest: &[ContentKey], blocks: &mut Vec<LeasedBlock>| -> Result<usize, PeerError> {
             runs += 1;
             match self.fetch_run(&rest[..rest.len().min(left)], blocks, deadline) {
@@ -88,12 +91,14 @@ impl PeerClient {
                 // failure is the fetch's error.
                 Err(e) if runs > 1 => {
                     tracing::debug!("a later peer run ended the lease: {e}");
+                    later = Some(e);
                     Ok(0)
                 }
                 Err(e) => Err(e),
             }
         };
         let (lease, err) = Lease::acquire_with(&self.core, keys, uses, Some(&mut step), record);
+        let err = err.or(later);
         self.stale_blocks.fetch_add(stale as u64, Ordering::Relaxed);
         self.fetched_blocks.fetch_add(lease.from_peer() as u64, Ordering::Relaxed);
         (PeerFetch { lease, stale }, err)

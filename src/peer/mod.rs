@@ -103,8 +103,17 @@ pub enum PeerError {
     /// only.
     #[error("peers need an in-process tier (this one is connected to a tier daemon)")]
     NotInProcess,
+    /// As many fetches from this peer as [`PeerSet`] allows (16) are in flight: the query went
+    /// on without it.
+    #[error("{in_flight} fetches from the peer {addr} are in flight already")]
+    Busy {
+        /// The peer's address.
+        addr: String,
+        /// Fetches in flight.
+        in_flight: usize,
+    },
     /// The peer failed recently and is not asked again before its pause ends ([`PeerSet`]
-    /// pauses a failed peer 50 ms, doubling up to 5 s, until it answers again).
+    /// pauses a failed peer 200 ms, doubling up to 5 s, until it answers again).
     #[error("the peer {addr} failed recently: not asked for another {for_ms} ms")]
     Paused {
         /// The peer's address.

@@ -13,15 +13,20 @@ use std::time::{Duration, Instant};
 
 /// Idle control connections kept per peer (more concurrent fetches open more, closed after).
 const IDLE_PER_PEER: usize = 4;
+/// Fetches from one peer in flight at once, each on its own connection; a query past it skips
+/// the peer ([`PeerError::Busy`]).
+const IN_FLIGHT_PER_PEER: usize = 16;
 /// The first pause after a peer fails; each further failure doubles it, up to [`MAX_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(50);
+const FIRST_PAUSE: Duration = Duration::from_millis(200);
 /// The longest pause after failures.
 const MAX_PAUSE: Duration = Duration::from_secs(5);
 
-/// One configured peer: its address, its idle connections and its pause after failures.
+/// One configured peer: its address, its idle connections, its fetches in flight and its pause
+/// after failures.
 struct Peer {
     addr: String,
     idle: Mutex<Vec<PeerClient>>,
+    in_flight: Mutex<usize>,
     health: Mutex<Health>,
 }
 
@@ -35,10 +40,13 @@ struct Health {
 /// The peers of one in-process tier, from configuration (a list of `host:port` addresses of their
 /// [`super::PeerServer`]s), all reached through one transport (this instance's registered pool).
 /// Each fetch takes a control connection of its own (an idle one, or a new one), so concurrent
-/// queries never wait for each other's round trips and one query's failure breaks only its own
-/// connection; up to 4 idle connections per peer are kept. A peer that fails (anything but a
-/// refusal) is not asked again for a pause, 50 ms doubling up to 5 s and reset by a success:
-/// meanwhile a query records [`PeerError::Paused`] for it without touching the network.
+/// queries never share a connection and one query's failure breaks only its own; up to 16
+/// fetches per peer are in flight at once (a query past that skips the peer,
+/// [`PeerError::Busy`]) and up to 4 idle connections per peer are kept, only after a fetch that
+/// succeeded or was refused. A peer that fails (anything but a refusal or the caller's deadline)
+/// is not asked again for a pause, 200 ms doubling up to 5 s and reset by a success: meanwhile a
+/// query records [`PeerError::Paused`] for it without touching the network, and its idle
+/// connections are closed.
 pub struct PeerSet {
     tier: HostTier,
     transport: Arc<dyn PeerTransport>,
@@ -92,7 +100,12 @@ impl PeerSet {
             if peers.iter().any(|p| p.addr == addr) {
                 return Err(PeerError::Config(format!("peer {addr} is configured twice")));
             }
-            peers.push(Peer { addr, idle: Mutex::new(Vec::new()), health: Mutex::new(Health::default()) });
+            peers.push(Peer {
+                addr,
+                idle: Mutex::new(Vec::new()),
+                in_flight: Mutex::new(0),
+                health: Mutex::new(Health::default()),
+            });
         }
         Ok(PeerSet { tier: tier.clone(), transport, peers })
     }
@@ -138,7 +151,9 @@ impl PeerSet {
             errors: Vec::new(),
         };
         for i in 0..self.peers.len() {
-            if uses == 0 || best.lease.len() == keys.len() || best.fetched >= max_fetch {
+            let done = best.lease.len() == keys.len() || best.fetched >= max_fetch;
+            // Past the deadline no peer is asked (a peer is not blamed for the caller's time).
+            if uses == 0 || done || Instant::now() >= deadline {
                 break;
             }
             match self.fetch_inner(i, keys, uses, deadline, max_fetch - best.fetched, false) {
@@ -151,8 +166,9 @@ impl PeerSet {
                     // The new lease pinned the old one's blocks again (they are this instance's
                     // now) before the old one goes; it keeps where they came from.
                     if lease.len() > best.lease.len() {
+                        let brought = lease.from_peer();
                         lease.inherit_sources(&best.lease);
-                        best.fetched += lease.from_peer().saturating_sub(best.lease.from_peer());
+                        best.fetched += brought;
                         best.lease = lease;
                         best.peer = Some(i);
                     }
@@ -191,6 +207,7 @@ impl PeerSet {
     ) -> Result<PeerFetch, PeerError> {
         match self.fetch_inner(peer, keys, uses, deadline, usize::MAX, true)? {
             (f, None) => Ok(f),
+            (f, Some(_)) if f.lease.from_peer() > 0 => Ok(f),
             (f, Some(e)) => {
                 drop(f);
                 Err(e)
@@ -221,6 +238,22 @@ impl PeerSet {
                 return Err(PeerError::Paused { addr: p.addr.clone(), for_ms: (until - now).as_millis() as u64 });
             }
         }
+        {
+            let mut n = super::lock(&p.in_flight);
+            if *n >= IN_FLIGHT_PER_PEER {
+                return Err(PeerError::Busy { addr: p.addr.clone(), in_flight: *n });
+            }
+            *n += 1;
+        }
+        // Counted down however the fetch ends.
+        struct InFlight<'a>(&'a Mutex<usize>);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                let mut n = super::lock(self.0);
+                *n = n.saturating_sub(1);
+            }
+        }
+        let _in_flight = InFlight(&p.in_flight);
         let taken = super::lock(&p.idle).pop();
         let client = match taken {
             Some(c) => c,
@@ -233,11 +266,17 @@ impl PeerSet {
             },
         };
         let (f, err) = client.fetch_partial(keys, uses, deadline, max_fetch, record);
-        match &err {
-            Some(e) => self.failed(p, e),
-            None => *super::lock(&p.health) = Health::default(),
-        }
-        if !client.is_broken() {
+        let keep = match &err {
+            Some(e) => {
+                self.failed(p, e);
+                matches!(e, PeerError::Refused(_))
+            }
+            None => {
+                *super::lock(&p.health) = Health::default();
+                true
+            }
+        };
+        if keep && !client.is_broken() {
             let mut idle = super::lock(&p.idle);
             if idle.len() < IDLE_PER_PEER {
                 idle.push(client);
@@ -246,13 +285,17 @@ impl PeerSet {
         Ok((f, err))
     }
 
-    /// Pauses peer `p` after `e` (not after a refusal: the peer answered).
+    /// Pauses peer `p` after `e` and closes its idle connections (not after a refusal, where the
+    /// peer answered, nor after the caller's deadline).
     fn failed(&self, p: &Peer, e: &PeerError) {
-        if matches!(e, PeerError::Refused(_)) {
+        if matches!(e, PeerError::Refused(_) | PeerError::Deadline) {
             return;
         }
+        let idle: Vec<PeerClient> = std::mem::take(&mut *super::lock(&p.idle));
         let mut h = super::lock(&p.health);
         h.pause = if h.pause.is_zero() { FIRST_PAUSE } else { (h.pause * 2).min(MAX_PAUSE) };
         h.until = Some(Instant::now() + h.pause);
+        drop(h);
+        drop(idle); // outside the locks: closing a connection forgets its transport peer
     }
 }

@@ -188,8 +188,16 @@ impl Session {
             if room == 0 || self.shared.take_slots(self.pid, room).is_err() {
                 return self.shared.tier.query_shared(keys, uses);
             }
+            // Given back however the fetch ends, an unwind included (the session catches panics).
+            struct Charge<'a>(&'a Shared, Option<u32>, usize);
+            impl Drop for Charge<'_> {
+                fn drop(&mut self) {
+                    self.0.give_slots(self.1, self.2);
+                }
+            }
+            let charge = Charge(&self.shared, self.pid, room);
             let f = peers.query_bounded(keys, uses, std::time::Instant::now() + *timeout, room);
-            self.shared.give_slots(self.pid, room);
+            drop(charge);
             for (i, e) in &f.errors {
                 let addr = peers.addrs().nth(*i).unwrap_or("?");
                 // A paused peer is logged when it failed, not at every query after.

@@ -175,7 +175,9 @@ impl Lease {
         let mut sources: Vec<BlockSource> = Vec::new();
         let mut lower = lower;
         let mut failed = None;
+        let mut lowered = false;
         loop {
+            let before = blocks.len();
             let mut missing;
             loop {
                 missing = Self::lease_host_run(core, keys, &mut blocks);
@@ -195,9 +197,14 @@ impl Lease {
             // Then the lower source (a peer) for the keys after that; after the blocks it brings,
             // the host (or the SSD tier) may hold the next ones again: a fetched run ends at a
             // key this instance already holds, and the lease goes on from there.
-            let Some(lower) = lower.as_mut().filter(|_| missing && uses > 0 && blocks.len() < keys.len()) else {
+            // After a run `lower` brought, it is asked again only if the host or SSD run after it
+            // added blocks (a run it ended itself would end at the same key again).
+            let again = !lowered || blocks.len() > before;
+            let Some(lower) = lower.as_mut().filter(|_| again && missing && uses > 0 && blocks.len() < keys.len())
+            else {
                 break;
             };
+            lowered = true;
             let end = blocks.len();
             match lower(&keys[end..], &mut blocks) {
                 Ok(n) if n > 0 => {
