@@ -72,6 +72,7 @@ mod seeded;
 mod server;
 mod size;
 mod slab;
+mod source;
 mod sync;
 mod tier;
 
@@ -123,8 +124,9 @@ pub use slab::{
     hugetlb_free_pages, Backing, BackingChoice, HostPool, PoolConfig, PoolRegion, SharedPoolLayout, SlotId,
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
+pub use source::BlockSource;
 pub use tier::handle::CopyHandle;
-pub use tier::lease::{BlockSource, Lease};
+pub use tier::lease::Lease;
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
     AuditReport, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats, MAX_HINT_TTL,

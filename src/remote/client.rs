@@ -366,7 +366,7 @@ impl Conn {
         keys: &[ContentKey],
         uses: u32,
         capacity: u32,
-    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::BlockSource>), TierError> {
+    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::source::BlockSource>), TierError> {
         match self.call(&Request::Query { keys: keys.to_vec(), uses })? {
             Reply::Leased { lease, blocks, sources } => {
                 check_blocks(Some(keys), &blocks, &sources, capacity)?;
@@ -385,7 +385,7 @@ impl Conn {
         self: &Arc<Self>,
         token: &LeaseToken,
         capacity: u32,
-    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::BlockSource>), TierError> {
+    ) -> Result<(RemoteLease, Vec<WireBlock>, Vec<crate::source::BlockSource>), TierError> {
         if token.instance != self.instance {
             return Err(TierError::ForeignLease);
         }
@@ -404,7 +404,7 @@ impl Conn {
 fn check_blocks(
     keys: Option<&[ContentKey]>,
     wire: &[WireBlock],
-    sources: &[crate::BlockSource],
+    sources: &[crate::source::BlockSource],
     capacity: u32,
 ) -> Result<(), TierError> {
     let asked = |i: usize, b: &WireBlock| keys.is_none_or(|k| k[i] == b.key);

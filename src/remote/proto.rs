@@ -517,7 +517,7 @@ pub enum Reply {
         blocks: Vec<WireBlock>,
         /// Where the daemon's query found each block: empty when every block was resident on its
         /// host pool, else one per block (its SSD tier, a peer). Added in version 6.
-        sources: Vec<crate::BlockSource>,
+        sources: Vec<crate::source::BlockSource>,
     },
     /// A lease's state.
     LeaseInfo {
@@ -743,7 +743,7 @@ mod tests {
             lease: 7,
             blocks: keys.iter().map(|&key| WireBlock { key, slot: 3, generation: 1 << 39 }).collect(),
             sources: (0..43)
-                .map(|i| if i < 40 { crate::BlockSource::Host } else { crate::BlockSource::Peer })
+                .map(|i| if i < 40 { crate::source::BlockSource::Host } else { crate::source::BlockSource::Peer })
                 .collect(),
         };
         encode(&reply, &mut buf).unwrap();

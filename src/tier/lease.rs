@@ -32,6 +32,7 @@
 use crate::error::TierError;
 use crate::key::ContentKey;
 use crate::slab::slot::{PinError, SlotId};
+use crate::source::BlockSource;
 use crate::sync::{Arc, AtomicU8, Ordering};
 use crate::tier::core::Core;
 pub(crate) use crate::tier::expiry::LeasedBlock;
@@ -63,20 +64,6 @@ pub(crate) struct InProcessLease {
     state: Arc<LeaseState>,
     /// Per leased block, where it came from (empty when every block was resident on the host).
     sources: Vec<BlockSource>,
-}
-
-/// Where a leased block came from ([`Lease::source`]). With feature `remote` it crosses the tier
-/// daemon's protocol in this variant order (a reordering is a protocol version bump).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub enum BlockSource {
-    /// Resident in this instance's host pool when the lease was taken.
-    Host,
-    /// Read from the SSD tier into a host slot by the lease's query (a promotion).
-    Ssd,
-    /// Read from a peer instance's host pool into a host slot, its generation validated with the
-    /// owner (a peer fetch, feature `peers`).
-    Peer,
 }
 
 impl Drop for InProcessLease {
