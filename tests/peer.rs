@@ -72,17 +72,37 @@ fn assert_untouched(tier: &HostTier) {
     );
 }
 
-#[test]
-fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
+/// What [`reader_holding`] sets up: an owner `o` and a reader tier connected to it (`client`,
+/// through `t`), with the arenas and rank its own blocks were saved from.
+struct Reader {
+    fabric: Arc<Fabric>,
+    o: Owner,
+    reader: HostTier,
+    arenas: Arc<kvtier::MemcpyArenas>,
+    rank: kvtier::Rank,
+    t: Arc<double::CopyTransport>,
+    client: PeerClient,
+}
+
+/// An owner of 8 slots holding 4 blocks, and a reader of 8 slots that holds the owner's blocks at
+/// the indices `held` itself (each saved from the page of its index), connected to the owner.
+fn reader_holding(held: &[u64]) -> Reader {
     let fabric = Fabric::new();
     let o = owner(&fabric, 8, 4, PeerLimits::default());
     let reader = tier(8, PolicyKind::Lru);
-    // The reader holds the first block itself: the lease continues from the peer after it.
     let a = arenas();
     let rank = reader.attach(a.backend().unwrap()).unwrap();
-    let _ = save_filled(&rank, &a, &o.keys[..1], &[0]);
+    let keys: Vec<ContentKey> = held.iter().map(|&i| o.keys[i as usize]).collect();
+    let _ = save_filled(&rank, &a, &keys, held);
     let t = fabric.transport(&reader);
     let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    Reader { fabric, o, reader, arenas: a, rank, t, client }
+}
+
+#[test]
+fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
+    // The reader holds the first block itself: the lease continues from the peer after it.
+    let Reader { fabric: _fabric, o, reader, arenas: _a, rank: _rank, t, client } = reader_holding(&[0]);
     let mut ask = o.keys.clone();
     ask.push(o.tier.namespace().trace_page_key(99, 0)); // held by nobody
     let f = client.fetch(&ask, soon()).unwrap();
@@ -113,14 +133,7 @@ fn a_remote_hit_restores_the_owners_bytes_and_the_next_hit_is_local() {
 #[test]
 fn a_fetched_run_that_reaches_a_block_held_locally_goes_on_from_there() {
     // The reader holds k0 and k2 (k1 was evicted there, say); the owner holds k0-k3.
-    let fabric = Fabric::new();
-    let o = owner(&fabric, 8, 4, PeerLimits::default());
-    let reader = tier(8, PolicyKind::Lru);
-    let a = arenas();
-    let rank = reader.attach(a.backend().unwrap()).unwrap();
-    let _ = save_filled(&rank, &a, &[o.keys[0], o.keys[2]], &[0, 2]);
-    let t = fabric.transport(&reader);
-    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let Reader { fabric: _fabric, o, reader, arenas: _a, rank: _rank, t, client } = reader_holding(&[0, 2]);
     let f = client.fetch(&o.keys, soon()).unwrap();
     let sources: Vec<_> = (0..f.lease.len()).map(|i| f.lease.source(i).unwrap()).collect();
     assert_eq!(

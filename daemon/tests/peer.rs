@@ -13,8 +13,8 @@
 mod support;
 
 use kvtier::{
-    BackingChoice, BlockSource, ContentKey, EngineArenas, HostTier, MemcpyArenas, NixlTransport, PeerClient,
-    TierConfig, WaitFor,
+    BackingChoice, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, MemcpyArenas, NixlTransport, PeerClient,
+    Rank, TierConfig, WaitFor,
 };
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -117,27 +117,43 @@ fn peer_addr(d: &Daemon) -> String {
         .to_string()
 }
 
+/// The prefill side of the daemon-reader tests: a daemon serving its pool to peers (`owner`, at
+/// `addr`) and its engine (`tier`, with `arenas` of geometry `g` attached as `rank`).
+struct Prefill {
+    owner: Daemon,
+    addr: String,
+    tier: HostTier,
+    g: Geometry,
+    arenas: Arc<MemcpyArenas>,
+    rank: Rank,
+    keys: Vec<ContentKey>,
+}
+
+/// A [`Prefill`] whose engine has filled pages `0..n` with `keys` (`0..n`) and saved the first
+/// four: the owner holds four blocks.
+fn prefill_owner(n: u64) -> Prefill {
+    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
+    let addr = peer_addr(&owner);
+    let tier = HostTier::connect(&owner.socket).unwrap();
+    let g = tier.geometry().with_pages(64).unwrap();
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    let k = keys(&tier, n);
+    let pages: Vec<u64> = (0..n).collect();
+    arenas.fill(&pages, &k).unwrap();
+    rank.save(&k[..4], &pages[..4], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+    Prefill { owner, addr, tier, g, arenas, rank, keys: k }
+}
+
 #[test]
 fn a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_peer() {
     if !runtime("a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_peer") {
         return;
     }
-    // The prefill side: a daemon serving its pool to peers; its engine saves six blocks.
-    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
-    let addr = peer_addr(&owner);
-    let prefill = HostTier::connect(&owner.socket).unwrap();
-    let g = prefill.geometry().with_pages(64).unwrap();
-    let prefill_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
-    let prefill_rank = prefill.attach(prefill_arenas.backend().unwrap()).unwrap();
-    let k = keys(&prefill, 6);
-    prefill_arenas.fill(&[0, 1, 2, 3, 4, 5], &k).unwrap();
-    prefill_rank
-        .save(&k[..4], &[0, 1, 2, 3], WaitFor::Nothing)
-        .unwrap()
-        .handle
-        .wait_timeout(DEADLINE)
-        .unwrap()
-        .unwrap();
+    // The prefill side: a daemon serving its pool to peers; its engine saves the first four of
+    // six keys.
+    let Prefill { owner, addr, tier: prefill, g, arenas: _prefill_arenas, rank: prefill_rank, keys: k } =
+        prefill_owner(6);
 
     // The decode side: a daemon that reads its misses from the owner; its engine has saved only
     // the first block itself.
@@ -192,15 +208,8 @@ fn a_daemon_fetches_for_a_process_no_more_than_its_slot_bound() {
     if !runtime("a_daemon_fetches_for_a_process_no_more_than_its_slot_bound") {
         return;
     }
-    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
-    let addr = peer_addr(&owner);
-    let prefill = HostTier::connect(&owner.socket).unwrap();
-    let g = prefill.geometry().with_pages(64).unwrap();
-    let prefill_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
-    let prefill_rank = prefill.attach(prefill_arenas.backend().unwrap()).unwrap();
-    let k = keys(&prefill, 4);
-    prefill_arenas.fill(&[0, 1, 2, 3], &k).unwrap();
-    prefill_rank.save(&k, &[0, 1, 2, 3], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+    let Prefill { owner: _owner, addr, tier: _prefill, g, arenas: _prefill_arenas, rank: prefill_rank, keys: k } =
+        prefill_owner(4);
     // A process may hold 2 slots being written at once: a query fetches at most 2 blocks.
     let args = ["--peer", addr.as_str(), "--peer-timeout-ms", "20000", "--max-slots-per-process", "2"];
     let reader = Daemon::start_args(8, "lru", None, &args);

@@ -26,6 +26,23 @@ pub struct PeerFetch {
     pub stale: usize,
 }
 
+impl PeerFetch {
+    /// The fetch's result, given the error of one of its runs ([`PeerClient::fetch_partial`]): a
+    /// later run's error is kept only when nothing was fetched (else the lease on the fetched
+    /// blocks is the result); this lease is then dropped first, its local pins gone before the
+    /// error is returned.
+    pub(super) fn into_result(self, err: Option<PeerError>) -> Result<PeerFetch, PeerError> {
+        match err {
+            None => Ok(self),
+            Some(_) if self.lease.from_peer() > 0 => Ok(self),
+            Some(e) => {
+                drop(self);
+                Err(e)
+            }
+        }
+    }
+}
+
 /// A reader's control connection to one owner ([`super::PeerServer`]) and the owner's transport
 /// peer. Requests on one client are serialized (one at a time); a failed request breaks the
 /// connection (later ones fail with [`PeerError::OwnerGone`]): connect again. Dropping it closes

@@ -52,16 +52,8 @@ impl PeerClient {
     /// # Errors
     /// Those of [`PeerClient::fetch`], with the local tier unchanged.
     pub fn fetch_shared(&self, keys: &[ContentKey], uses: u32, deadline: Instant) -> Result<PeerFetch, PeerError> {
-        match self.fetch_partial(keys, uses, deadline, usize::MAX, true) {
-            // A later run's failure after blocks were fetched: the lease on them.
-            (f, None) => Ok(f),
-            (f, Some(_)) if f.lease.from_peer() > 0 => Ok(f),
-            // Dropped first: the local prefix's pins go before the error is returned.
-            (f, Some(e)) => {
-                drop(f);
-                Err(e)
-            }
-        }
+        let (f, err) = self.fetch_partial(keys, uses, deadline, usize::MAX, true);
+        f.into_result(err)
     }
 
     /// The fetch of [`PeerClient::fetch_shared`], fetching at most `max_fetch` blocks from the

@@ -205,14 +205,8 @@ impl PeerSet {
         uses: u32,
         deadline: Instant,
     ) -> Result<PeerFetch, PeerError> {
-        match self.fetch_inner(peer, keys, uses, deadline, usize::MAX, true)? {
-            (f, None) => Ok(f),
-            (f, Some(_)) if f.lease.from_peer() > 0 => Ok(f),
-            (f, Some(e)) => {
-                drop(f);
-                Err(e)
-            }
-        }
+        let (f, err) = self.fetch_inner(peer, keys, uses, deadline, usize::MAX, true)?;
+        f.into_result(err)
     }
 
     /// A fetch from peer `i` on a connection taken for it: `Err` when no connection could be
