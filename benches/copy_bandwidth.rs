@@ -17,7 +17,11 @@
 //! - `layers_save`, `layers_restore` (8, 43 and 256 blocks): layer-wise copies
 //!   (`kvtier`) at 78 groups (one per GLM-5.2 layer), 8 groups and 1 group, beside
 //!   the whole-block default and the contiguous copy, so the cost of per-layer readiness shows in
-//!   GB/s. `COPY_BANDWIDTH_LAYERS_ONLY=1` runs this group alone.
+//!   GB/s;
+//! - `layer_signal` (a table, no criterion group): a CUDA event per layer group against a counter
+//!   the engine's stream waits on with `cuStreamWaitValue32`, on the same stand-in copy: each
+//!   one's cost to the copy (GB/s) and its release latency on the engine's stream.
+//!   `COPY_BANDWIDTH_LAYERS_ONLY=1` runs these two alone.
 //!
 //! Times come from CUDA events recorded around the work on the stream that does it (throughput over
 //! completion, not submission). GB = 10^9 B. The summary tables at the end (medians of the same
@@ -326,6 +330,7 @@ mod imp {
         println!("device: {}", auto.device_description());
         println!("defaults: {d:?}");
         layer_groups(&mut c, &mut s, &rec, &timer, &auto);
+        layer_signal(&mut s);
         if std::env::var_os("COPY_BANDWIDTH_LAYERS_ONLY").is_some() {
             drop(auto);
             s.registry.clear();
@@ -407,6 +412,152 @@ mod imp {
             group.finish();
         }
         ratio_table(rec, "layers", &LAYER_BLOCKS);
+    }
+
+    /// How a copy tells an engine stream that a layer group is in place, the two ways that cost no
+    /// launch, on the same stand-in copy: the restore's bytes of [`MAX_BLOCKS`] GLM-5.2 blocks as
+    /// `groups` contiguous host-to-device copies on one stream, each followed by its signal; a
+    /// second stream (the engine's) waits for every group's signal in turn.
+    ///
+    /// - `event`: `cuEventRecord` of a timing-free event per group on the copy stream,
+    ///   `cuStreamWaitEvent` on the engine's (what `CopyHandle::wait_layer` does);
+    /// - `counter`: `cuStreamWriteValue32(word, g + 1)` on the copy stream, `cuStreamWaitValue32(word
+    ///   >= g + 1)` on the engine's, one 4-byte device word per copy;
+    /// - `none`: the same copies with no signal (the copy stream's baseline).
+    ///
+    /// Printed per mechanism and group count: the copy's GB/s with signals and no timing events
+    /// inside it (the signal's cost to the copy), and the release latency, from a timing event
+    /// recorded on the copy stream after group `g`'s bytes to one recorded on the engine's stream
+    /// after its wait for group `g` (median and largest over every group of 20 runs).
+    fn layer_signal(s: &mut Setup) {
+        const RUNS: usize = 20;
+        kvtier::internals::cuda::bind_device(0).unwrap();
+        let bytes = MAX_BLOCKS * s.g.slot_bytes() as usize;
+        let mut engine: sys::CUstream = std::ptr::null_mut();
+        let mut word = 0u64;
+        // SAFETY: setup on the bound device.
+        unsafe {
+            ok("cuStreamCreate", sys::cuStreamCreate(&mut engine, 1));
+            ok("cuMemAlloc", sys::cuMemAlloc_v2(&mut word, 4));
+        }
+        let engine = engine as u64;
+        let copy = s.stream;
+        let (start, end) = (timing_event(), timing_event());
+        println!("\n## layer_signal: event per group against a counter (stream memory operations), {bytes} B restored in groups");
+        println!(
+            "| signal | groups | copy GB/s (no timing events inside) | release latency median | release latency max |"
+        );
+        println!("|---|---:|---:|---:|---:|");
+        for groups in [78usize, 32, 8] {
+            let chunk = bytes / groups;
+            let signals: Vec<sys::CUevent> = (0..groups)
+                .map(|_| {
+                    let mut e = std::ptr::null_mut();
+                    // SAFETY: event creation on the bound context.
+                    unsafe {
+                        ok(
+                            "cuEventCreate",
+                            sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+                        )
+                    };
+                    e
+                })
+                .collect();
+            let after_copy: Vec<sys::CUevent> = (0..groups).map(|_| timing_event()).collect();
+            let after_wait: Vec<sys::CUevent> = (0..groups).map(|_| timing_event()).collect();
+            for mech in ["none", "event", "counter"] {
+                // Queues one run; `timed` adds the two timing events per group. The counter only
+                // grows (run `r`'s group `g` writes `base + g + 1`), so no reset has to be ordered
+                // before the engine's next waits.
+                let queue = |timed: bool, base: u32| -> Result<(), String> {
+                    // SAFETY: the word and buffers are live; every range lies inside the
+                    // `contiguous` buffer and the pool alias (both MAX_BLOCKS slots).
+                    unsafe {
+                        record(start, copy);
+                        for g in 0..groups {
+                            let off = (g * chunk) as u64;
+                            ok(
+                                "cuMemcpyAsync",
+                                sys::cuMemcpyAsync(s.contiguous + off, s.alias + off, chunk, copy as _),
+                            );
+                            if timed {
+                                record(after_copy[g], copy);
+                            }
+                            match mech {
+                                "event" => {
+                                    record(signals[g], copy);
+                                    ok("cuStreamWaitEvent", sys::cuStreamWaitEvent(engine as _, signals[g], 0));
+                                }
+                                "counter" => {
+                                    let v = base + g as u32 + 1;
+                                    ck("cuStreamWriteValue32", sys::cuStreamWriteValue32_v2(copy as _, word, v, 0))
+                                        .map_err(|e| e.to_string())?;
+                                    let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+                                    ck("cuStreamWaitValue32", sys::cuStreamWaitValue32_v2(engine as _, word, v, geq))
+                                        .map_err(|e| e.to_string())?;
+                                }
+                                _ => {}
+                            }
+                            if timed {
+                                record(after_wait[g], engine);
+                            }
+                        }
+                        record(end, copy);
+                    }
+                    Ok(())
+                };
+                let mut rates = Vec::new();
+                let mut lat = Vec::new();
+                let mut failed = None;
+                // The word starts at 0 for each mechanism's runs.
+                // SAFETY: live word; nothing waits on it now (both streams were synchronised).
+                unsafe {
+                    ok("cuMemsetD32", sys::cuMemsetD32_v2(word, 0, 1));
+                    ok("cuCtxSynchronize", sys::cuCtxSynchronize());
+                }
+                for run in 0..2 * RUNS + 2 {
+                    let timed = run % 2 == 1;
+                    if let Err(e) = queue(timed, (run * groups) as u32) {
+                        failed = Some(e);
+                        break;
+                    }
+                    sync(end);
+                    // SAFETY: live stream.
+                    unsafe { ok("cuStreamSynchronize", sys::cuStreamSynchronize(engine as _)) };
+                    if run < 2 {
+                        continue; // warm-up
+                    }
+                    if timed {
+                        if mech != "none" {
+                            lat.extend((0..groups).map(|g| secs(after_copy[g], after_wait[g])));
+                        }
+                    } else {
+                        rates.push(bytes as f64 / secs(start, end) / 1e9);
+                    }
+                }
+                if let Some(e) = failed {
+                    println!("| {mech} | {groups} | not supported here: {e} | | |");
+                    continue;
+                }
+                rates.sort_by(|a, b| a.total_cmp(b));
+                lat.sort_by(|a, b| a.total_cmp(b));
+                let (med, max) = if lat.is_empty() {
+                    ("-".to_string(), "-".to_string())
+                } else {
+                    (format!("{:.1} us", lat[lat.len() / 2] * 1e6), format!("{:.1} us", lat[lat.len() - 1] * 1e6))
+                };
+                println!("| {mech} | {groups} | {:.2} | {med} | {max} |", rates[rates.len() / 2]);
+            }
+            for e in signals.into_iter().chain(after_copy).chain(after_wait) {
+                // SAFETY: both streams are synchronised; nothing uses the event any more.
+                unsafe { ok("cuEventDestroy", sys::cuEventDestroy_v2(e)) };
+            }
+        }
+        // SAFETY: both streams are synchronised above.
+        unsafe {
+            ok("cuMemFree", sys::cuMemFree_v2(word));
+            ok("cuStreamDestroy", sys::cuStreamDestroy_v2(engine as _));
+        }
     }
 
     /// The one-block group (1 and 8 blocks): zero copy, staged, staged with a zero-copy head.

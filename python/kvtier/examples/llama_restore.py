@@ -20,7 +20,10 @@ For each prefix length:
 5. **warm, layer-wise**: the restore in layer order (``Rank.restore_layers``, ``--layer-groups``
    groups) with each layer's ``update`` making the stream wait for its own pages only, so the
    copy of later layers runs under the suffix's earlier layers (same bitwise checks), beside
-   ``max(restore at the contiguous rate, suffix alone)``, the bound it approaches;
+   ``max(restore at the contiguous rate, suffix alone)``, the bound it approaches, and (on a GPU)
+   the suffix beside a contiguous copy of the same bytes on a side stream with nothing ordered
+   between them: what the suffix costs while the restore's bytes cross the link, with no copy
+   kernels and no per-layer waits, the floor a layer-wise restore is held to on that machine;
 6. with ``--save-layers``: the prefill alone, the prefill followed by a whole-block save, and the
    prefill with a layer-wise save (``Rank.save_layers``, each group after the event its last
    layer recorded), each timed to the end of the save;
@@ -289,11 +292,16 @@ class Bench:
         def nan():
             kv.fill_(float("nan"))
 
+        # `whole_submit_ms`: how long `restore` holds the calling (engine) thread.
+        whole_submit_ms: List[float] = []
+
         def warm_kvtier():
             stream = self._stream()
             with self.tier.query(keys) as lease:
                 assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
+                t_submit = time.perf_counter()
                 h = self.rank.restore(lease, warm_pages, after_stream=stream)
+                whole_submit_ms.append((time.perf_counter() - t_submit) * 1e3)
             h.stream_wait(stream if stream is not None else 0)  # no host sync on a GPU
             cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
             out = self._forward(cache, suffix_ids)
@@ -408,6 +416,29 @@ class Bench:
         per_page_only_s = series(per_page_copy) if self.torch_baselines else [float("nan")]
         staged_only_s = series(staged_copy) if self.torch_baselines else [float("nan")]
         contiguous_s = series(lambda: contiguous.copy_(host, non_blocking=True))
+
+        # 6b. The interference floor of any overlap: the suffix (prefix resident) while a
+        # contiguous copy of the restore's bytes runs on a side stream (copy engine only, no SM,
+        # nothing ordered between the two). A layer-wise restore moves the same bytes beside the
+        # same kernels and adds its per-layer ordering, so on this machine its TTFT is not expected
+        # below this one's. The page table goes up first, as in 3b: an upload queued after the
+        # copy would wait behind it on the copy engine.
+        if dev.type == "cuda":
+            side = torch.cuda.Stream(dev)
+
+            def suffix_beside_copy():
+                cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+                cache.prepare(suffix_ids.shape[-1])
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    contiguous.copy_(host, non_blocking=True)
+                out = self._forward(cache, suffix_ids)
+                state["beside_first"] = int(out.logits[0, -1].argmax())
+
+            beside_s = series(suffix_beside_copy)
+            beside_equal = state["beside_first"] == state["warm_first"]
+        else:
+            beside_s, beside_equal = [float("nan")], True
         del staging, contiguous, host
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -494,6 +525,7 @@ class Bench:
             "torch_per_page_logits_equal": per_page_equal,
             "torch_staged_logits_equal": staged_equal,
             "suffix_alone_first_token_equal": suffix_equal,
+            "suffix_beside_copy_first_token_equal": beside_equal,
             "layer_wise_logits_bitwise_equal": torch.equal(_bits(layers_logits), _bits(cold_logits)),
             "layer_wise_greedy_tokens_equal": layers_tokens == cold_tokens,
             "layer_wise_restored_pages_byte_identical": layers_pages_equal,
@@ -517,6 +549,9 @@ class Bench:
                 "model_suffix_plus_contiguous_restore": suffix_ms + restore_bytes / contiguous_gbps / 1e6,
                 "warm_kvtier_layers": _median_ms(layers_s),
                 "model_max_suffix_contiguous_restore": max(suffix_ms, restore_bytes / contiguous_gbps / 1e6),
+                # The suffix beside an unordered contiguous copy of the restore's bytes (step 6b;
+                # NaN on a CPU): both done, so at least the copy's own time.
+                "suffix_beside_copy": _median_ms(beside_s),
                 # With --ssd: the prefix promoted from the SSD tier, then restored (NaN without).
                 "warm_ssd": _median_ms(ssd_s),
             },
@@ -524,6 +559,8 @@ class Bench:
             # Median host time `restore_layers` took to return in the warm, layer-wise runs (the
             # engine's thread queues nothing meanwhile), milliseconds.
             "layers_submit_ms": statistics.median(submit_ms) if submit_ms else float("nan"),
+            # The same for `restore` in the warm, whole-block runs.
+            "whole_submit_ms": statistics.median(whole_submit_ms) if whole_submit_ms else float("nan"),
             "save_ms": save_ms,
             "saved": {"saving": len(ticket.saving), "resident": ticket.resident},
             "restore_gbps": {
@@ -549,6 +586,7 @@ class Bench:
                     "restore_torch_per_page": per_page_only_s,
                     "restore_torch_staged": staged_only_s,
                     "contiguous_copy": contiguous_s,
+                    "suffix_beside_copy": beside_s,
                     "warm_ssd": ssd_s,
                 }.items()
             },
@@ -609,8 +647,9 @@ def markdown(results: List[dict]) -> str:
     layers_head = (
         "\n| prefix tokens | suffix tokens | TTFT cold | TTFT warm (whole block) | TTFT warm (layer-wise) "
         "| suffix alone | max(restore at contiguous rate, suffix alone) | layer-wise / max "
-        "| restore GB/s whole | restore GB/s layer-wise | contiguous GB/s |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| suffix beside an unordered copy | that / max "
+        "| restore GB/s whole | restore GB/s layer-wise | contiguous GB/s | submit ms whole / layer-wise |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lrows = []
     for r in results:
@@ -618,8 +657,11 @@ def markdown(results: List[dict]) -> str:
         lrows.append(
             f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms "
             f"| {t['warm_kvtier_layers']:.1f} ms | {t['suffix_alone']:.1f} ms | {t['model_max_suffix_contiguous_restore']:.1f} ms "
-            f"| {t['warm_kvtier_layers'] / t['model_max_suffix_contiguous_restore']:.3f} | {g['kvtier']:.1f} "
-            f"| {g['kvtier_layers']:.1f} | {g['contiguous_copy']:.1f} |"
+            f"| {t['warm_kvtier_layers'] / t['model_max_suffix_contiguous_restore']:.3f} "
+            f"| {t['suffix_beside_copy']:.1f} ms | {t['suffix_beside_copy'] / t['model_max_suffix_contiguous_restore']:.3f} "
+            f"| {g['kvtier']:.1f} "
+            f"| {g['kvtier_layers']:.1f} | {g['contiguous_copy']:.1f} "
+            f"| {r['whole_submit_ms']:.1f} / {r['layers_submit_ms']:.1f} |"
         )
     saves = [r for r in results if r.get("save_ms")]
     save_table = ""
