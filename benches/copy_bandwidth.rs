@@ -532,10 +532,13 @@ mod imp {
                             lat.extend((0..groups).map(|g| secs(after_copy[g], after_wait[g])));
                         }
                     } else {
-                        rates.push(bytes as f64 / secs(start, end) / 1e9);
+                        rates.push((chunk * groups) as f64 / secs(start, end) / 1e9);
                     }
                 }
                 if let Some(e) = failed {
+                    // What the failed run had queued finishes before its events and word go.
+                    // SAFETY: plain context synchronisation on the bound context.
+                    unsafe { ok("cuCtxSynchronize", sys::cuCtxSynchronize()) };
                     println!("| {mech} | {groups} | not supported here: {e} | | |");
                     continue;
                 }
@@ -553,8 +556,10 @@ mod imp {
                 unsafe { ok("cuEventDestroy", sys::cuEventDestroy_v2(e)) };
             }
         }
-        // SAFETY: both streams are synchronised above.
+        // SAFETY: both streams (and, after a failure, the context) are synchronised above.
         unsafe {
+            ok("cuEventDestroy", sys::cuEventDestroy_v2(start));
+            ok("cuEventDestroy", sys::cuEventDestroy_v2(end));
             ok("cuMemFree", sys::cuMemFree_v2(word));
             ok("cuStreamDestroy", sys::cuStreamDestroy_v2(engine as _));
         }

@@ -24,6 +24,7 @@ def test_tiny_llama_restored_prefix_gives_bitwise_equal_logits():
             "torch_per_page_logits_equal": True,
             "torch_staged_logits_equal": True,
             "suffix_alone_first_token_equal": True,
+            "suffix_beside_copy_first_token_equal": True,
             "layer_wise_logits_bitwise_equal": True,
             "layer_wise_greedy_tokens_equal": True,
             "layer_wise_restored_pages_byte_identical": True,

@@ -23,7 +23,8 @@ For each prefix length:
    ``max(restore at the contiguous rate, suffix alone)``, the bound it approaches, and (on a GPU)
    the suffix beside a contiguous copy of the same bytes on a side stream with nothing ordered
    between them: what the suffix costs while the restore's bytes cross the link, with no copy
-   kernels and no per-layer waits, the floor a layer-wise restore is held to on that machine;
+   kernels and no per-layer waits: a reference (measured, not a proven bound) for what a
+   layer-wise restore can reach on that machine;
 6. with ``--save-layers``: the prefill alone, the prefill followed by a whole-block save, and the
    prefill with a layer-wise save (``Rank.save_layers``, each group after the event its last
    layer recorded), each timed to the end of the save;
@@ -417,12 +418,12 @@ class Bench:
         staged_only_s = series(staged_copy) if self.torch_baselines else [float("nan")]
         contiguous_s = series(lambda: contiguous.copy_(host, non_blocking=True))
 
-        # 6b. The interference floor of any overlap: the suffix (prefix resident) while a
-        # contiguous copy of the restore's bytes runs on a side stream (copy engine only, no SM,
-        # nothing ordered between the two). A layer-wise restore moves the same bytes beside the
-        # same kernels and adds its per-layer ordering, so on this machine its TTFT is not expected
-        # below this one's. The page table goes up first, as in 3b: an upload queued after the
-        # copy would wait behind it on the copy engine.
+        # 6b. A reference for any overlap: the suffix (prefix resident) while a contiguous copy
+        # of the restore's bytes runs on a side stream (copy engine only, no SM, nothing ordered
+        # between the two). A layer-wise restore moves the same bytes beside the same kernels and
+        # adds its per-layer ordering (a copy paced differently could interfere less, so this is
+        # a reference, not a bound). The page table goes up first, as in 3b: an upload queued
+        # after the copy would wait behind it on the copy engine.
         if dev.type == "cuda":
             side = torch.cuda.Stream(dev)
 
