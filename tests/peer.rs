@@ -621,3 +621,25 @@ fn a_key_a_local_save_reserved_first_ends_the_fetched_run() {
     assert_eq!(o.server.as_ref().unwrap().live_leases(), 0);
     assert_eq!(o.tier.stats().pinned_slots, 2, "the two blocks still held");
 }
+
+#[test]
+fn a_transport_that_panics_mid_fetch_leaves_no_pin_and_no_reserved_slot() {
+    // The reader holds k0 (pinned by the fetch's lease while the owner's run is read); the read of
+    // k1-k3 panics inside the transport. The unwind must let go of everything the fetch took.
+    let Reader { fabric: _fabric, o, reader, arenas: _a, rank: _rank, t, client } = reader_holding(&[0]);
+    t.on_next_read(|| panic!("the transport panics"));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| client.fetch(&o.keys, soon())));
+    assert!(r.is_err(), "the transport's panic reaches the caller");
+    let s = reader.stats();
+    assert_eq!(
+        (s.pinned_slots, s.writing_slots, s.live_leases, s.free_slots),
+        (0, 0, 0, s.capacity - 1),
+        "an unwind through a fetch left pins, reserved slots or a lease behind: {s:?}"
+    );
+    // The owner's lease on k0-k3 goes when its connection does; a new client fetches them all.
+    drop(client);
+    let again = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let f = again.fetch(&o.keys, soon()).unwrap();
+    assert_eq!((f.lease.len(), f.lease.from_peer()), (4, 3));
+    restore_and_verify(&reader, &f.lease, &o.keys);
+}

@@ -105,6 +105,33 @@ impl RepeatCheck {
     }
 }
 
+/// The blocks [`Lease::acquire_with`] has pinned so far, each with one lease pin: unpinned on
+/// drop (an unwind out of a lower source or a promotion) unless taken into the lease.
+struct PinnedSoFar<'a> {
+    core: &'a Core,
+    blocks: Vec<LeasedBlock>,
+}
+
+impl PinnedSoFar<'_> {
+    /// The blocks, now the lease's to unpin.
+    fn into_lease(mut self) -> Vec<LeasedBlock> {
+        std::mem::take(&mut self.blocks)
+    }
+}
+
+impl Drop for PinnedSoFar<'_> {
+    fn drop(&mut self) {
+        // Seeded bug (tests only): `acquire-unwind-keeps-pins` leaves the pins of an unwound
+        // acquisition in place.
+        if crate::seeded::seeded("acquire-unwind-keeps-pins") {
+            return;
+        }
+        for b in &self.blocks {
+            self.core.unpin(b.slot.slot);
+        }
+    }
+}
+
 /// A set of pinned ready blocks, in key order (see the module docs). Cloning shares the lease.
 ///
 /// # Examples
@@ -157,7 +184,10 @@ impl Lease {
         lower: Option<&mut dyn FnMut(&[ContentKey], &mut Vec<LeasedBlock>) -> Result<usize, E>>,
         record: bool,
     ) -> (Lease, Option<E>) {
-        let mut blocks = Vec::new();
+        // Every block pinned so far is unpinned if `lower` (a peer's transport) or a promotion
+        // panics before the lease owns them.
+        let mut pinned = PinnedSoFar { core, blocks: Vec::new() };
+        let blocks = &mut pinned.blocks;
         // Where each leased block came from (empty while all are host blocks).
         let mut sources: Vec<BlockSource> = Vec::new();
         let mut lower = lower;
@@ -167,14 +197,14 @@ impl Lease {
             let before = blocks.len();
             let mut missing;
             loop {
-                missing = Self::lease_host_run(core, keys, &mut blocks);
+                missing = Self::lease_host_run(core, keys, blocks);
                 // Where the host run ended at a key the host does not hold, the SSD tier may
                 // continue it (not at a repeated key, a block being written or evicted, or a full
                 // pin count); after the blocks it promotes, the host may hold the next ones again.
                 // Outside the index reader: a promotion reads the drive.
                 let Some(ssd) = core.ssd().filter(|_| missing && uses > 0) else { break };
                 let host_end = blocks.len();
-                let n = ssd.promote(core, &keys[host_end..], &mut blocks);
+                let n = ssd.promote(core, &keys[host_end..], blocks);
                 if n == 0 {
                     break;
                 }
@@ -193,7 +223,7 @@ impl Lease {
             };
             lowered = true;
             let end = blocks.len();
-            match lower(&keys[end..], &mut blocks) {
+            match lower(&keys[end..], blocks) {
                 Ok(n) if n > 0 => {
                     sources.resize(end, BlockSource::Host);
                     sources.resize(end + n, BlockSource::Peer);
@@ -210,6 +240,7 @@ impl Lease {
                 break;
             }
         }
+        let blocks = pinned.into_lease();
         let all_host = sources.is_empty();
         sources.resize(if all_host { 0 } else { blocks.len() }, BlockSource::Host);
         if record {
