@@ -173,6 +173,29 @@ impl TierPeers {
     }
 }
 
+#[cfg(not(feature = "peers"))]
+impl TierPeers {
+    pub(crate) fn query(
+        &self,
+        _keys: &[kvtier::ContentKey],
+        _uses: u32,
+    ) -> Option<(kvtier::Lease, Vec<(String, String)>)> {
+        match *self {}
+    }
+    pub(crate) fn address(&self) -> Option<String> {
+        match *self {}
+    }
+    pub(crate) fn readers(&self) -> Vec<String> {
+        match *self {}
+    }
+    pub(crate) fn hold(&self, _keys: &[kvtier::ContentKey], _ttl: Duration) -> Option<usize> {
+        match *self {}
+    }
+    pub(crate) fn server_stats(&self) -> Option<Vec<(&'static str, u64)>> {
+        match *self {}
+    }
+}
+
 /// True if this wheel was built with peers (the cargo feature `peers`) and the NIXL runtime
 /// (`libnixl_capi.so` and its UCX plugin, found through `LD_LIBRARY_PATH` and
 /// `NIXL_PLUGIN_DIR`) loads. Never raises.

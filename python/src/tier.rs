@@ -99,19 +99,14 @@ pub(crate) fn parse_policy(policy: &str) -> PyResult<PolicyKind> {
 pub struct PyTier {
     inner: HostTier,
     /// The peer roles `peers=` and `peer_listen=` started (feature `peers`).
-    #[cfg(feature = "peers")]
     peers: Option<crate::peers::TierPeers>,
 }
 
 impl PyTier {
-    /// A `Tier` over `inner` with no peer roles (a tier from `connect`; for a hybrid tier's group:
-    /// a clone of that group's `HostTier`, which shares its pool, index and counters).
+    /// A `Tier` over `inner` (for a hybrid tier's group: a clone of that group's `HostTier`,
+    /// which shares its pool, index and counters).
     pub(crate) fn wrap(inner: HostTier) -> Self {
-        PyTier {
-            inner,
-            #[cfg(feature = "peers")]
-            peers: None,
-        }
+        PyTier { inner, peers: None }
     }
 }
 
@@ -290,7 +285,7 @@ pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Optio
             None => HostTier::connect(&path),
         })
         .py()?;
-    Ok(PyTier::wrap(inner))
+    Ok(PyTier { inner, peers: None })
 }
 
 /// The socket path `kvtierd` listens on when started without `--socket`, and `connect()`'s default:
@@ -394,14 +389,8 @@ impl PyTier {
             timeout_s: peer_timeout_s,
             pinned_blocks: peer_pinned_blocks,
         };
-        // Without the feature `peers` there are never any roles: `start` refuses the options.
-        #[cfg_attr(not(feature = "peers"), allow(unused_variables))]
         let peers = py.detach(|| crate::peers::start(&inner, options))?;
-        Ok(PyTier {
-            inner,
-            #[cfg(feature = "peers")]
-            peers,
-        })
+        Ok(PyTier { inner, peers })
     }
 
     /// Attaches one GPU's paged KV tensors as a rank (a copy backend on CUDA device `device`).
@@ -497,13 +486,10 @@ impl PyTier {
     #[pyo3(signature = (keys, uses = 1))]
     fn query(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, uses: u32) -> PyResult<PyLease> {
         let keys = keys_of(keys)?;
-        #[cfg(feature = "peers")]
-        {
-            // Seeded bug (tests only): `py-query-skips-peers` never asks the tier's peers.
-            let peers = self.peers.as_ref().filter(|_| !crate::seeded::seeded("py-query-skips-peers"));
-            if let Some((lease, errors)) = peers.and_then(|p| py.detach(|| p.query(&keys, uses))) {
-                return Ok(PyLease::with_peer_errors(lease, errors));
-            }
+        // Seeded bug (tests only): `py-query-skips-peers` never asks the tier's peers.
+        let peers = self.peers.as_ref().filter(|_| !crate::seeded::seeded("py-query-skips-peers"));
+        if let Some((lease, errors)) = peers.and_then(|p| py.detach(|| p.query(&keys, uses))) {
+            return Ok(PyLease::with_peer_errors(lease, errors));
         }
         let inner = py.detach(|| self.inner.try_query_shared(&keys, uses)).py()?;
         Ok(PyLease::new(inner))
@@ -513,27 +499,13 @@ impl PyTier {
     /// None.
     #[getter]
     fn peer_address(&self) -> Option<String> {
-        #[cfg(feature = "peers")]
-        {
-            self.peers.as_ref().and_then(|p| p.address())
-        }
-        #[cfg(not(feature = "peers"))]
-        {
-            None
-        }
+        self.peers.as_ref().and_then(|p| p.address())
     }
 
     /// The peers this tier reads its misses from (`peers=`), in the order they are asked.
     #[getter]
     fn peers(&self) -> Vec<String> {
-        #[cfg(feature = "peers")]
-        {
-            self.peers.as_ref().map_or_else(Vec::new, |p| p.readers())
-        }
-        #[cfg(not(feature = "peers"))]
-        {
-            Vec::new()
-        }
+        self.peers.as_ref().map_or_else(Vec::new, |p| p.readers())
     }
 
     /// Prefill/decode handoff, on the prefill side: keeps the longest ready prefix of `keys`
@@ -543,27 +515,20 @@ impl PyTier {
     ///
     /// Raises: `ConfigError` (a tier without `peer_listen`, a `ttl_s` that is not a
     /// non-negative number of seconds); `KeyLengthError`.
-    #[cfg_attr(not(feature = "peers"), allow(unused_variables))] // the arguments checked all the same
     fn hold_for_peers(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ttl_s: f64) -> PyResult<usize> {
         let keys = keys_of(keys)?;
         let ttl = std::time::Duration::try_from_secs_f64(ttl_s)
             .map_err(|_| config_error(format!("ttl_s must be a non-negative number of seconds, not {ttl_s}")))?;
-        #[cfg(feature = "peers")]
-        if let Some(peers) = self.peers.as_ref().filter(|p| p.address().is_some()) {
-            return Ok(py.detach(|| peers.hold(&keys, ttl)).unwrap_or(0));
-        }
-        Err(config_error("hold_for_peers needs a tier made with peer_listen=".into()))
+        let peers = self.peers.as_ref().filter(|p| p.address().is_some());
+        let peers = peers.ok_or_else(|| config_error("hold_for_peers needs a tier made with peer_listen=".into()))?;
+        Ok(py.detach(|| peers.hold(&keys, ttl)).unwrap_or(0))
     }
 
     /// The peer server's figures (`peer_listen=`): `connections`, `connections_accepted`,
     /// `live_leases`, `leases_granted`, `blocks_leased`, `blocks_validated`, `blocks_invalid`
     /// (blocks), `pinned_blocks`, `pin_budget`, `held_blocks`; None without a server.
     fn peer_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        #[cfg(feature = "peers")]
-        let figures = self.peers.as_ref().and_then(|p| p.server_stats());
-        #[cfg(not(feature = "peers"))]
-        let figures: Option<Vec<(&str, u64)>> = None;
-        let Some(figures) = figures else { return Ok(None) };
+        let Some(figures) = self.peers.as_ref().and_then(|p| p.server_stats()) else { return Ok(None) };
         let d = PyDict::new(py);
         for (k, v) in figures {
             d.set_item(k, v)?;
@@ -1180,7 +1145,6 @@ impl PyLease {
     }
 
     /// A lease whose query asked peers, with the ones that failed.
-    #[cfg(feature = "peers")]
     pub(crate) fn with_peer_errors(inner: Lease, peer_errors: Vec<(String, String)>) -> Self {
         PyLease { inner: ManuallyDrop::new(inner), peer_errors }
     }
