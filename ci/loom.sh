@@ -66,6 +66,7 @@ bites=(
     "promotion-commit-unpinned|loom_ssd|promoted_block_is_pinned_from_its_commit|a promoted block was evictable before its lease pinned it"
     "evict-pinned|loom_ssd|pinned_disk_slot_is_never_rewritten|unpin of unpinned slot"
     "stale-generation|loom_evict|stale_lookup_after_reuse_fails|no longer holds key A"
+    "plan-finishing-in-flight|loom_evict|plan_racing_an_eviction_being_finished|never in flight"
     "requeue-claimed-victim|loom_policy|acquire_races_a_query_pin_sieve|eviction policy contract broken: on_remove"
     "hinted-never-evicted|loom_policy|hinted_block_goes_only_when_nothing_else_can_lru|the survivor is offered (lru)"
     "freelist-aba|loom_freelist|aba_two_threads_one_shard|Causality violation: Concurrent read and write accesses"

@@ -1,8 +1,12 @@
 //! loom models of eviction over the real tier core: eviction, pinning and lookups of one slot race
 //! safely; a lookup made before the slot was evicted and reused fails to pin by generation.
 //!
+//! A third model races a save's plan against an eviction of its key that is finished without the
+//! eviction lock.
+//!
 //! Run with `ci/loom.sh`. Seeded bugs each model must catch (see docs/invariants.md):
-//! `evict-pinned` (evict_vs_pin_vs_lookup), `stale-generation` (stale_lookup_after_reuse_fails).
+//! `evict-pinned` (evict_vs_pin_vs_lookup), `stale-generation` (stale_lookup_after_reuse_fails),
+//! `plan-finishing-in-flight` (plan_racing_an_eviction_being_finished).
 #![cfg(loom)]
 
 mod common;
@@ -70,5 +74,34 @@ fn stale_lookup_after_reuse_fails() {
         }
         reader.join().unwrap();
         assert_quiescent(&core, &[a, b]);
+    });
+}
+
+/// A save plans a key while another thread evicts it. The eviction finishes its claims after it
+/// lets go of the eviction lock (`Core::evict_into`, as a save's `acquire_slots` does), so the plan
+/// may meet the block `EVICTING` even once it has held the lock itself: it must then wait for the
+/// finish and find the key missing, never count it as in flight (no save holds it). If the plan
+/// pins the block first, the eviction takes the other one and the key is resident. Seeded bug
+/// `plan-finishing-in-flight` (the plan trusts the lock to have settled every claim).
+#[test]
+fn plan_racing_an_eviction_being_finished() {
+    loom::model(|| {
+        let core = core(2);
+        let k = [key(0), key(1)];
+        save_ready(&core, k[0]);
+        save_ready(&core, k[1]);
+        let c = core.clone();
+        let evictor = thread::spawn(move || evict_one(&c));
+        {
+            let plan = core.plan_save(&k[..1], &kvtier::SaveOptions::new());
+            let seen = (plan.missing().len(), plan.resident, plan.in_flight);
+            assert!(
+                seen == (1, 0, 0) || seen == (0, 1, 0),
+                "key 0 planned as (missing, resident, in flight) = {seen:?}: it is missing or resident, never in flight"
+            );
+        }
+        let evicted = evictor.join().unwrap();
+        assert!(evicted.is_some(), "an unpinned block was always there to evict");
+        assert_quiescent(&core, &k);
     });
 }

@@ -20,6 +20,13 @@ mod imp {
         std::hint::spin_loop();
     }
 
+    /// Gives the processor to another thread: for a wait on another thread's bounded step that may
+    /// take microseconds (loom yields to another thread here too).
+    #[inline]
+    pub fn yield_now() {
+        std::thread::yield_now();
+    }
+
     /// The calling thread's number: 0, 1, 2, ... in the order threads first call this function
     /// (a thread-local assigned once from a global counter). Never reused while the process runs.
     #[inline]
@@ -42,6 +49,12 @@ mod imp {
     #[inline]
     pub fn spin_loop() {
         loom::hint::spin_loop();
+    }
+
+    /// Gives the processor to another thread (a loom yield, so the model makes progress).
+    #[inline]
+    pub fn yield_now() {
+        loom::thread::yield_now();
     }
 
     /// The calling loom thread's number: 0, 1, 2, ... in the order the threads of the current

@@ -30,6 +30,9 @@
 //!   [`EvictionPolicy::on_cancel`] (the block stays resident: the claim CAS found it pinned, or the
 //!   save it was for could not get all its slots; the slot is `RESIDENT` again, in its place or
 //!   re-queued) or [`EvictionPolicy::on_remove`] (the block was evicted; the slot is `ABSENT`).
+//!   `on_cancel` comes under the eviction lock; `on_remove` comes from the finish of a claim,
+//!   *without* it, so it may run while another thread selects: a policy synchronises what it
+//!   touches there itself (atomics, or its own lock).
 //!   Several selections may run before the proposals of the first are settled (a save that needs
 //!   more victims after some claims failed).
 //! - [`EvictionPolicy::select_ranked`]: the selection the tier actually calls, with its preference
@@ -49,6 +52,7 @@
 //! Per-slot policy state lives in atomics so `on_hit` (the query path) never waits.
 
 mod clock;
+mod heap;
 mod lru;
 mod minisim;
 mod order;
@@ -256,7 +260,8 @@ pub enum PolicyKind {
     TwoQ,
     /// Prefix-aware frequency-weighted recency: the score of a block is its last-touch tick plus
     /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
-    /// eviction and is halved every `64 x capacity` references), minus twice its prompt depth, so
+    /// eviction and is halved by a sweep of bounded steps that starts every `64 x capacity`
+    /// references), minus twice its prompt depth, so
     /// blocks of keys seen again outlive blocks seen once and a chain loses its tail before its
     /// head. Victims are the lowest scores.
     PrefixLfu,

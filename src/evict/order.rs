@@ -40,19 +40,29 @@
 use super::{Ranking, Residency};
 use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU32, AtomicU8, Mutex, Ordering};
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use crossbeam_utils::CachePadded;
+use super::heap::QuadHeap;
 
 /// No slot.
 const NIL: u32 = u32::MAX;
 
+/// Heads of a [`MarkStack`]: pushes from different threads go to different heads (a save of 43
+/// blocks pushes 43 marks from its commit, so one head would be a cache line every committing core
+/// writes). Two under loom, so a two-thread model pushes to both.
+#[cfg(not(loom))]
+const MARK_HEADS: usize = 8;
+#[cfg(loom)]
+const MARK_HEADS: usize = 2;
+
 /// A lock-free multi-producer stack of slots, each at most once, taken whole by one consumer
-/// (the victim order's marks; exported through `internals` for its loom model).
-/// A push is one swap and a CAS loop; the consumer swaps the head out, so no node it walks is ever
-/// pushed again before it has read the node's link (a slot is pushed again only after the consumer
-/// cleared its flag, which it does after reading the link).
+/// (the victim order's marks; exported through `internals` for its loom model). It is
+/// [`MARK_HEADS`] lists sharing one link array: a slot is in at most one of them (its flag), and a
+/// thread pushes onto the head of its own number. A push is one swap and a CAS loop; the consumer
+/// swaps each head out, so no node it walks is ever pushed again before it has read the node's link
+/// (a slot is pushed again only after the consumer cleared its flag, which it does after reading
+/// the link).
 pub struct MarkStack {
-    head: AtomicU32,
+    heads: Box<[CachePadded<AtomicU32>]>,
     next: Box<[AtomicU32]>,
     queued: Box<[AtomicU8]>,
 }
@@ -60,8 +70,11 @@ pub struct MarkStack {
 impl MarkStack {
     /// An empty stack for slots `0..capacity`.
     pub fn new(capacity: u32) -> Self {
+        // Numbers the building thread before the stack is shared (see `crate::sync::thread_number`:
+        // under loom a first numbering would add a synchronisation edge a real build lacks).
+        let _ = crate::sync::thread_number();
         MarkStack {
-            head: AtomicU32::new(NIL),
+            heads: (0..MARK_HEADS).map(|_| CachePadded::new(AtomicU32::new(NIL))).collect(),
             next: (0..capacity).map(|_| AtomicU32::new(NIL)).collect(),
             queued: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
         }
@@ -72,21 +85,28 @@ impl MarkStack {
         if self.queued[slot.index()].swap(1, Ordering::AcqRel) != 0 {
             return;
         }
-        let mut h = self.head.load(Ordering::Relaxed);
+        let head = &self.heads[crate::sync::thread_number() % MARK_HEADS];
+        let mut h = head.load(Ordering::Relaxed);
         loop {
             self.next[slot.index()].store(h, Ordering::Relaxed);
             // Release: the link and whatever the pusher wrote before are visible to the consumer.
             // A strong CAS: it fails only when another push moved the head (progress was made).
-            match self.head.compare_exchange(h, slot.0, Ordering::Release, Ordering::Relaxed) {
+            match head.compare_exchange(h, slot.0, Ordering::Release, Ordering::Relaxed) {
                 Ok(_) => return,
                 Err(now) => h = now,
             }
         }
     }
 
-    /// Takes every slot pushed so far (one consumer at a time), newest first.
+    /// Takes every slot pushed so far (one consumer at a time), newest first within each head.
     pub fn drain(&self, mut f: impl FnMut(SlotId)) {
-        let mut h = self.head.swap(NIL, Ordering::Acquire);
+        for head in self.heads.iter() {
+            self.drain_list(head.swap(NIL, Ordering::Acquire), &mut f);
+        }
+    }
+
+    /// Walks one list taken from a head, clearing each slot's flag once its link is read.
+    fn drain_list(&self, mut h: u32, f: &mut impl FnMut(SlotId)) {
         while h != NIL {
             let s = h;
             // Seeded bug (model checking only): `mark-stack-flag-early` lets the slot be pushed
@@ -124,7 +144,7 @@ struct Entry {
 
 struct State {
     /// `heaps[class * buckets + bucket]`.
-    heaps: Vec<BinaryHeap<Reverse<Entry>>>,
+    heaps: Vec<QuadHeap<Entry>>,
     /// Per slot, the stamp of its live entry.
     stamp: Box<[u32]>,
     /// Entries in the heaps, live and retired.
@@ -183,11 +203,11 @@ impl VictimOrder {
         // A fresh entry for `s` where it belongs now; retires any other.
         let push = |st: &mut State, s: SlotId, heap: usize, key: i64| {
             if st.heaps.len() <= heap {
-                st.heaps.resize_with((heap / buckets + 1) * buckets, BinaryHeap::new);
+                st.heaps.resize_with((heap / buckets + 1) * buckets, QuadHeap::default);
             }
             let stamp = st.stamp[s.index()].wrapping_add(1);
             st.stamp[s.index()] = stamp;
-            st.heaps[heap].push(Reverse(Entry { key, slot: s.0, stamp }));
+            st.heaps[heap].push(Entry { key, slot: s.0, stamp });
             st.entries += 1;
         };
         let settle = |s: SlotId| {
@@ -210,7 +230,7 @@ impl VictimOrder {
         let mut found = 0;
         while found < n {
             let Some(h) = Self::best(&st.heaps, buckets, &offset) else { break };
-            let Some(Reverse(e)) = st.heaps[h].pop() else { break };
+            let Some(e) = st.heaps[h].pop() else { break };
             st.entries -= 1;
             let s = SlotId(e.slot);
             if e.stamp != st.stamp[s.index()] || !residency.offerable(s) {
@@ -235,20 +255,20 @@ impl VictimOrder {
             }
         }
         for (h, e) in std::mem::take(&mut st.aside) {
-            st.heaps[h].push(Reverse(e));
+            st.heaps[h].push(e);
             st.entries += 1;
         }
     }
 
     /// The heap holding the best entry: the lowest class with entries, and in it the bucket whose
     /// top has the lowest `(key + offset, slot)`.
-    fn best(heaps: &[BinaryHeap<Reverse<Entry>>], buckets: usize, offset: &impl Fn(u8) -> i64) -> Option<usize> {
+    fn best(heaps: &[QuadHeap<Entry>], buckets: usize, offset: &impl Fn(u8) -> i64) -> Option<usize> {
         for class in heaps.chunks(buckets).enumerate() {
             let (c, hs) = class;
             let top = hs
                 .iter()
                 .enumerate()
-                .filter_map(|(b, h)| h.peek().map(|Reverse(e)| ((e.key.saturating_add(offset(b as u8)), e.slot), b)))
+                .filter_map(|(b, h)| h.peek().map(|e| ((e.key.saturating_add(offset(b as u8)), e.slot), b)))
                 .min();
             if let Some((_, b)) = top {
                 return Some(c * buckets + b);
@@ -262,18 +282,13 @@ impl VictimOrder {
         let stamp = &st.stamp;
         let mut entries = 0;
         for h in st.heaps.iter_mut() {
-            let kept: Vec<Reverse<Entry>> = std::mem::take(h)
-                .into_vec()
-                .into_iter()
-                // Seeded bug (tests only): `victim-order-stale-entries` keeps retired entries, so
-                // they pile up without bound.
-                .filter(|Reverse(e)| {
-                    (stamp[e.slot as usize] == e.stamp || crate::seeded::seeded("victim-order-stale-entries"))
-                        && residency.offerable(SlotId(e.slot))
-                })
-                .collect();
-            entries += kept.len();
-            *h = BinaryHeap::from(kept);
+            // Seeded bug (tests only): `victim-order-stale-entries` keeps retired entries, so
+            // they pile up without bound.
+            h.retain(|e| {
+                (stamp[e.slot as usize] == e.stamp || crate::seeded::seeded("victim-order-stale-entries"))
+                    && residency.offerable(SlotId(e.slot))
+            });
+            entries += h.len();
         }
         st.entries = entries;
     }

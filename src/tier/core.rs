@@ -41,7 +41,7 @@ pub enum KeyState {
     Ready(SlotRef),
     /// Reserved by a save whose copy is in flight.
     Writing,
-    /// Claimed by an evictor right now (resolved once the eviction lock is free).
+    /// Claimed by an evictor right now (given back or finished soon: see [`Core::plan_save`]).
     Evicting,
     /// Not resident.
     Missing,
@@ -297,7 +297,9 @@ impl Core {
         self.next_rank.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the eviction lock: no claim is outstanding while it is held by the caller.
+    /// Takes the eviction lock: while the caller holds it no claim is made or given back. Claims
+    /// taken before it may still be being finished (`EVICTING` until their index entries are
+    /// removed and their generations bumped: [`Core::acquire_slots`] finishes without the lock).
     pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
         crate::sync::lock(&self.evict_lock)
     }

@@ -19,6 +19,7 @@ use crate::error::TierError;
 use crate::evict::{ChainView, Ranking};
 use crate::index::SlotRef;
 use crate::slab::slot::SlotId;
+use crate::sync::MutexGuard;
 
 /// Why blocks are evicted ([`Claims::finish`]; counted in [`crate::TierStats`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -195,7 +196,7 @@ impl Core {
         if got.len() == n {
             return Ok(got);
         }
-        let _serialise = self.lock_eviction();
+        let serialise = self.lock_eviction();
         let mut claims = match want {
             Want::Admitted(_) if self.protect_hinted() => Claims::sparing_hinted(self),
             _ => Claims::new(self),
@@ -237,8 +238,21 @@ impl Core {
                 return Err(TierError::PoolExhausted { needed: n, got: have });
             }
         }
-        claims.finish(&mut got, EvictReason::Capacity);
+        // The claims are this save's alone now (`EVICTING`: no pin, no other claim can take them),
+        // so finishing them (index removals, chain links, the policy's `on_remove`) needs no
+        // serialising: other saves select while this one finishes (see `finish_unlocked`).
+        Self::finish_unlocked(serialise, claims, &mut got, EvictReason::Capacity);
         Ok(got)
+    }
+
+    /// Lets go of the eviction lock, then finishes `claims` (a save's or an asked-for eviction's
+    /// last step: index removals, chain links, the policy's `on_remove`, the generation bumps).
+    /// A claimed block is `EVICTING`: no pin and no other claim can take it, and only its claimant
+    /// settles it, so the finish needs no serialising and other saves select while it runs. A plan
+    /// that meets one of these blocks waits for its finish ([`Core::plan_save`]).
+    fn finish_unlocked(serialise: MutexGuard<'_, ()>, claims: Claims<'_>, out: &mut Vec<SlotId>, reason: EvictReason) {
+        drop(serialise);
+        claims.finish(out, reason);
     }
 
     /// Evicts up to `n` unpinned ready blocks chosen by the policy and appends their (now free,
@@ -246,7 +260,7 @@ impl Core {
     /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
         let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
-        let _serialise = self.lock_eviction();
+        let serialise = self.lock_eviction();
         let mut claims = Claims::new(self);
         let mut stalls = 0;
         while claims.len() < n && stalls < 3 {
@@ -261,7 +275,7 @@ impl Core {
         } else {
             EvictReason::Explicit
         };
-        claims.finish(out, reason);
+        Self::finish_unlocked(serialise, claims, out, reason);
         evicted
     }
 }

@@ -112,6 +112,8 @@ fn a_second_plan_of_a_claimed_key_sees_it_in_flight() {
 struct Hooked {
     inner: Box<dyn crate::evict::EvictionPolicy>,
     hook: Hook,
+    /// Run at the next `on_remove` (an eviction being finished), before the inner policy's.
+    on_remove: Hook,
 }
 
 type Hook = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>;
@@ -143,12 +145,26 @@ impl crate::evict::EvictionPolicy for Hooked {
         self.inner.on_cancel(slot)
     }
     fn on_remove(&self, slot: SlotId) {
+        let hook = self.on_remove.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
         self.inner.on_remove(slot)
     }
 }
 
 /// [`small_tier`] whose policy runs the returned hook at its next selection.
 fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, Hook) {
+    let (tier, arenas, rank, hooks) = hooked_tier_both(slots, policy);
+    (tier, arenas, rank, hooks.0)
+}
+
+/// [`small_tier`] whose policy runs the first returned hook at its next selection and the second
+/// at its next `on_remove`.
+fn hooked_tier_both(
+    slots: u64,
+    policy: crate::PolicyKind,
+) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, (Hook, Hook)) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
     let pool = HostPool::new(
         g.slot_bytes(),
@@ -156,13 +172,50 @@ fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::A
     )
     .unwrap();
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
-    let hook: Hook = Default::default();
+    let (hook, on_remove): (Hook, Hook) = Default::default();
     let inner = std::mem::replace(&mut core.policy, policy.build(1));
-    core.policy = Box::new(Hooked { inner, hook: hook.clone() });
+    core.policy = Box::new(Hooked { inner, hook: hook.clone(), on_remove: on_remove.clone() });
     let tier = HostTier::from_core(core);
     let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
-    (tier, arenas, rank, hook)
+    (tier, arenas, rank, (hook, on_remove))
+}
+
+/// Claims are finished without the eviction lock (so other saves select meanwhile), and a save
+/// that plans a key whose eviction is being finished waits for the finish and finds the key
+/// missing, not in flight (nothing is saving it). The evictor is held inside its finish, between
+/// its first victim's index removal and its second's, by a hook in `on_remove`. Seeded bug
+/// `plan-finishing-in-flight`.
+#[test]
+fn a_plan_meeting_an_eviction_being_finished_waits_for_it() {
+    let (tier, arenas, rank, (_, on_remove)) = hooked_tier_both(2, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..2);
+    save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
+    let core = tier.core().clone();
+    let (in_finish, inside) = std::sync::mpsc::channel();
+    *on_remove.lock().unwrap() = Some(Box::new(move || {
+        in_finish.send(()).unwrap();
+        // Long enough for the plan below to meet the second victim while it is still `EVICTING`;
+        // the plan's outcome does not depend on it (it waits for the finish however long it takes).
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }));
+    let evictor = {
+        let tier = tier.clone();
+        std::thread::spawn(move || tier.evict(2))
+    };
+    inside.recv().unwrap();
+    // Inside the finish of the first victim (k0, least recent): the lock is free, and k1 is claimed.
+    {
+        let _lock = core.lock_eviction();
+        let state = core.control().load(slot_of(&tier, &k[1])).state();
+        assert_eq!(state, crate::slab::slot::SlotState::Evicting, "the lock was free while k1's claim was still held");
+    }
+    let plan = core.plan_save(&k[1..], &SaveOptions::new());
+    assert_eq!((plan.missing(), plan.in_flight), (&[0usize][..], 0), "k1 was planned before its eviction ended");
+    drop(plan);
+    assert_eq!(evictor.join().unwrap(), 2);
+    assert_eq!(tier.stats().evictions, 2);
+    core.audit(&k).unwrap();
 }
 
 /// Invariant I9 through the production save path: a slot freed while the save's slot acquisition
