@@ -80,6 +80,31 @@ mod imp {
 
 pub use imp::*;
 
+/// [`lock`] for a lock held for a few microseconds at a time by threads that take it often (the
+/// tier's eviction lock: one selection of victims): first tries to take it for a bounded spell of
+/// spinning (about 20 tries, backing off up to 64 spin hints between them: tens of microseconds),
+/// then blocks as [`lock`] does. A blocked waiter's wake-up costs more than such a hold (a futex
+/// wake and a reschedule, longer still on a virtual machine), and with several threads saving,
+/// waiting in the kernel at every handoff made two threads slower than one. Under loom this is
+/// [`lock`]: the spinning changes how a thread waits, not what it gets.
+#[inline]
+pub fn lock_spinning<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    #[cfg(not(loom))]
+    for attempt in 0..20u32 {
+        match m.try_lock() {
+            Ok(g) => return g,
+            // Poisoned: `lock` decides what a poisoned lock gives (it recovers it).
+            Err(std::sync::TryLockError::Poisoned(_)) => break,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                for _ in 0..1u32 << attempt.min(6) {
+                    spin_loop();
+                }
+            }
+        }
+    }
+    lock(m)
+}
+
 /// Locks `m`, recovering it if a thread panicked while holding it (a poisoned lock is not an error
 /// here). Every mutex of the tier guards state whose every update is either a single step that
 /// cannot fail half-way or is undone by a drop guard on unwind (eviction claims cancel, save claims

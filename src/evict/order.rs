@@ -37,11 +37,11 @@
 //! the lowest class that has entries. Retired entries are dropped when popped; when they outnumber
 //! the slots, the heaps are rebuilt without them (O(capacity), at most once per `capacity` marks).
 
+use super::heap::QuadHeap;
 use super::{Ranking, Residency};
 use crate::slab::slot::SlotId;
 use crate::sync::{AtomicU32, AtomicU8, Mutex, Ordering};
 use crossbeam_utils::CachePadded;
-use super::heap::QuadHeap;
 
 /// No slot.
 const NIL: u32 = u32::MAX;

@@ -37,9 +37,14 @@
 //! (a count read mid-update) changes only the preference, never what may be evicted.
 
 use crate::index::SlotRef;
+use crate::key::FoldHashing;
 use crate::slab::slot::{SlotControl, SlotId};
 use crate::sync::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Mutex, Ordering};
+use crossbeam_utils::CachePadded;
 use std::collections::HashMap;
+
+/// One stripe's child lists: `pack(parent) -> children`.
+type ChildLists = HashMap<u64, Vec<u32>, FoldHashing>;
 
 /// Stripes of the child lists.
 const STRIPES: usize = 64;
@@ -83,7 +88,7 @@ pub(crate) struct Chains {
     /// `tag(own generation) << 32 | resident children`.
     children: Box<[AtomicU64]>,
     /// Child lists: `pack(parent) -> children`, striped by parent slot.
-    lists: Box<[Mutex<HashMap<u64, Vec<u32>>>]>,
+    lists: Box<[CachePadded<Mutex<ChildLists>>]>,
     /// Each child's position in its parent's list (read and written under that list's stripe).
     pos: Box<[AtomicU32]>,
     /// Per slot, 1 while the block is counted in `orphans`.
@@ -98,7 +103,7 @@ impl Chains {
         Chains {
             parent: (0..capacity).map(|_| AtomicU64::new(NONE)).collect(),
             children: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            lists: (0..STRIPES).map(|_| Mutex::new(HashMap::new())).collect(),
+            lists: (0..STRIPES).map(|_| CachePadded::new(Mutex::new(ChildLists::default()))).collect(),
             pos: (0..capacity).map(|_| AtomicU32::new(0)).collect(),
             counted: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
             orphans: AtomicUsize::new(0),
@@ -120,7 +125,7 @@ impl Chains {
         }
     }
 
-    fn stripe(&self, parent: u64) -> &Mutex<HashMap<u64, Vec<u32>>> {
+    fn stripe(&self, parent: u64) -> &Mutex<ChildLists> {
         &self.lists[(parent as u32 as usize) % STRIPES]
     }
 

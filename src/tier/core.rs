@@ -301,7 +301,7 @@ impl Core {
     /// taken before it may still be being finished (`EVICTING` until their index entries are
     /// removed and their generations bumped: [`Core::acquire_slots`] finishes without the lock).
     pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
-        crate::sync::lock(&self.evict_lock)
+        crate::sync::lock_spinning(&self.evict_lock)
     }
 
     /// Pins `slot` if it is `READY` with `generation`.

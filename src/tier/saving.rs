@@ -1,25 +1,30 @@
 //! The keys being saved: a save's entry for each key it has planned to copy and not yet reserved
 //! (see `save_plan.rs`), so that two saves of one prefix never both take slots for it.
 
-use crate::key::ContentKey;
+use crate::key::{ContentKey, FoldHashing};
 use crate::sync::Mutex;
+use crossbeam_utils::CachePadded;
 use std::collections::HashSet;
 
 /// Keys that a save has planned to copy and not yet reserved (see the module docs). Sharded by key
-/// hash; an uncontended entry is one short mutex hold.
+/// hash, each shard in its own cache line; an uncontended entry is one short mutex hold.
 pub(crate) struct SavingKeys {
-    shards: Box<[Mutex<HashSet<ContentKey>>]>,
+    shards: Box<[CachePadded<Mutex<KeySet>>]>,
 }
+
+/// One shard's keys.
+type KeySet = HashSet<ContentKey, FoldHashing>;
 
 impl SavingKeys {
     const SHARDS: usize = 16;
 
     pub(crate) fn new() -> Self {
-        SavingKeys { shards: (0..Self::SHARDS).map(|_| Mutex::new(HashSet::new())).collect() }
+        SavingKeys { shards: (0..Self::SHARDS).map(|_| CachePadded::new(Mutex::new(KeySet::default()))).collect() }
     }
 
-    fn shard(&self, key: &ContentKey) -> &Mutex<HashSet<ContentKey>> {
-        &self.shards[key.hash64() as usize % Self::SHARDS]
+    fn shard(&self, key: &ContentKey) -> &Mutex<KeySet> {
+        // The high bits: the set within a shard hashes by the low ones.
+        &self.shards[(key.hash64() >> 60) as usize % Self::SHARDS]
     }
 
     /// True if this call entered `key` (no other save holds it).
