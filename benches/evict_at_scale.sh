@@ -2,8 +2,10 @@
 # The cost of eviction at scale (`benches/tier.rs`, workload `evict`: a full pool, every save of a
 # fresh 43-block chain evicts 43 blocks), at 10,000, 100,000 and 1,000,000 slots, for every policy:
 # chain-aware victims (the default) without hints, then with 64 chains hinted (the hinted classes
-# live); then the default policy at 1 to 16 threads (throughput against threads) at 100,000 and
-# 1,000,000 slots. Each run prints its own table (ns per save, p50/p99/p99.9 of every save timed).
+# live), and the slot acquisition alone (the `acquire` workload: selection, claims and finish of the
+# 43 victims, every save timed); then the default policy at 1 to 16 threads (throughput against
+# threads) at 100,000 and 1,000,000 slots. Each run prints its own table (ns per save, p50/p99/p99.9
+# of every save timed).
 #
 # Usage: benches/evict_at_scale.sh [TIER_BENCH_BINARY] [--quick]
 #   TIER_BENCH_BINARY: a built `tier` bench (default: built here with `cargo bench --bench tier --no-run`).
@@ -29,11 +31,14 @@ if ((quick)); then
     ops=200000
 fi
 run() { "$bin" --workloads evict --contenders core --sample 1 --ops "$ops" "$@" 2>&1 | grep -E '^ +[0-9.]+s +evict' | sed "s|^|$* :|" || true; }
+# The slot acquisition alone (selection, claims, finish) timed: the `acquire` workload.
+acquire() { "$bin" --workloads acquire --contenders core --ops "$ops" "$@" 2>&1 | grep -E '^ +[0-9.]+s +acquire' | sed "s|^|acquire $* :|" || true; }
 echo "# $(date -u +%FT%TZ) $(nproc) CPUs, $bin"
 for c in "${caps[@]}"; do
     for p in adaptive-lfu prefix-lfu lru clock sieve s3fifo 2q; do
         run --capacity "$c" --threads 1 --policy "$p"
         run --capacity "$c" --threads 1 --policy "$p" --hints 64
+        acquire --capacity "$c" --threads 1 --policy "$p"
     done
 done
 for c in "${caps[@]:1}"; do

@@ -32,6 +32,9 @@
 //! - **`admission`**: a full pool; chains are drawn (uniform or Zipf) from twice as many as fit;
 //!   one operation = query the chain, restore its resident prefix, save the rest (evicting).
 //!   `--ops / 2000` per thread.
+//! - **`acquire`** (not run unless named; `core` only): `evict` with the latency columns timing the
+//!   slot acquisition alone (`Core::acquire_slots`: the selection of 43 victims, their claims, their
+//!   finish), every save; what a selection costs as the pool grows.
 //!
 //! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
 //! workload sizes its own pool). The cost of eviction at scale is the `evict` workload at
@@ -52,7 +55,7 @@ use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
 use kvtier::{HostTier, Rank, SaveOptions, TierConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Blocks in a chain (a long prompt's 43 blocks of 64 tokens).
 const CHAIN: usize = 43;
@@ -96,6 +99,33 @@ fn save_core(core: &Arc<Core>, keys: &[ContentKey], opts: &SaveOptions) -> Resul
     drop(plan);
     reservation.commit();
     Ok(need)
+}
+
+/// [`save_core`] with the slot acquisition alone timed (the `acquire` workload): the selection of
+/// victims, their claims and their finish, recorded into `rec` for every save.
+fn save_core_timing_acquire(
+    core: &Arc<Core>,
+    keys: &[ContentKey],
+    rec: &mut harness::Recorder,
+) -> Result<(), TierError> {
+    let opts = SaveOptions::default();
+    let mut plan = core.plan_save(keys, &opts);
+    let need = plan.missing().len();
+    if need == 0 {
+        return Ok(());
+    }
+    let t0 = Instant::now();
+    let slots = core.acquire_slots(Want::Exactly(need));
+    rec.record(t0.elapsed());
+    let slots = slots?;
+    plan.truncate(slots.len());
+    let mut reservation = WriteReservation::new(core);
+    for (&i, slot) in plan.missing().iter().zip(slots) {
+        reservation.reserve(keys[i], slot, i as u32);
+    }
+    drop(plan);
+    reservation.commit();
+    Ok(())
 }
 
 /// A tier of `slots` slots with `chains` ready chains (`0..chains`), saved by all cores.
@@ -279,7 +309,7 @@ fn run_one(
     let (slots, filled, universe) = match plan.workload {
         "query" => (capacity, ((capacity as f64 * args.prefill) as u64 / CHAIN as u64).max(1), 0),
         "save" => (threads as u64 * ops * CHAIN as u64 + CHAIN as u64, 0, 0),
-        "evict" => (capacity, chains, 0),
+        "evict" | "acquire" => (capacity, chains, 0),
         _ => (capacity, chains, 2 * chains),
     };
     let sampler = match (plan.workload, plan.dist) {
@@ -310,6 +340,15 @@ fn run_one(
                     let keys = chain(fresh(t, w.fresh));
                     save(tier, w, &keys, errors);
                 }),
+                "acquire" => {
+                    for _ in 0..ops {
+                        w.fresh += 1;
+                        let keys = chain(fresh(t, w.fresh));
+                        if save_core_timing_acquire(internals::core(tier), &keys, rec).is_err() {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
                 _ => rec.run(ops, |i| {
                     let keys = chain(w.draws[i as usize] as u64);
                     let h = query_restore(tier, w, &keys, errors);
@@ -327,7 +366,9 @@ fn run_one(
 const CONTENDERS: &[&str] = &["core", "rank", "rank+metrics"];
 /// The contenders run unless `--contenders` names others (`rank+metrics` needs feature `metrics`).
 const DEFAULT_CONTENDERS: &[&str] = &["core", "rank"];
-const WORKLOADS: &[&str] = &["query", "save", "evict", "admission"];
+const WORKLOADS: &[&str] = &["query", "save", "evict", "admission", "acquire"];
+/// The workloads run unless `--workloads` names others (`acquire` is `evict` timed differently).
+const DEFAULT_WORKLOADS: &[&str] = &["query", "save", "evict", "admission"];
 
 fn main() {
     let args = Args::from_env();
@@ -336,7 +377,7 @@ fn main() {
     let capacity = args.capacity_or(1 << 15, 1 << 13) as u64;
     assert!(capacity >= 4 * CHAIN as u64, "--capacity must hold a few chains");
     let contenders = args.pick("contenders", &args.contenders, CONTENDERS, DEFAULT_CONTENDERS);
-    let workloads = args.pick("workloads", &args.workloads, WORKLOADS, WORKLOADS);
+    let workloads = args.pick("workloads", &args.workloads, WORKLOADS, DEFAULT_WORKLOADS);
     let dists = args.distributions();
     let mut report = Report::new(
         "tier",
@@ -346,7 +387,7 @@ fn main() {
             (
                 "operations per thread",
                 format!(
-                    "{} queries (query), {} chains of {CHAIN} (save), {} chains (evict, admission)",
+                    "{} queries (query), {} chains of {CHAIN} (save), {} chains (evict, admission, acquire)",
                     ops / 5,
                     ops / 100,
                     ops / 2000
@@ -381,7 +422,8 @@ fn main() {
             let plan = Plan { workload: w, dist, ops: n };
             for &t in &threads {
                 for c in &contenders {
-                    if !args.selected(&format!("{w} {variant} {c}")) {
+                    // `acquire` times a step of the tier's own save path: the `core` contender only.
+                    if !args.selected(&format!("{w} {variant} {c}")) || (w == "acquire" && c != "core") {
                         continue;
                     }
                     let errors = AtomicU64::new(0);
@@ -406,7 +448,9 @@ fn main() {
         "One operation works on a chain of 43 blocks: divide ns per operation by 43 for a block's cost. \
          core: the tier's steps on the worker thread; rank: the public API, commits and unpins on the ranks' \
          completion threads (counted until drained); rank+metrics: rank with the tier's metrics registered and \
-         scraped every 10 ms.",
+         scraped every 10 ms. acquire: the evict workload with its latency columns timing the slot acquisition \
+         alone (the selection of 43 victims, their claims and their finish), every save timed whatever --sample \
+         says; its throughput is the whole save's.",
     );
     for f in &failures {
         notes.push_str(&format!("\n- {f} (CannotFit / PoolExhausted / lease errors)"));
