@@ -83,10 +83,9 @@ pub use imp::*;
 /// [`lock`] for a lock held for a few microseconds at a time by threads that take it often (the
 /// tier's eviction lock: one selection of victims): first tries to take it for a bounded spell of
 /// spinning (about 20 tries, backing off up to 64 spin hints between them: tens of microseconds),
-/// then blocks as [`lock`] does. A blocked waiter's wake-up costs more than such a hold (a futex
-/// wake and a reschedule, longer still on a virtual machine), and with several threads saving,
-/// waiting in the kernel at every handoff made two threads slower than one. Under loom this is
-/// [`lock`]: the spinning changes how a thread waits, not what it gets.
+/// then blocks as [`lock`] does: a waiter put to sleep in the kernel at each handoff pays a wake-up
+/// and a reschedule, which can cost more than the hold it waited for. Under loom this is [`lock`]:
+/// the spinning changes how a thread waits, not what it gets.
 #[inline]
 pub fn lock_spinning<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     #[cfg(not(loom))]

@@ -124,7 +124,7 @@ impl Core {
         }
         // Keys under eviction: once the eviction lock has been ours, no claim on them is being made
         // or given back; one still `EVICTING` then is being finished (without the lock: see
-        // `Core::acquire_slots`), a bounded step that never waits for anything, so look again
+        // `Core::acquire_slots`), a bounded step that never takes the eviction lock, so look again
         // until it has ended.
         let mut rounds = 0u32;
         while !evicting.is_empty() {
