@@ -260,8 +260,7 @@ pub enum PolicyKind {
     TwoQ,
     /// Prefix-aware frequency-weighted recency: the score of a block is its last-touch tick plus
     /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
-    /// eviction and is halved by a sweep of bounded steps that starts every `64 x capacity`
-    /// references), minus twice its prompt depth, so
+    /// eviction and is halved every `64 x capacity` references), minus twice its prompt depth, so
     /// blocks of keys seen again outlive blocks seen once and a chain loses its tail before its
     /// head. Victims are the lowest scores.
     PrefixLfu,

@@ -5,7 +5,7 @@ use super::minisim::Tuner;
 use super::order::VictimOrder;
 use super::{EvictionPolicy, InsertInfo, Ranking, Residency};
 use crate::slab::slot::SlotId;
-use crate::sync::{AtomicU64, AtomicU8, AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 
 /// Prefix-aware frequency-weighted recency (see [`super::PolicyKind::PrefixLfu`]). Inserts and hits take
 /// a tick (one `fetch_add`, as LRU) and bump the key's count in a count-min history (two 4-bit
@@ -23,15 +23,10 @@ pub(crate) struct PrefixLfu {
     clock: AtomicU64,
     history: Box<[AtomicU8]>,
     history_mask: u64,
-    /// Clock value at the start of the last ageing sweep (the clock counts references: one tick per
+    /// Clock value at the last halving of the history (the clock counts references: one tick per
     /// insert or hit).
     aged_at: AtomicU64,
-    /// References between the starts of two ageing sweeps (`64 x capacity`).
     age_period: u64,
-    /// The next history byte the running sweep halves (at or past the end: no sweep is running).
-    age_cursor: AtomicUsize,
-    /// Ticks between two ageing steps: a sweep ends within half a period.
-    age_step: u64,
     /// Ticks one reference of history is worth (tuned by `tuner` when there is one).
     weight: AtomicU64,
     /// Mini caches that tune `weight` ([`super::PolicyKind::AdaptiveLfu`]).
@@ -55,14 +50,10 @@ impl PrefixLfu {
     /// a 32 GiB GLM-5.2 pool.
     const HISTORY_PER_SLOT: u64 = 256;
 
-    /// History bytes one ageing step halves (16 KiB: a few microseconds).
-    const AGE_CHUNK: usize = 1 << 14;
-
     /// A prefix-aware LFU for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
         let c = capacity.max(1) as u64;
         let hist = (Self::HISTORY_PER_SLOT * c).next_power_of_two();
-        let chunks = hist.div_ceil(Self::AGE_CHUNK as u64);
         PrefixLfu {
             meta: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
             key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
@@ -71,8 +62,6 @@ impl PrefixLfu {
             history_mask: hist - 1,
             aged_at: AtomicU64::new(0),
             age_period: 64 * c,
-            age_cursor: AtomicUsize::new(hist as usize),
-            age_step: (64 * c / (2 * chunks)).max(1),
             weight: AtomicU64::new(8 * c),
             tuner: None,
             sample_threshold: 0,
@@ -143,9 +132,6 @@ impl PrefixLfu {
     /// Returns true if the slot's count fell (its score may be below its victim-order entry's).
     fn touch(&self, slot: SlotId, depth: Option<u32>, count: u8) -> bool {
         let t = self.clock.fetch_add(1, Ordering::Relaxed);
-        if t % self.age_step == 0 {
-            self.age(t);
-        }
         let cell = &self.meta[slot.index()];
         let old = cell.load(Ordering::Relaxed);
         let d = match depth {
@@ -155,42 +141,6 @@ impl PrefixLfu {
         // A concurrent touch of the same slot may win: either leaves a valid recent word.
         cell.store(((t & ((1 << 44) - 1)) << 20) | (d << 4) | (count & 15) as u64, Ordering::Relaxed);
         count & 15 < (old & 15) as u8
-    }
-
-    /// One ageing step, taken by the thread whose reference got tick `t` (a multiple of
-    /// `age_step`): starts a sweep if a period has passed since the last one began and that one has
-    /// ended, then halves the sweep's next [`Self::AGE_CHUNK`] history bytes, if a sweep is running.
-    /// Lock-free, and bounded: no thread ever halves more than one chunk at once, so ageing never
-    /// stalls a save or a query for a time that grows with the pool (the whole table, 256 bytes a
-    /// slot, is 256 MiB at a million slots; a selection used to halve it under the eviction lock). A sweep needs
-    /// `history / AGE_CHUNK` steps, which `age_step` fits into half a period. Counters bumped while a
-    /// sweep runs are halved or not depending on which side of the cursor they are: the history is
-    /// approximate either way (racy bumps may be lost).
-    fn age(&self, t: u64) {
-        let len = self.history.len();
-        let at = self.aged_at.load(Ordering::Relaxed);
-        // Seeded bug (tests only): `history-never-aged` never starts a sweep.
-        if t.wrapping_sub(at) >= self.age_period
-            && self.age_cursor.load(Ordering::Relaxed) >= len
-            && !crate::seeded::seeded("history-never-aged")
-            && self.aged_at.compare_exchange(at, t, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-        {
-            self.age_cursor.store(0, Ordering::Relaxed);
-        }
-        // Past the end when no sweep runs (it then grows by a chunk a step: 2^49 steps to wrap).
-        let start = self.age_cursor.fetch_add(Self::AGE_CHUNK, Ordering::Relaxed);
-        if start >= len {
-            return;
-        }
-        // Seeded bug (tests only): `ageing-whole-table` halves every counter in one step.
-        let end = if crate::seeded::seeded("ageing-whole-table") { len } else { (start + Self::AGE_CHUNK).min(len) };
-        // With the doorkeeper, halving rounds up: a key seen once stays seen (else a first
-        // sighting just before an ageing would be refused again at its second).
-        let up = self.doorkeeper as u8;
-        for c in &self.history[start..end] {
-            let v = c.load(Ordering::Relaxed);
-            c.store(v / 2 + (v & up), Ordering::Relaxed);
-        }
     }
 
     /// The victim-order place of `s`: its bucket (history count) and its key within the bucket.
@@ -286,6 +236,18 @@ impl PrefixLfu {
                 self.weight.store(w * cap, Ordering::Relaxed);
             }
         }
+        let now = self.clock.load(Ordering::Relaxed);
+        if now - self.aged_at.load(Ordering::Relaxed) >= self.age_period {
+            // Ageing (one selector at a time): halve every counter so old popularity fades.
+            self.aged_at.store(now, Ordering::Relaxed);
+            // With the doorkeeper, halving rounds up: a key seen once stays seen (else a first
+            // sighting just before an ageing would be refused again at its second).
+            let up = self.doorkeeper as u8;
+            for c in self.history.iter() {
+                let v = c.load(Ordering::Relaxed);
+                c.store(v / 2 + (v & up), Ordering::Relaxed);
+            }
+        }
         // The score already puts a chain's deeper blocks first (its depth term), so the chain view
         // is not used: only the tier's classes (orphans first, hinted blocks last) are.
         let ranking = Ranking { chain: None, ..*ranking };
@@ -311,60 +273,6 @@ mod tests {
 
     fn info(key_hash: u64, depth: Option<u32>) -> InsertInfo {
         InsertInfo::new(key_hash, depth)
-    }
-
-    /// The history is halved once a period (`64 x capacity` references) has passed: a key's count
-    /// of 10 reads 5 after the sweep, and the next sweep waits for the next period. Seeded bug
-    /// `history-never-aged`.
-    #[test]
-    fn the_history_is_halved_once_a_period() {
-        let p = PrefixLfu::new(4);
-        let (a, b) = (0xa11ce_u64, 0xb0b_u64 << 32 | 7);
-        p.on_insert(SlotId(0), info(a, None));
-        p.on_insert(SlotId(1), info(b, None));
-        for _ in 0..9 {
-            p.on_hit(SlotId(0));
-        }
-        assert_eq!(p.count(a), 10);
-        // Ticks so far: 11. The first sweep starts at tick 256 (one period) and, with 1 KiB of
-        // history, halves it all in its first step.
-        while p.clock.load(Ordering::Relaxed) <= 256 {
-            p.on_hit(SlotId(1));
-        }
-        assert_eq!(p.count(a), 5, "the history was halved once the period had passed");
-        while p.clock.load(Ordering::Relaxed) < 500 {
-            p.on_hit(SlotId(1));
-        }
-        assert_eq!(p.count(a), 5, "no second sweep before the second period");
-    }
-
-    /// Ageing never halves more than one chunk of the history in one step: on a pool of 1,024
-    /// slots (256 KiB of history, 16 chunks), the first step of a sweep leaves a key whose
-    /// counters lie past the first chunk as it was, and the sweep has halved it 15 steps later.
-    /// Seeded bug `ageing-whole-table` (the whole table in one step, as a selection once did).
-    #[test]
-    fn ageing_halves_one_chunk_a_step() {
-        let p = PrefixLfu::new(1024);
-        assert_eq!(p.history.len(), 16 * PrefixLfu::AGE_CHUNK);
-        // A key whose two counters both lie in the last chunk.
-        let last = (15 * PrefixLfu::AGE_CHUNK + 5) as u64;
-        let h = last | (last << 32);
-        assert!(p.cells(h).iter().all(|&c| c >= 15 * PrefixLfu::AGE_CHUNK));
-        p.on_insert(SlotId(0), info(h, None));
-        p.on_insert(SlotId(1), info(1, None));
-        for _ in 0..7 {
-            p.on_hit(SlotId(0));
-        }
-        assert_eq!(p.count(h), 8);
-        let start = p.age_period; // the first sweep's first step
-        while p.clock.load(Ordering::Relaxed) <= start {
-            p.on_hit(SlotId(1));
-        }
-        assert_eq!(p.count(h), 8, "one step halved more than its chunk");
-        while p.clock.load(Ordering::Relaxed) <= start + 15 * p.age_step {
-            p.on_hit(SlotId(1));
-        }
-        assert_eq!(p.count(h), 4, "the sweep reached the last chunk by its 16th step");
     }
 
     #[test]
