@@ -244,7 +244,9 @@ const STRIPES: usize = 2;
 /// [`crate::sync::thread_number`] modulo `STRIPES`); a read sums the stripes with wrapping
 /// arithmetic, so a gauge's `+1` on one stripe and `-1` on another add up. A read racing updates
 /// sees each stripe's value at some moment of the read, as a single relaxed counter's reader would
-/// see one of its values: the counters are statistics, no decision of the tier rests on them.
+/// see one of its values; quiescent, the sum is exact. The one decision that reads them,
+/// [`super::core::Core::available_slots`] (an all-or-nothing save's pre-check), takes a snapshot
+/// either way: the slot acquisition after it is what decides.
 pub(crate) struct Count(Box<[CachePadded<AtomicU64>]>);
 
 impl Default for Count {
