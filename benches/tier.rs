@@ -85,38 +85,27 @@ fn fresh(t: usize, n: u64) -> u64 {
 /// A save through the tier's own steps, on this thread (the `core` contender): plan, acquire
 /// (free slots, then eviction), reserve in the index, commit. Returns the blocks saved.
 fn save_core(core: &Arc<Core>, keys: &[ContentKey], opts: &SaveOptions) -> Result<usize, TierError> {
+    save_core_timed(core, keys, opts, None)
+}
+
+/// [`save_core`], with the slot acquisition alone (the selection of victims, their claims and
+/// their finish) recorded into `acquire` when given (the `acquire` workload).
+fn save_core_timed(
+    core: &Arc<Core>,
+    keys: &[ContentKey],
+    opts: &SaveOptions,
+    acquire: Option<&mut harness::Recorder>,
+) -> Result<usize, TierError> {
     let mut plan = core.plan_save(keys, opts);
     let need = plan.missing().len();
     if need == 0 {
         return Ok(0);
     }
-    let slots = core.acquire_slots(Want::Exactly(need))?;
-    plan.truncate(slots.len());
-    let mut reservation = WriteReservation::new(core);
-    for (&i, slot) in plan.missing().iter().zip(slots) {
-        reservation.reserve(keys[i], slot, i as u32);
-    }
-    drop(plan);
-    reservation.commit();
-    Ok(need)
-}
-
-/// [`save_core`] with the slot acquisition alone timed (the `acquire` workload): the selection of
-/// victims, their claims and their finish, recorded into `rec` for every save.
-fn save_core_timing_acquire(
-    core: &Arc<Core>,
-    keys: &[ContentKey],
-    rec: &mut harness::Recorder,
-) -> Result<(), TierError> {
-    let opts = SaveOptions::default();
-    let mut plan = core.plan_save(keys, &opts);
-    let need = plan.missing().len();
-    if need == 0 {
-        return Ok(());
-    }
     let t0 = Instant::now();
     let slots = core.acquire_slots(Want::Exactly(need));
-    rec.record(t0.elapsed());
+    if let Some(rec) = acquire {
+        rec.record(t0.elapsed());
+    }
     let slots = slots?;
     plan.truncate(slots.len());
     let mut reservation = WriteReservation::new(core);
@@ -125,7 +114,7 @@ fn save_core_timing_acquire(
     }
     drop(plan);
     reservation.commit();
-    Ok(())
+    Ok(need)
 }
 
 /// A tier of `slots` slots with `chains` ready chains (`0..chains`), saved by all cores.
@@ -344,7 +333,8 @@ fn run_one(
                     for _ in 0..ops {
                         w.fresh += 1;
                         let keys = chain(fresh(t, w.fresh));
-                        if save_core_timing_acquire(internals::core(tier), &keys, rec).is_err() {
+                        let opts = SaveOptions::default();
+                        if save_core_timed(internals::core(tier), &keys, &opts, Some(&mut *rec)).is_err() {
                             errors.fetch_add(1, Ordering::Relaxed);
                         }
                     }
