@@ -128,8 +128,9 @@ impl<'a> Claims<'a> {
     /// pin); the freed slots (not on the free list) are appended to `out`. The victims are
     /// finished in claim order, each leaving the claims as its finish starts: an unwind part-way
     /// (a broken invariant in the policy or the index) leaves those not started to `Drop`, which
-    /// gives them back; the one in progress stays `EVICTING` (its index entry may be gone, so
-    /// nothing names it and no plan waits for it).
+    /// gives them back; the one in progress stays `EVICTING` for good: once its index entry is
+    /// gone nothing names it, but an unwind inside the index removal itself leaves it indexed,
+    /// and a plan of its key then waits for a finish that never comes.
     pub fn finish(mut self, out: &mut Vec<SlotId>, reason: EvictReason) {
         let core = self.core;
         self.victims.reverse();

@@ -23,8 +23,9 @@ impl SavingKeys {
     }
 
     fn shard(&self, key: &ContentKey) -> &Mutex<KeySet> {
-        // The high bits: the set within a shard hashes by the low ones.
-        &self.shards[(key.hash64() >> 60) as usize % Self::SHARDS]
+        // Bits 32-35: the set within a shard hashes by the same `hash64` (`FoldHashing`), taking
+        // its bucket from the low bits and its tag from the top 7.
+        &self.shards[(key.hash64() >> 32) as usize % Self::SHARDS]
     }
 
     /// True if this call entered `key` (no other save holds it).
