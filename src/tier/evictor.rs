@@ -37,21 +37,18 @@ pub struct Claims<'a> {
     /// Never claim a block of a hinted key ([`Want::Admitted`] with
     /// [`crate::TierConfig::protect_hinted`]).
     spare_hinted: bool,
-    /// Being finished without the eviction lock ([`Core::acquire_slots`]): a victim left when this
-    /// value drops (an unwind part-way through [`Claims::finish`]) is given back under the lock.
-    unlocked: bool,
 }
 
 impl<'a> Claims<'a> {
     /// No claims yet. The caller holds the eviction lock for as long as this value lives.
     pub fn new(core: &'a Core) -> Self {
-        Claims { core, victims: Vec::new(), spare_hinted: false, unlocked: false }
+        Claims { core, victims: Vec::new(), spare_hinted: false }
     }
 
     /// No claims yet; the claims made never take a block of a hinted key. The caller holds the
     /// eviction lock for as long as this value lives.
     pub fn sparing_hinted(core: &'a Core) -> Self {
-        Claims { core, victims: Vec::new(), spare_hinted: true, unlocked: false }
+        Claims { core, victims: Vec::new(), spare_hinted: true }
     }
 
     /// Claims held.
@@ -125,16 +122,10 @@ impl<'a> Claims<'a> {
 
     /// Evicts every claimed block, counted as evicted for `reason`: each index entry is removed
     /// before the slot's generation is bumped (so even a reader holding the old entry fails to
-    /// pin); the freed slots (not on the free list) are appended to `out`. The victims are
-    /// finished in claim order, each leaving the claims as its finish starts: an unwind part-way
-    /// (a broken invariant in the policy or the index) leaves those not started to `Drop`, which
-    /// gives them back; the one in progress stays `EVICTING` for good: once its index entry is
-    /// gone nothing names it, but an unwind inside the index removal itself leaves it indexed,
-    /// and a plan of its key then waits for a finish that never comes.
+    /// pin); the freed slots (not on the free list) are appended to `out`.
     pub fn finish(mut self, out: &mut Vec<SlotId>, reason: EvictReason) {
         let core = self.core;
-        self.victims.reverse();
-        while let Some((s, generation)) = self.victims.pop() {
+        for (s, generation) in std::mem::take(&mut self.victims) {
             let key = core.slot_key(s);
             let removed = core.index.remove_if(&key, SlotRef { slot: s, generation });
             debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
@@ -156,17 +147,6 @@ impl<'a> Claims<'a> {
 
 impl Drop for Claims<'_> {
     fn drop(&mut self) {
-        if self.victims.is_empty() {
-            return;
-        }
-        // Claims finished without the lock (an unwind in the finish) are given back under it, as
-        // the policy's contract wants every `on_cancel`.
-        // (Seeded bug, tests only: `finish-unwind-keeps-claims` leaves them claimed for good.)
-        if self.unlocked && crate::seeded::seeded("finish-unwind-keeps-claims") {
-            self.victims.clear();
-            return;
-        }
-        let _serialise = self.unlocked.then(|| self.core.lock_eviction());
         while self.cancel_one() {}
     }
 }
@@ -270,13 +250,7 @@ impl Core {
     /// A claimed block is `EVICTING`: no pin and no other claim can take it, and only its claimant
     /// settles it, so the finish needs no serialising and other saves select while it runs. A plan
     /// that meets one of these blocks waits for its finish ([`Core::plan_save`]).
-    fn finish_unlocked(
-        serialise: MutexGuard<'_, ()>,
-        mut claims: Claims<'_>,
-        out: &mut Vec<SlotId>,
-        reason: EvictReason,
-    ) {
-        claims.unlocked = true;
+    fn finish_unlocked(serialise: MutexGuard<'_, ()>, claims: Claims<'_>, out: &mut Vec<SlotId>, reason: EvictReason) {
         drop(serialise);
         claims.finish(out, reason);
     }

@@ -181,34 +181,6 @@ fn hooked_tier_both(
     (tier, arenas, rank, (hook, on_remove))
 }
 
-/// An unwind part-way through a finish without the eviction lock (a policy whose `on_remove` panics:
-/// a broken invariant) gives back the victims whose finish had not started, under the lock, so
-/// their blocks are ready and evictable again and a plan of their keys finds them resident instead
-/// of waiting for a finish that will never come; the victim in progress stays claimed, with no
-/// index entry. Seeded bug `finish-unwind-keeps-claims`.
-#[test]
-fn an_unwind_in_a_finish_gives_back_the_victims_not_started() {
-    let (tier, arenas, rank, (_, on_remove)) = hooked_tier_both(2, crate::PolicyKind::Lru);
-    let k = keys(&tier, 0..2);
-    save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
-    let core = tier.core().clone();
-    let s1 = slot_of(&tier, &k[1]);
-    *on_remove.lock().unwrap() = Some(Box::new(|| panic!("a policy bug in on_remove")));
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tier.evict(2)));
-    assert!(r.is_err(), "the hook panicked in the first victim's finish");
-    assert_eq!(
-        core.control().load(s1).state(),
-        crate::slab::slot::SlotState::Ready,
-        "k1's finish had not started: it was given back"
-    );
-    let plan = core.plan_save(&k[1..], &SaveOptions::new());
-    assert_eq!((plan.resident, plan.in_flight, plan.missing().len()), (1, 0, 0), "k1 is resident");
-    drop(plan);
-    assert!(!tier.contains(&k[0]), "k0's index entry went before the panic");
-    assert_eq!(tier.stats().evicting_slots, 1, "k0's slot stays claimed: nothing names it");
-    assert_eq!(tier.evict(1), 1, "k1 is evictable again");
-}
-
 /// Claims are finished without the eviction lock (so other saves select meanwhile), and a save
 /// that plans a key whose eviction is being finished waits for the finish and finds the key
 /// missing, not in flight (nothing is saving it). The evictor is held inside its finish, between
