@@ -126,12 +126,7 @@ impl Core {
         // or given back; one still `EVICTING` then is being finished (without the lock: see
         // `Core::acquire_slots`), a bounded step that never takes the eviction lock, so look again
         // until it has ended.
-        let mut rounds = 0u32;
         while !evicting.is_empty() {
-            if rounds > 0 {
-                crate::sync::yield_now();
-            }
-            rounds += 1;
             drop(self.lock_eviction());
             let reader = self.index.reader();
             for i in std::mem::take(&mut evicting) {
@@ -144,6 +139,9 @@ impl Core {
                     continue;
                 }
                 self.plan_key(&reader, &mut plan, i, &keys[i], &mut evicting);
+            }
+            if !evicting.is_empty() {
+                crate::sync::yield_now();
             }
         }
         // Admission (Fit::Prefix only): every missing key is shown to the policy in order; from its
