@@ -3,6 +3,8 @@
 //! through each group's arenas, and a reference model of the rule under random saves and
 //! evictions.
 
+mod common;
+
 use std::sync::Arc;
 
 use kvtier::{
@@ -281,16 +283,19 @@ fn evictions_racing_queries_never_break_a_hybrid_restore() {
     // and the bytes restored are each group's blocks of that prefix.
     let toy = Toy::new(32, true, 12);
     let chains: Vec<Vec<ContentKey>> = (0..4).map(|c| toy.chain(10 + c, 6)).collect();
+    // The main thread decides when the race ends, after enough rounds and enough hits: a bound
+    // on the saver alone let a loaded machine finish every save before the first query.
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
-            for i in 0..200 {
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
                 let keys = &chains[i % 4];
                 toy.save(keys, &[0..6, 4..6, 5..6]);
                 toy.save(keys, &[0..0, 0..4, 1..2]);
                 toy.save(keys, &[0..0, 0..0, 3..4]);
+                i += 1;
             }
-            stop.store(true, std::sync::atomic::Ordering::Release);
         });
         s.spawn(|| {
             while !stop.load(std::sync::atomic::Ordering::Acquire) {
@@ -299,8 +304,12 @@ fn evictions_racing_queries_never_break_a_hybrid_restore() {
                 std::thread::yield_now();
             }
         });
-        let mut hits = 0;
-        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        // Stops the saver and the evictor however this thread leaves.
+        let _stop = common::StopOnDrop(&stop);
+        let (mut rounds, mut hits) = (0, 0);
+        // At least 200 rounds and 50 hits; at most 100,000 rounds (a scheduler that never runs the
+        // saver fails the hit count below instead of hanging).
+        while rounds < 100_000 && (rounds < 200 || hits < 50) {
             for keys in &chains {
                 let lease = toy.tier.query(keys);
                 let b = lease.boundary();
@@ -314,8 +323,9 @@ fn evictions_racing_queries_never_break_a_hybrid_restore() {
                 }
                 hits += usize::from(b > 0);
             }
+            rounds += 1;
         }
-        assert!(hits > 0, "some query found a usable prefix");
+        assert!(hits >= 50, "some queries found a usable prefix ({hits} in {rounds} rounds)");
     });
 }
 

@@ -23,15 +23,6 @@ impl Drop for OpenOnDrop {
     }
 }
 
-/// Sets the flag when dropped: background threads of a test stop even if the test fails.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
 /// Decrements the counter when dropped (a finished or failed worker).
 struct CountDown<'a>(&'a AtomicU64);
 

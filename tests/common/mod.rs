@@ -36,6 +36,17 @@ pub fn keys(tier: &HostTier, range: std::ops::Range<u64>) -> Vec<ContentKey> {
     range.map(|i| tier.namespace().trace_page_key(i, 0)).collect()
 }
 
+/// Sets the flag when dropped: a test's background threads, which loop until it is set, stop
+/// however the test's own thread leaves (a failed assertion included), so a scope joining them
+/// ends instead of waiting forever.
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// A gate that holds completions until opened.
 #[derive(Clone, Default)]
 pub struct Gate(Arc<(Mutex<bool>, Condvar)>);
