@@ -73,6 +73,8 @@ bites=(
     "freelist-missed-pop|loom_freelist|pop_racing_push_and_pop_finds_an_id|pop returned None although an id was on the list throughout"
     "index-early-unpin|loom_index|remove_races_get_with_reclamation|use after free: read of a reclaimed index entry"
     "use-returned-to-settled-lease|loom_lease|a_failed_submission_keeps_the_use|the retry of a restore whose submission failed was refused"
+    "filing-drops-unready|loom_policy|commit_races_a_selection_lru|the other committed block is offered (lru)"
+    "filing-drops-unready|loom_policy|commit_races_a_selection_adaptive_lfu|the other committed block is offered (adaptive-lfu)"
     "insert-log-hole|loom_policy|commit_races_a_selection_sieve|a committed, unpinned block exists, yet the save got no slot (sieve)"
     "insert-log-hole|loom_policy|commit_races_a_selection_s3fifo|a committed, unpinned block exists, yet the save got no slot (s3fifo)"
     "hint-race|loom_policy|a_hint_racing_its_keys_reservation_is_kept|the hinted block was evicted first although an unhinted one was evictable"

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 /// Three ready blocks fill the pool; a save needs two slots while a query pins the oldest block.
 fn acquire_races_a_query_pin(policy: PolicyKind) {
-    loom::model(move || {
+    model_long(move || {
         let core = core_with(3, policy);
         let k: Vec<_> = (0..3).map(key).collect();
         for &key in &k {

@@ -104,6 +104,17 @@ pub fn lock_spinning<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     lock(m)
 }
 
+/// Takes `m` if no one holds it now (recovering it if poisoned, as [`lock`] does); `None` if it is
+/// held: for work a thread may leave to whoever holds the lock.
+#[inline]
+pub fn try_lock<T: ?Sized>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Locks `m`, recovering it if a thread panicked while holding it (a poisoned lock is not an error
 /// here). Every mutex of the tier guards state whose every update is either a single step that
 /// cannot fail half-way or is undone by a drop guard on unwind (eviction claims cancel, save claims

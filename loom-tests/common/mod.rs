@@ -11,6 +11,17 @@ use kvtier::internals::{Core, SlotState, SlotWord, Want, WriteReservation};
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, SlotId, SlotRef};
 use kvtier::{BackingChoice, HostPool, PoolConfig};
 
+/// `loom::model` with room for longer executions: 4,000 branches (atomic operations and thread
+/// switches) on one path instead of loom's 1,000 (its `LOOM_MAX_BRANCHES` default), for models
+/// whose set-up alone runs several saves through a policy with a long path (adaptive-LFU's
+/// tuner, each commit's filing of its blocks). Other settings come from loom's environment
+/// variables, as with `loom::model`.
+pub fn model_long<F: Fn() + Sync + Send + 'static>(f: F) {
+    let mut builder = loom::model::Builder::new();
+    builder.max_branches = builder.max_branches.max(4_000);
+    builder.check(f);
+}
+
 /// A core with `slots` host slots of 256 B (one 16 B arena, 4 pages), evicting by LRU.
 pub fn core(slots: u32) -> Arc<Core> {
     core_with(slots, PolicyKind::Lru)

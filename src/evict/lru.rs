@@ -65,6 +65,12 @@ impl EvictionPolicy for Lru {
         }
         self.order.select(n, ranking, &self.residency, |s| (0, tick(s) as i64), |_| 0, out);
     }
+    fn file_pending(&self, ranking: &Ranking<'_>) {
+        // With chain-aware ranking the selection scans: the order is not used.
+        if ranking.chain.is_none() {
+            self.order.file_marks(ranking, &self.residency, |s| (0, self.ticks[s].load(Ordering::Relaxed) as i64));
+        }
+    }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
         self.order.mark(slot);

@@ -139,6 +139,15 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     fn on_reclass(&self, slot: SlotId) {
         let _ = slot;
     }
+    /// A save's blocks were committed (each had its [`EvictionPolicy::on_insert`] and is `READY`
+    /// now): a policy that files what it learns lazily, at its next selection, may file it now,
+    /// on the committing thread and outside the eviction lock, if that costs no waiting. `ranking` is
+    /// the tier's full preference order (as a selection's, with every class). Called without the
+    /// eviction lock, concurrently with selections, hits and other commits; must never block.
+    /// The default does nothing.
+    fn file_pending(&self, ranking: &Ranking<'_>) {
+        let _ = ranking;
+    }
     /// Admission: may a missing block with `info` take a slot? Called on the save path
     /// ([`crate::Fit::Prefix`] saves only) once per missing key, in prompt order, before any slot
     /// is taken; from the first refusal on, no key of the batch is saved (a prefix hit cannot reach

@@ -17,8 +17,9 @@
 //! where it belongs and the search goes on. Every change that can *lower* a slot's place (a new
 //! block, a cancelled proposal, a history count that fell after ageing, a class the tier lowered:
 //! a hint withdrawn, a disk copy written, a parent evicted) is announced by
-//! [`VictimOrder::mark`], a lock-free push on the **mark stack** that the next selection drains;
-//! each drained slot gets a fresh entry and a new stamp, which retires any entry it had. A change
+//! [`VictimOrder::mark`], a lock-free push on the **mark stack**, drained by the next selection or,
+//! sooner, by a committing thread that finds the order free ([`VictimOrder::file_marks`]); each
+//! drained slot gets a fresh entry and a new stamp, which retires any entry it had. A change
 //! that is missed (an orphan whose link raced its parent's eviction, a hint that expires with no
 //! later hint call) only delays the block to its old class: every block stays reachable.
 //!
@@ -153,6 +154,25 @@ struct State {
     aside: Vec<(usize, Entry)>,
 }
 
+impl State {
+    /// A fresh entry for `s` in heap `heap` with `key`; retires any other entry of `s`.
+    fn push_entry(&mut self, buckets: usize, s: SlotId, heap: usize, key: i64) {
+        if self.heaps.len() <= heap {
+            self.heaps.resize_with((heap / buckets + 1) * buckets, QuadHeap::default);
+        }
+        let stamp = self.stamp[s.index()].wrapping_add(1);
+        self.stamp[s.index()] = stamp;
+        self.heaps[heap].push(Entry { key, slot: s.0, stamp });
+        self.entries += 1;
+    }
+}
+
+/// The heap of `class` and `bucket` (buckets past the last share the last).
+#[inline]
+fn heap_index(buckets: usize, class: u8, bucket: u8) -> usize {
+    class as usize * buckets + (bucket as usize).min(buckets - 1)
+}
+
 /// The incremental victim order (see the module docs).
 pub(crate) struct VictimOrder {
     buckets: usize,
@@ -176,10 +196,59 @@ impl VictimOrder {
         }
     }
 
-    /// `slot`'s place may have fallen (or it has none yet): the next selection places it afresh.
-    /// Lock-free.
+    /// `slot`'s place may have fallen (or it has none yet): the next selection, or the next
+    /// [`VictimOrder::file_marks`] to find the order free, places it afresh. Lock-free.
     pub(crate) fn mark(&self, slot: SlotId) {
         self.marks.push(slot);
+    }
+
+    /// Files the slots marked so far where they belong now, if no selection or other filing holds
+    /// the order (else it returns at once: the holder, or the next selection, files them). Called
+    /// by the tier after a save's commit, so the marks of its blocks are filed outside the
+    /// eviction lock, on the committing thread, and the selection under the lock finds few or none:
+    /// no selection files a whole pool's worth after the pool has filled. `ranking` is the tier's
+    /// full preference order (only `class_of` and `base_class` are read); `place` as in
+    /// [`VictimOrder::select`]. O(marks x log capacity).
+    pub(crate) fn file_marks(&self, ranking: &Ranking<'_>, residency: &Residency, place: impl Fn(usize) -> (u8, i64)) {
+        // Seeded bug (tests only): `marks-filed-only-by-selections` leaves every mark to the next
+        // selection.
+        if crate::seeded::seeded("marks-filed-only-by-selections") {
+            return;
+        }
+        let Some(mut guard) = crate::sync::try_lock(&self.state) else { return };
+        self.drain_marks(&mut guard, ranking, residency, &place);
+    }
+
+    /// Drains the mark stack into the heaps (the caller holds the state): each offerable slot
+    /// marked gets a fresh entry where it belongs now.
+    fn drain_marks(
+        &self,
+        st: &mut State,
+        ranking: &Ranking<'_>,
+        residency: &Residency,
+        place: &impl Fn(usize) -> (u8, i64),
+    ) {
+        // Seeded bug (tests only): marks are never drained, so new blocks are never offered.
+        if crate::seeded::seeded("victim-order-marks-lost") {
+            return;
+        }
+        let buckets = self.buckets;
+        self.marks.drain(|s| {
+            if residency.offerable(s) {
+                let (bucket, key) = place(s.index());
+                // A slot the tier does not offer now (pinned, or its commit not yet published: a
+                // commit's filing can meet another save's block between its `on_insert` and its
+                // `READY`) is filed where it will belong, by its base class.
+                let class = match (ranking.class_of)(s) {
+                    Some(c) => c,
+                    // Seeded bug (model checking only): `filing-drops-unready` drops it instead,
+                    // so it is never offered.
+                    None if crate::seeded::seeded("filing-drops-unready") => return,
+                    None => ranking.base_class.map_or(0, |f| f(s)),
+                };
+                st.push_entry(buckets, s, heap_index(buckets, class, bucket), key);
+            }
+        });
     }
 
     /// Proposes up to `n` offerable slots with a class, lowest `(class, key + offset(bucket),
@@ -199,31 +268,9 @@ impl VictimOrder {
         let buckets = self.buckets;
         let class_of = ranking.class_of;
         let base = |s: SlotId| ranking.base_class.map_or(0, |f| f(s));
-        let heap_of = |class: u8, bucket: u8| class as usize * buckets + (bucket as usize).min(buckets - 1);
-        // A fresh entry for `s` where it belongs now; retires any other.
-        let push = |st: &mut State, s: SlotId, heap: usize, key: i64| {
-            if st.heaps.len() <= heap {
-                st.heaps.resize_with((heap / buckets + 1) * buckets, QuadHeap::default);
-            }
-            let stamp = st.stamp[s.index()].wrapping_add(1);
-            st.stamp[s.index()] = stamp;
-            st.heaps[heap].push(Entry { key, slot: s.0, stamp });
-            st.entries += 1;
-        };
-        let settle = |s: SlotId| {
-            let (bucket, key) = place(s.index());
-            let class = class_of(s).unwrap_or_else(|| base(s));
-            (heap_of(class, bucket), key)
-        };
-        // Seeded bug (tests only): marks are not drained, so new blocks are never offered.
-        if !crate::seeded::seeded("victim-order-marks-lost") {
-            self.marks.drain(|s| {
-                if residency.offerable(s) {
-                    let (h, key) = settle(s);
-                    push(st, s, h, key);
-                }
-            });
-        }
+        let heap_of = |class: u8, bucket: u8| heap_index(buckets, class, bucket);
+        let push = |st: &mut State, s: SlotId, heap: usize, key: i64| st.push_entry(buckets, s, heap, key);
+        self.drain_marks(st, ranking, residency, &place);
         if st.entries > 2 * st.stamp.len() + 1024 {
             Self::compact(st, residency);
         }
@@ -367,6 +414,20 @@ mod tests {
                     }
                     class[s] = c;
                 }
+                // A commit's filing of the marks so far (the tier's call after every save), with
+                // the classes of this moment.
+                7 if rnd(2) == 0 => {
+                    let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
+                    let base_class = |t: SlotId| class[t.index()];
+                    let ranking = Ranking {
+                        classes: 3,
+                        class_of: &class_of,
+                        base_class: Some(&base_class),
+                        empty: None,
+                        chain: None,
+                    };
+                    order.file_pending(&ranking);
+                }
                 _ => {
                     let n = 1 + rnd(4) as usize;
                     let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
@@ -404,6 +465,28 @@ mod tests {
             same_as_scan(|| PrefixLfu::new(8), |p, n, r, out| p.select_by_scan(n, r, out), 8, seed);
             same_as_scan(|| PrefixLfu::adaptive(16), |p, n, r, out| p.select_by_scan(n, r, out), 16, seed);
         }
+    }
+
+    /// A commit's filing: the marks of the blocks inserted so far become heap entries at once, so
+    /// the next selection drains none (the first selection after a pool fills files nothing).
+    #[test]
+    fn a_commit_files_the_marks_so_far_and_the_selection_finds_none_left() {
+        let cap = 64u32;
+        let all = |_: SlotId| Some(0u8);
+        let lru = Lru::new(cap);
+        let lfu = PrefixLfu::adaptive(cap);
+        for s in 0..cap {
+            lru.on_insert(SlotId(s), InsertInfo::new(s as u64, Some(s % 8)));
+            lfu.on_insert(SlotId(s), InsertInfo::new(s as u64, Some(s % 8)));
+        }
+        assert_eq!((lru.order.entries(), lfu.order.entries()), (0, 0), "inserts only mark");
+        lru.file_pending(&Ranking::plain(&all));
+        lfu.file_pending(&Ranking::plain(&all));
+        assert_eq!((lru.order.entries(), lfu.order.entries()), (cap as usize, cap as usize), "every mark is filed");
+        // Nothing left for the selection to file; it proposes what it would have.
+        let mut out = vec![];
+        lru.select_ranked(2, &Ranking::plain(&all), &mut out);
+        assert_eq!(out, vec![SlotId(0), SlotId(1)], "the least recently inserted");
     }
 
     #[test]

@@ -10,7 +10,13 @@ use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 /// Prefix-aware frequency-weighted recency (see [`super::PolicyKind::PrefixLfu`]). Inserts and hits take
 /// a tick (one `fetch_add`, as LRU) and bump the key's count in a count-min history (two 4-bit
 /// counters per key in a byte table of `256 x capacity` entries, conservative update); all
-/// lock-free. Selection pops the lowest scores from a [`VictimOrder`] with one bucket per history
+/// lock-free. Ageing halves every counter once per `64 x capacity` references **lazily**: a
+/// selection only advances the history's epoch; each counter byte carries, in its high 4 bits, the
+/// epoch its count was last written at, and is read halved once per epoch since (see
+/// [`PrefixLfu::read_cell`]); a sweep driven by the references reads a bounded run of counters
+/// every 64 references (the whole table once per 8 ageing periods) and re-tags those 4 epochs old
+/// or more, so a tag never falls 16 epochs behind (where its 4 bits would wrap). No ageing step
+/// touches the table under a lock. Selection pops the lowest scores from a [`VictimOrder`] with one bucket per history
 /// count (the score is `tick - 2 x depth` plus the count times the weight, which the tuner may
 /// change: each bucket's order does not depend on it). With the doorkeeper
 /// ([`PrefixLfu::with_doorkeeper`], [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
@@ -21,12 +27,21 @@ pub(crate) struct PrefixLfu {
     meta: Box<[AtomicU64]>,
     key_hash: Box<[AtomicU64]>,
     clock: AtomicU64,
+    /// The count-min history: per counter byte, the epoch of its last write (mod 16, high 4 bits)
+    /// and its count then (low 4 bits).
     history: Box<[AtomicU8]>,
     history_mask: u64,
-    /// Clock value at the last halving of the history (the clock counts references: one tick per
-    /// insert or hit).
+    /// Ageings so far: the history's epoch (every counter reads halved once per epoch since its
+    /// tag). Advanced by selections, one selector at a time.
+    epoch: AtomicU64,
+    /// Clock value at the last ageing (the clock counts references: one tick per insert or hit).
     aged_at: AtomicU64,
     age_period: u64,
+    /// The next history counter the sweep re-tags (wraps over the table).
+    sweep_next: AtomicU64,
+    /// Counters the sweep reads every [`PrefixLfu::SWEEP_EVERY`] references: a whole table per
+    /// [`PrefixLfu::SWEEP_LAP`] ageing periods' worth of references.
+    sweep_run: u64,
     /// Ticks one reference of history is worth (tuned by `tuner` when there is one).
     weight: AtomicU64,
     /// Mini caches that tune `weight` ([`super::PolicyKind::AdaptiveLfu`]).
@@ -38,7 +53,7 @@ pub(crate) struct PrefixLfu {
     /// Refuse keys without history ([`super::PolicyKind::PrefixTinyLfu`]).
     doorkeeper: bool,
     residency: Residency,
-    order: VictimOrder,
+    pub(super) order: VictimOrder,
 }
 
 impl PrefixLfu {
@@ -49,6 +64,16 @@ impl PrefixLfu {
     /// cost a third of the hits (0.065 against 0.091 at 9,952 slots), 256 per slot is 2.5 MiB for
     /// a 32 GiB GLM-5.2 pool.
     const HISTORY_PER_SLOT: u64 = 256;
+    /// References between two steps of the history sweep (each step reads `sweep_run` counters).
+    const SWEEP_EVERY: u64 = 64;
+    /// Ageing periods' worth of references per lap of the sweep over the whole table. A counter
+    /// visited at an age below [`PrefixLfu::SWEEP_AGE`] is left; the next visit comes at most
+    /// `SWEEP_LAP + 1` ageings later (ageings come at most once per period), so no tag is ever
+    /// more than `SWEEP_AGE - 1 + SWEEP_LAP + 1 = 12` epochs old: below the 16 its 4 bits tell apart.
+    const SWEEP_LAP: u64 = 8;
+    /// The age (in epochs) from which the sweep re-tags a counter. From 4 on, a 4-bit count has
+    /// been halved to 0 (to 1 with the doorkeeper's rounding up), so a re-tag writes that.
+    const SWEEP_AGE: u8 = 4;
 
     /// A prefix-aware LFU for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
@@ -60,8 +85,11 @@ impl PrefixLfu {
             clock: AtomicU64::new(1),
             history: (0..hist).map(|_| AtomicU8::new(0)).collect(),
             history_mask: hist - 1,
+            epoch: AtomicU64::new(0),
             aged_at: AtomicU64::new(0),
             age_period: 64 * c,
+            sweep_next: AtomicU64::new(0),
+            sweep_run: (hist * Self::SWEEP_EVERY).div_ceil(Self::SWEEP_LAP * 64 * c),
             weight: AtomicU64::new(8 * c),
             tuner: None,
             sample_threshold: 0,
@@ -106,32 +134,96 @@ impl PrefixLfu {
         [(h & self.history_mask) as usize, (h.rotate_right(32) & self.history_mask) as usize]
     }
 
+    /// The count a history byte `v` holds at epoch `epoch`: its count halved once per epoch since
+    /// its tag (rounded down; rounded up with the doorkeeper, so a key once seen stays seen). Equal
+    /// to halving the whole table at every ageing: `floor(floor(c / 2) / 2) = floor(c / 4)`, and
+    /// the same for `ceil`. A tag at most 15 epochs old is read exactly (the sweep keeps every tag
+    /// within a few epochs of the present).
+    #[inline(always)]
+    fn read_cell(&self, v: u8, epoch: u64) -> u8 {
+        let count = v & 15;
+        let age = (epoch as u8).wrapping_sub(v >> 4) & 15;
+        // Seeded bug (tests only): `history-age-ignored` reads the count as written, unhalved.
+        if age == 0 || crate::seeded::seeded("history-age-ignored") {
+            return count;
+        }
+        match (self.doorkeeper, age) {
+            (false, 0..=3) => count >> age,
+            (false, _) => 0,
+            (true, 0..=3) => (count + (1 << age) - 1) >> age,
+            (true, _) => count.min(1),
+        }
+    }
+
+    /// The history byte for `count` written at `epoch`.
+    #[inline]
+    fn cell_value(epoch: u64, count: u8) -> u8 {
+        (((epoch & 15) as u8) << 4) | (count & 15)
+    }
+
     /// The key's reference count (the smaller of its two counters).
     fn count(&self, h: u64) -> u8 {
-        self.cells(h).iter().map(|&i| self.history[i].load(Ordering::Relaxed)).min().unwrap_or(0)
+        let e = self.epoch.load(Ordering::Relaxed);
+        let [i0, i1] = self.cells(h);
+        let v0 = self.read_cell(self.history[i0].load(Ordering::Relaxed), e);
+        v0.min(self.read_cell(self.history[i1].load(Ordering::Relaxed), e))
     }
 
     /// Counts one reference of key hash `h` (conservative update: only the counters at the
     /// minimum grow; racy increments may be lost, which only under-counts).
     /// Returns the key's new count.
     fn bump(&self, h: u64) -> u8 {
-        let m = self.count(h);
+        let e = self.epoch.load(Ordering::Relaxed);
+        let [i0, i1] = self.cells(h);
+        let r0 = self.read_cell(self.history[i0].load(Ordering::Relaxed), e);
+        let r1 = self.read_cell(self.history[i1].load(Ordering::Relaxed), e);
+        let m = r0.min(r1);
         if m >= Self::MAX_COUNT {
             return m;
         }
-        for i in self.cells(h) {
-            let c = &self.history[i];
-            if c.load(Ordering::Relaxed) == m {
-                c.store(m + 1, Ordering::Relaxed);
-            }
+        let v = Self::cell_value(e, m + 1);
+        if r0 == m {
+            self.history[i0].store(v, Ordering::Relaxed);
+        }
+        if r1 == m {
+            self.history[i1].store(v, Ordering::Relaxed);
         }
         m + 1
+    }
+
+    /// One step of the history sweep, taken by every [`PrefixLfu::SWEEP_EVERY`]-th reference
+    /// (out of line: the reference path stays short): reads the next `sweep_run` counters and re-tags with the
+    /// present epoch each that is [`PrefixLfu::SWEEP_AGE`] epochs old or more, rewritten with the
+    /// count it reads now (a compare-exchange: a counter a bump wrote meanwhile is fresh already
+    /// and kept). Counters holding zero are left alone (a zero reads zero at any age). Lock-free;
+    /// about one counter read per reference, and a write only for a counter no reference has
+    /// written for 4 ageing periods.
+    #[cold]
+    #[inline(never)]
+    fn sweep_step(&self) {
+        if crate::seeded::seeded("history-sweep-skipped") {
+            return;
+        }
+        let e = self.epoch.load(Ordering::Relaxed);
+        let start = self.sweep_next.fetch_add(self.sweep_run, Ordering::Relaxed);
+        for i in start..start + self.sweep_run {
+            let cell = &self.history[(i & self.history_mask) as usize];
+            let v = cell.load(Ordering::Relaxed);
+            if v & 15 == 0 || (e as u8).wrapping_sub(v >> 4) & 15 < Self::SWEEP_AGE {
+                continue;
+            }
+            let fresh = Self::cell_value(e, self.read_cell(v, e));
+            let _ = cell.compare_exchange(v, fresh, Ordering::Relaxed, Ordering::Relaxed);
+        }
     }
 
     /// Records a touch of `slot` now: its depth (`None`: keep the recorded one) and count.
     /// Returns true if the slot's count fell (its score may be below its victim-order entry's).
     fn touch(&self, slot: SlotId, depth: Option<u32>, count: u8) -> bool {
         let t = self.clock.fetch_add(1, Ordering::Relaxed);
+        if t % Self::SWEEP_EVERY == 0 {
+            self.sweep_step();
+        }
         let cell = &self.meta[slot.index()];
         let old = cell.load(Ordering::Relaxed);
         let d = match depth {
@@ -207,6 +299,9 @@ impl EvictionPolicy for PrefixLfu {
     fn on_remove(&self, slot: SlotId) {
         self.residency.remove(slot);
     }
+    fn file_pending(&self, ranking: &Ranking<'_>) {
+        self.order.file_marks(ranking, &self.residency, |s| self.place(s));
+    }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
         self.select_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), out);
     }
@@ -238,15 +333,12 @@ impl PrefixLfu {
         }
         let now = self.clock.load(Ordering::Relaxed);
         if now - self.aged_at.load(Ordering::Relaxed) >= self.age_period {
-            // Ageing (one selector at a time): halve every counter so old popularity fades.
+            // Ageing (one selector at a time): every counter now reads halved once more, so old
+            // popularity fades (`read_cell`); nothing in the table is written here. With the
+            // doorkeeper, halving rounds up: a key seen once stays seen (else a first sighting just
+            // before an ageing would be refused again at its second).
             self.aged_at.store(now, Ordering::Relaxed);
-            // With the doorkeeper, halving rounds up: a key seen once stays seen (else a first
-            // sighting just before an ageing would be refused again at its second).
-            let up = self.doorkeeper as u8;
-            for c in self.history.iter() {
-                let v = c.load(Ordering::Relaxed);
-                c.store(v / 2 + (v & up), Ordering::Relaxed);
-            }
+            self.epoch.fetch_add(1, Ordering::Relaxed);
         }
         // The score already puts a chain's deeper blocks first (its depth term), so the chain view
         // is not used: only the tier's classes (orphans first, hinted blocks last) are.
@@ -311,6 +403,36 @@ mod tests {
         let q = PrefixLfu::new(4);
         assert!(q.admit(info(7, Some(0))));
         assert_eq!(q.count(7), 0);
+    }
+
+    /// Ageing through the production path (references, then a selection once a period has
+    /// passed): a key referenced 15 times and never again reads halved once per period (rounded
+    /// up with the doorkeeper), exactly as if the whole table were halved at every ageing, for 20
+    /// periods: past the 16 its 4-bit epoch tag can tell apart, so the sweep must have re-tagged it.
+    #[test]
+    fn ageing_halves_every_count_once_per_period_and_no_tag_wraps() {
+        // Keys whose two counters are distinct cells of the 1,024-cell table of a 4-slot policy.
+        let (a, busy) = (0x0000_0005_0000_0001u64, 0x0000_0007_0000_0002u64);
+        for doorkeeper in [false, true] {
+            let p = if doorkeeper { PrefixLfu::with_doorkeeper(4) } else { PrefixLfu::new(4) };
+            p.on_insert(SlotId(0), info(a, Some(0)));
+            for _ in 0..14 {
+                p.on_hit(SlotId(0));
+            }
+            assert_eq!(p.count(a), 15);
+            p.on_insert(SlotId(1), info(busy, Some(0)));
+            let (mut want, mut out) = (15u8, vec![]);
+            for period in 1..=20 {
+                // A period of references to another key, then a selection (which takes nothing).
+                for _ in 0..p.age_period {
+                    p.on_hit(SlotId(1));
+                }
+                p.select_victims(1, &|_| false, &mut out);
+                want = if doorkeeper { want.div_ceil(2) } else { want / 2 };
+                assert_eq!(p.count(a), want, "doorkeeper {doorkeeper}: after {period} ageings");
+            }
+            assert!(out.is_empty());
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::hints::{HintId, Hints};
 use super::saving::SavingKeys;
 use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
 use crate::error::TierError;
-use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind};
+use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind, Ranking};
 use crate::geometry::Geometry;
 use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
@@ -91,7 +91,7 @@ pub struct Core {
     pub(super) hints: Hints,
     pub(crate) counters: Counters,
     /// Serialises victim selection and claims: every claim is made and settled while it is held.
-    evict_lock: Mutex<()>,
+    pub(super) evict_lock: Mutex<()>,
     pub(super) saving: SavingKeys,
     pub(crate) leases: LeaseClock,
     shutting_down: AtomicBool,
@@ -430,6 +430,31 @@ impl Core {
         }
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.ready_slots, 1);
+    }
+
+    /// Lets the policy file what the commits so far taught it, on this thread and without the
+    /// eviction lock, if it can without waiting ([`crate::evict::EvictionPolicy::file_pending`]),
+    /// under the tier's full preference order at this moment.
+    pub(crate) fn file_pending(&self) {
+        self.with_ranking(false, |ranking| self.policy.file_pending(ranking));
+    }
+
+    /// Runs `f` with the tier's preference order for victims now ([`Ranking`]): chain place and
+    /// hints (see [`Core::victim_class`]). `spare_hinted`: the hinted classes (every class from the
+    /// unhinted ones up) are withheld, so only unhinted blocks have a class.
+    pub(crate) fn with_ranking<R>(&self, spare_hinted: bool, f: impl FnOnce(&Ranking<'_>) -> R) -> R {
+        let (hints, now) = (self.hints.any(), self.hints.now());
+        let classes = if spare_hinted && hints { self.unhinted_classes() } else { self.victim_classes(hints) };
+        let class_of = |s| self.victim_class(s, hints, now).filter(|&c| c < classes);
+        let base_class = |s| self.base_class(s, hints, now);
+        let empty = |c| self.class_is_empty(c);
+        f(&Ranking {
+            classes,
+            class_of: &class_of,
+            base_class: Some(&base_class),
+            empty: Some(&empty),
+            chain: self.chain_aware().then_some(self as &dyn ChainView),
+        })
     }
 
     /// Gives up a reserved block whose copy failed or never ran: index entry first, then the

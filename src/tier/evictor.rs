@@ -16,7 +16,6 @@
 use super::core::Core;
 use super::stats::add;
 use crate::error::TierError;
-use crate::evict::{ChainView, Ranking};
 use crate::index::SlotRef;
 use crate::slab::slot::SlotId;
 use crate::sync::MutexGuard;
@@ -70,24 +69,10 @@ impl<'a> Claims<'a> {
         // (Seeded bug, tests only: `evict-unclamped` sizes the candidates by the caller's `n`.)
         let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(core.pool.capacity() as usize) };
         let mut cands = Vec::with_capacity(n);
-        // The preference order: chain place and hints (see `Core::victim_class`).
-        let (hints, now) = (core.hints.any(), core.hints.now());
-        // Sparing hinted blocks: the hinted classes (every class from the unhinted ones up) are
-        // withheld, so the selection offers unhinted blocks only.
-        // (Seeded bug, tests only: `protect-hinted-ignored` offers them anyway.)
-        let spare = self.spare_hinted && hints && !crate::seeded::seeded("protect-hinted-ignored");
-        let classes = if spare { core.unhinted_classes() } else { core.victim_classes(hints) };
-        let class_of = |s| core.victim_class(s, hints, now).filter(|&c| c < classes);
-        let base_class = |s| core.base_class(s, hints, now);
-        let empty = |c| core.class_is_empty(c);
-        let ranking = Ranking {
-            classes,
-            class_of: &class_of,
-            base_class: Some(&base_class),
-            empty: Some(&empty),
-            chain: core.chain_aware().then_some(core as &dyn ChainView),
-        };
-        core.policy.select_ranked(n, &ranking, &mut cands);
+        // Sparing hinted blocks: the hinted classes are withheld, so the selection offers unhinted
+        // blocks only. (Seeded bug, tests only: `protect-hinted-ignored` offers them anyway.)
+        let spare = self.spare_hinted && !crate::seeded::seeded("protect-hinted-ignored");
+        core.with_ranking(spare, |ranking| core.policy.select_ranked(n, ranking, &mut cands));
         let before = self.victims.len();
         for s in cands {
             // The CAS refuses a slot that was pinned since the selection: never evict a pinned block.

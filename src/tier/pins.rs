@@ -128,6 +128,10 @@ impl WriteReservation {
         for r in std::mem::take(&mut self.entries) {
             self.core.commit_reserved(r);
         }
+        // Seeded bug (tests only): `commit-files-nothing` leaves the blocks to the next selection.
+        if !crate::seeded::seeded("commit-files-nothing") {
+            self.core.file_pending();
+        }
     }
 }
 

@@ -114,6 +114,19 @@ struct Hooked {
     hook: Hook,
     /// Run at the next `on_remove` (an eviction being finished), before the inner policy's.
     on_remove: Hook,
+    /// Run at the next `file_pending` (after a save's commit) with the ranking's class count,
+    /// before the inner policy's.
+    on_file: FileHook,
+}
+
+type FileHook = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce(u8) + Send>>>>;
+
+/// The hooks of a [`Hooked`] policy.
+#[derive(Default)]
+struct Hooks {
+    select: Hook,
+    on_remove: Hook,
+    on_file: FileHook,
 }
 
 type Hook = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>;
@@ -151,20 +164,24 @@ impl crate::evict::EvictionPolicy for Hooked {
         }
         self.inner.on_remove(slot)
     }
+    fn file_pending(&self, ranking: &crate::evict::Ranking<'_>) {
+        let hook = self.on_file.lock().unwrap().take();
+        if let Some(h) = hook {
+            h(ranking.classes);
+        }
+        self.inner.file_pending(ranking)
+    }
 }
 
 /// [`small_tier`] whose policy runs the returned hook at its next selection.
 fn hooked_tier(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, Hook) {
     let (tier, arenas, rank, hooks) = hooked_tier_both(slots, policy);
-    (tier, arenas, rank, hooks.0)
+    (tier, arenas, rank, hooks.select)
 }
 
-/// [`small_tier`] whose policy runs the first returned hook at its next selection and the second
-/// at its next `on_remove`.
-fn hooked_tier_both(
-    slots: u64,
-    policy: crate::PolicyKind,
-) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, (Hook, Hook)) {
+/// [`small_tier`] whose policy runs the returned hooks at its next selection, its next
+/// `on_remove` and its next `file_pending`.
+fn hooked_tier_both(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sync::Arc<MemcpyArenas>, Rank, Hooks) {
     let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 16)]).unwrap();
     let pool = HostPool::new(
         g.slot_bytes(),
@@ -172,13 +189,38 @@ fn hooked_tier_both(
     )
     .unwrap();
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
-    let (hook, on_remove): (Hook, Hook) = Default::default();
+    let hooks = Hooks::default();
     let inner = std::mem::replace(&mut core.policy, policy.build(1));
-    core.policy = Box::new(Hooked { inner, hook: hook.clone(), on_remove: on_remove.clone() });
+    core.policy = Box::new(Hooked {
+        inner,
+        hook: hooks.select.clone(),
+        on_remove: hooks.on_remove.clone(),
+        on_file: hooks.on_file.clone(),
+    });
     let tier = HostTier::from_core(core);
     let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();
-    (tier, arenas, rank, (hook, on_remove))
+    (tier, arenas, rank, hooks)
+}
+
+/// A save's commit lets the policy file its new blocks at once, on the committing thread, without
+/// the eviction lock and under the tier's full preference order: so no selection (under the lock)
+/// files a pool's worth of blocks after the pool fills. Seeded bug `commit-files-nothing`.
+#[test]
+fn a_commit_lets_the_policy_file_its_blocks_without_the_eviction_lock() {
+    let (tier, arenas, rank, hooks) = hooked_tier_both(4, crate::PolicyKind::AdaptiveLfu);
+    let core = tier.core().clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    *hooks.on_file.lock().unwrap() = Some(Box::new(move |classes| {
+        let lock_free = core.evict_lock.try_lock().is_ok();
+        tx.send((lock_free, classes, core.victim_classes(false))).unwrap();
+    }));
+    let k = keys(&tier, 0..2);
+    save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
+    let (lock_free, classes, all) =
+        rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the commit let the policy file its blocks");
+    assert!(lock_free, "filed without the eviction lock");
+    assert_eq!(classes, all, "under the full preference order");
 }
 
 /// Claims are finished without the eviction lock (so other saves select meanwhile), and a save
@@ -188,7 +230,7 @@ fn hooked_tier_both(
 /// `plan-finishing-in-flight`.
 #[test]
 fn a_plan_meeting_an_eviction_being_finished_waits_for_it() {
-    let (tier, arenas, rank, (_, on_remove)) = hooked_tier_both(2, crate::PolicyKind::Lru);
+    let (tier, arenas, rank, Hooks { on_remove, .. }) = hooked_tier_both(2, crate::PolicyKind::Lru);
     let k = keys(&tier, 0..2);
     save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
     let core = tier.core().clone();
