@@ -25,6 +25,7 @@ if [[ ${1:-} == bites ]]; then
         lease-first-consume-settles
         requeue-claimed-victim
         victim-order-marks-lost
+        filing-drops-unready
         protect-hinted-ignored
     )
     if ! cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null; then
