@@ -375,6 +375,14 @@ mod tests {
         }
     }
 
+    /// The tier's preference order as these tests model it: a resident, unpinned slot has its
+    /// class (of 3); a pinned one is filed by its base class, the same.
+    fn ranked<R>(resident: &[bool], pinned: &[bool], class: &[u8], f: impl FnOnce(&Ranking<'_>) -> R) -> R {
+        let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
+        let base_class = |t: SlotId| class[t.index()];
+        f(&Ranking { classes: 3, class_of: &class_of, base_class: Some(&base_class), empty: None, chain: None })
+    }
+
     /// Drives two instances of one policy through the same random inserts, hits, pins, class
     /// changes (announced with `on_reclass` when a class falls, as the tier does), cancels and
     /// evictions; one selects through its victim order, the other by a scan of every slot. Every
@@ -416,32 +424,14 @@ mod tests {
                 }
                 // A commit's filing of the marks so far (the tier's call after every save), with
                 // the classes of this moment.
-                7 if rnd(2) == 0 => {
-                    let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
-                    let base_class = |t: SlotId| class[t.index()];
-                    let ranking = Ranking {
-                        classes: 3,
-                        class_of: &class_of,
-                        base_class: Some(&base_class),
-                        empty: None,
-                        chain: None,
-                    };
-                    order.file_pending(&ranking);
-                }
+                7 if rnd(2) == 0 => ranked(&resident, &pinned, &class, |r| order.file_pending(r)),
                 _ => {
                     let n = 1 + rnd(4) as usize;
-                    let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
-                    let base_class = |t: SlotId| class[t.index()];
-                    let ranking = Ranking {
-                        classes: 3,
-                        class_of: &class_of,
-                        base_class: Some(&base_class),
-                        empty: None,
-                        chain: None,
-                    };
                     let (mut a, mut b) = (vec![], vec![]);
-                    order.select_ranked(n, &ranking, &mut a);
-                    scan(&reference, n, &ranking, &mut b);
+                    ranked(&resident, &pinned, &class, |r| {
+                        order.select_ranked(n, r, &mut a);
+                        scan(&reference, n, r, &mut b);
+                    });
                     assert_eq!(a, b, "{} seed {seed} step {step}: the victim order and the scan differ", order.name());
                     for v in a {
                         if rnd(3) == 0 {
