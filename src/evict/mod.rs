@@ -40,6 +40,9 @@
 //!   hinted keys), and the chains of resident blocks. The provided method turns it into
 //!   `select_victims` calls, one per class; the contract and liveness below hold for it as they do
 //!   for `select_victims`.
+//! - [`EvictionPolicy::file_pending`]: after a save's commit, without the eviction lock, on the
+//!   committing thread: a policy may file what it learnt lazily (LRU and the prefix-LFU family
+//!   file their victim order's marks, if its mutex is free); it never blocks.
 //! - [`EvictionPolicy::admit`]: lock-free admission check on the save path.
 //!
 //! **Liveness** (invariant I8 in `docs/invariants.md`): whatever interleaving of insert, hit,

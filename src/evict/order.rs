@@ -36,7 +36,8 @@
 //! a block's entry was pushed costs at most one re-push, when the entry is reached) and the pinned
 //! ones at the front; each pop is O(log capacity) plus a look at the top of each bucket's heap of
 //! the lowest class that has entries. Retired entries are dropped when popped; when they outnumber
-//! the slots, the heaps are rebuilt without them (O(capacity), at most once per `capacity` marks).
+//! the slots, the heaps are rebuilt without them by the drain that finds them so (a selection's or a
+//! filing's; O(capacity), at most once per `capacity` marks).
 
 use super::heap::QuadHeap;
 use super::{Ranking, Residency};
@@ -215,18 +216,26 @@ impl VictimOrder {
         if crate::seeded::seeded("marks-filed-only-by-selections") {
             return;
         }
-        let Some(mut guard) = crate::sync::try_lock(&self.state) else { return };
-        self.drain_marks(&mut guard, ranking, residency, &place);
+        // Seeded bug (tests only): `filing-blocks` waits for the order's mutex instead of trying it.
+        let guard = if crate::seeded::seeded("filing-blocks") {
+            Some(crate::sync::lock(&self.state))
+        } else {
+            crate::sync::try_lock(&self.state)
+        };
+        let Some(mut guard) = guard else { return };
+        self.drain_marks(&mut guard, ranking, residency, &place, true);
     }
 
     /// Drains the mark stack into the heaps (the caller holds the state): each offerable slot
-    /// marked gets a fresh entry where it belongs now.
+    /// marked gets a fresh entry where it belongs now; then, if retired entries outnumber the
+    /// slots, rebuilds the heaps without them. `filing`: called by [`VictimOrder::file_marks`].
     fn drain_marks(
         &self,
         st: &mut State,
         ranking: &Ranking<'_>,
         residency: &Residency,
         place: &impl Fn(usize) -> (u8, i64),
+        filing: bool,
     ) {
         // Seeded bug (tests only): marks are never drained, so new blocks are never offered.
         if crate::seeded::seeded("victim-order-marks-lost") {
@@ -241,14 +250,21 @@ impl VictimOrder {
                 // `READY`) is filed where it will belong, by its base class.
                 let class = match (ranking.class_of)(s) {
                     Some(c) => c,
-                    // Seeded bug (model checking only): `filing-drops-unready` drops it instead,
-                    // so it is never offered.
+                    // Seeded bug (tests and model checking): `filing-drops-unready` drops it
+                    // instead, so it is never offered (in every drain: a selection's too).
                     None if crate::seeded::seeded("filing-drops-unready") => return,
                     None => ranking.base_class.map_or(0, |f| f(s)),
                 };
                 st.push_entry(buckets, s, heap_index(buckets, class, bucket), key);
             }
         });
+        // Every drain, a selection's or a commit's filing, bounds the retired entries: filings
+        // alone (a pool not yet full, hints given and withdrawn on its blocks) must not let them
+        // grow without a selection. (Seeded bug, tests only: `filing-skips-compaction` leaves
+        // it to the selections.)
+        if st.entries > 2 * st.stamp.len() + 1024 && !(filing && crate::seeded::seeded("filing-skips-compaction")) {
+            Self::compact(st, residency);
+        }
     }
 
     /// Proposes up to `n` offerable slots with a class, lowest `(class, key + offset(bucket),
@@ -270,10 +286,7 @@ impl VictimOrder {
         let base = |s: SlotId| ranking.base_class.map_or(0, |f| f(s));
         let heap_of = |class: u8, bucket: u8| heap_index(buckets, class, bucket);
         let push = |st: &mut State, s: SlotId, heap: usize, key: i64| st.push_entry(buckets, s, heap, key);
-        self.drain_marks(st, ranking, residency, &place);
-        if st.entries > 2 * st.stamp.len() + 1024 {
-            Self::compact(st, residency);
-        }
+        self.drain_marks(st, ranking, residency, &place, false);
         let mut found = 0;
         while found < n {
             let Some(h) = Self::best(&st.heaps, buckets, &offset) else { break };
@@ -473,10 +486,62 @@ mod tests {
         lru.file_pending(&Ranking::plain(&all));
         lfu.file_pending(&Ranking::plain(&all));
         assert_eq!((lru.order.entries(), lfu.order.entries()), (cap as usize, cap as usize), "every mark is filed");
+        let mut left = 0;
+        lru.order.marks.drain(|_| left += 1);
+        lfu.order.marks.drain(|_| left += 1);
+        assert_eq!(left, 0, "no mark is left for the selection");
         // Nothing left for the selection to file; it proposes what it would have.
         let mut out = vec![];
         lru.select_ranked(2, &Ranking::plain(&all), &mut out);
         assert_eq!(out, vec![SlotId(0), SlotId(1)], "the least recently inserted");
+    }
+
+    /// Filings alone (no selection: a pool not yet full, with hints given and withdrawn on its
+    /// blocks) must not let retired entries grow without bound. Seeded bug `filing-skips-compaction`.
+    #[test]
+    fn filings_alone_do_not_let_retired_entries_pile_up() {
+        let cap = 64u32;
+        let p = Lru::new(cap);
+        for s in 0..cap {
+            p.on_insert(SlotId(s), InsertInfo::default());
+        }
+        let all = |_: SlotId| Some(0u8);
+        let bound = 2 * cap as usize + 1024 + cap as usize;
+        for round in 0..400 {
+            for s in 0..cap / 2 {
+                p.on_reclass(SlotId(s));
+            }
+            p.file_pending(&Ranking::plain(&all));
+            assert!(p.order.entries() <= bound, "round {round}: {} entries for {cap} slots", p.order.entries());
+        }
+    }
+
+    /// A filing never waits for the order: while a selection (here, this thread) holds it, a
+    /// commit's filing returns at once and leaves the marks, which the next selection files.
+    /// Seeded bug `filing-blocks`.
+    #[test]
+    fn a_filing_never_waits_for_the_order_and_leaves_its_marks_to_the_holder() {
+        let p = Lru::new(8);
+        for s in 0..8 {
+            p.on_insert(SlotId(s), InsertInfo::default());
+        }
+        let held = crate::sync::lock(&p.order.state);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let all = |_: SlotId| Some(0u8);
+                p.file_pending(&Ranking::plain(&all));
+                tx.send(()).unwrap();
+            });
+            let returned = rx.recv_timeout(std::time::Duration::from_secs(10));
+            drop(held);
+            returned.expect("the filing returned while the order was held");
+        });
+        assert_eq!(p.order.entries(), 0, "nothing filed while the order was held");
+        let all = |_: SlotId| Some(0u8);
+        let mut out = vec![];
+        p.select_ranked(8, &Ranking::plain(&all), &mut out);
+        assert_eq!(out.len(), 8, "the selection filed the marks the filing left");
     }
 
     #[test]

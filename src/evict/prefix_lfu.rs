@@ -14,9 +14,10 @@ use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 /// selection only advances the history's epoch; each counter byte carries, in its high 4 bits, the
 /// epoch its count was last written at, and is read halved once per epoch since (see
 /// [`PrefixLfu::read_cell`]); a sweep driven by the references reads a bounded run of counters
-/// every 64 references (the whole table once per 8 ageing periods) and re-tags those 4 epochs old
-/// or more, so a tag never falls 16 epochs behind (where its 4 bits would wrap). No ageing step
-/// touches the table under a lock. Selection pops the lowest scores from a [`VictimOrder`] with one bucket per history
+/// every 64 references (the whole table once per 4 ageing periods) and re-tags those 4 epochs old
+/// or more, so a tag stays within 8 epochs of the present and never near the 16 its 4 bits tell
+/// apart; a tag up to 3 epochs *ahead* (written by a thread that read the epoch after the reader
+/// did) reads as current. No ageing step touches the table under a lock. Selection pops the lowest scores from a [`VictimOrder`] with one bucket per history
 /// count (the score is `tick - 2 x depth` plus the count times the weight, which the tuner may
 /// change: each bucket's order does not depend on it). With the doorkeeper
 /// ([`PrefixLfu::with_doorkeeper`], [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
@@ -68,12 +69,18 @@ impl PrefixLfu {
     const SWEEP_EVERY: u64 = 64;
     /// Ageing periods' worth of references per lap of the sweep over the whole table. A counter
     /// visited at an age below [`PrefixLfu::SWEEP_AGE`] is left; the next visit comes at most
-    /// `SWEEP_LAP + 1` ageings later (ageings come at most once per period), so no tag is ever
-    /// more than `SWEEP_AGE - 1 + SWEEP_LAP + 1 = 12` epochs old: below the 16 its 4 bits tell apart.
-    const SWEEP_LAP: u64 = 8;
+    /// `SWEEP_LAP + 1` ageings later (ageings come at most once per period), so no tag is more
+    /// than `SWEEP_AGE - 1 + SWEEP_LAP + 1 = 8` epochs old while the sweep keeps pace. The ages
+    /// from 9 to 12 are slack for a sweep step that stalls (a thread descheduled inside it): ages
+    /// from [`PrefixLfu::AHEAD_FROM`] on are read as tags ahead of the reader.
+    const SWEEP_LAP: u64 = 4;
     /// The age (in epochs) from which the sweep re-tags a counter. From 4 on, a 4-bit count has
     /// been halved to 0 (to 1 with the doorkeeper's rounding up), so a re-tag writes that.
     const SWEEP_AGE: u8 = 4;
+    /// Ages from 13 to 15 mean a tag 3 to 1 epochs *ahead* of the reader's epoch: a bump that read
+    /// the epoch after an ageing wrote it while this reader held the epoch from before. Such a
+    /// counter reads as current (its count), neither wiped nor re-tagged.
+    const AHEAD_FROM: u8 = 13;
 
     /// A prefix-aware LFU for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
@@ -137,14 +144,19 @@ impl PrefixLfu {
     /// The count a history byte `v` holds at epoch `epoch`: its count halved once per epoch since
     /// its tag (rounded down; rounded up with the doorkeeper, so a key once seen stays seen). Equal
     /// to halving the whole table at every ageing: `floor(floor(c / 2) / 2) = floor(c / 4)`, and
-    /// the same for `ceil`. A tag at most 15 epochs old is read exactly (the sweep keeps every tag
-    /// within a few epochs of the present).
+    /// the same for `ceil`. A tag at most 12 epochs old is read exactly (the sweep keeps every tag
+    /// within 8 epochs of the present); one 1 to 3 epochs ahead of `epoch` reads as current
+    /// ([`PrefixLfu::AHEAD_FROM`]).
     #[inline(always)]
     fn read_cell(&self, v: u8, epoch: u64) -> u8 {
         let count = v & 15;
         let age = (epoch as u8).wrapping_sub(v >> 4) & 15;
-        // Seeded bug (tests only): `history-age-ignored` reads the count as written, unhalved.
-        if age == 0 || crate::seeded::seeded("history-age-ignored") {
+        // Seeded bugs (tests only): `history-age-ignored` reads the count as written, unhalved;
+        // `history-ahead-wiped` reads a tag ahead of the reader as 13 to 15 epochs old.
+        if age == 0
+            || (age >= Self::AHEAD_FROM && !crate::seeded::seeded("history-ahead-wiped"))
+            || crate::seeded::seeded("history-age-ignored")
+        {
             return count;
         }
         match (self.doorkeeper, age) {
@@ -170,7 +182,8 @@ impl PrefixLfu {
     }
 
     /// Counts one reference of key hash `h` (conservative update: only the counters at the
-    /// minimum grow; racy increments may be lost, which only under-counts).
+    /// minimum grow; racy increments may be lost, which only under-counts: a bump holding the
+    /// epoch from before an ageing tags its write one epoch old, so it reads halved once more).
     /// Returns the key's new count.
     fn bump(&self, h: u64) -> u8 {
         let e = self.epoch.load(Ordering::Relaxed);
@@ -193,7 +206,9 @@ impl PrefixLfu {
 
     /// One step of the history sweep, taken by every [`PrefixLfu::SWEEP_EVERY`]-th reference
     /// (out of line: the reference path stays short): reads the next `sweep_run` counters and re-tags with the
-    /// present epoch each that is [`PrefixLfu::SWEEP_AGE`] epochs old or more, rewritten with the
+    /// present epoch each that is [`PrefixLfu::SWEEP_AGE`] epochs old or more (and not ahead of
+    /// this step's epoch, [`PrefixLfu::AHEAD_FROM`]: a step holding an epoch from before an
+    /// ageing leaves a counter a newer bump wrote), rewritten with the
     /// count it reads now (a compare-exchange: a counter a bump wrote meanwhile is fresh already
     /// and kept). Counters holding zero are left alone (a zero reads zero at any age). Lock-free;
     /// about one counter read per reference, and a write only for a counter no reference has
@@ -209,7 +224,8 @@ impl PrefixLfu {
         for i in start..start + self.sweep_run {
             let cell = &self.history[(i & self.history_mask) as usize];
             let v = cell.load(Ordering::Relaxed);
-            if v & 15 == 0 || (e as u8).wrapping_sub(v >> 4) & 15 < Self::SWEEP_AGE {
+            let age = (e as u8).wrapping_sub(v >> 4) & 15;
+            if v & 15 == 0 || age < Self::SWEEP_AGE || age >= Self::AHEAD_FROM {
                 continue;
             }
             let fresh = Self::cell_value(e, self.read_cell(v, e));
@@ -432,6 +448,31 @@ mod tests {
                 assert_eq!(p.count(a), want, "doorkeeper {doorkeeper}: after {period} ageings");
             }
             assert!(out.is_empty());
+        }
+    }
+
+    /// A counter written by a bump that read the epoch after an ageing, read by a thread (or swept
+    /// by a step) still holding the epoch from before it: its tag is one epoch ahead, which must
+    /// read as the count written, not as 15 epochs old (wiped). Seeded bug `history-ahead-wiped`.
+    #[test]
+    fn a_counter_tagged_ahead_of_the_reader_keeps_its_count() {
+        let a = 0x0000_0005_0000_0001u64;
+        for doorkeeper in [false, true] {
+            let p = if doorkeeper { PrefixLfu::with_doorkeeper(4) } else { PrefixLfu::new(4) };
+            p.epoch.store(5, Ordering::Relaxed);
+            p.on_insert(SlotId(0), info(a, Some(0)));
+            for _ in 0..6 {
+                p.on_hit(SlotId(0));
+            }
+            // The reader's epoch, loaded before the ageing to 5.
+            p.epoch.store(4, Ordering::Relaxed);
+            assert_eq!(p.count(a), 7, "doorkeeper {doorkeeper}: read at the epoch before");
+            // A whole lap of sweep steps at that epoch leaves it.
+            for _ in 0..(p.history_mask + 1).div_ceil(p.sweep_run) {
+                p.sweep_step();
+            }
+            p.epoch.store(5, Ordering::Relaxed);
+            assert_eq!(p.count(a), 7, "doorkeeper {doorkeeper}: after a sweep at the epoch before");
         }
     }
 

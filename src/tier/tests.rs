@@ -213,14 +213,18 @@ fn a_commit_lets_the_policy_file_its_blocks_without_the_eviction_lock() {
     let (tx, rx) = std::sync::mpsc::channel();
     *hooks.on_file.lock().unwrap() = Some(Box::new(move |classes| {
         let lock_free = core.evict_lock.try_lock().is_ok();
-        tx.send((lock_free, classes, core.victim_classes(false))).unwrap();
+        tx.send((lock_free, classes, core.victim_classes(true))).unwrap();
     }));
-    let k = keys(&tier, 0..2);
-    save_ready(&tier, &arenas, &rank, &k, &[0, 1]);
+    let k = keys(&tier, 0..3);
+    // A live hint (on a key not saved here): the full order then has more classes than the one a
+    // save sparing hinted blocks selects with.
+    let _hint = tier.core().hint(&k[2..], std::time::Duration::from_secs(3600));
+    save_ready(&tier, &arenas, &rank, &k[..2], &[0, 1]);
     let (lock_free, classes, all) =
         rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the commit let the policy file its blocks");
     assert!(lock_free, "filed without the eviction lock");
     assert_eq!(classes, all, "under the full preference order");
+    assert!(classes > tier.core().unhinted_classes(), "with the hinted classes");
 }
 
 /// Claims are finished without the eviction lock (so other saves select meanwhile), and a save
