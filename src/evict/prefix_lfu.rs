@@ -17,10 +17,11 @@ use crate::sync::{AtomicU64, AtomicU8, Mutex, Ordering};
 /// every 64 references (the whole table once per 4 ageing periods) and re-tags those 4 epochs old
 /// or more, so a tag stays within 8 epochs of the present and never near the 16 its 4 bits tell
 /// apart; a tag up to 3 epochs *ahead* (written by a thread that read the epoch after the reader
-/// did) reads as current. No ageing step touches the table under a lock. Selection pops the lowest scores from a [`VictimOrder`] with one bucket per history
-/// count (the score is `tick - 2 x depth` plus the count times the weight, which the tuner may
-/// change: each bucket's order does not depend on it). With the doorkeeper
-/// ([`PrefixLfu::with_doorkeeper`], [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
+/// did) reads as current. No ageing step touches the table under a lock. Selection pops the
+/// lowest scores from a [`VictimOrder`] with one bucket per history count (the score is
+/// `tick - 2 x depth` plus the count times the weight, which the tuner may change: each bucket's
+/// order does not depend on it). With the doorkeeper ([`PrefixLfu::with_doorkeeper`],
+/// [`super::PolicyKind::PrefixTinyLfu`]) admission reads the key's two
 /// history counters and, for a refused key, bumps them: also lock-free.
 pub(crate) struct PrefixLfu {
     /// Per slot, packed so a selection reads one word: last touch tick (high 44 bits), prompt depth
@@ -205,14 +206,14 @@ impl PrefixLfu {
     }
 
     /// One step of the history sweep, taken by every [`PrefixLfu::SWEEP_EVERY`]-th reference
-    /// (out of line: the reference path stays short): reads the next `sweep_run` counters and re-tags with the
-    /// present epoch each that is [`PrefixLfu::SWEEP_AGE`] epochs old or more (and not ahead of
-    /// this step's epoch, [`PrefixLfu::AHEAD_FROM`]: a step holding an epoch from before an
-    /// ageing leaves a counter a newer bump wrote), rewritten with the
-    /// count it reads now (a compare-exchange: a counter a bump wrote meanwhile is fresh already
-    /// and kept). Counters holding zero are left alone (a zero reads zero at any age). Lock-free;
-    /// about one counter read per reference, and a write only for a counter no reference has
-    /// written for 4 ageing periods.
+    /// (out of line: the reference path stays short): reads the next `sweep_run` counters and
+    /// re-tags with the present epoch each that is [`PrefixLfu::SWEEP_AGE`] epochs old or more
+    /// (and not ahead of this step's epoch, [`PrefixLfu::AHEAD_FROM`]: a step holding an epoch
+    /// from before an ageing leaves a counter a newer bump wrote), rewritten with the count it
+    /// reads now (a compare-exchange: a counter a bump wrote meanwhile is fresh already and kept).
+    /// Counters holding zero are left alone (a zero reads zero at any age). Lock-free; one or two
+    /// counter reads per reference, and a write only for a counter no reference has written for 4
+    /// ageing periods.
     #[cold]
     #[inline(never)]
     fn sweep_step(&self) {
@@ -424,7 +425,8 @@ mod tests {
     /// Ageing through the production path (references, then a selection once a period has
     /// passed): a key referenced 15 times and never again reads halved once per period (rounded
     /// up with the doorkeeper), exactly as if the whole table were halved at every ageing, for 20
-    /// periods: past the 16 its 4-bit epoch tag can tell apart, so the sweep must have re-tagged it.
+    /// periods: past the 13 from which a tag reads as ahead of the reader (and the 16 its 4 bits
+    /// tell apart), so the sweep must have re-tagged it.
     #[test]
     fn ageing_halves_every_count_once_per_period_and_no_tag_wraps() {
         // Keys whose two counters are distinct cells of the 1,024-cell table of a 4-slot policy.
