@@ -223,19 +223,23 @@ impl VictimOrder {
             crate::sync::try_lock(&self.state)
         };
         let Some(mut guard) = guard else { return };
-        self.drain_marks(&mut guard, ranking, residency, &place, true);
+        self.drain_marks(&mut guard, ranking, residency, &place);
+        // Filings alone (a pool not yet full, hints given and withdrawn on its blocks) must bound
+        // the retired entries too, without a selection. (Seeded bug, tests only:
+        // `filing-skips-compaction` leaves it to the selections.)
+        if !crate::seeded::seeded("filing-skips-compaction") {
+            Self::bound_retired(&mut guard, residency);
+        }
     }
 
     /// Drains the mark stack into the heaps (the caller holds the state): each offerable slot
-    /// marked gets a fresh entry where it belongs now; then, if retired entries outnumber the
-    /// slots, rebuilds the heaps without them. `filing`: called by [`VictimOrder::file_marks`].
+    /// marked gets a fresh entry where it belongs now.
     fn drain_marks(
         &self,
         st: &mut State,
         ranking: &Ranking<'_>,
         residency: &Residency,
         place: &impl Fn(usize) -> (u8, i64),
-        filing: bool,
     ) {
         // Seeded bug (tests only): marks are never drained, so new blocks are never offered.
         if crate::seeded::seeded("victim-order-marks-lost") {
@@ -258,11 +262,12 @@ impl VictimOrder {
                 st.push_entry(buckets, s, heap_index(buckets, class, bucket), key);
             }
         });
-        // Every drain, a selection's or a commit's filing, bounds the retired entries: filings
-        // alone (a pool not yet full, hints given and withdrawn on its blocks) must not let them
-        // grow without a selection. (Seeded bug, tests only: `filing-skips-compaction` leaves
-        // it to the selections.)
-        if st.entries > 2 * st.stamp.len() + 1024 && !(filing && crate::seeded::seeded("filing-skips-compaction")) {
+    }
+
+    /// Rebuilds the heaps without their retired entries once these outnumber the slots (after
+    /// every drain, a selection's or a filing's: O(capacity), at most once per `capacity` marks).
+    fn bound_retired(st: &mut State, residency: &Residency) {
+        if st.entries > 2 * st.stamp.len() + 1024 {
             Self::compact(st, residency);
         }
     }
@@ -286,7 +291,8 @@ impl VictimOrder {
         let base = |s: SlotId| ranking.base_class.map_or(0, |f| f(s));
         let heap_of = |class: u8, bucket: u8| heap_index(buckets, class, bucket);
         let push = |st: &mut State, s: SlotId, heap: usize, key: i64| st.push_entry(buckets, s, heap, key);
-        self.drain_marks(st, ranking, residency, &place, false);
+        self.drain_marks(st, ranking, residency, &place);
+        Self::bound_retired(st, residency);
         let mut found = 0;
         while found < n {
             let Some(h) = Self::best(&st.heaps, buckets, &offset) else { break };
@@ -386,6 +392,15 @@ mod tests {
             x ^= x << 17;
             x % m.max(1)
         }
+    }
+
+    /// An LRU of `cap` slots, every one inserted (slot `s` at tick `s + 1`).
+    fn filled_lru(cap: u32) -> Lru {
+        let p = Lru::new(cap);
+        for s in 0..cap {
+            p.on_insert(SlotId(s), InsertInfo::default());
+        }
+        p
     }
 
     /// The tier's preference order as these tests model it: a resident, unpinned slot has its
@@ -501,10 +516,7 @@ mod tests {
     #[test]
     fn filings_alone_do_not_let_retired_entries_pile_up() {
         let cap = 64u32;
-        let p = Lru::new(cap);
-        for s in 0..cap {
-            p.on_insert(SlotId(s), InsertInfo::default());
-        }
+        let p = filled_lru(cap);
         let all = |_: SlotId| Some(0u8);
         let bound = 2 * cap as usize + 1024 + cap as usize;
         for round in 0..400 {
@@ -521,10 +533,7 @@ mod tests {
     /// Seeded bug `filing-blocks`.
     #[test]
     fn a_filing_never_waits_for_the_order_and_leaves_its_marks_to_the_holder() {
-        let p = Lru::new(8);
-        for s in 0..8 {
-            p.on_insert(SlotId(s), InsertInfo::default());
-        }
+        let p = filled_lru(8);
         let held = crate::sync::lock(&p.order.state);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|sc| {
@@ -549,10 +558,7 @@ mod tests {
         // Half the blocks are hit and re-placed before every selection: each re-placement retires
         // the slot's entry, which (its key above every victim's) no selection ever pops.
         let cap = 64u32;
-        let p = Lru::new(cap);
-        for s in 0..cap {
-            p.on_insert(SlotId(s), InsertInfo::default());
-        }
+        let p = filled_lru(cap);
         let all = |_: SlotId| Some(0u8);
         for round in 0..400 {
             for s in 0..cap / 2 {

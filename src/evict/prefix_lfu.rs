@@ -174,12 +174,19 @@ impl PrefixLfu {
         (((epoch & 15) as u8) << 4) | (count & 15)
     }
 
+    /// Key hash `h`'s two counters at epoch `e`: their cells and the counts they read.
+    #[inline(always)]
+    fn counters(&self, h: u64, e: u64) -> ([usize; 2], [u8; 2]) {
+        let [i0, i1] = self.cells(h);
+        let r0 = self.read_cell(self.history[i0].load(Ordering::Relaxed), e);
+        let r1 = self.read_cell(self.history[i1].load(Ordering::Relaxed), e);
+        ([i0, i1], [r0, r1])
+    }
+
     /// The key's reference count (the smaller of its two counters).
     fn count(&self, h: u64) -> u8 {
-        let e = self.epoch.load(Ordering::Relaxed);
-        let [i0, i1] = self.cells(h);
-        let v0 = self.read_cell(self.history[i0].load(Ordering::Relaxed), e);
-        v0.min(self.read_cell(self.history[i1].load(Ordering::Relaxed), e))
+        let (_, [r0, r1]) = self.counters(h, self.epoch.load(Ordering::Relaxed));
+        r0.min(r1)
     }
 
     /// Counts one reference of key hash `h` (conservative update: only the counters at the
@@ -188,9 +195,7 @@ impl PrefixLfu {
     /// Returns the key's new count.
     fn bump(&self, h: u64) -> u8 {
         let e = self.epoch.load(Ordering::Relaxed);
-        let [i0, i1] = self.cells(h);
-        let r0 = self.read_cell(self.history[i0].load(Ordering::Relaxed), e);
-        let r1 = self.read_cell(self.history[i1].load(Ordering::Relaxed), e);
+        let ([i0, i1], [r0, r1]) = self.counters(h, e);
         let m = r0.min(r1);
         if m >= Self::MAX_COUNT {
             return m;

@@ -443,7 +443,10 @@ impl Core {
     /// hints (see [`Core::victim_class`]). `spare_hinted`: the hinted classes (every class from the
     /// unhinted ones up) are withheld, so only unhinted blocks have a class.
     pub(crate) fn with_ranking<R>(&self, spare_hinted: bool, f: impl FnOnce(&Ranking<'_>) -> R) -> R {
-        let (hints, now) = (self.hints.any(), self.hints.now());
+        let hints = self.hints.any();
+        // The time is read only when a hint is live: no class depends on it otherwise (a commit's
+        // filing builds this order once per save).
+        let now = if hints { self.hints.now() } else { 0 };
         let classes = if spare_hinted && hints { self.unhinted_classes() } else { self.victim_classes(hints) };
         let class_of = |s| self.victim_class(s, hints, now).filter(|&c| c < classes);
         let base_class = |s| self.base_class(s, hints, now);
