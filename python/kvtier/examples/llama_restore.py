@@ -325,7 +325,7 @@ class Bench:
         def warm_layers():
             stream = self._stream()
             # The page table goes to the GPU before the restore is queued (PagedCache.prepare).
-            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix)
+            cache = PagedCache(kv, warm_pages + tail, cached_tokens=prefix, time_waits=True)
             cache.prepare(suffix_ids.shape[-1])
             with self.tier.query(keys) as lease:
                 assert len(lease) == pp, f"query found {len(lease)} of {pp} pages"
@@ -336,8 +336,19 @@ class Bench:
             out = self._forward(cache, suffix_ids)
             state["layers_first"] = int(out.logits[0, -1].argmax())
             state["layers_logits"], state["layers_cache"], state["handle"] = out.logits, cache, h
+            state["layers_cache_waits"] = cache
 
-        layers_s = series(warm_layers, before=nan)
+        # How long the engine's stream stood at each layer's wait, per timed run (read after the
+        # run, so the reads add nothing to its time).
+        layer_waits: List[List[float]] = []
+
+        def collect_waits():
+            if "layers_cache_waits" in state:
+                layer_waits.append([ms for _, ms in state.pop("layers_cache_waits").wait_ms()])
+
+        layers_s = series(warm_layers, before=lambda: (collect_waits(), nan()))
+        collect_waits()
+        layer_waits = [w for w in layer_waits[warmup:] if w]  # none on a CPU
         state["handle"].wait()
         layers_logits = state["layers_logits"].clone()
         restored = [a.index_select(0, rows_warm) for a in kv.arenas]
@@ -560,6 +571,15 @@ class Bench:
             # Median host time `restore_layers` took to return in the warm, layer-wise runs (the
             # engine's thread queues nothing meanwhile), milliseconds.
             "layers_submit_ms": statistics.median(submit_ms) if submit_ms else float("nan"),
+            # How long the engine's stream stood at the layer waits of the warm, layer-wise runs
+            # (GPU time between timing events recorded around each wait; NaN on a CPU): the
+            # median over the timed runs of layer 0's wait and of all waits together, and every
+            # run's per-layer waits in layer order.
+            "layer_wait_ms": {
+                "first": statistics.median(w[0] for w in layer_waits) if layer_waits else float("nan"),
+                "total": statistics.median(sum(w) for w in layer_waits) if layer_waits else float("nan"),
+                "per_layer": layer_waits,
+            },
             # The same for `restore` in the warm, whole-block runs.
             "whole_submit_ms": statistics.median(whole_submit_ms) if whole_submit_ms else float("nan"),
             "save_ms": save_ms,
@@ -649,8 +669,9 @@ def markdown(results: List[dict]) -> str:
         "\n| prefix tokens | suffix tokens | TTFT cold | TTFT warm (whole block) | TTFT warm (layer-wise) "
         "| suffix alone | max(restore at contiguous rate, suffix alone) | layer-wise / max "
         "| suffix beside an unordered copy | that / max "
-        "| restore GB/s whole | restore GB/s layer-wise | contiguous GB/s | submit ms whole / layer-wise |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| restore GB/s whole | restore GB/s layer-wise | contiguous GB/s | submit ms whole / layer-wise "
+        "| layer waits ms, layer 0 / all |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lrows = []
     for r in results:
@@ -662,7 +683,8 @@ def markdown(results: List[dict]) -> str:
             f"| {t['suffix_beside_copy']:.1f} ms | {t['suffix_beside_copy'] / t['model_max_suffix_contiguous_restore']:.3f} "
             f"| {g['kvtier']:.1f} "
             f"| {g['kvtier_layers']:.1f} | {g['contiguous_copy']:.1f} "
-            f"| {r['whole_submit_ms']:.1f} / {r['layers_submit_ms']:.1f} |"
+            f"| {r['whole_submit_ms']:.1f} / {r['layers_submit_ms']:.1f} "
+            f"| {r['layer_wait_ms']['first']:.1f} / {r['layer_wait_ms']['total']:.1f} |"
         )
     saves = [r for r in results if r.get("save_ms")]
     save_table = ""

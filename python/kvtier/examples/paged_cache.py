@@ -158,6 +158,8 @@ class PagedCache(Cache):
     the first time it runs; it may also be assigned after construction (``cache.restore = h``), so
     the cache can be prepared (``prepare``) before the restore is queued. ``record_layers``: record a ``torch.cuda.Event`` after each layer's
     K/V write (``layer_events``, in layer order), for a layer-wise save during the prefill.
+    ``time_waits``: record a timing event on the stream just before and just after each layer's
+    wait for its restored pages, so ``wait_ms()`` can say how long the stream stood at each one.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class PagedCache(Cache):
         *,
         restore=None,
         record_layers: bool = False,
+        time_waits: bool = False,
     ) -> None:
         self.kv = kv
         self.page_table = list(page_table)
@@ -176,6 +179,8 @@ class PagedCache(Cache):
         self._waited = set()
         self.record_layers = record_layers
         self.layer_events: List[torch.cuda.Event] = []
+        self.time_waits = time_waits
+        self._wait_events: List[Tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         super().__init__(layers=[PagedLayer(self, l, cached_tokens) for l in range(kv.layers)])
 
     def wait_for_layer(self, layer: int) -> None:
@@ -183,9 +188,28 @@ class PagedCache(Cache):
         whole-block handle waits for the whole copy). No-op without a ``restore`` handle."""
         if self.restore is None or layer in self._waited:
             return
-        stream = torch.cuda.current_stream(self.kv.device) if self.kv.device.type == "cuda" else 0
+        cuda = self.kv.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.kv.device) if cuda else 0
+        timed = self.time_waits and cuda
+        if timed:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
         self.restore.wait_layer(layer, stream)
+        if timed:
+            after.record(stream)
+            self._wait_events.append((layer, before, after))
         self._waited.add(layer)
+
+    def wait_ms(self) -> List[Tuple[int, float]]:
+        """With ``time_waits``: ``(layer, ms)`` for each layer wait so far, in the order they ran:
+        how long the stream stood at that wait (the GPU time between the events recorded just
+        before and just after it; about 0.01 ms when the layer's pages were already in place).
+        Synchronises with those events; an empty list without ``time_waits`` or on a CPU."""
+        out = []
+        for layer, before, after in self._wait_events:
+            after.synchronize()
+            out.append((layer, before.elapsed_time(after)))
+        return out
 
     def layer_written(self, layer: int) -> None:
         """Called after layer ``layer`` wrote its new K/V: records its event if ``record_layers``."""
