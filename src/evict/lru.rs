@@ -32,6 +32,11 @@ impl Lru {
         let t = self.clock.fetch_add(1, Ordering::Relaxed);
         self.ticks[slot.index()].store(t, Ordering::Relaxed);
     }
+
+    /// Slot `s`'s place in the victim order: one bucket, keyed by its last tick.
+    fn place(&self, s: usize) -> (u8, i64) {
+        (0, self.ticks[s].load(Ordering::Relaxed) as i64)
+    }
 }
 
 impl Lru {
@@ -59,16 +64,15 @@ impl EvictionPolicy for Lru {
         self.select_ranked(n, &Ranking::plain(&|s| evictable(s).then_some(0)), out);
     }
     fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
-        let tick = |s: usize| self.ticks[s].load(Ordering::Relaxed);
         if ranking.chain.is_some() {
-            return self.residency.propose_lowest_ranked(n, ranking, tick, out);
+            return self.residency.propose_lowest_ranked(n, ranking, |s| self.ticks[s].load(Ordering::Relaxed), out);
         }
-        self.order.select(n, ranking, &self.residency, |s| (0, tick(s) as i64), |_| 0, out);
+        self.order.select(n, ranking, &self.residency, |s| self.place(s), |_| 0, out);
     }
     fn file_pending(&self, ranking: &Ranking<'_>) {
         // With chain-aware ranking the selection scans: the order is not used.
         if ranking.chain.is_none() {
-            self.order.file_marks(ranking, &self.residency, |s| (0, self.ticks[s].load(Ordering::Relaxed) as i64));
+            self.order.file_marks(ranking, &self.residency, |s| self.place(s));
         }
     }
     fn on_cancel(&self, slot: SlotId) {

@@ -151,7 +151,7 @@ impl PrefixLfu {
     #[inline(always)]
     fn read_cell(&self, v: u8, epoch: u64) -> u8 {
         let count = v & 15;
-        let age = (epoch as u8).wrapping_sub(v >> 4) & 15;
+        let age = Self::age(v, epoch);
         // Seeded bugs (tests only): `history-age-ignored` reads the count as written, unhalved;
         // `history-ahead-wiped` reads a tag ahead of the reader as 13 to 15 epochs old.
         if age == 0
@@ -166,6 +166,12 @@ impl PrefixLfu {
             (true, 0..=3) => (count + (1 << age) - 1) >> age,
             (true, _) => count.min(1),
         }
+    }
+
+    /// Epochs from the tag of history byte `v` to `epoch`, mod 16 (13 to 15: a tag ahead).
+    #[inline(always)]
+    fn age(v: u8, epoch: u64) -> u8 {
+        (epoch as u8).wrapping_sub(v >> 4) & 15
     }
 
     /// The history byte for `count` written at `epoch`.
@@ -230,7 +236,7 @@ impl PrefixLfu {
         for i in start..start + self.sweep_run {
             let cell = &self.history[(i & self.history_mask) as usize];
             let v = cell.load(Ordering::Relaxed);
-            let age = (e as u8).wrapping_sub(v >> 4) & 15;
+            let age = Self::age(v, e);
             if v & 15 == 0 || age < Self::SWEEP_AGE || age >= Self::AHEAD_FROM {
                 continue;
             }

@@ -111,21 +111,20 @@ fn a_second_plan_of_a_claimed_key_sees_it_in_flight() {
 /// eviction lock (another thread's action at the worst moment, made deterministic).
 struct Hooked {
     inner: Box<dyn crate::evict::EvictionPolicy>,
-    hook: Hook,
-    /// Run at the next `on_remove` (an eviction being finished), before the inner policy's.
-    on_remove: Hook,
-    /// Run at the next `file_pending` (after a save's commit) with the ranking's class count,
-    /// before the inner policy's.
-    on_file: FileHook,
+    hooks: Hooks,
 }
 
 type FileHook = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce(u8) + Send>>>>;
 
-/// The hooks of a [`Hooked`] policy.
-#[derive(Default)]
+/// The hooks of a [`Hooked`] policy (the test keeps a clone to set them).
+#[derive(Clone, Default)]
 struct Hooks {
+    /// Run at the start of the next selection, under the eviction lock.
     select: Hook,
+    /// Run at the next `on_remove` (an eviction being finished), before the inner policy's.
     on_remove: Hook,
+    /// Run at the next `file_pending` (after a save's commit) with the ranking's class count,
+    /// before the inner policy's.
     on_file: FileHook,
 }
 
@@ -148,7 +147,7 @@ impl crate::evict::EvictionPolicy for Hooked {
         self.inner.on_hit(slot)
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
-        let hook = self.hook.lock().unwrap().take();
+        let hook = self.hooks.select.lock().unwrap().take();
         if let Some(h) = hook {
             h();
         }
@@ -158,14 +157,14 @@ impl crate::evict::EvictionPolicy for Hooked {
         self.inner.on_cancel(slot)
     }
     fn on_remove(&self, slot: SlotId) {
-        let hook = self.on_remove.lock().unwrap().take();
+        let hook = self.hooks.on_remove.lock().unwrap().take();
         if let Some(h) = hook {
             h();
         }
         self.inner.on_remove(slot)
     }
     fn file_pending(&self, ranking: &crate::evict::Ranking<'_>) {
-        let hook = self.on_file.lock().unwrap().take();
+        let hook = self.hooks.on_file.lock().unwrap().take();
         if let Some(h) = hook {
             h(ranking.classes);
         }
@@ -191,12 +190,7 @@ fn hooked_tier_both(slots: u64, policy: crate::PolicyKind) -> (HostTier, std::sy
     let mut core = Core::new(g.clone(), pool, policy, None, None).unwrap();
     let hooks = Hooks::default();
     let inner = std::mem::replace(&mut core.policy, policy.build(1));
-    core.policy = Box::new(Hooked {
-        inner,
-        hook: hooks.select.clone(),
-        on_remove: hooks.on_remove.clone(),
-        on_file: hooks.on_file.clone(),
-    });
+    core.policy = Box::new(Hooked { inner, hooks: hooks.clone() });
     let tier = HostTier::from_core(core);
     let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
     let rank = tier.attach(arenas.backend().unwrap()).unwrap();

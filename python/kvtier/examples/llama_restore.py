@@ -336,19 +336,14 @@ class Bench:
             out = self._forward(cache, suffix_ids)
             state["layers_first"] = int(out.logits[0, -1].argmax())
             state["layers_logits"], state["layers_cache"], state["handle"] = out.logits, cache, h
-            state["layers_cache_waits"] = cache
+            layer_caches.append(cache)
 
+        layer_caches: List[PagedCache] = []
+        layers_s = series(warm_layers, before=nan)
         # How long the engine's stream stood at each layer's wait, per timed run (read after the
-        # run, so the reads add nothing to its time).
-        layer_waits: List[List[float]] = []
-
-        def collect_waits():
-            if "layers_cache_waits" in state:
-                layer_waits.append([ms for _, ms in state.pop("layers_cache_waits").wait_ms()])
-
-        layers_s = series(warm_layers, before=lambda: (collect_waits(), nan()))
-        collect_waits()
-        layer_waits = [w for w in layer_waits[warmup:] if w]  # none on a CPU
+        # runs, so the reads add nothing to their times; none on a CPU).
+        layer_waits = [w for w in ([ms for _, ms in c.wait_ms()] for c in layer_caches[warmup:]) if w]
+        del layer_caches
         state["handle"].wait()
         layers_logits = state["layers_logits"].clone()
         restored = [a.index_select(0, rows_warm) for a in kv.arenas]
