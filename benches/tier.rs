@@ -36,6 +36,12 @@
 //!   slot acquisition alone (`Core::acquire_slots`: the selection of 43 victims, their claims, their
 //!   finish), every save; what a selection costs as the pool grows.
 //!
+//! After the tables, for every run whose saves evicted: the tier's eviction lock in that run
+//! (`HostTier::eviction_lock_stats`): its holds (a save that evicts takes it once), the wait for it
+//! and the hold per hold in microseconds (the hold is the victim selection and the claims, the one
+//! serial step of an evicting save), and the share of the run's span it was held: near 1, saves
+//! queue on it and more threads cannot evict faster.
+//!
 //! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
 //! workload sizes its own pool). The cost of eviction at scale is the `evict` workload at
 //! `--capacity 10000`, `100000` and `1000000` (a million slots, the SSD tier's scale); `--policy`,
@@ -292,7 +298,7 @@ fn run_one(
     capacity: u64,
     (rank, metrics): (bool, bool),
     errors: &AtomicU64,
-) -> Measured {
+) -> (Measured, LockUse) {
     let ops = plan.ops;
     let chains = capacity / CHAIN as u64;
     // What the pool holds before the run, and which chains the operations draw from.
@@ -308,50 +314,88 @@ fn run_one(
         _ => None,
     };
     let workload = plan.workload;
-    harness::run_repeated(
-        threads,
-        args,
-        || {
-            let tier = tier_with(args, slots, filled);
-            let scraper = metrics.then(|| Scraper::start(&tier));
-            Bench { tier, _scraper: scraper }
-        },
-        |b, t| worker(&b.tier, args, t, rank, ops, sampler.as_ref()),
-        |b, t, w, rec| {
-            let tier = &b.tier;
-            match workload {
-                "query" => rec.run(ops, |i| {
-                    let keys = chain(w.draws[i as usize] as u64);
-                    let h = query_restore(tier, w, &keys, errors);
-                    debug_assert_eq!(h, CHAIN);
-                }),
-                "save" | "evict" => rec.run(ops, |_| {
+    let setup = |b: &Bench, t| worker(&b.tier, args, t, rank, ops, sampler.as_ref());
+    let work = |b: &Bench, t, w: &mut Worker, rec: &mut harness::Recorder| {
+        let tier = &b.tier;
+        match workload {
+            "query" => rec.run(ops, |i| {
+                let keys = chain(w.draws[i as usize] as u64);
+                let h = query_restore(tier, w, &keys, errors);
+                debug_assert_eq!(h, CHAIN);
+            }),
+            "save" | "evict" => rec.run(ops, |_| {
+                w.fresh += 1;
+                let keys = chain(fresh(t, w.fresh));
+                save(tier, w, &keys, errors);
+            }),
+            "acquire" => {
+                for _ in 0..ops {
                     w.fresh += 1;
                     let keys = chain(fresh(t, w.fresh));
-                    save(tier, w, &keys, errors);
-                }),
-                "acquire" => {
-                    for _ in 0..ops {
-                        w.fresh += 1;
-                        let keys = chain(fresh(t, w.fresh));
-                        let opts = SaveOptions::default();
-                        if save_core_timed(internals::core(tier), &keys, &opts, Some(&mut *rec)).is_err() {
-                            errors.fetch_add(1, Ordering::Relaxed);
-                        }
+                    let opts = SaveOptions::default();
+                    if save_core_timed(internals::core(tier), &keys, &opts, Some(&mut *rec)).is_err() {
+                        errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                _ => rec.run(ops, |i| {
-                    let keys = chain(w.draws[i as usize] as u64);
-                    let h = query_restore(tier, w, &keys, errors);
-                    if h < CHAIN {
-                        save(tier, w, &keys[h..], errors);
-                    }
-                }),
             }
-            drain(w);
-            ops
-        },
-    )
+            _ => rec.run(ops, |i| {
+                let keys = chain(w.draws[i as usize] as u64);
+                let h = query_restore(tier, w, &keys, errors);
+                if h < CHAIN {
+                    save(tier, w, &keys[h..], errors);
+                }
+            }),
+        }
+        drain(w);
+        ops
+    };
+    // `harness::run_repeated`, keeping each run's use of the eviction lock beside its figures.
+    let lock = |b: &Bench| b.tier.eviction_lock_stats().map(|e| [e.holds, e.wait_ns, e.held_ns]).unwrap_or_default();
+    let mut runs: Vec<(Measured, LockUse)> = (0..args.repeat.max(1))
+        .map(|_| {
+            let tier = tier_with(args, slots, filled);
+            let scraper = metrics.then(|| Scraper::start(&tier));
+            let b = Bench { tier, _scraper: scraper };
+            let before = lock(&b);
+            let m = harness::run(threads, args, |t| setup(&b, t), |t, w, rec| work(&b, t, w, rec));
+            let after = lock(&b);
+            let span = m.span.as_nanos() as u64;
+            (
+                m,
+                LockUse {
+                    holds: after[0] - before[0],
+                    wait_ns: after[1] - before[1],
+                    held_ns: after[2] - before[2],
+                    span_ns: span,
+                },
+            )
+        })
+        .collect();
+    runs.sort_by(|a, b| a.0.mops().total_cmp(&b.0.mops()));
+    runs.swap_remove(runs.len() / 2)
+}
+
+/// How a run used the tier's eviction lock (`HostTier::eviction_lock_stats`, the run's share).
+struct LockUse {
+    holds: u64,
+    wait_ns: u64,
+    held_ns: u64,
+    /// The run's span (first start to last end).
+    span_ns: u64,
+}
+
+impl LockUse {
+    /// A row of the eviction lock table: holds, wait and hold per hold (us), held share of the span.
+    fn row(&self) -> String {
+        let per = |ns: u64| ns as f64 / self.holds.max(1) as f64 / 1e3;
+        format!(
+            "{} | {:.1} | {:.1} | {:.2}",
+            self.holds,
+            per(self.wait_ns),
+            per(self.held_ns),
+            self.held_ns as f64 / self.span_ns.max(1) as f64
+        )
+    }
 }
 
 const CONTENDERS: &[&str] = &["core", "rank", "rank+metrics"];
@@ -398,6 +442,7 @@ fn main() {
         ],
     );
     let mut failures = Vec::new();
+    let mut locks: Vec<String> = Vec::new();
     for w in &workloads {
         let w: &'static str = WORKLOADS.iter().find(|k| *k == w).expect("validated");
         let variants: Vec<Option<Dist>> =
@@ -419,7 +464,10 @@ fn main() {
                     }
                     let errors = AtomicU64::new(0);
                     let how = (c.starts_with("rank"), c == "rank+metrics");
-                    let m = run_one(&args, &plan, t, capacity, how, &errors);
+                    let (m, lock) = run_one(&args, &plan, t, capacity, how, &errors);
+                    if lock.holds > 0 {
+                        locks.push(format!("| {w} | {variant} | {c} | {t} | {} |", lock.row()));
+                    }
                     let e = errors.load(Ordering::Relaxed);
                     if e > 0 {
                         failures.push(format!("{w} {variant} {c} {t} threads: {e} refused operations"));
@@ -443,6 +491,19 @@ fn main() {
          alone (the selection of 43 victims, their claims and their finish), every save timed whatever --sample \
          says; its throughput is the whole save's.",
     );
+    if !locks.is_empty() {
+        notes.push_str(
+            "\n\nThe eviction lock (`HostTier::eviction_lock_stats`) in each reported run: holds (a save that \
+             evicts takes it once), wait and hold per hold in us (the hold: victim selection and claims), and the \
+             share of the run's span it was held (near 1: saves queue on it, eviction is their bottleneck).\n\n\
+             | workload | variant | contender | threads | holds | wait us | held us | held / span |\n\
+             |---|---|---|---|---|---|---|---|",
+        );
+        for l in &locks {
+            notes.push('\n');
+            notes.push_str(l);
+        }
+    }
     for f in &failures {
         notes.push_str(&format!("\n- {f} (CannotFit / PoolExhausted / lease errors)"));
     }

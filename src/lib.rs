@@ -129,7 +129,8 @@ pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
-    AuditReport, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig, TierStats, MAX_HINT_TTL,
+    AuditReport, EvictionLockStats, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig,
+    TierStats, MAX_HINT_TTL,
 };
 
 /// Internals for kvtier's own tests, loom models, benchmarks and fuzz targets (feature

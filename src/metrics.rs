@@ -106,7 +106,10 @@ impl Collector for TierCollector {
         // core (the tier daemon's included, fed by its clients' reports). A connected tier's
         // daemon serves it.
         match self.tier.in_process_core() {
-            Some(core) => encode_latency(&mut enc, &core.counters.copy_latency),
+            Some(core) => {
+                encode_latency(&mut enc, &core.counters.copy_latency)?;
+                encode_eviction_lock(&mut enc, &core.eviction_lock_stats())
+            }
             None => Ok(()),
         }
     }
@@ -147,6 +150,35 @@ fn encode_latency(enc: &mut DescriptorEncoder<'_>, latency: &[Latency; 2]) -> st
             (&[TIER, ("direction", "save")], sample(Direction::Save)),
             (&[TIER, ("direction", "restore")], sample(Direction::Restore)),
         ],
+    )
+}
+
+/// Encodes the eviction lock's use `e`: its holds, and the seconds waited for it and held.
+fn encode_eviction_lock(enc: &mut DescriptorEncoder<'_>, e: &crate::tier::EvictionLockStats) -> std::fmt::Result {
+    let t: &[(&str, &str)] = &[TIER];
+    let seconds = |ns: u64| ConstCounter::new(ns as f64 / 1e9);
+    family(
+        enc,
+        "kvtier_eviction_lock_holds",
+        "Times the eviction lock was taken: by saves that needed more slots than were free, and by \
+         asked-for evictions.",
+        None,
+        &[(t, counter(e.holds))],
+    )?;
+    family(
+        enc,
+        "kvtier_eviction_lock_wait",
+        "Time spent waiting for the eviction lock, summed over its holds.",
+        Some(&Unit::Seconds),
+        &[(t, seconds(e.wait_ns))],
+    )?;
+    family(
+        enc,
+        "kvtier_eviction_lock_held",
+        "Time the eviction lock was held (victim selection and claims), summed over its holds: \
+         divided by the holds, the serial cost of a save that evicts.",
+        Some(&Unit::Seconds),
+        &[(t, seconds(e.held_ns))],
     )
 }
 
@@ -611,6 +643,11 @@ mod tests {
         assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"capacity\"}"), 2.0, "evicted for saves");
         assert_eq!(v(&m, "kvtier_evicted_blocks_total{tier=\"host\",reason=\"explicit\"}"), 1.0, "evicted when asked");
         assert_eq!(v(&m, "kvtier_slots{tier=\"host\",state=\"evicting\"}"), 0.0, "no eviction under way");
+        // The saves' and the asked-for eviction's holds of the eviction lock: the first save fitted
+        // in the free slots (no hold), the second evicted (one), then `evict` (one).
+        assert_eq!(v(&m, "kvtier_eviction_lock_holds_total{tier=\"host\"}"), 2.0, "two holds");
+        assert!(v(&m, "kvtier_eviction_lock_held_seconds_total{tier=\"host\"}") > 0.0, "held for some time");
+        assert!(v(&m, "kvtier_eviction_lock_wait_seconds_total{tier=\"host\"}") >= 0.0);
         // An eviction under way: two blocks claimed (EVICTING), counted apart from the ready ones.
         let core = tier.core().clone();
         let lock = core.lock_eviction();

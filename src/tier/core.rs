@@ -11,7 +11,7 @@ use super::cold::{ColdMarks, ColdOutcome, EvictionLog};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
 use super::saving::SavingKeys;
-use super::stats::{add, gauge, load, sub, AuditReport, Counters, TierStats};
+use super::stats::{add, gauge, load, sub, AuditReport, Counters, EvictionLockStats, TierStats};
 use crate::error::TierError;
 use crate::evict::{ChainView, EvictionPolicy, InsertInfo, PolicyKind, Ranking};
 use crate::geometry::Geometry;
@@ -21,7 +21,7 @@ use crate::slab::pool::HostPool;
 use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
 use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
 use crate::tier::expiry::LeasedBlock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A reserved, not yet visible block: key, slot and the generation recorded in the index.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -300,8 +300,34 @@ impl Core {
     /// Takes the eviction lock: while the caller holds it no claim is made or given back. Claims
     /// taken before it may still be being finished (`EVICTING` until their index entries are
     /// removed and their generations bumped: [`Core::acquire_slots`] finishes without the lock).
+    /// Untimed: for the waits that only let a finish in flight end, and for tests.
     pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
         crate::sync::lock_spinning(&self.evict_lock)
+    }
+
+    /// [`Core::lock_eviction`] for a selection and its claims (a save's or an asked-for
+    /// eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold when the
+    /// returned value is dropped.
+    pub(crate) fn lock_eviction_timed(&self) -> EvictionHold<'_> {
+        let asked = Instant::now();
+        let guard = self.lock_eviction();
+        let since = Instant::now();
+        // Seeded bug (tests only): `eviction-holds-uncounted` leaves the holds uncounted.
+        if !crate::seeded::seeded("eviction-holds-uncounted") {
+            add(&self.counters.eviction_lock_holds, 1);
+        }
+        add(&self.counters.eviction_lock_wait_ns, nanos(since - asked));
+        EvictionHold { core: self, since, _guard: guard }
+    }
+
+    /// How the eviction lock was used so far (see [`EvictionLockStats`]).
+    pub fn eviction_lock_stats(&self) -> EvictionLockStats {
+        let c = &self.counters;
+        EvictionLockStats {
+            holds: load(&c.eviction_lock_holds),
+            wait_ns: load(&c.eviction_lock_wait_ns),
+            held_ns: load(&c.eviction_lock_held_ns),
+        }
     }
 
     /// Pins `slot` if it is `READY` with `generation`.
@@ -728,6 +754,28 @@ impl Core {
             quarantined_pins: load(&c.quarantined_pins),
         }
     }
+}
+
+/// The eviction lock, held ([`Core::lock_eviction_timed`]); dropping it counts the hold's time,
+/// then lets go of the lock.
+pub(crate) struct EvictionHold<'a> {
+    core: &'a Core,
+    since: Instant,
+    _guard: MutexGuard<'a, ()>,
+}
+
+impl Drop for EvictionHold<'_> {
+    fn drop(&mut self) {
+        // Seeded bug (tests only): `eviction-hold-untimed` counts no hold time.
+        if !crate::seeded::seeded("eviction-hold-untimed") {
+            add(&self.core.counters.eviction_lock_held_ns, nanos(self.since.elapsed()));
+        }
+    }
+}
+
+/// `d` in whole nanoseconds (saturating at `u64::MAX`: 584 years).
+fn nanos(d: Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
 }
 
 /// The chains of resident blocks, as chain-aware selection shows them to the policy.

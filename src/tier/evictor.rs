@@ -14,11 +14,11 @@
 //! block is evicted while a slot is free (invariant I9).
 
 use super::core::Core;
+use super::core::EvictionHold;
 use super::stats::add;
 use crate::error::TierError;
 use crate::index::SlotRef;
 use crate::slab::slot::SlotId;
-use crate::sync::MutexGuard;
 
 /// Why blocks are evicted ([`Claims::finish`]; counted in [`crate::TierStats`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -181,7 +181,7 @@ impl Core {
         if got.len() == n {
             return Ok(got);
         }
-        let serialise = self.lock_eviction();
+        let serialise = self.lock_eviction_timed();
         let mut claims = match want {
             Want::Admitted(_) if self.protect_hinted() => Claims::sparing_hinted(self),
             _ => Claims::new(self),
@@ -235,7 +235,7 @@ impl Core {
     /// A claimed block is `EVICTING`: no pin and no other claim can take it, and only its claimant
     /// settles it, so the finish needs no serialising and other saves select while it runs. A plan
     /// that meets one of these blocks waits for its finish ([`Core::plan_save`]).
-    fn finish_unlocked(serialise: MutexGuard<'_, ()>, claims: Claims<'_>, out: &mut Vec<SlotId>, reason: EvictReason) {
+    fn finish_unlocked(serialise: EvictionHold<'_>, claims: Claims<'_>, out: &mut Vec<SlotId>, reason: EvictReason) {
         drop(serialise);
         claims.finish(out, reason);
     }
@@ -245,7 +245,7 @@ impl Core {
     /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
         let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
-        let serialise = self.lock_eviction();
+        let serialise = self.lock_eviction_timed();
         let mut claims = Claims::new(self);
         let mut stalls = 0;
         while claims.len() < n && stalls < 3 {

@@ -63,7 +63,7 @@ pub(crate) mod stats;
 pub use config::{Fit, SaveOptions, TierConfig};
 pub use hints::{HintId, MAX_HINT_TTL};
 pub use rank::{Rank, RankLoad, SaveTicket};
-pub use stats::{AuditReport, TierStats};
+pub use stats::{AuditReport, EvictionLockStats, TierStats};
 
 use self::core::Core;
 use crate::copy::CopyBackend;
@@ -383,6 +383,14 @@ impl HostTier {
     /// Live counters (a connected tier's daemon's; all zero once its connection is lost).
     pub fn stats(&self) -> TierStats {
         self.try_stats().unwrap_or_default()
+    }
+
+    /// How this tier's eviction lock was used: how often saves and [`HostTier::evict`] took it,
+    /// and how long they waited for it and held it (see [`EvictionLockStats`]: `held_ns / holds`
+    /// is the serial cost of a save that evicts). `None` for a connected tier (the lock is the
+    /// daemon's: its metrics endpoint reports it).
+    pub fn eviction_lock_stats(&self) -> Option<EvictionLockStats> {
+        self.in_process_core().map(|core| core.eviction_lock_stats())
     }
 
     /// [`HostTier::stats`], reporting a lost daemon connection.

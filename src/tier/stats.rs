@@ -84,6 +84,25 @@ pub struct TierStats {
     pub quarantined_pins: u64,
 }
 
+/// How the tier's eviction lock was used ([`crate::HostTier::eviction_lock_stats`]): the one
+/// serial step of a save that must evict. A save takes the lock only when the free list cannot give
+/// it every slot it needs; while it holds the lock it selects its victims and claims them (the
+/// evictions are finished after it lets go). `held_ns / holds` is the serial cost of one such save:
+/// saves on more threads cannot go faster together than one hold after another. Sums since the
+/// tier was built; wall-clock nanoseconds (`std::time::Instant`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct EvictionLockStats {
+    /// Times the lock was taken: by saves that needed more slots than were free, and by
+    /// [`crate::HostTier::evict`].
+    pub holds: u64,
+    /// Nanoseconds spent waiting for the lock, summed over the holds.
+    pub wait_ns: u64,
+    /// Nanoseconds the lock was held (victim selection and claims), summed over the holds.
+    pub held_ns: u64,
+}
+
 /// The live counters behind [`TierStats`].
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -115,6 +134,10 @@ pub(crate) struct Counters {
     pub evicting_slots: Count,
     /// Queue-to-completion time of completed copies: save, restore.
     pub copy_latency: [Latency; 2],
+    /// The eviction lock's holds and their wait and hold times ([`EvictionLockStats`]).
+    pub eviction_lock_holds: Count,
+    pub eviction_lock_wait_ns: Count,
+    pub eviction_lock_held_ns: Count,
 }
 
 /// Upper bounds, in nanoseconds, of the copy latency buckets but the last (`+Inf`): 10 µs to 10 s.

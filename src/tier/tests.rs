@@ -651,3 +651,27 @@ fn a_prefix_save_spares_the_queued_requests_blocks_when_protecting() {
         }
     }
 }
+
+/// The eviction lock's use is counted where the tier takes it for a selection: a save that fits
+/// in the free slots does not take it; a save that evicts and an asked-for eviction hold it once
+/// each, for a time no longer than the calls took. Seeded bugs `eviction-holds-uncounted` and
+/// `eviction-hold-untimed`.
+#[test]
+fn the_eviction_lock_counts_its_holds_and_their_time() {
+    let (tier, arenas, rank) = small_tier(4, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..5);
+    save_ready(&tier, &arenas, &rank, &k[..4], &[0, 1, 2, 3]);
+    assert_eq!(tier.eviction_lock_stats(), Some(EvictionLockStats::default()), "the free slots sufficed: no hold");
+    let t0 = std::time::Instant::now();
+    save_ready(&tier, &arenas, &rank, &k[4..], &[4]);
+    let after_save = tier.eviction_lock_stats().unwrap();
+    assert_eq!(after_save.holds, 1, "the save that evicted held the lock once");
+    assert!(after_save.held_ns > 0, "and for some time: {after_save:?}");
+    assert_eq!(tier.evict(1), 1);
+    let elapsed = t0.elapsed().as_nanos() as u64;
+    let s = tier.eviction_lock_stats().unwrap();
+    assert_eq!(s.holds, 2, "the asked-for eviction held it once more");
+    assert!(s.held_ns > after_save.held_ns, "for some time too: {s:?}");
+    assert!(s.held_ns + s.wait_ns <= elapsed, "no longer than the calls took ({elapsed} ns): {s:?}");
+    assert_eq!(tier.stats().evictions, 2);
+}
