@@ -611,6 +611,16 @@ impl PyTier {
         to_py(py, &s)
     }
 
+    /// How the tier's eviction lock was used, as a dict of ints, or None for a tier from
+    /// `kvtier.connect` (the lock is the daemon's; its metrics report it): `holds` (times a save
+    /// that needed more slots than were free, or `evict`, took the lock), `wait_ns` and `held_ns`
+    /// (nanoseconds spent waiting for it and holding it, summed over the holds). `held_ns / holds`
+    /// is the serial cost of a save that evicts: saves on several threads cannot evict faster than
+    /// one hold after another.
+    fn eviction_lock_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        self.inner.eviction_lock_stats().map(|s| to_py(py, &s)).transpose()
+    }
+
     /// The SSD tier's counters as a dict of ints, or None without an SSD tier (and for a tier
     /// from `kvtier.connect`: the daemon's SSD tier is its own). Blocks unless named bytes:
     /// `capacity` (disk slots over every file), `blocks` (on disk now), `recovered_blocks` (found

@@ -262,6 +262,19 @@ def test_tier_reports_its_configuration(tier):
     assert kvtier.__version__ == "0.1.0"
 
 
+def test_the_eviction_lock_counts_the_saves_that_evict(geometry, arrays):
+    tier = kvtier.Tier(geometry, 4 * geometry.slot_bytes, "lru", backing="plain")
+    with tier.attach_host(arrays) as rank:
+        keys = tier.namespace.keys([b"a", b"b", b"c", b"d", b"e"])
+        rank.save(keys[:4], [0, 1, 2, 3]).wait()
+        assert tier.eviction_lock_stats() == {"holds": 0, "wait_ns": 0, "held_ns": 0}  # the free slots sufficed
+        rank.save(keys[4:], [4]).wait()  # evicts one block: one hold
+        assert tier.evict(1) == 1  # one more
+        s = tier.eviction_lock_stats()
+        assert s["holds"] == 2 and s["held_ns"] > 0 and s["wait_ns"] >= 0
+        assert tier.stats()["evictions"] == 2
+
+
 def test_hints_keep_queued_keys_from_eviction(geometry, arrays):
     tier = kvtier.Tier(geometry, 4 * geometry.slot_bytes, "lru", backing="plain")
     with tier.attach_host(arrays) as rank:
