@@ -16,8 +16,9 @@ device activities, and for every engine kernel above 1 ms the ratio of its time 
 to its time alone: a kernel slowed by the copy running beside it shows a ratio above 1. The last
 token's logits of the two ways are compared bitwise (the restore brought the prefix's bytes).
 
-Usage: ``python benches/layerwise_profile.py --prefix 65536`` (needs about 20 GB of GPU memory and
-twice the prefix's KV bytes, 8.6 GB at 65,536 tokens, of pinned host memory).
+Usage: ``python benches/layerwise_profile.py --prefix 65536`` (at 65,536 tokens it needs about
+40 GB of GPU memory: 16 GB of weights and two copies of the prefix's pages, 8.6 GB each, besides
+the activations; and a pinned host pool of the prefix's size, 8.6 GB).
 """
 
 import argparse
@@ -90,16 +91,16 @@ def main() -> None:
                 fn()
                 torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t) * 1e3)
-        per = collections.defaultdict(lambda: [0, 0.0])  # name -> [count, ms]
+        per = collections.defaultdict(lambda: [0, 0.0])  # full name -> [count, ms]
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name[:60]][0] += 1
-                per[e.name[:60]][1] += e.time_range.elapsed_us() / 1e3
+                per[e.name][0] += 1
+                per[e.name][1] += e.time_range.elapsed_us() / 1e3
         engine = sum(ms for name, (_, ms) in per.items() if engine_kernel(name))
         print(f"== {label}: wall ms a run {[round(w, 1) for w in walls]}")
         print(f"   engine kernels, GPU time over {a.runs} runs: {engine:.1f} ms")
         for name, (n, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:12]:
-            print(f"   {ms:9.2f} ms {n:6d}x  {name}")
+            print(f"   {ms:9.2f} ms {n:6d}x  {name[:60]}")
         return per
 
     gpu = torch.cuda.get_device_name(dev)
@@ -109,7 +110,7 @@ def main() -> None:
     print("== engine kernels over 1 ms: time beside the layer-wise restore / time alone")
     for name, (_, ms) in sorted(alone_k.items(), key=lambda kv: -kv[1][1]):
         if ms > 1 and engine_kernel(name) and name in layer_k:
-            print(f"   {layer_k[name][1] / ms:.3f}  {ms:8.2f} -> {layer_k[name][1]:8.2f} ms  {name}")
+            print(f"   {layer_k[name][1] / ms:.3f}  {ms:8.2f} -> {layer_k[name][1]:8.2f} ms  {name[:60]}")
     same = torch.equal(logits["alone"], logits["layer-wise"])
     print(f"last token's logits bitwise equal (alone, layer-wise): {same}")
 

@@ -36,11 +36,11 @@
 //!   slot acquisition alone (`Core::acquire_slots`: the selection of 43 victims, their claims, their
 //!   finish), every save; what a selection costs as the pool grows.
 //!
-//! After the tables, for every run whose saves evicted: the tier's eviction lock in that run
-//! (`HostTier::eviction_lock_stats`): its holds (a save that evicts takes it once), the wait for it
-//! and the hold per hold in microseconds (the hold is the victim selection and the claims, the one
-//! serial step of an evicting save), and the share of the run's span it was held: near 1, saves
-//! queue on it and more threads cannot evict faster.
+//! After the tables, for every reported run (the median of `--repeat`) whose saves evicted: the
+//! tier's eviction lock in that run (`HostTier::eviction_lock_stats`): its holds (a save that
+//! evicts takes it once), the wait for it and the hold per hold in microseconds (the hold is the
+//! victim selection and the claims, the one serial step of an evicting save), and the share of the
+//! run's span it was held: near 1, saves queue on it and more threads cannot evict faster.
 //!
 //! `--capacity` is the pool's slot count (32,768: a 100 GiB pool of GLM-5.2 blocks; the `save`
 //! workload sizes its own pool). The cost of eviction at scale is the `evict` workload at
@@ -363,9 +363,9 @@ fn run_one(
             (
                 m,
                 LockUse {
-                    holds: after[0] - before[0],
-                    wait_ns: after[1] - before[1],
-                    held_ns: after[2] - before[2],
+                    holds: after[0].saturating_sub(before[0]),
+                    wait_ns: after[1].saturating_sub(before[1]),
+                    held_ns: after[2].saturating_sub(before[2]),
                     span_ns: span,
                 },
             )

@@ -160,8 +160,8 @@ fn encode_eviction_lock(enc: &mut DescriptorEncoder<'_>, e: &crate::tier::Evicti
     family(
         enc,
         "kvtier_eviction_lock_holds",
-        "Times the eviction lock was taken: by saves that needed more slots than were free, and by \
-         asked-for evictions.",
+        "Times the eviction lock was taken: by saves and SSD promotions that needed more slots than \
+         were free, and by asked-for evictions.",
         None,
         &[(t, counter(e.holds))],
     )?;

@@ -305,8 +305,8 @@ impl Core {
         crate::sync::lock_spinning(&self.evict_lock)
     }
 
-    /// [`Core::lock_eviction`] for a selection and its claims (a save's or an asked-for
-    /// eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold when the
+    /// [`Core::lock_eviction`] for a selection and its claims (a save's, an SSD promotion's or an
+    /// asked-for eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold when the
     /// returned value is dropped.
     pub(crate) fn lock_eviction_timed(&self) -> EvictionHold<'_> {
         let asked = Instant::now();
@@ -758,6 +758,7 @@ impl Core {
 
 /// The eviction lock, held ([`Core::lock_eviction_timed`]); dropping it counts the hold's time,
 /// then lets go of the lock.
+#[must_use = "the eviction lock is let go of as soon as this is dropped"]
 pub(crate) struct EvictionHold<'a> {
     core: &'a Core,
     since: Instant,

@@ -385,7 +385,8 @@ impl HostTier {
         self.try_stats().unwrap_or_default()
     }
 
-    /// How this tier's eviction lock was used: how often saves and [`HostTier::evict`] took it,
+    /// How this tier's eviction lock was used: how often saves, SSD promotions and
+    /// [`HostTier::evict`] took it,
     /// and how long they waited for it and held it (see [`EvictionLockStats`]: `held_ns / holds`
     /// is the serial cost of a save that evicts). `None` for a connected tier (the lock is the
     /// daemon's: its metrics endpoint reports it).

@@ -85,8 +85,8 @@ pub struct TierStats {
 }
 
 /// How the tier's eviction lock was used ([`crate::HostTier::eviction_lock_stats`]): the one
-/// serial step of a save that must evict. A save takes the lock only when the free list cannot give
-/// it every slot it needs; while it holds the lock it selects its victims and claims them (the
+/// serial step of a save that must evict. A save (or an SSD tier's promotion into the pool) takes
+/// the lock only when the free list cannot give it every slot it needs; while it holds the lock it selects its victims and claims them (the
 /// evictions are finished after it lets go). `held_ns / holds` is the serial cost of one such save:
 /// saves on more threads cannot go faster together than one hold after another. Sums since the
 /// tier was built; wall-clock nanoseconds (`std::time::Instant`).
@@ -94,8 +94,8 @@ pub struct TierStats {
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct EvictionLockStats {
-    /// Times the lock was taken: by saves that needed more slots than were free, and by
-    /// [`crate::HostTier::evict`].
+    /// Times the lock was taken: by saves and SSD promotions that needed more slots than were
+    /// free, and by [`crate::HostTier::evict`].
     pub holds: u64,
     /// Nanoseconds spent waiting for the lock, summed over the holds.
     pub wait_ns: u64,
