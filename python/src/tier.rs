@@ -613,10 +613,10 @@ impl PyTier {
 
     /// How the tier's eviction lock was used, as a dict of ints, or None for a tier from
     /// `kvtier.connect` (the lock is the daemon's; its metrics report it): `holds` (times a save
-    /// or an SSD promotion that needed more slots than were free, or `evict`, took the lock), `wait_ns` and `held_ns`
-    /// (nanoseconds spent waiting for it and holding it, summed over the holds). `held_ns / holds`
-    /// is the serial cost of a save that evicts: saves on several threads cannot evict faster than
-    /// one hold after another.
+    /// or an SSD promotion that needed more slots than were free, or `evict`, took the lock),
+    /// `wait_ns` and `held_ns` (nanoseconds spent waiting for it and holding it, summed over the
+    /// holds). `held_ns / holds` is the serial cost of a save that evicts: saves on several threads
+    /// cannot evict faster than one hold after another.
     fn eviction_lock_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         self.inner.eviction_lock_stats().map(|s| to_py(py, &s)).transpose()
     }

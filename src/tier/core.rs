@@ -306,8 +306,8 @@ impl Core {
     }
 
     /// [`Core::lock_eviction`] for a selection and its claims (a save's, an SSD promotion's or an
-    /// asked-for eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold when the
-    /// returned value is dropped.
+    /// asked-for eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold
+    /// when the returned value is dropped.
     pub(crate) fn lock_eviction_timed(&self) -> EvictionHold<'_> {
         let asked = Instant::now();
         let guard = self.lock_eviction();

@@ -386,10 +386,9 @@ impl HostTier {
     }
 
     /// How this tier's eviction lock was used: how often saves, SSD promotions and
-    /// [`HostTier::evict`] took it,
-    /// and how long they waited for it and held it (see [`EvictionLockStats`]: `held_ns / holds`
-    /// is the serial cost of a save that evicts). `None` for a connected tier (the lock is the
-    /// daemon's: its metrics endpoint reports it).
+    /// [`HostTier::evict`] took it, and how long they waited for it and held it (see
+    /// [`EvictionLockStats`]: `held_ns / holds` is the serial cost of a save that evicts). `None`
+    /// for a connected tier (the lock is the daemon's: its metrics endpoint reports it).
     pub fn eviction_lock_stats(&self) -> Option<EvictionLockStats> {
         self.in_process_core().map(|core| core.eviction_lock_stats())
     }

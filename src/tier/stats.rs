@@ -86,10 +86,11 @@ pub struct TierStats {
 
 /// How the tier's eviction lock was used ([`crate::HostTier::eviction_lock_stats`]): the one
 /// serial step of a save that must evict. A save (or an SSD tier's promotion into the pool) takes
-/// the lock only when the free list cannot give it every slot it needs; while it holds the lock it selects its victims and claims them (the
-/// evictions are finished after it lets go). `held_ns / holds` is the serial cost of one such save:
-/// saves on more threads cannot go faster together than one hold after another. Sums since the
-/// tier was built; wall-clock nanoseconds (`std::time::Instant`).
+/// the lock only when the free list cannot give it every slot it needs; while it holds the lock it
+/// selects its victims and claims them (the evictions are finished after it lets go).
+/// `held_ns / holds` is the serial cost of one such save: saves on more threads cannot go faster
+/// together than one hold after another. Sums since the tier was built; wall-clock nanoseconds
+/// (`std::time::Instant`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
