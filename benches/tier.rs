@@ -58,7 +58,7 @@ use kvtier::BackingChoice;
 use kvtier::NullBackend;
 use kvtier::WaitFor;
 use kvtier::{ArenaSpec, ContentKey, Geometry, PolicyKind, TierError};
-use kvtier::{HostTier, Rank, SaveOptions, TierConfig};
+use kvtier::{EvictionLockStats, HostTier, Rank, SaveOptions, TierConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -178,6 +178,8 @@ impl Drop for Scraper {
 struct Bench {
     tier: HostTier,
     _scraper: Option<Scraper>,
+    /// The eviction lock's figures before the run (after the pool was filled).
+    lock_before: EvictionLockStats,
 }
 
 fn tier_with(args: &Args, slots: u64, chains: u64) -> HostTier {
@@ -349,30 +351,28 @@ fn run_one(
         drain(w);
         ops
     };
-    // `harness::run_repeated`, keeping each run's use of the eviction lock beside its figures.
-    let lock = |b: &Bench| b.tier.eviction_lock_stats().map(|e| [e.holds, e.wait_ns, e.held_ns]).unwrap_or_default();
-    let mut runs: Vec<(Measured, LockUse)> = (0..args.repeat.max(1))
-        .map(|_| {
+    // Each run's use of the eviction lock is kept beside its figures.
+    let lock = |tier: &HostTier| tier.eviction_lock_stats().unwrap_or_default();
+    harness::run_repeated_observed(
+        threads,
+        args,
+        || {
             let tier = tier_with(args, slots, filled);
             let scraper = metrics.then(|| Scraper::start(&tier));
-            let b = Bench { tier, _scraper: scraper };
-            let before = lock(&b);
-            let m = harness::run(threads, args, |t| setup(&b, t), |t, w, rec| work(&b, t, w, rec));
-            let after = lock(&b);
-            let span = m.span.as_nanos() as u64;
-            (
-                m,
-                LockUse {
-                    holds: after[0].saturating_sub(before[0]),
-                    wait_ns: after[1].saturating_sub(before[1]),
-                    held_ns: after[2].saturating_sub(before[2]),
-                    span_ns: span,
-                },
-            )
-        })
-        .collect();
-    runs.sort_by(|a, b| a.0.mops().total_cmp(&b.0.mops()));
-    runs.swap_remove(runs.len() / 2)
+            Bench { lock_before: lock(&tier), tier, _scraper: scraper }
+        },
+        setup,
+        work,
+        |b, m| {
+            let (before, after) = (b.lock_before, lock(&b.tier));
+            LockUse {
+                holds: after.holds.saturating_sub(before.holds),
+                wait_ns: after.wait_ns.saturating_sub(before.wait_ns),
+                held_ns: after.held_ns.saturating_sub(before.held_ns),
+                span_ns: m.span.as_nanos() as u64,
+            }
+        },
+    )
 }
 
 /// How a run used the tier's eviction lock (`HostTier::eviction_lock_stats`, the run's share).

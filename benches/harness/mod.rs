@@ -498,27 +498,40 @@ where
 
 /// [`run`] `args.repeat` times (with `prepare` before each, not timed) and keeps the run with the
 /// median throughput.
-pub fn run_repeated<P, S, F, W>(
-    threads: usize,
-    args: &Args,
-    mut prepare: impl FnMut() -> P,
-    setup: F,
-    work: W,
-) -> Measured
+pub fn run_repeated<P, S, F, W>(threads: usize, args: &Args, prepare: impl FnMut() -> P, setup: F, work: W) -> Measured
 where
     P: Sync,
     F: Fn(&P, usize) -> S + Sync,
     W: Fn(&P, usize, &mut S, &mut Recorder) -> u64 + Sync,
 {
-    let mut runs: Vec<Measured> = (0..args.repeat.max(1))
+    run_repeated_observed(threads, args, prepare, setup, work, |_, _| ()).0
+}
+
+/// [`run_repeated`], also keeping what `observe` reads of each run's prepared state once the run
+/// has ended (before the state is dropped): the median run's figures and its observation.
+pub fn run_repeated_observed<P, S, F, W, X>(
+    threads: usize,
+    args: &Args,
+    mut prepare: impl FnMut() -> P,
+    setup: F,
+    work: W,
+    observe: impl Fn(&P, &Measured) -> X,
+) -> (Measured, X)
+where
+    P: Sync,
+    F: Fn(&P, usize) -> S + Sync,
+    W: Fn(&P, usize, &mut S, &mut Recorder) -> u64 + Sync,
+{
+    let mut runs: Vec<(Measured, X)> = (0..args.repeat.max(1))
         .map(|_| {
             let p = prepare();
             let m = run(threads, args, |t| setup(&p, t), |t, s, r| work(&p, t, s, r));
+            let x = observe(&p, &m);
             drop(p);
-            m
+            (m, x)
         })
         .collect();
-    runs.sort_by(|a, b| a.mops().total_cmp(&b.mops()));
+    runs.sort_by(|a, b| a.0.mops().total_cmp(&b.0.mops()));
     runs.swap_remove(runs.len() / 2)
 }
 
