@@ -69,6 +69,7 @@ bites=(
     "plan-finishing-in-flight|loom_evict|plan_racing_an_eviction_being_finished|never in flight"
     "requeue-claimed-victim|loom_policy|acquire_races_a_query_pin_sieve|eviction policy contract broken: on_remove"
     "hinted-never-evicted|loom_policy|hinted_block_goes_only_when_nothing_else_can_lru|the survivor is offered (lru)"
+    "interior-withheld|loom_policy|an_interior_block_is_offered_when_no_leaf_can_go_lru|an unpinned block exists, yet the save got no slot (lru)"
     "freelist-aba|loom_freelist|aba_two_threads_one_shard|Causality violation: Concurrent read and write accesses"
     "freelist-missed-pop|loom_freelist|pop_racing_push_and_pop_finds_an_id|pop returned None although an id was on the list throughout"
     "index-early-unpin|loom_index|remove_races_get_with_reclamation|use after free: read of a reclaimed index entry"

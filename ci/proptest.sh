@@ -27,6 +27,7 @@ if [[ ${1:-} == bites ]]; then
         victim-order-marks-lost
         filing-drops-unready
         protect-hinted-ignored
+        interior-withheld
     )
     if ! cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null; then
         echo "FAIL: the state machine does not build with the seeded bugs"

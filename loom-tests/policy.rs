@@ -169,6 +169,41 @@ fn hinted_block_goes_only_when_nothing_else_can_adaptive_lfu() {
     hinted_block_goes_only_when_nothing_else_can(PolicyKind::AdaptiveLfu);
 }
 
+/// Chain-aware LRU with a chain 0 -> 1 whose tail is leased by a query while a save needs one
+/// slot: with the tail pinned in time, the head is the only candidate, an interior block (a
+/// resident block continues it), and the save must still get it: interior blocks are offered
+/// after every leaf, never withheld.
+fn an_interior_block_is_offered_when_no_leaf_can_go(policy: PolicyKind) {
+    loom::model(move || {
+        let core = chain_core_with(2, policy);
+        let k: Vec<_> = (0..2).map(key).collect();
+        let r: Vec<_> = k.iter().map(|&x| save_ready(&core, x)).collect();
+        assert!(core.link_chain(r[1].slot, r[0]), "block 1 continues block 0");
+        let c = core.clone();
+        let k1 = k[1];
+        let reader = thread::spawn(move || query(&c, &[k1], 1));
+        let got = core
+            .acquire_slots(Want::Exactly(1))
+            .unwrap_or_else(|e| panic!("an unpinned block exists, yet the save got no slot ({policy}): {e}"));
+        let lease = reader.join().unwrap();
+        drop(lease);
+        for s in got {
+            core.pool().free(s);
+        }
+        let mut out = Vec::new();
+        assert_eq!(core.evict_into(2, &mut out), 1, "the survivor is offered ({policy})");
+        for s in out {
+            core.pool().free(s);
+        }
+        assert_quiescent(&core, &k);
+    });
+}
+
+#[test]
+fn an_interior_block_is_offered_when_no_leaf_can_go_lru() {
+    an_interior_block_is_offered_when_no_leaf_can_go(PolicyKind::Lru);
+}
+
 /// Two ranks' saves complete at once (each commits its reserved block: the policy learns of it,
 /// then it becomes ready); right after its own commit, rank 1 needs a slot. Its own block is
 /// committed and unpinned, so the acquisition must succeed in every interleaving of the other

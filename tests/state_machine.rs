@@ -69,6 +69,13 @@ machine_properties! {
 }
 
 proptest! {
+    /// LRU with chain-aware victims (its victim order of leaves and interior blocks): every
+    /// invariant but the exact victims, which chain saves reorder.
+    #[test]
+    fn tier_matches_reference_model_chain_aware_lru(capacity in 1..=MAX_CAPACITY, ops in prop::collection::vec(op(), 1..24)) {
+        Machine::run_chain_aware(PolicyKind::Lru, capacity, true, &ops);
+    }
+
     /// Queue-protecting admission ([`kvtier::TierConfig::protect_hinted`]): the same machine, whose
     /// model predicts that a prefix save takes free slots and unhinted victims only and never
     /// evicts a hinted block, while all-or-nothing saves still take hinted blocks last.

@@ -200,6 +200,14 @@ pub trait ChainView {
     /// The prompt depth of `slot`'s block (`u32::MAX` if unknown): a block is deeper than its
     /// parent.
     fn depth(&self, slot: SlotId) -> u32;
+    /// How many resident blocks (being written, ready or being evicted) continue `slot`'s block:
+    /// those whose [`ChainView::parent`] is `slot`. `None` if this view does not count them (the
+    /// default); a view that counts them lets chain-aware LRU select from its victim order, in
+    /// O(n log capacity), instead of scanning every slot.
+    fn resident_children(&self, slot: SlotId) -> Option<u32> {
+        let _ = slot;
+        None
+    }
 }
 
 /// What a policy learns about a block when it becomes ready.

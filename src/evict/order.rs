@@ -284,6 +284,25 @@ impl VictimOrder {
         offset: impl Fn(u8) -> i64,
         out: &mut Vec<SlotId>,
     ) {
+        self.select_exposing(n, ranking, residency, place, offset, |_| None, out)
+    }
+
+    /// [`VictimOrder::select`] where a proposal can lower another slot's place at once:
+    /// `exposed(s)`, called after each proposal `s`, names a slot whose place may have fallen
+    /// because `s` is proposed (chain-aware LRU: the parent of a block, which becomes a leaf when
+    /// its last child is proposed; `place` reads what the proposals so far changed). That slot,
+    /// if offerable, gets a fresh entry where it belongs now, so this same selection can take it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn select_exposing(
+        &self,
+        n: usize,
+        ranking: &Ranking<'_>,
+        residency: &Residency,
+        place: impl Fn(usize) -> (u8, i64),
+        offset: impl Fn(u8) -> i64,
+        mut exposed: impl FnMut(SlotId) -> Option<SlotId>,
+        out: &mut Vec<SlotId>,
+    ) {
         let mut guard = crate::sync::lock(&self.state);
         let st = &mut *guard;
         let buckets = self.buckets;
@@ -308,6 +327,14 @@ impl VictimOrder {
                     residency.propose(s);
                     out.push(s);
                     found += 1;
+                    // (Seeded bug, tests only: `exposed-not-refiled` leaves the exposed slot where
+                    // it was, so a chain loses one block per selection instead of going whole.)
+                    if let Some(p) = exposed(s).filter(|_| !crate::seeded::seeded("exposed-not-refiled")) {
+                        if residency.offerable(p) {
+                            let (pb, pk) = place(p.index());
+                            push(st, p, heap_of(class_of(p).unwrap_or_else(|| base(p)), pb), pk);
+                        }
+                    }
                 }
                 Some(c) => push(st, s, heap_of(c, bucket), key),
                 None => {
@@ -380,7 +407,7 @@ impl std::fmt::Debug for VictimOrder {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::super::{EvictionPolicy, InsertInfo, Lru, PrefixLfu, Ranking};
+    use super::super::{ChainView, EvictionPolicy, InsertInfo, Lru, PrefixLfu, Ranking};
     use crate::slab::slot::SlotId;
 
     /// A xorshift stream for the random operations.
@@ -404,11 +431,43 @@ mod tests {
     }
 
     /// The tier's preference order as these tests model it: a resident, unpinned slot has its
-    /// class (of 3); a pinned one is filed by its base class, the same.
-    fn ranked<R>(resident: &[bool], pinned: &[bool], class: &[u8], f: impl FnOnce(&Ranking<'_>) -> R) -> R {
+    /// class (of 3); a pinned one is filed by its base class, the same. With `forest`, chains:
+    /// `forest[s]` is the block slot `s`'s block continues, counted as the tier's chain view
+    /// counts it (a parent while resident; children while resident, pinned ones included).
+    fn ranked_in<R>(
+        resident: &[bool],
+        pinned: &[bool],
+        class: &[u8],
+        forest: Option<&[Option<u32>]>,
+        f: impl FnOnce(&Ranking<'_>) -> R,
+    ) -> R {
+        struct Chains<'a> {
+            forest: &'a [Option<u32>],
+            resident: &'a [bool],
+        }
+        impl ChainView for Chains<'_> {
+            fn parent(&self, slot: SlotId) -> Option<SlotId> {
+                self.forest[slot.index()].filter(|&p| self.resident[p as usize]).map(SlotId)
+            }
+            fn depth(&self, slot: SlotId) -> u32 {
+                let mut d = 0;
+                let mut s = slot.index();
+                while let Some(p) = self.forest[s] {
+                    d += 1;
+                    s = p as usize;
+                }
+                d
+            }
+            fn resident_children(&self, slot: SlotId) -> Option<u32> {
+                let n = (0..self.forest.len()).filter(|&t| self.resident[t] && self.forest[t] == Some(slot.0)).count();
+                Some(n as u32)
+            }
+        }
+        let chains = forest.map(|forest| Chains { forest, resident });
         let class_of = |t: SlotId| (resident[t.index()] && !pinned[t.index()]).then_some(class[t.index()]);
         let base_class = |t: SlotId| class[t.index()];
-        f(&Ranking { classes: 3, class_of: &class_of, base_class: Some(&base_class), empty: None, chain: None })
+        let chain = chains.as_ref().map(|c| c as &dyn ChainView);
+        f(&Ranking { classes: 3, class_of: &class_of, base_class: Some(&base_class), empty: None, chain })
     }
 
     /// Drives two instances of one policy through the same random inserts, hits, pins, class
@@ -421,8 +480,23 @@ mod tests {
         cap: u32,
         seed: u64,
     ) {
+        same_as_scan_in(make, scan, cap, seed, false)
+    }
+
+    /// [`same_as_scan`], with `chains`: under a random forest of chains fixed for the run (the
+    /// tier's chain view as [`ranked_in`] models it).
+    fn same_as_scan_in<P: EvictionPolicy>(
+        make: impl Fn() -> P,
+        scan: impl Fn(&P, usize, &Ranking<'_>, &mut Vec<SlotId>),
+        cap: u32,
+        seed: u64,
+        chains: bool,
+    ) {
         let (order, reference) = (make(), make());
         let mut rnd = rng(seed);
+        let forest: Vec<Option<u32>> =
+            (0..cap as u64).map(|s| (chains && s > 0 && rnd(4) != 0).then(|| rnd(s) as u32)).collect();
+        let forest = chains.then_some(&forest[..]);
         let mut resident = vec![false; cap as usize];
         let mut pinned = vec![false; cap as usize];
         let mut class = vec![0u8; cap as usize];
@@ -452,11 +526,11 @@ mod tests {
                 }
                 // A commit's filing of the marks so far (the tier's call after every save), with
                 // the classes of this moment.
-                7 if rnd(2) == 0 => ranked(&resident, &pinned, &class, |r| order.file_pending(r)),
+                7 if rnd(2) == 0 => ranked_in(&resident, &pinned, &class, forest, |r| order.file_pending(r)),
                 _ => {
                     let n = 1 + rnd(4) as usize;
                     let (mut a, mut b) = (vec![], vec![]);
-                    ranked(&resident, &pinned, &class, |r| {
+                    ranked_in(&resident, &pinned, &class, forest, |r| {
                         order.select_ranked(n, r, &mut a);
                         scan(&reference, n, r, &mut b);
                     });
@@ -482,6 +556,15 @@ mod tests {
             same_as_scan(|| Lru::new(24), |p, n, r, out| p.select_by_scan(n, r, out), 24, seed);
             same_as_scan(|| PrefixLfu::new(8), |p, n, r, out| p.select_by_scan(n, r, out), 8, seed);
             same_as_scan(|| PrefixLfu::adaptive(16), |p, n, r, out| p.select_by_scan(n, r, out), 16, seed);
+        }
+    }
+
+    /// Chain-aware LRU from its victim order (leaves by tick, then interior blocks, a proposal
+    /// exposing its parent) against its reference, a scan that proposes one block at a time.
+    #[test]
+    fn chain_aware_lru_selects_as_its_leaf_scan() {
+        for seed in 1..=24 {
+            same_as_scan_in(|| Lru::new(24), |p, n, r, out| p.select_by_leaf_scan(n, r, out), 24, seed, true);
         }
     }
 

@@ -273,7 +273,8 @@ impl Chains {
         }
     }
 
-    /// The resident children counted for `slot` holding `generation` (for tests and audits).
+    /// The resident children counted for `slot` holding `generation` (chain-aware LRU's leaves,
+    /// [`crate::evict::ChainView::resident_children`]; tests and audits).
     pub(crate) fn children(&self, slot: SlotId, generation: u64) -> u32 {
         let c = self.children[slot.index()].load(Ordering::Relaxed);
         if c >> 32 == tag(generation) {

@@ -787,6 +787,9 @@ impl ChainView for Core {
     fn depth(&self, slot: SlotId) -> u32 {
         self.slot_depth[slot.index()].load(Ordering::Relaxed)
     }
+    fn resident_children(&self, slot: SlotId) -> Option<u32> {
+        Some(self.chains.children(slot, self.control().load(slot).generation()))
+    }
 }
 
 impl std::fmt::Debug for Core {

@@ -344,6 +344,8 @@ pub struct Machine {
     policy: PolicyKind,
     /// The tier's queue-protecting admission ([`TierConfig::protect_hinted`]).
     protect_hinted: bool,
+    /// Chain-aware victims ([`TierConfig::chain_aware`]).
+    chain_aware: bool,
     model: Model,
     leases: Vec<(Lease, ModelLease)>,
     /// Kept hints and their keys.
@@ -377,10 +379,16 @@ impl Machine {
     /// [`Machine::new`] whose tier has queue-protecting admission
     /// ([`TierConfig::protect_hinted`]) on or off.
     pub fn with_protect(policy: PolicyKind, capacity: u8, protect_hinted: bool) -> Self {
+        Self::with_options(policy, capacity, protect_hinted, policy != PolicyKind::Lru)
+    }
+
+    /// [`Machine::with_protect`] with chain-aware victims on or off (by default on for every
+    /// policy but LRU, whose victims the model predicts exactly only without chains).
+    pub fn with_options(policy: PolicyKind, capacity: u8, protect_hinted: bool, chain_aware: bool) -> Self {
         let geometry = geometry();
         let arenas_a = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
         let arenas_b = Arc::new(MemcpyArenas::new(&geometry).expect("arenas"));
-        let tier = Self::build_tier(&geometry, policy, capacity, protect_hinted);
+        let tier = Self::build_tier(&geometry, policy, capacity, protect_hinted, chain_aware);
         let keys: Vec<ContentKey> = (0..KEYS as u64).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
         let pages: Vec<u64> = (0..KEYS as u64).collect();
         arenas_a.fill(&pages, &keys).expect("fill");
@@ -391,6 +399,7 @@ impl Machine {
             keys,
             policy,
             protect_hinted,
+            chain_aware,
             model: Model::new(capacity as usize),
             leases: Vec::new(),
             hints: Vec::new(),
@@ -409,13 +418,13 @@ impl Machine {
         m
     }
 
-    /// LRU runs without chain-aware ranking, so the model predicts its victims exactly (with it,
-    /// chain saves reorder victims by their chains); every other policy runs with it.
-    fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8, protect_hinted: bool) -> HostTier {
+    /// The model predicts LRU's victims exactly without chain-aware ranking (with it, chain
+    /// saves reorder victims by their chains, and only the other invariants are checked).
+    fn build_tier(g: &Geometry, policy: PolicyKind, capacity: u8, protect_hinted: bool, chain_aware: bool) -> HostTier {
         let cfg = TierConfig::new(g.clone(), capacity as u64 * g.slot_bytes())
             .with_policy(policy)
             .with_protect_hinted(protect_hinted)
-            .with_chain_aware(policy != PolicyKind::Lru)
+            .with_chain_aware(chain_aware)
             .with_backing(BackingChoice::Plain);
         HostTier::new(cfg).expect("tier")
     }
@@ -481,7 +490,15 @@ impl Machine {
 
     /// [`Machine::run`] with queue-protecting admission on or off ([`Machine::with_protect`]).
     pub fn run_with(policy: PolicyKind, capacity: u8, protect_hinted: bool, ops: &[Op]) {
-        let mut m = Machine::with_protect(policy, capacity, protect_hinted);
+        Self::run_machine(Machine::with_protect(policy, capacity, protect_hinted), ops)
+    }
+
+    /// [`Machine::run`] with chain-aware victims on or off ([`Machine::with_options`]).
+    pub fn run_chain_aware(policy: PolicyKind, capacity: u8, chain_aware: bool, ops: &[Op]) {
+        Self::run_machine(Machine::with_options(policy, capacity, false, chain_aware), ops)
+    }
+
+    fn run_machine(mut m: Machine, ops: &[Op]) {
         for &op in ops {
             m.step(op);
         }
@@ -550,7 +567,7 @@ impl Machine {
                 );
             }
         }
-        if self.policy == PolicyKind::Lru {
+        if self.policy == PolicyKind::Lru && !self.chain_aware {
             let want: BTreeSet<u8> = cands[..n].iter().copied().collect();
             assert_eq!(gone.iter().copied().collect::<BTreeSet<u8>>(), want, "{what}: LRU victims");
         }
@@ -825,7 +842,7 @@ impl Machine {
         self.rank_b = None;
         // Hints belong to the old tier.
         self.hints.clear();
-        self.tier = Self::build_tier(&self.geometry, self.policy, capacity, self.protect_hinted);
+        self.tier = Self::build_tier(&self.geometry, self.policy, capacity, self.protect_hinted, self.chain_aware);
         self.model = Model::new(capacity as usize);
         self.attach();
         for (_, k) in resident {
