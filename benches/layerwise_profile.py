@@ -10,15 +10,23 @@ once, then two ways of running the ``--suffix``-token suffix over it, each ``--r
   ``Rank.restore_layers`` (one readiness per layer), the suffix's forward waiting per layer inside
   its cache's ``update`` (what the example's "warm, layer-wise" column times).
 
+Then, without the profiler, ``--runs`` more runs of each way time the host side: how long the
+engine's thread takes to enqueue the suffix's forward (from its start until ``forward`` returns,
+before any synchronisation; the layer-wise way's includes the ``restore_layers`` submission, also
+timed on its own) against the wall time of the run, and the GPU time the engine's stream stood at
+the layer waits (``PagedCache(time_waits=True)``). An enqueue time close to the wall time says the
+GPU waited for the host's launches; long waits say it waited for the copy.
+
 It prints each way's wall time per run, the GPU time of the engine's kernels summed over the runs
 (everything but kvtier's own copy kernels and the copy engines' memcpys and memsets), the busiest
 device activities, and for every engine kernel above 1 ms the ratio of its time beside the restore
 to its time alone: a kernel slowed by the copy running beside it shows a ratio above 1. The last
 token's logits of the two ways are compared bitwise (the restore brought the prefix's bytes).
 
-Usage: ``python benches/layerwise_profile.py --prefix 65536`` (at 65,536 tokens it needs about
-40 GB of GPU memory: 16 GB of weights and two copies of the prefix's pages, 8.6 GB each, besides
-the activations; and a pinned host pool of the prefix's size, 8.6 GB).
+Usage: ``python benches/layerwise_profile.py --prefix 65536 [--cuda-option KEY=VALUE ...]`` (at
+65,536 tokens it needs about 40 GB of GPU memory: 16 GB of weights and two copies of the prefix's
+pages, 8.6 GB each, besides the activations; and a pinned host pool of the prefix's size, 8.6 GB).
+``--cuda-option`` passes a copy tuning option to ``Tier.attach_cuda`` (as the Llama example's).
 """
 
 import argparse
@@ -46,8 +54,21 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=65536, help="prefix tokens (a multiple of 16; default 65536)")
     p.add_argument("--suffix", type=int, default=128, help="suffix tokens (default 128)")
     p.add_argument("--runs", type=int, default=3, help="profiled runs of each way, after one warm-up (default 3)")
+    p.add_argument(
+        "--cuda-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a copy tuning option for Tier.attach_cuda's cuda_options (integer values; mode takes a name), repeatable",
+    )
     a = p.parse_args()
-    b = Bench("llama3-8b", max_prefix=a.prefix, suffix=a.suffix, greedy=1, torch_baselines=False)
+    cuda_options = {}
+    for kv in a.cuda_option:
+        key, _, value = kv.partition("=")
+        cuda_options[key] = value if key == "mode" else int(value)
+    b = Bench(
+        "llama3-8b", max_prefix=a.prefix, suffix=a.suffix, greedy=1, torch_baselines=False, cuda_options=cuda_options
+    )
     dev, kv = b.device, b.kv
     pages = a.prefix // PAGE_TOKENS
     gen = torch.Generator().manual_seed(1)
@@ -67,17 +88,30 @@ def main() -> None:
         b.rank.restore(lease, warm, after_stream=stream).wait()
     logits = {}
 
-    def alone():
-        c = PagedCache(kv, warm + tail, cached_tokens=a.prefix)
-        logits["alone"] = b._forward(c, ids[:, a.prefix :], keep=1).logits
+    host = collections.defaultdict(list)  # label -> [(submit ms, enqueue ms, wait ms)]
 
-    def layer_wise():
-        c = PagedCache(kv, warm + tail, cached_tokens=a.prefix)
+    def alone(timed=False):
+        c = PagedCache(kv, warm + tail, cached_tokens=a.prefix, time_waits=timed)
+        t = time.perf_counter()
+        logits["alone"] = b._forward(c, ids[:, a.prefix :], keep=1).logits
+        if timed:
+            host["alone"].append((0.0, (time.perf_counter() - t) * 1e3, 0.0))
+
+    def layer_wise(timed=False):
+        c = PagedCache(kv, warm + tail, cached_tokens=a.prefix, time_waits=timed)
         c.prepare(a.suffix)
+        t = time.perf_counter()
         with b.tier.query(keys) as lease:
             h = b.rank.restore_layers(lease, warm, b.cfg.num_hidden_layers, after_stream=stream)
+        submit = (time.perf_counter() - t) * 1e3
         c.restore = h
         logits["layer-wise"] = b._forward(c, ids[:, a.prefix :], keep=1).logits
+        if timed:
+            enqueue = (time.perf_counter() - t) * 1e3
+            per_layer = c.wait_ms()
+            waits = sum(ms for _, ms in per_layer)
+            host["layer-wise"].append((submit, enqueue, waits))
+            host["layer waits"] = [ms for _, ms in per_layer]
         h.wait()
 
     def run(fn, label):
@@ -104,13 +138,28 @@ def main() -> None:
         return per
 
     gpu = torch.cuda.get_device_name(dev)
-    print(f"{gpu}, torch {torch.__version__}; prefix {a.prefix} tokens, suffix {a.suffix}, {a.runs} runs each")
+    print(
+        f"{gpu}, torch {torch.__version__}; prefix {a.prefix} tokens, suffix {a.suffix}, {a.runs} runs each;"
+        f" cuda_options {cuda_options}"
+    )
     alone_k = run(alone, "suffix alone")
     layer_k = run(layer_wise, "layer-wise restore + suffix")
     print("== engine kernels over 1 ms: time beside the layer-wise restore / time alone")
     for name, (_, ms) in sorted(alone_k.items(), key=lambda kv: -kv[1][1]):
         if ms > 1 and engine_kernel(name) and name in layer_k:
             print(f"   {layer_k[name][1] / ms:.3f}  {ms:8.2f} -> {layer_k[name][1]:8.2f} ms  {name[:60]}")
+    print(f"== host side, {a.runs} runs each without the profiler (ms a run: wall; submission of the restore;")
+    print("   the engine thread's enqueue of the forward, from the start; GPU time at the layer waits)")
+    for label, fn in (("alone", alone), ("layer-wise", layer_wise)):
+        for _ in range(a.runs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn(timed=True)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) * 1e3
+            submit, enqueue, waits = host[label][-1]
+            print(f"   {label:10s} wall {wall:7.1f}  submit {submit:6.1f}  enqueue {enqueue:7.1f}  waits {waits:6.1f}")
+    print("   the last layer-wise run's waits, ms per layer: " + " ".join(f"{ms:.1f}" for ms in host["layer waits"]))
     same = torch.equal(logits["alone"], logits["layer-wise"])
     print(f"last token's logits bitwise equal (alone, layer-wise): {same}")
 
