@@ -89,7 +89,12 @@ fn assert_lease_holds(tier: &HybridTier, lease: &kvtier::HybridLease) {
 /// lease is held or before it was taken, cannot take them).
 #[test]
 fn query_racing_a_checkpoint_eviction() {
-    loom::model(|| {
+    // The eviction selects through chain-aware LRU's victim order (a load of the victim's
+    // children count and of its parent's): past loom's default budget of 1,000 branches per
+    // execution.
+    let mut b = loom::model::Builder::new();
+    b.max_branches = 10_000;
+    b.check(|| {
         let (tier, keys, ssm) = attention_saved();
         let gk = |g: usize, i: usize| tier.layout().group_key(g, &keys[i]);
         save_ready(&ssm, gk(1, 1)); // the checkpoint at 2 (oldest: the LRU victim)
