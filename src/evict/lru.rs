@@ -20,17 +20,20 @@ fn counts_children(chain: &dyn ChainView) -> bool {
 /// subtree, deeper first on ties) the order keeps **leaves** (blocks no resident block continues,
 /// bucket 0) apart from **interior** blocks (bucket 1, after every leaf of their class), each by
 /// its own tick, and a proposal exposes its parent: once a block's last resident child is
-/// proposed, the parent is a leaf of this selection, filed by its own tick. Ticks grow along a
-/// prompt (a query touches its prefix in order, a save commits after it), so the lowest leaf is
+/// proposed, the parent is a leaf of this selection, filed by its own tick; a child that leaves
+/// later (its eviction finished after another selection filed the parent, an aborted or
+/// quarantined save) re-files its parent ([`EvictionPolicy::on_child_removed`]). Ticks grow along
+/// a prompt (a query touches its prefix in order, a save commits after it), so the lowest leaf is
 /// the chain with the oldest newest tick, and its parent, exposed, is lower than everything else
-/// left: the chain goes whole, from its tail, as the subtree rank orders it, in O(n log capacity)
-/// (the unit test `chain_aware_lru_selects_as_its_leaf_scan` and, through the tier against the
-/// subtree-rank model, `chain_aware_lru_through_the_tier_equals_its_model` in the CLI's tests).
-/// Where the two differ: a block with a resident child that cannot be taken now (pinned, being
-/// written) waits behind every leaf of its class instead of ranking by that child's tick; a block
-/// whose children went first in a lower class (orphans) ranks by its own tick; and a block whose
-/// child left other than by a selection (an aborted save) stays interior until its entry is
-/// reached. A [`super::ChainView`] that does not count children
+/// left when it was last touched with that chain: the chain goes whole, from its tail, as the
+/// subtree rank orders it (a parent hit since on its own, a prefix other prompts share, is filed
+/// by that newer tick, as the subtree rank ranks it), in O(n log capacity) (the unit test
+/// `chain_aware_lru_selects_as_its_leaf_scan` and, through the tier against the subtree-rank
+/// model, `chain_aware_lru_through_the_tier_equals_its_model` in the CLI's tests). Where the two
+/// differ: a block with a resident child that cannot be taken now (pinned, being written) or that
+/// is in a later class waits behind every leaf of its own class instead of ranking by that
+/// child's tick; and a block whose children are taken first, in an earlier class, then ranks by
+/// its own tick, not by the blocks past them. A [`super::ChainView`] that does not count children
 /// ([`super::ChainView::resident_children`] `None`) gets the subtree rank by a scan of every slot,
 /// O(capacity).
 pub(crate) struct Lru {
@@ -177,6 +180,10 @@ impl EvictionPolicy for Lru {
     }
     fn on_reclass(&self, slot: SlotId) {
         self.order.mark(slot);
+    }
+    fn on_child_removed(&self, parent: SlotId) {
+        // Interior -> leaf is a fall of its place: announced, as the order's lazy entries need.
+        self.order.mark(parent);
     }
     fn on_remove(&self, slot: SlotId) {
         self.residency.remove(slot);

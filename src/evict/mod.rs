@@ -142,6 +142,13 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     fn on_reclass(&self, slot: SlotId) {
         let _ = slot;
     }
+    /// A block that continued `parent`'s block left the tier (evicted, aborted or quarantined),
+    /// after its `resident_children` count ([`ChainView::resident_children`]) fell: `parent` may
+    /// be a leaf of its chain now. A policy that orders by chain place re-places it (chain-aware
+    /// LRU); may name a slot whose block has left since. Must be lock-free. The default ignores it.
+    fn on_child_removed(&self, parent: SlotId) {
+        let _ = parent;
+    }
     /// A save's blocks were committed (each had its [`EvictionPolicy::on_insert`] and is `READY`
     /// now): a policy that files what it learns lazily, at its next selection, may file it now,
     /// on the committing thread and outside the eviction lock, if that costs no waiting. `ranking` is

@@ -220,14 +220,17 @@ impl Chains {
     }
 
     /// `slot`'s block leaves (evicted, aborted or quarantined): its link is taken back and its
-    /// live parent loses a child.
-    pub(crate) fn unlink(&self, slot: SlotId) {
+    /// live parent loses a child. Returns the slot the link named (its block may have left since:
+    /// the caller's announcement of it is then a harmless re-filing of whatever holds the slot).
+    pub(crate) fn unlink(&self, slot: SlotId) -> Option<SlotId> {
         let w = self.parent[slot.index()].swap(NONE, Ordering::Relaxed);
-        if w != NONE {
-            self.adjust(SlotId(w as u32), w >> 32, false);
-            self.list_remove(w, slot);
-            self.uncount(slot);
+        if w == NONE {
+            return None;
         }
+        self.adjust(SlotId(w as u32), w >> 32, false);
+        self.list_remove(w, slot);
+        self.uncount(slot);
+        Some(SlotId(w as u32))
     }
 
     /// Adds or removes one child of `slot` if its count is still tagged with `generation`.

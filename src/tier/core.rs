@@ -491,7 +491,9 @@ impl Core {
     pub fn abort_reserved(&self, r: Reserved) {
         let removed = self.index.remove_if(&r.key, SlotRef { slot: r.slot, generation: r.generation });
         debug_assert!(removed, "reserved block {:?} lost its index entry", r.key);
-        self.chains.unlink(r.slot);
+        if let Some(p) = self.chains.unlink(r.slot) {
+            self.policy.on_child_removed(p);
+        }
         self.control().release(r.slot);
         self.chains.take_children(SlotRef { slot: r.slot, generation: r.generation }, |c| self.policy.on_reclass(c));
         self.pool.free(r.slot);
@@ -504,7 +506,9 @@ impl Core {
     pub fn quarantine_reserved(&self, r: Reserved) {
         let removed = self.index.remove_if(&r.key, SlotRef { slot: r.slot, generation: r.generation });
         debug_assert!(removed, "reserved block {:?} lost its index entry", r.key);
-        self.chains.unlink(r.slot);
+        if let Some(p) = self.chains.unlink(r.slot) {
+            self.policy.on_child_removed(p);
+        }
         sub(&self.counters.writing_slots, 1);
         add(&self.counters.quarantined_slots, 1);
     }

@@ -115,7 +115,12 @@ impl<'a> Claims<'a> {
             let removed = core.index.remove_if(&key, SlotRef { slot: s, generation });
             debug_assert!(removed, "ready block in slot {} had no index entry", s.0);
             core.policy.on_remove(s);
-            core.chains.unlink(s);
+            // Its parent may be a leaf now (a selection that ran since this block was claimed
+            // filed the parent as interior). (Seeded bug, tests only: `child-removal-unannounced`
+            // does not tell the policy.)
+            if let Some(p) = core.chains.unlink(s).filter(|_| !crate::seeded::seeded("child-removal-unannounced")) {
+                core.policy.on_child_removed(p);
+            }
             core.control().release(s);
             core.on_evicted(s, generation, &key);
             // Its resident children are orphans now: the policy re-files them (orphans go first).

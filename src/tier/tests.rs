@@ -156,6 +156,9 @@ impl crate::evict::EvictionPolicy for Hooked {
     fn on_cancel(&self, slot: SlotId) {
         self.inner.on_cancel(slot)
     }
+    fn on_child_removed(&self, parent: SlotId) {
+        self.inner.on_child_removed(parent)
+    }
     fn on_remove(&self, slot: SlotId) {
         let hook = self.hooks.on_remove.lock().unwrap().take();
         if let Some(h) = hook {
@@ -674,4 +677,41 @@ fn the_eviction_lock_counts_its_holds_and_their_time() {
     assert!(s.held_ns > after_save.held_ns, "for some time too: {s:?}");
     assert!(s.held_ns + s.wait_ns <= elapsed, "no longer than the calls took ({elapsed} ns): {s:?}");
     assert_eq!(tier.stats().evictions, 2);
+}
+
+/// Chain-aware LRU: a parent whose last child is being finished by one eviction while another
+/// selects (the eviction lock is free during a finish) is filed as interior by that selection
+/// (the child still counts); the child's unlink then makes it a leaf again, and the tier announces
+/// it (`on_child_removed`), so it is the next victim, not one left behind every leaf.
+#[test]
+fn a_parent_whose_last_child_leaves_during_another_selection_is_a_leaf_again() {
+    use crate::tier::chain::ChainClass;
+    use crate::tier::evictor::{Claims, EvictReason};
+    let (tier, arenas, rank) = small_tier(8, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..5);
+    // Chain k0 -> k1 (the oldest blocks), then three newer unlinked blocks.
+    save_chain(&rank, &arenas, &k[..2], &[0, 1], SaveOptions::new().prefix_depth(0));
+    save_ready(&tier, &arenas, &rank, &k[2..5], &[2, 3, 4]);
+    let core = tier.core();
+    let s: Vec<SlotId> = k.iter().map(|k| slot_of(&tier, k)).collect();
+    // Eviction A claims the chain's tail (k1), then lets go of the lock to finish.
+    let mut a = Claims::new(core);
+    {
+        let _l = core.lock_eviction();
+        assert_eq!(a.claim(1), 1);
+    }
+    // Eviction B selects meanwhile: k0 still counts its child, so it is interior; B takes k2.
+    let mut b = Claims::new(core);
+    {
+        let _l = core.lock_eviction();
+        assert_eq!(b.claim(1), 1);
+    }
+    let (mut took_a, mut took_b) = (vec![], vec![]);
+    a.finish(&mut took_a, EvictReason::Explicit);
+    b.finish(&mut took_b, EvictReason::Explicit);
+    assert_eq!((took_a, took_b), (vec![s[1]], vec![s[2]]));
+    assert_eq!(core.chain_of(s[0]).2, ChainClass::Leaf, "k0's only child left");
+    let mut out = vec![];
+    assert_eq!(core.evict_into(1, &mut out), 1);
+    assert_eq!(out, vec![s[0]], "k0, the least recently used leaf, must go next");
 }
