@@ -40,7 +40,12 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from kvtier.examples.llama_restore import PAGE_TOKENS, Bench  # noqa: E402
+from kvtier.examples.llama_restore import (  # noqa: E402
+    PAGE_TOKENS,
+    Bench,
+    add_cuda_option_argument,
+    cuda_options_from,
+)
 from kvtier.examples.paged_cache import PagedCache  # noqa: E402
 
 
@@ -54,18 +59,9 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=65536, help="prefix tokens (a multiple of 16; default 65536)")
     p.add_argument("--suffix", type=int, default=128, help="suffix tokens (default 128)")
     p.add_argument("--runs", type=int, default=3, help="profiled runs of each way, after one warm-up (default 3)")
-    p.add_argument(
-        "--cuda-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a copy tuning option for Tier.attach_cuda's cuda_options (integer values; mode takes a name), repeatable",
-    )
+    add_cuda_option_argument(p)
     a = p.parse_args()
-    cuda_options = {}
-    for kv in a.cuda_option:
-        key, _, value = kv.partition("=")
-        cuda_options[key] = value if key == "mode" else int(value)
+    cuda_options = cuda_options_from(p, a.cuda_option)
     b = Bench(
         "llama3-8b", max_prefix=a.prefix, suffix=a.suffix, greedy=1, torch_baselines=False, cuda_options=cuda_options
     )

@@ -642,6 +642,37 @@ class Bench:
         self.rank.close()
 
 
+def add_cuda_option_argument(p: argparse.ArgumentParser) -> None:
+    """Adds ``--cuda-option KEY=VALUE`` (repeatable) to ``p``; :func:`cuda_options_from` reads it."""
+    p.add_argument(
+        "--cuda-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a copy tuning option for Tier.attach_cuda's cuda_options (integer values; mode takes a name), repeatable",
+    )
+
+
+def cuda_options_from(p: argparse.ArgumentParser, opts: List[str]) -> dict:
+    """``Tier.attach_cuda``'s ``cuda_options`` from ``--cuda-option`` values: ``mode`` keeps its
+    name, ``true``/``false`` become booleans, the rest integers; a malformed one ends the program
+    through ``p.error`` (naming it)."""
+    cuda_options: dict = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            p.error(f"--cuda-option {opt!r}: expected KEY=VALUE")
+        if key == "mode":
+            cuda_options[key] = value
+        elif value.lower() in ("true", "false"):
+            cuda_options[key] = value.lower() == "true"
+        elif value.isdigit():
+            cuda_options[key] = int(value)
+        else:
+            p.error(f"--cuda-option {opt!r}: the value must be an integer, true or false")
+    return cuda_options
+
+
 def markdown(results: List[dict]) -> str:
     """The results as a markdown table (times in ms, rates in GB/s)."""
     head = (
@@ -725,13 +756,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--layer-groups", type=int, default=32, help="layer groups of the layer-wise restore and save (default 32)")
     p.add_argument("--no-torch-baselines", action="store_true", help="skip the plain-torch restore baselines")
     p.add_argument("--save-layers", action="store_true", help="also time saves during the prefill (GPU only)")
-    p.add_argument(
-        "--cuda-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a copy tuning option for Tier.attach_cuda's cuda_options (integer values; mode takes a name), repeatable",
-    )
+    add_cuda_option_argument(p)
     p.add_argument(
         "--ssd",
         default=None,
@@ -749,19 +774,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.ssd_bytes is not None and a.ssd is None:
         p.error("--ssd-bytes needs --ssd")
-    cuda_options: dict = {}
-    for opt in a.cuda_option:
-        key, sep, value = opt.partition("=")
-        if not sep or not key:
-            p.error(f"--cuda-option {opt!r}: expected KEY=VALUE")
-        if key == "mode":
-            cuda_options[key] = value
-        elif value.lower() in ("true", "false"):
-            cuda_options[key] = value.lower() == "true"
-        elif value.isdigit():
-            cuda_options[key] = int(value)
-        else:
-            p.error(f"--cuda-option {opt!r}: the value must be an integer, true or false")
+    cuda_options = cuda_options_from(p, a.cuda_option)
     # Bitwise comparisons need deterministic kernels: cuBLAS with a fixed workspace (set before
     # CUDA initialises) and torch's deterministic algorithms.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
