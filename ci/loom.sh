@@ -67,6 +67,8 @@ bites=(
     "evict-pinned|loom_ssd|pinned_disk_slot_is_never_rewritten|unpin of unpinned slot"
     "stale-generation|loom_evict|stale_lookup_after_reuse_fails|no longer holds key A"
     "plan-finishing-in-flight|loom_evict|plan_racing_an_eviction_being_finished|never in flight"
+    "refusal-under-shared-hold|loom_evict|a_save_beside_a_save_that_cannot_fit_is_not_refused|the save must get a slot"
+    "escalation-keeps-claims|loom_evict|a_save_beside_a_save_that_cannot_fit_is_not_refused|the save must get a slot"
     "requeue-claimed-victim|loom_policy|acquire_races_a_query_pin_sieve|eviction policy contract broken: on_remove"
     "hinted-never-evicted|loom_policy|hinted_block_goes_only_when_nothing_else_can_lru|the survivor is offered (lru)"
     "interior-withheld|loom_policy|an_interior_block_is_offered_when_no_leaf_can_go_lru|an unpinned block exists, yet the save got no slot (lru)"

@@ -2,11 +2,13 @@
 //! safely; a lookup made before the slot was evicted and reused fails to pin by generation.
 //!
 //! A third model races a save's plan against an eviction of its key that is finished without the
-//! eviction lock.
+//! eviction lock; a fourth, two saves selecting at once under the lock's shared side, one of which
+//! cannot fit.
 //!
 //! Run with `ci/loom.sh`. Seeded bugs each model must catch (see docs/invariants.md):
 //! `evict-pinned` (evict_vs_pin_vs_lookup), `stale-generation` (stale_lookup_after_reuse_fails),
-//! `plan-finishing-in-flight` (plan_racing_an_eviction_being_finished).
+//! `plan-finishing-in-flight` (plan_racing_an_eviction_being_finished), `refusal-under-shared-hold`
+//! and `escalation-keeps-claims` (a_save_beside_a_save_that_cannot_fit_is_not_refused).
 #![cfg(loom)]
 
 mod common;
@@ -103,5 +105,37 @@ fn plan_racing_an_eviction_being_finished() {
         let evicted = evictor.join().unwrap();
         assert!(evicted.is_some(), "an unpinned block was always there to evict");
         assert_quiescent(&core, &k);
+    });
+}
+
+/// Two saves select at once under the shared side of the eviction lock (LRU: its victim order in
+/// shards, one slot in each): a two-slot save that cannot fit (the other block is pinned by a
+/// query) claims the unpinned block before it finds it cannot, while a one-slot save looks for a
+/// victim. The one-slot save must get the unpinned block in every interleaving: it is never
+/// refused under the shared side (where the other save's claim may yet be given back), and no
+/// thread waits for the exclusive side while holding a claim it may give back.
+#[test]
+fn a_save_beside_a_save_that_cannot_fit_is_not_refused() {
+    model_long(|| {
+        let core = core_with(2, kvtier::PolicyKind::Lru);
+        let k = [key(0), key(1), key(2), key(3), key(4)];
+        save_ready(&core, k[0]);
+        save_ready(&core, k[1]);
+        let lease = query(&core, &k[1..2], 1);
+        assert_eq!(lease.len(), 1, "block 1 is pinned");
+        let c = core.clone();
+        let wide = thread::spawn(move || c.acquire_slots(kvtier::internals::Want::Exactly(2)).map(|s| s.len()));
+        let got = core.acquire_slots(kvtier::internals::Want::Exactly(1));
+        let wide = wide.join().unwrap();
+        assert!(wide.is_err(), "one block is pinned: two slots cannot be had, yet the save got {wide:?}");
+        let slots =
+            got.expect("an unpinned block exists and the other save gives its claim back: the save must get a slot");
+        assert_eq!(slots.len(), 1);
+        for s in slots {
+            core.pool().free(s);
+        }
+        drop(lease);
+        assert!(core.index().get(&k[0]).is_none(), "the unpinned block was evicted for the save");
+        assert_quiescent(&core, &k[..2]);
     });
 }

@@ -11,7 +11,7 @@
 #[cfg(not(loom))]
 mod imp {
     pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-    pub use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+    pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
     pub use std::thread;
 
     /// Spin-loop hint for CAS retry loops (loom yields to another thread here instead).
@@ -42,7 +42,7 @@ mod imp {
 #[cfg(loom)]
 mod imp {
     pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-    pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
+    pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
     pub use loom::thread;
 
     /// Spin-loop hint for CAS retry loops: under loom this yields so the model makes progress.
@@ -127,4 +127,37 @@ pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         return m.lock().expect("a tier lock was poisoned by an earlier panic");
     }
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// [`lock_spinning`] for the exclusive side of a reader-writer lock (the tier's eviction lock
+/// taken for a selection that must see every shard): spins for a bounded spell, then blocks;
+/// recovers a poisoned lock as [`lock`] does. Under loom it blocks at once.
+#[inline]
+pub fn write_spinning<T: ?Sized>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    #[cfg(not(loom))]
+    for attempt in 0..20u32 {
+        match m.try_write() {
+            Ok(g) => return g,
+            Err(std::sync::TryLockError::Poisoned(_)) => break,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                for _ in 0..1u32 << attempt.min(6) {
+                    spin_loop();
+                }
+            }
+        }
+    }
+    if crate::seeded::seeded("lock-poisons") {
+        return m.write().expect("a tier lock was poisoned by an earlier panic");
+    }
+    m.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The shared side of a reader-writer lock (the tier's eviction lock taken for a selection that
+/// may run beside others), recovering a poisoned lock as [`lock`] does.
+#[inline]
+pub fn read<T: ?Sized>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    if crate::seeded::seeded("lock-poisons") {
+        return m.read().expect("a tier lock was poisoned by an earlier panic");
+    }
+    m.read().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -138,6 +138,7 @@ fn random_interleavings_keep_the_contract_and_liveness() {
                                     base_class: Some(&base_class),
                                     empty: None,
                                     chain,
+                                    beside_others: false,
                                 },
                                 &mut out,
                             );
@@ -241,7 +242,14 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     let mut out = vec![];
     p.select_ranked(
         6,
-        &Ranking { classes: 1, class_of: &class_of, base_class: None, empty: None, chain: Some(&forest) },
+        &Ranking {
+            classes: 1,
+            class_of: &class_of,
+            base_class: None,
+            empty: None,
+            chain: Some(&forest),
+            beside_others: false,
+        },
         &mut out,
     );
     // Subtree ticks: chain 0..2 = block 2's hit (newest), 3 = its own, chain 4..5 = block 5's.
@@ -253,7 +261,7 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     let mut out = vec![];
     p.select_ranked(
         6,
-        &Ranking { classes: 1, class_of: &class_of, base_class: None, empty: None, chain: None },
+        &Ranking { classes: 1, class_of: &class_of, base_class: None, empty: None, chain: None, beside_others: false },
         &mut out,
     );
     assert_eq!(out, [0, 1, 3, 4, 5, 2].map(SlotId).to_vec());
@@ -266,7 +274,14 @@ fn lru_with_chains_takes_chains_whole_from_the_tail() {
     let mut out = vec![];
     p.select_ranked(
         2,
-        &Ranking { classes: 2, class_of: &class_of, base_class: None, empty: None, chain: Some(&forest) },
+        &Ranking {
+            classes: 2,
+            class_of: &class_of,
+            base_class: None,
+            empty: None,
+            chain: Some(&forest),
+            beside_others: false,
+        },
         &mut out,
     );
     assert_eq!(out, [1, 0].map(SlotId).to_vec());

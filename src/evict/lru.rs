@@ -174,6 +174,10 @@ impl EvictionPolicy for Lru {
             None => self.order.file_marks(ranking, &self.residency, |s| self.place(s)),
         }
     }
+    fn concurrent_selection(&self) -> bool {
+        // The victim order's shards let selections run at once (see `VictimOrder::select`).
+        true
+    }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
         self.order.mark(slot);

@@ -24,13 +24,14 @@
 //!   it may arrive for any slot at any time (a save's refresh is not pinned and may race an
 //!   eviction), so it must never corrupt the policy's structures.
 //! - [`EvictionPolicy::select_victims`]: called with the tier's eviction lock held (one selector at
-//!   a time). Appends up to `n` *distinct* `RESIDENT` slots for which `evictable` is true, best victim
+//!   a time; for a policy whose [`EvictionPolicy::concurrent_selection`] is true, its shared side:
+//!   selections may then run at once, and only one that runs alone must reach every slot). Appends up to `n` *distinct* `RESIDENT` slots for which `evictable` is true, best victim
 //!   first; each becomes `PROPOSED`. A `PROPOSED` slot is never proposed again until it is cancelled.
 //! - For **every** proposed slot the tier later calls exactly one of
 //!   [`EvictionPolicy::on_cancel`] (the block stays resident: the claim CAS found it pinned, or the
 //!   save it was for could not get all its slots; the slot is `RESIDENT` again, in its place or
 //!   re-queued) or [`EvictionPolicy::on_remove`] (the block was evicted; the slot is `ABSENT`).
-//!   `on_cancel` comes under the eviction lock; `on_remove` comes from the finish of a claim,
+//!   `on_cancel` comes under the eviction lock (its shared side for a concurrent selector); `on_remove` comes from the finish of a claim,
 //!   *without* it, so it may run while another thread selects: a policy synchronises what it
 //!   touches there itself (atomics, or its own lock).
 //!   Several selections may run before the proposals of the first are settled (a save that needs
@@ -130,6 +131,16 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
             lo = c + 1;
         }
     }
+    /// True if [`EvictionPolicy::select_ranked`] may run on several threads at once (the tier then
+    /// selects under the shared side of its eviction lock). Such a policy keeps the contract for
+    /// concurrent selections (no slot proposed twice; `on_cancel` may come beside another
+    /// selection), and its liveness for a selection that runs alone; one that runs beside others
+    /// may propose fewer than `min(n, k)`, and the tier then selects again under the exclusive
+    /// lock, alone, before it refuses a save. The built-in LRU and prefix-LFU family (one victim
+    /// order in shards) say true; the default is false: one selector at a time.
+    fn concurrent_selection(&self) -> bool {
+        false
+    }
     /// A proposed slot was not evicted (`PROPOSED -> RESIDENT`): it must be offered again by later
     /// selections.
     fn on_cancel(&self, slot: SlotId);
@@ -190,12 +201,17 @@ pub struct Ranking<'a> {
     /// most valuable block is the least valuable left, and a prefix shared by valuable chains is
     /// kept with them.
     pub chain: Option<&'a dyn ChainView>,
+    /// True when other selections may run at once (the tier's shared eviction lock, for a
+    /// policy with [`EvictionPolicy::concurrent_selection`]): a sharded policy may then search
+    /// only the part it can get without waiting. False: this selection runs alone and must reach
+    /// every slot (the liveness contract).
+    pub beside_others: bool,
 }
 
 impl<'a> Ranking<'a> {
     /// One class: every slot for which `evictable` is true; no chains.
     pub fn plain(evictable: &'a dyn Fn(SlotId) -> Option<u8>) -> Self {
-        Ranking { classes: 1, class_of: evictable, base_class: None, empty: None, chain: None }
+        Ranking { classes: 1, class_of: evictable, base_class: None, empty: None, chain: None, beside_others: false }
     }
 }
 

@@ -317,6 +317,10 @@ impl EvictionPolicy for PrefixLfu {
             self.order.mark(slot);
         }
     }
+    fn concurrent_selection(&self) -> bool {
+        // The victim order's shards let selections run at once (see `VictimOrder::select`).
+        true
+    }
     fn on_cancel(&self, slot: SlotId) {
         self.residency.cancel(slot);
         self.order.mark(slot);
@@ -353,19 +357,24 @@ impl PrefixLfu {
         if let Some(t) = &self.tuner {
             let cap = self.meta.len() as u64;
             let now = self.clock.load(Ordering::Relaxed);
-            if now - self.tuned_at.load(Ordering::Relaxed) >= cap.max(1) {
-                self.tuned_at.store(now, Ordering::Relaxed);
+            let at = self.tuned_at.load(Ordering::Relaxed);
+            // One of the selections running at once tunes (the one whose swap wins).
+            if now - at >= cap.max(1)
+                && self.tuned_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            {
                 let w = crate::sync::lock(t).choose();
                 self.weight.store(w * cap, Ordering::Relaxed);
             }
         }
         let now = self.clock.load(Ordering::Relaxed);
-        if now - self.aged_at.load(Ordering::Relaxed) >= self.age_period {
-            // Ageing (one selector at a time): every counter now reads halved once more, so old
-            // popularity fades (`read_cell`); nothing in the table is written here. With the
-            // doorkeeper, halving rounds up: a key seen once stays seen (else a first sighting just
-            // before an ageing would be refused again at its second).
-            self.aged_at.store(now, Ordering::Relaxed);
+        let at = self.aged_at.load(Ordering::Relaxed);
+        // Ageing, by one of the selections running at once (the one whose swap wins): every
+        // counter now reads halved once more, so old popularity fades (`read_cell`); nothing in
+        // the table is written here. With the doorkeeper, halving rounds up: a key seen once stays
+        // seen (else a first sighting just before an ageing would be refused again at its second).
+        if now - at >= self.age_period
+            && self.aged_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
         // The score already puts a chain's deeper blocks first (its depth term), so the chain view

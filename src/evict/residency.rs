@@ -57,6 +57,12 @@ impl Residency {
         self.transition(slot, RESIDENT, PROPOSED, "select_victims");
     }
 
+    /// A selection that may race another proposes `slot` if it is still `RESIDENT` (`RESIDENT ->
+    /// PROPOSED` by CAS); false if another selection proposed it first or it left.
+    pub(crate) fn try_propose(&self, slot: SlotId) -> bool {
+        self.state[slot.index()].compare_exchange(RESIDENT, PROPOSED, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    }
+
     /// `on_cancel`: `PROPOSED -> RESIDENT`.
     pub(crate) fn cancel(&self, slot: SlotId) {
         self.transition(slot, PROPOSED, RESIDENT, "on_cancel");
@@ -148,8 +154,11 @@ impl Residency {
         cands.sort_unstable();
         for c in cands.iter() {
             let s = SlotId(c.slot());
-            self.propose(s);
-            out.push(s);
+            // A CAS, not `propose`: two scans running at once (a policy with
+            // `concurrent_selection`) may both have picked `s`; the one that loses skips it.
+            if self.try_propose(s) {
+                out.push(s);
+            }
         }
     }
 }

@@ -19,7 +19,7 @@ use crate::index::{BlockIndex, SlotRef};
 use crate::key::ContentKey;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::{PinError, SlotControl, SlotId, SlotState};
-use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU32, AtomicU64, Ordering, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::tier::expiry::LeasedBlock;
 use std::time::{Duration, Instant};
 
@@ -90,8 +90,12 @@ pub struct Core {
     /// Scheduler hints ([`super::hints`]).
     pub(super) hints: Hints,
     pub(crate) counters: Counters,
-    /// Serialises victim selection and claims: every claim is made and settled while it is held.
-    pub(super) evict_lock: Mutex<()>,
+    /// Victim selection and claims: every claim is made, and given back, while it is held. Its
+    /// exclusive side serialises selections; its shared side lets the selections of a policy with
+    /// [`crate::evict::EvictionPolicy::concurrent_selection`] run at once (each searching its own
+    /// shards of the victim order), and a save those leave short selects again under the exclusive
+    /// side before it is refused ([`Core::acquire_slots`]).
+    pub(super) evict_lock: RwLock<()>,
     pub(super) saving: SavingKeys,
     pub(crate) leases: LeaseClock,
     shutting_down: AtomicBool,
@@ -130,7 +134,7 @@ impl Core {
             protect_hinted: false,
             hints: Hints::new(cap),
             counters: Counters::default(),
-            evict_lock: Mutex::new(()),
+            evict_lock: RwLock::new(()),
             saving: SavingKeys::new(),
             leases: LeaseClock::new(lease_ttl),
             shutting_down: AtomicBool::new(false),
@@ -297,27 +301,40 @@ impl Core {
         self.next_rank.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the eviction lock: while the caller holds it no claim is made or given back. Claims
-    /// taken before it may still be being finished (`EVICTING` until their index entries are
-    /// removed and their generations bumped: [`Core::acquire_slots`] finishes without the lock).
-    /// Untimed: for the waits that only let a finish in flight end, and for tests.
-    pub(crate) fn lock_eviction(&self) -> MutexGuard<'_, ()> {
-        crate::sync::lock_spinning(&self.evict_lock)
+    /// Takes the eviction lock's exclusive side: while the caller holds it no claim is made or
+    /// given back. Claims taken before it may still be being finished (`EVICTING` until their
+    /// index entries are removed and their generations bumped: [`Core::acquire_slots`] finishes
+    /// without the lock). Untimed: for the waits that only let a finish in flight end, and for
+    /// tests.
+    pub(crate) fn lock_eviction(&self) -> RwLockWriteGuard<'_, ()> {
+        crate::sync::write_spinning(&self.evict_lock)
     }
 
-    /// [`Core::lock_eviction`] for a selection and its claims (a save's, an SSD promotion's or an
-    /// asked-for eviction's), counted in [`Core::eviction_lock_stats`]: the wait now, the hold
+    /// True if this tier's selections may run at once, under the shared side of the eviction
+    /// lock (the policy's [`crate::evict::EvictionPolicy::concurrent_selection`]).
+    pub(crate) fn selects_concurrently(&self) -> bool {
+        // Seeded bug (tests only): `selections-serialised` never takes the shared side.
+        self.policy.concurrent_selection() && !crate::seeded::seeded("selections-serialised")
+    }
+
+    /// The eviction lock for a selection and its claims (a save's, an SSD promotion's or an
+    /// asked-for eviction's): its shared side when `shared` (the policy selects concurrently),
+    /// else its exclusive side; counted in [`Core::eviction_lock_stats`]: the wait now, the hold
     /// when the returned value is dropped.
-    pub(crate) fn lock_eviction_timed(&self) -> EvictionHold<'_> {
+    pub(crate) fn lock_eviction_timed(&self, shared: bool) -> EvictionHold<'_> {
         let asked = Instant::now();
-        let guard = self.lock_eviction();
+        let guard = if shared {
+            HoldGuard::Shared(crate::sync::read(&self.evict_lock))
+        } else {
+            HoldGuard::Exclusive(self.lock_eviction())
+        };
         let since = Instant::now();
         // Seeded bug (tests only): `eviction-holds-uncounted` leaves the holds uncounted.
         if !crate::seeded::seeded("eviction-holds-uncounted") {
             add(&self.counters.eviction_lock_holds, 1);
         }
         add(&self.counters.eviction_lock_wait_ns, nanos(since - asked));
-        EvictionHold { core: self, since, _guard: guard }
+        EvictionHold { core: self, since, guard }
     }
 
     /// How the eviction lock was used so far (see [`EvictionLockStats`]).
@@ -462,13 +479,19 @@ impl Core {
     /// eviction lock, if it can without waiting ([`crate::evict::EvictionPolicy::file_pending`]),
     /// under the tier's full preference order at this moment.
     pub(crate) fn file_pending(&self) {
-        self.with_ranking(false, |ranking| self.policy.file_pending(ranking));
+        self.with_ranking(false, true, |ranking| self.policy.file_pending(ranking));
     }
 
     /// Runs `f` with the tier's preference order for victims now ([`Ranking`]): chain place and
     /// hints (see [`Core::victim_class`]). `spare_hinted`: the hinted classes (every class from the
-    /// unhinted ones up) are withheld, so only unhinted blocks have a class.
-    pub(crate) fn with_ranking<R>(&self, spare_hinted: bool, f: impl FnOnce(&Ranking<'_>) -> R) -> R {
+    /// unhinted ones up) are withheld, so only unhinted blocks have a class. `beside_others`: the
+    /// selection holds the eviction lock's shared side ([`Ranking::beside_others`]).
+    pub(crate) fn with_ranking<R>(
+        &self,
+        spare_hinted: bool,
+        beside_others: bool,
+        f: impl FnOnce(&Ranking<'_>) -> R,
+    ) -> R {
         let hints = self.hints.any();
         // The time is read only when a hint is live: no class depends on it otherwise (a commit's
         // filing builds this order once per save).
@@ -483,6 +506,7 @@ impl Core {
             base_class: Some(&base_class),
             empty: Some(&empty),
             chain: self.chain_aware().then_some(self as &dyn ChainView),
+            beside_others,
         })
     }
 
@@ -766,7 +790,23 @@ impl Core {
 pub(crate) struct EvictionHold<'a> {
     core: &'a Core,
     since: Instant,
-    _guard: MutexGuard<'a, ()>,
+    guard: HoldGuard<'a>,
+}
+
+/// Which side of the eviction lock an [`EvictionHold`] holds (each guard is held for its drop).
+#[allow(dead_code)]
+enum HoldGuard<'a> {
+    /// Beside other concurrent selections.
+    Shared(RwLockReadGuard<'a, ()>),
+    /// Alone.
+    Exclusive(RwLockWriteGuard<'a, ()>),
+}
+
+impl EvictionHold<'_> {
+    /// True if this hold is the lock's shared side (other selections may run meanwhile).
+    pub(crate) fn is_shared(&self) -> bool {
+        matches!(self.guard, HoldGuard::Shared(_))
+    }
 }
 
 impl Drop for EvictionHold<'_> {

@@ -36,18 +36,27 @@ pub struct Claims<'a> {
     /// Never claim a block of a hinted key ([`Want::Admitted`] with
     /// [`crate::TierConfig::protect_hinted`]).
     spare_hinted: bool,
+    /// The caller holds the eviction lock's shared side: other selections may run meanwhile
+    /// ([`crate::evict::Ranking::beside_others`]). False by default: the exclusive side.
+    beside_others: bool,
 }
 
 impl<'a> Claims<'a> {
     /// No claims yet. The caller holds the eviction lock for as long as this value lives.
     pub fn new(core: &'a Core) -> Self {
-        Claims { core, victims: Vec::new(), spare_hinted: false }
+        Claims { core, victims: Vec::new(), spare_hinted: false, beside_others: false }
     }
 
     /// No claims yet; the claims made never take a block of a hinted key. The caller holds the
     /// eviction lock for as long as this value lives.
     pub fn sparing_hinted(core: &'a Core) -> Self {
-        Claims { core, victims: Vec::new(), spare_hinted: true }
+        Claims { core, victims: Vec::new(), spare_hinted: true, beside_others: false }
+    }
+
+    /// Says which side of the eviction lock the caller holds now: `true` for the shared side
+    /// (its selections may then run beside others'), `false` for the exclusive side.
+    pub fn set_beside_others(&mut self, shared: bool) {
+        self.beside_others = shared;
     }
 
     /// Claims held.
@@ -72,7 +81,7 @@ impl<'a> Claims<'a> {
         // Sparing hinted blocks: the hinted classes are withheld, so the selection offers unhinted
         // blocks only. (Seeded bug, tests only: `protect-hinted-ignored` offers them anyway.)
         let spare = self.spare_hinted && !crate::seeded::seeded("protect-hinted-ignored");
-        core.with_ranking(spare, |ranking| core.policy.select_ranked(n, ranking, &mut cands));
+        core.with_ranking(spare, self.beside_others, |ranking| core.policy.select_ranked(n, ranking, &mut cands));
         let before = self.victims.len();
         for s in cands {
             // The CAS refuses a slot that was pinned since the selection: never evict a pinned block.
@@ -186,21 +195,46 @@ impl Core {
         if got.len() == n {
             return Ok(got);
         }
-        let serialise = self.lock_eviction_timed();
+        let mut serialise = self.lock_eviction_timed(self.selects_concurrently());
         let mut claims = match want {
             Want::Admitted(_) if self.protect_hinted() => Claims::sparing_hinted(self),
             _ => Claims::new(self),
         };
-        let mut stalls = 0;
-        while got.len() + claims.len() < n && stalls < 3 {
-            fill(&mut got, n - claims.len());
-            let short = n - got.len() - claims.len();
-            if short == 0 {
-                break;
+        claims.set_beside_others(serialise.is_shared());
+        loop {
+            let mut stalls = 0;
+            while got.len() + claims.len() < n && stalls < 3 {
+                fill(&mut got, n - claims.len());
+                let short = n - got.len() - claims.len();
+                if short == 0 {
+                    break;
+                }
+                if claims.claim(short) == 0 {
+                    stalls += 1;
+                }
             }
-            if claims.claim(short) == 0 {
-                stalls += 1;
+            // Short under the shared side: the selections searched only the shards they could
+            // get beside others', and another save may yet give back the blocks it claimed.
+            // Before anything is refused, select again alone, where a selection searches every
+            // shard. The claims made so far are given back first: no thread lets go of a shared
+            // hold with a claim it may still give back, so while a thread holds the exclusive side
+            // every claim held elsewhere is being finished (its block is on its way out), and a
+            // refusal there is one the serialised tier would make too. The free slots taken are
+            // kept. (Seeded bugs, tests only: `refusal-under-shared-hold` refuses without
+            // selecting alone; `escalation-keeps-claims` keeps its claims while it waits.)
+            if got.len() + claims.len() < n
+                && serialise.is_shared()
+                && !crate::seeded::seeded("refusal-under-shared-hold")
+            {
+                if !crate::seeded::seeded("escalation-keeps-claims") {
+                    while claims.cancel_one() {}
+                }
+                drop(serialise);
+                serialise = self.lock_eviction_timed(false);
+                claims.set_beside_others(false);
+                continue;
             }
+            break;
         }
         // Never evict while a slot is free: a slot freed since the last pop replaces a claim.
         // (Seeded bug, tests only: `evict-while-free` skips this step.)
@@ -250,7 +284,8 @@ impl Core {
     /// `n` above the pool's capacity means the capacity (nothing is sized by `n` itself).
     pub fn evict_into(&self, n: usize, out: &mut Vec<SlotId>) -> usize {
         let n = if crate::seeded::seeded("evict-unclamped") { n } else { n.min(self.pool.capacity() as usize) };
-        let serialise = self.lock_eviction_timed();
+        // Exclusive: an asked-for eviction evicts up to `n` whatever shards they are in.
+        let serialise = self.lock_eviction_timed(false);
         let mut claims = Claims::new(self);
         let mut stalls = 0;
         while claims.len() < n && stalls < 3 {

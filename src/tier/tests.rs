@@ -156,6 +156,9 @@ impl crate::evict::EvictionPolicy for Hooked {
     fn on_cancel(&self, slot: SlotId) {
         self.inner.on_cancel(slot)
     }
+    fn concurrent_selection(&self) -> bool {
+        self.inner.concurrent_selection()
+    }
     fn on_child_removed(&self, parent: SlotId) {
         self.inner.on_child_removed(parent)
     }
@@ -209,7 +212,7 @@ fn a_commit_lets_the_policy_file_its_blocks_without_the_eviction_lock() {
     let core = tier.core().clone();
     let (tx, rx) = std::sync::mpsc::channel();
     *hooks.on_file.lock().unwrap() = Some(Box::new(move |classes| {
-        let lock_free = core.evict_lock.try_lock().is_ok();
+        let lock_free = core.evict_lock.try_write().is_ok();
         tx.send((lock_free, classes, core.victim_classes(true))).unwrap();
     }));
     let k = keys(&tier, 0..3);
@@ -714,4 +717,75 @@ fn a_parent_whose_last_child_leaves_during_another_selection_is_a_leaf_again() {
     let mut out = vec![];
     assert_eq!(core.evict_into(1, &mut out), 1);
     assert_eq!(out, vec![s[0]], "k0, the least recently used leaf, must go next");
+}
+
+/// A policy that selects concurrently (LRU, the prefix-LFU family: the victim order in shards) has
+/// a save select under the shared side of the eviction lock, so another save's selection can run
+/// meanwhile; one that does not (CLOCK) under the exclusive side. Seeded bug
+/// `selections-serialised` (every selection takes the exclusive side).
+#[test]
+fn saves_select_under_the_shared_side_when_the_policy_allows_it() {
+    for (policy, shared) in
+        [(crate::PolicyKind::Lru, true), (crate::PolicyKind::AdaptiveLfu, true), (crate::PolicyKind::Clock, false)]
+    {
+        let (tier, arenas, rank, hook) = hooked_tier(4, policy);
+        let k = keys(&tier, 0..5);
+        save_ready(&tier, &arenas, &rank, &k[..4], &[0, 1, 2, 3]);
+        let core = tier.core().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        *hook.lock().unwrap() = Some(Box::new(move || {
+            let another_reader = core.evict_lock.try_read().is_ok();
+            let a_writer = core.evict_lock.try_write().is_ok();
+            tx.send((another_reader, a_writer)).unwrap();
+        }));
+        save_ready(&tier, &arenas, &rank, &k[4..], &[4]);
+        let (another_reader, a_writer) =
+            rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the save selected");
+        assert!(!a_writer, "{policy}: the lock is held during the selection");
+        assert_eq!(another_reader, shared, "{policy}: another selection may run beside this one");
+    }
+}
+
+/// A save left short under the shared side (the selections beside it hold the other shards, or
+/// another save holds claims it may give back) selects again under the exclusive side before it is
+/// refused: here another save, under the shared side too, has claimed every block when this save
+/// selects, and gives them back only once this save waits for the exclusive side. The save still
+/// gets its slot. Seeded bug `refusal-under-shared-hold`.
+#[test]
+fn a_save_short_under_the_shared_side_selects_again_alone() {
+    use crate::tier::evictor::Claims;
+    let (tier, arenas, rank, hook) = hooked_tier(4, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..5);
+    save_ready(&tier, &arenas, &rank, &k[..4], &[0, 1, 2, 3]);
+    let core = tier.core().clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<bool>();
+    *hook.lock().unwrap() = Some(Box::new(move || {
+        let c = core.clone();
+        std::thread::spawn(move || {
+            let hold = c.lock_eviction_timed(true);
+            let mut other = Claims::new(&c);
+            assert_eq!(other.claim(4), 4, "every block claimed by another save");
+            tx.send(()).unwrap();
+            // Given back (as a save that cannot fit gives its claims back) once a thread waits for
+            // the exclusive side: a new reader then waits behind it, so `try_read` fails.
+            let t0 = std::time::Instant::now();
+            let mut waited = false;
+            while t0.elapsed() < std::time::Duration::from_secs(10) {
+                if c.evict_lock.try_read().is_err() {
+                    waited = true;
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            drop(other);
+            drop(hold);
+            done_tx.send(waited).unwrap();
+        });
+        rx.recv().unwrap();
+    }));
+    save_ready(&tier, &arenas, &rank, &k[4..], &[4]);
+    let waited = done_rx.recv_timeout(std::time::Duration::from_secs(20)).expect("the other save ended");
+    assert!(waited, "the save waited for the exclusive side");
+    assert_eq!(tier.stats().evictions, 1, "the save got its slot by an eviction");
 }
