@@ -66,10 +66,10 @@ const NIL: u32 = u32::MAX;
 
 /// Heads of a [`MarkStack`]: pushes from different threads go to different heads (a save of 43
 /// blocks pushes 43 marks from its commit, so one head would be a cache line every committing core
-/// writes). Two under loom, so a two-thread model pushes to both.
-#[cfg(not(loom))]
-const MARK_HEADS: usize = 8;
-#[cfg(loom)]
+/// writes). Two: the victim order keeps one stack per shard, so a commit's marks are spread over
+/// the shards already, and a filing or a lone selection reads every head of every shard (eight
+/// heads a shard made those reads 64 cache lines written by other cores). Two under loom too, so a
+/// two-thread model pushes to both.
 const MARK_HEADS: usize = 2;
 
 /// A lock-free multi-producer stack of slots, each at most once, taken whole by one consumer
@@ -417,7 +417,7 @@ impl VictimOrder {
             // In shard order, so that even two selections that both take every shard cannot
             // wait for each other.
             for j in 0..k {
-                held.push((j, crate::sync::lock(&self.shards[j].state)));
+                held.push((j, crate::sync::lock_spinning(&self.shards[j].state)));
             }
             return held;
         }
@@ -432,7 +432,7 @@ impl VictimOrder {
             }
         }
         if held.is_empty() {
-            held.push((home, crate::sync::lock(&self.shards[home].state)));
+            held.push((home, crate::sync::lock_spinning(&self.shards[home].state)));
         }
         held
     }
