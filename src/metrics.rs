@@ -176,7 +176,8 @@ fn encode_eviction_lock(enc: &mut DescriptorEncoder<'_>, e: &crate::tier::Evicti
         enc,
         "kvtier_eviction_lock_held",
         "Time the eviction lock was held (victim selection and claims), summed over its holds: \
-         divided by the holds, the serial cost of a save that evicts.",
+         divided by the holds, the serial cost of a save that evicts when selections run one at a \
+         time (shared holds of selections beside each other overlap).",
         Some(&Unit::Seconds),
         &[(t, seconds(e.held_ns))],
     )

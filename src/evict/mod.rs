@@ -48,8 +48,9 @@
 //!
 //! **Liveness** (invariant I8 in `docs/invariants.md`): whatever interleaving of insert, hit,
 //! select, cancel and remove came before, and whatever the queues hold (pinned blocks at the head
-//! included), a call `select_victims(n, evictable)` proposes `min(n, k)` slots, where `k` is the
-//! number of `RESIDENT` slots that `evictable` accepts. No resident, ready, unpinned block is ever
+//! included), a call `select_victims(n, evictable)` that runs alone proposes `min(n, k)` slots,
+//! where `k` is the number of `RESIDENT` slots that `evictable` accepts (one that runs beside
+//! others, [`Ranking::beside_others`], may propose fewer; the tier then selects again alone). No resident, ready, unpinned block is ever
 //! out of reach. Every built-in policy is checked for it (unit tests below, the loom model
 //! `loom_policy`, the tier state machine).
 //!

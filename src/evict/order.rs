@@ -500,6 +500,13 @@ impl VictimOrder {
             if top.0 == u128::MAX {
                 break;
             }
+            // Beside others, the tier offers only the lowest classes (`Core::with_ranking`): once
+            // no held entry of those is left, stop instead of popping through the rest, all set
+            // aside (the tier then selects again alone). (A selection alone pops on: a class out
+            // of range is still offered there, as `select_ranked`'s contract has it.)
+            if ranking.beside_others && (top.0 >> 96) >= ranking.classes as u128 {
+                break;
+            }
             let h = top.1;
             let st = &mut *held[i].1;
             let Some(e) = st.heaps[h].pop() else { break };
@@ -906,5 +913,42 @@ mod tests {
             p.select_ranked(cap as usize, &Ranking::plain(&all), &mut out);
             assert_eq!(out.len(), cap as usize, "{}: a lone selection reaches every slot", p.name());
         }
+    }
+
+    /// A selection beside others (another selection counted as running) searches only its share
+    /// of the shards and proposes only slots of the classes it is offered: when its shards hold
+    /// none, it proposes nothing (the tier then selects again alone), even though other shards
+    /// hold offered slots; alone, the same ranking reaches them.
+    #[test]
+    fn a_selection_beside_others_searches_only_its_share_of_the_shards() {
+        let cap = 64u32;
+        let p = filled_lru(cap);
+        let k = super::ORDER_SHARDS;
+        let home = crate::sync::thread_number() % k;
+        // Class 0 outside the shards this selection takes (its own and the next k/2 - 1), class 1
+        // inside them; only class 0 is offered.
+        let share = k / 2;
+        let mine = |s: SlotId| (0..share).any(|i| (home + i) % k == s.index() % k);
+        let class_of = |s: SlotId| if mine(s) { None } else { Some(0u8) };
+        let base = |s: SlotId| if mine(s) { 1u8 } else { 0 };
+        let r = Ranking {
+            classes: 1,
+            class_of: &class_of,
+            base_class: Some(&base),
+            empty: None,
+            chain: None,
+            beside_others: true,
+        };
+        p.order.selectors.store(1, std::sync::atomic::Ordering::Relaxed);
+        let mut out = vec![];
+        p.select_ranked(4, &r, &mut out);
+        p.order.selectors.store(0, std::sync::atomic::Ordering::Relaxed);
+        assert!(out.iter().all(|s| !mine(*s)), "beside others, a slot it is not offered was proposed: {out:?}");
+        assert!(out.is_empty(), "its shards hold no slot it is offered: {out:?}");
+        // Alone, the same ranking reaches the class-0 slots in the other shards.
+        let alone = Ranking { beside_others: false, ..r };
+        p.select_ranked(4, &alone, &mut out);
+        assert_eq!(out.len(), 4);
+        assert!(out.iter().all(|s| !mine(*s)));
     }
 }

@@ -34,7 +34,8 @@ pub(crate) struct PrefixLfu {
     history: Box<[AtomicU8]>,
     history_mask: u64,
     /// Ageings so far: the history's epoch (every counter reads halved once per epoch since its
-    /// tag). Advanced by selections, one selector at a time.
+    /// tag). Advanced by a selection once per `age_period` references (of selections running at
+    /// once, the one whose swap of `aged_at` wins).
     epoch: AtomicU64,
     /// Clock value at the last ageing (the clock counts references: one tick per insert or hit).
     aged_at: AtomicU64,
@@ -359,7 +360,7 @@ impl PrefixLfu {
             let now = self.clock.load(Ordering::Relaxed);
             let at = self.tuned_at.load(Ordering::Relaxed);
             // One of the selections running at once tunes (the one whose swap wins).
-            if now - at >= cap.max(1)
+            if elapsed(now, at) >= cap.max(1)
                 && self.tuned_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
             {
                 let w = crate::sync::lock(t).choose();
@@ -372,7 +373,7 @@ impl PrefixLfu {
         // counter now reads halved once more, so old popularity fades (`read_cell`); nothing in
         // the table is written here. With the doorkeeper, halving rounds up: a key seen once stays
         // seen (else a first sighting just before an ageing would be refused again at its second).
-        if now - at >= self.age_period
+        if elapsed(now, at) >= self.age_period
             && self.aged_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
         {
             self.epoch.fetch_add(1, Ordering::Relaxed);
@@ -386,6 +387,17 @@ impl PrefixLfu {
         }
         self.order.select(n, &ranking, &self.residency, |s| self.place(s), |c| weight * c as i64, out);
     }
+}
+
+/// References from the mark `at` (the last tuning or ageing) to `now`: 0 when another selection
+/// running at once moved the mark past this one's `now` (so the swap that follows only ever moves
+/// a mark forward). (Seeded bug, tests only: `selection-mark-underflows` subtracts with wrapping,
+/// so a mark ahead reads as a long time ago and is moved back.)
+fn elapsed(now: u64, at: u64) -> u64 {
+    if crate::seeded::seeded("selection-mark-underflows") {
+        return now.wrapping_sub(at);
+    }
+    now.saturating_sub(at)
 }
 
 impl std::fmt::Debug for PrefixLfu {
@@ -504,5 +516,27 @@ mod tests {
             let p = kind.build(8);
             assert_eq!(p.admit(info(42, Some(3))), kind != PolicyKind::PrefixTinyLfu, "{kind}");
         }
+    }
+
+    /// A selection that reads the clock, then finds the tuning and ageing marks moved past it by
+    /// another selection running at once, neither tunes nor ages again, nor moves a mark back.
+    /// Seeded bug `selection-mark-underflows`.
+    #[test]
+    fn a_mark_moved_past_a_selections_clock_stays_where_it_is() {
+        let p = PrefixLfu::adaptive(8);
+        for s in 0..8 {
+            p.on_insert(SlotId(s), info(s as u64, Some(0)));
+        }
+        let now = p.clock.load(Ordering::Relaxed);
+        // Another selection tuned and aged at a later clock value than this one will read.
+        p.tuned_at.store(now + 1000, Ordering::Relaxed);
+        p.aged_at.store(now + 1000, Ordering::Relaxed);
+        let epoch = p.epoch.load(Ordering::Relaxed);
+        let mut out = vec![];
+        p.select_ranked(1, &Ranking::plain(&|_| Some(0)), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(p.tuned_at.load(Ordering::Relaxed), now + 1000, "the tuning mark was moved back");
+        assert_eq!(p.aged_at.load(Ordering::Relaxed), now + 1000, "the ageing mark was moved back");
+        assert_eq!(p.epoch.load(Ordering::Relaxed), epoch, "an extra ageing");
     }
 }

@@ -479,13 +479,18 @@ impl Core {
     /// eviction lock, if it can without waiting ([`crate::evict::EvictionPolicy::file_pending`]),
     /// under the tier's full preference order at this moment.
     pub(crate) fn file_pending(&self) {
-        self.with_ranking(false, true, |ranking| self.policy.file_pending(ranking));
+        self.with_ranking(false, false, |ranking| self.policy.file_pending(ranking));
     }
 
     /// Runs `f` with the tier's preference order for victims now ([`Ranking`]): chain place and
     /// hints (see [`Core::victim_class`]). `spare_hinted`: the hinted classes (every class from the
     /// unhinted ones up) are withheld, so only unhinted blocks have a class. `beside_others`: the
-    /// selection holds the eviction lock's shared side ([`Ranking::beside_others`]).
+    /// selection holds the eviction lock's shared side ([`Ranking::beside_others`]); it then
+    /// searches only some shards of a sharded policy, so only the first chain classes (orphans
+    /// and cold blocks, then the rest; clean and unhinted) are offered: a hinted or a dirty block
+    /// (no disk copy) is taken only by a selection alone, which sees every shard and so takes it
+    /// only when no block of a lower class is evictable (hinted last, clean before dirty). Between
+    /// the chain classes the order beside others is approximate, as within a class.
     pub(crate) fn with_ranking<R>(
         &self,
         spare_hinted: bool,
@@ -497,6 +502,13 @@ impl Core {
         // filing builds this order once per save).
         let now = if hints { self.hints.now() } else { 0 };
         let classes = if spare_hinted && hints { self.unhinted_classes() } else { self.victim_classes(hints) };
+        // (Seeded bug, tests only: `beside-others-offers-every-class` offers hinted and dirty
+        // blocks to a selection that sees only some shards.)
+        let classes = if beside_others && !crate::seeded::seeded("beside-others-offers-every-class") {
+            classes.min(self.chain_classes())
+        } else {
+            classes
+        };
         let class_of = |s| self.victim_class(s, hints, now).filter(|&c| c < classes);
         let base_class = |s| self.base_class(s, hints, now);
         let empty = |c| self.class_is_empty(c);
@@ -627,7 +639,7 @@ impl Core {
         self.chains.orphans()
     }
 
-    fn chain_classes(&self) -> u8 {
+    pub(crate) fn chain_classes(&self) -> u8 {
         if self.chain_aware || self.cold.is_some() {
             CHAIN_CLASSES
         } else {

@@ -88,9 +88,12 @@ pub struct TierStats {
 /// serial step of a save that must evict. A save (or an SSD tier's promotion into the pool) takes
 /// the lock only when the free list cannot give it every slot it needs; while it holds the lock it
 /// selects its victims and claims them (the evictions are finished after it lets go).
-/// `held_ns / holds` is the serial cost of one such save: saves on more threads cannot go faster
-/// together than one hold after another. Sums since the tier was built; wall-clock nanoseconds
-/// (`std::time::Instant`).
+/// With a policy that selects one save at a time (the lock's exclusive side), `held_ns / holds` is
+/// the serial cost of one such save: saves on more threads cannot go faster together than one hold
+/// after another. With one whose selections run beside each other (LRU, the prefix-LFU family:
+/// the shared side) holds overlap, a hold includes any wait for a shard of the victim order, and a
+/// save that selects again alone counts two holds. Sums since the tier was built; wall-clock
+/// nanoseconds (`std::time::Instant`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]

@@ -153,6 +153,16 @@ impl crate::evict::EvictionPolicy for Hooked {
         }
         self.inner.select_victims(n, evictable, out)
     }
+    fn select_ranked(&self, n: usize, ranking: &crate::evict::Ranking<'_>, out: &mut Vec<SlotId>) {
+        let hook = self.hooks.select.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+        self.inner.select_ranked(n, ranking, out)
+    }
+    fn on_reclass(&self, slot: SlotId) {
+        self.inner.on_reclass(slot)
+    }
     fn on_cancel(&self, slot: SlotId) {
         self.inner.on_cancel(slot)
     }
@@ -782,10 +792,32 @@ fn a_save_short_under_the_shared_side_selects_again_alone() {
             drop(hold);
             done_tx.send(waited).unwrap();
         });
-        rx.recv().unwrap();
+        // Bounded: a save holding the exclusive side here (a regression) must fail, not hang.
+        let _ = rx.recv_timeout(std::time::Duration::from_secs(10));
     }));
     save_ready(&tier, &arenas, &rank, &k[4..], &[4]);
     let waited = done_rx.recv_timeout(std::time::Duration::from_secs(20)).expect("the other save ended");
     assert!(waited, "the save waited for the exclusive side");
     assert_eq!(tier.stats().evictions, 1, "the save got its slot by an eviction");
+}
+
+/// A selection beside others (the eviction lock's shared side) sees only some shards of the victim
+/// order, so it is offered only the first chain classes: a hinted block (or a dirty one) is taken
+/// only by a selection alone, which sees every shard (hinted last, clean before dirty). The full
+/// order is unchanged for a selection alone and for a commit's filing. Seeded bug
+/// `beside-others-offers-every-class`.
+#[test]
+fn a_selection_beside_others_is_offered_no_hinted_class() {
+    let (tier, arenas, rank) = small_tier(4, crate::PolicyKind::Lru);
+    let k = keys(&tier, 0..3);
+    save_ready(&tier, &arenas, &rank, &k[..2], &[0, 1]);
+    let core = tier.core();
+    let _hint = core.hint(&k[1..2], std::time::Duration::from_secs(3600));
+    let hinted = core.index().get(&k[1]).unwrap().slot;
+    let alone = core.with_ranking(false, false, |r| (r.classes, (r.class_of)(hinted)));
+    let beside = core.with_ranking(false, true, |r| (r.classes, (r.class_of)(hinted)));
+    assert_eq!(alone.0, core.victim_classes(true), "alone: every class");
+    assert!(alone.1.is_some(), "alone, the hinted block may be taken (last)");
+    assert_eq!(beside.0, core.chain_classes(), "beside others: the chain classes only");
+    assert_eq!(beside.1, None, "beside others, the hinted block is not offered");
 }
