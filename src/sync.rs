@@ -88,11 +88,18 @@ pub use imp::*;
 /// the spinning changes how a thread waits, not what it gets.
 #[inline]
 pub fn lock_spinning<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    spin_then(|| m.try_lock(), || lock(m))
+}
+
+/// Tries `try_take` for the bounded spell of spinning [`lock_spinning`] describes, then (or at
+/// once on a poisoned lock, or under loom) takes it with `take`, which waits.
+#[inline]
+fn spin_then<G>(try_take: impl Fn() -> std::sync::TryLockResult<G>, take: impl FnOnce() -> G) -> G {
     #[cfg(not(loom))]
     for attempt in 0..20u32 {
-        match m.try_lock() {
+        match try_take() {
             Ok(g) => return g,
-            // Poisoned: `lock` decides what a poisoned lock gives (it recovers it).
+            // Poisoned: `take` decides what a poisoned lock gives (it recovers it).
             Err(std::sync::TryLockError::Poisoned(_)) => break,
             Err(std::sync::TryLockError::WouldBlock) => {
                 for _ in 0..1u32 << attempt.min(6) {
@@ -101,7 +108,9 @@ pub fn lock_spinning<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
             }
         }
     }
-    lock(m)
+    #[cfg(loom)]
+    let _ = &try_take;
+    take()
 }
 
 /// Takes `m` if no one holds it now (recovering it if poisoned, as [`lock`] does); `None` if it is
@@ -122,11 +131,7 @@ pub fn try_lock<T: ?Sized>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
 /// panic never turns into a panic of every later caller.
 #[inline]
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Seeded bug (tests only): `lock-poisons`, the old `lock().expect(..)`.
-    if crate::seeded::seeded("lock-poisons") {
-        return m.lock().expect("a tier lock was poisoned by an earlier panic");
-    }
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    recover(m.lock())
 }
 
 /// [`lock_spinning`] for the exclusive side of a reader-writer lock (the tier's eviction lock
@@ -134,30 +139,22 @@ pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// recovers a poisoned lock as [`lock`] does. Under loom it blocks at once.
 #[inline]
 pub fn write_spinning<T: ?Sized>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    #[cfg(not(loom))]
-    for attempt in 0..20u32 {
-        match m.try_write() {
-            Ok(g) => return g,
-            Err(std::sync::TryLockError::Poisoned(_)) => break,
-            Err(std::sync::TryLockError::WouldBlock) => {
-                for _ in 0..1u32 << attempt.min(6) {
-                    spin_loop();
-                }
-            }
-        }
-    }
-    if crate::seeded::seeded("lock-poisons") {
-        return m.write().expect("a tier lock was poisoned by an earlier panic");
-    }
-    m.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    spin_then(|| m.try_write(), || recover(m.write()))
 }
 
 /// The shared side of a reader-writer lock (the tier's eviction lock taken for a selection that
 /// may run beside others), recovering a poisoned lock as [`lock`] does.
 #[inline]
 pub fn read<T: ?Sized>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    recover(m.read())
+}
+
+/// A lock's guard, poisoned or not (see [`lock`]).
+#[inline]
+fn recover<G>(r: std::sync::LockResult<G>) -> G {
+    // Seeded bug (tests only): `lock-poisons`, the old `lock().expect(..)`.
     if crate::seeded::seeded("lock-poisons") {
-        return m.read().expect("a tier lock was poisoned by an earlier panic");
+        return r.unwrap_or_else(|_| panic!("a tier lock was poisoned by an earlier panic"));
     }
-    m.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    r.unwrap_or_else(|poisoned| poisoned.into_inner())
 }

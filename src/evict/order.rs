@@ -477,10 +477,10 @@ impl VictimOrder {
         let class_of = ranking.class_of;
         let base = |s: SlotId| ranking.base_class.map_or(0, |f| f(s));
         let heap_of = |class: u8, bucket: u8| heap_index(buckets, class, bucket);
-        // Which of `held` holds each shard (`usize::MAX`: not held).
-        let mut slot_of_shard = [usize::MAX; ORDER_SHARDS];
+        // Where in `held` each shard is (`usize::MAX`: not held).
+        let mut held_at = [usize::MAX; ORDER_SHARDS];
         for (i, (j, st)) in held.iter_mut().enumerate() {
-            slot_of_shard[*j] = i;
+            held_at[*j] = i;
             self.drain_marks(*j, st, ranking, residency, &place);
             Self::bound_retired(st, residency);
         }
@@ -512,49 +512,47 @@ impl VictimOrder {
             let Some(e) = st.heaps[h].pop() else { break };
             st.entries -= 1;
             let s = SlotId(e.slot);
-            if !st.live(&e) || !residency.offerable(s) {
-                // Retired, or proposed / evicted since (a cancel or insert marks it again).
-                tops[i] = Self::best(&st.heaps, buckets, &offset);
-                continue;
-            }
-            let (bucket, key) = place(s.index());
-            match class_of(s) {
-                Some(c) if heap_of(c, bucket) == h && key == e.key => {
-                    residency.propose(s);
-                    out.push(s);
-                    found += 1;
-                    tops[i] = Self::best(&st.heaps, buckets, &offset);
-                    // (Seeded bug, tests only: `exposed-not-refiled` leaves the exposed slot where
-                    // it was, so a chain loses one block per selection instead of going whole.)
-                    if let Some(p) = exposed(s).filter(|_| !crate::seeded::seeded("exposed-not-refiled")) {
-                        if residency.offerable(p) {
-                            match slot_of_shard[shard_of(p)] {
-                                usize::MAX => self.mark(p),
-                                pi => {
-                                    let pst = &mut *held[pi].1;
-                                    let (pb, pk) = place(p.index());
-                                    let ph = heap_of(class_of(p).unwrap_or_else(|| base(p)), pb);
-                                    pst.push_entry(buckets, p, ph, pk);
-                                    tops[pi] = Self::best(&pst.heaps, buckets, &offset);
+            // A retired entry, or a slot proposed or evicted since (a cancel or insert marks it
+            // again), is dropped; any other is proposed, set aside or filed where it belongs now.
+            if st.live(&e) && residency.offerable(s) {
+                let (bucket, key) = place(s.index());
+                match class_of(s) {
+                    Some(c) if heap_of(c, bucket) == h && key == e.key => {
+                        residency.propose(s);
+                        out.push(s);
+                        found += 1;
+                        // (Seeded bug, tests only: `exposed-not-refiled` leaves the exposed slot
+                        // where it was, so a chain loses one block per selection instead of going
+                        // whole.)
+                        if let Some(p) = exposed(s).filter(|_| !crate::seeded::seeded("exposed-not-refiled")) {
+                            if residency.offerable(p) {
+                                match held_at[shard_of(p)] {
+                                    usize::MAX => self.mark(p),
+                                    pi => {
+                                        let pst = &mut *held[pi].1;
+                                        let (pb, pk) = place(p.index());
+                                        let ph = heap_of(class_of(p).unwrap_or_else(|| base(p)), pb);
+                                        pst.push_entry(buckets, p, ph, pk);
+                                        if pi != i {
+                                            tops[pi] = Self::best(&pst.heaps, buckets, &offset);
+                                        }
+                                    }
                                 }
                             }
                         }
                     }
-                }
-                Some(c) => {
-                    st.push_entry(buckets, s, heap_of(c, bucket), key);
-                    tops[i] = Self::best(&st.heaps, buckets, &offset);
-                }
-                None => {
-                    let b = heap_of(base(s), bucket);
-                    if b == h && key == e.key {
-                        st.aside.push((h, e));
-                    } else {
-                        st.push_entry(buckets, s, b, key);
+                    Some(c) => st.push_entry(buckets, s, heap_of(c, bucket), key),
+                    None => {
+                        let b = heap_of(base(s), bucket);
+                        if b == h && key == e.key {
+                            st.aside.push((h, e));
+                        } else {
+                            st.push_entry(buckets, s, b, key);
+                        }
                     }
-                    tops[i] = Self::best(&st.heaps, buckets, &offset);
                 }
             }
+            tops[i] = Self::best(&held[i].1.heaps, buckets, &offset);
         }
         for (_, st) in held.iter_mut() {
             for (h, e) in std::mem::take(&mut st.aside) {

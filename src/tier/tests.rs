@@ -136,6 +136,16 @@ impl std::fmt::Debug for Hooked {
     }
 }
 
+impl Hooked {
+    /// Runs the test's selection hook, if one is set (once).
+    fn run_select_hook(&self) {
+        let hook = self.hooks.select.lock().unwrap().take();
+        if let Some(h) = hook {
+            h();
+        }
+    }
+}
+
 impl crate::evict::EvictionPolicy for Hooked {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -147,17 +157,11 @@ impl crate::evict::EvictionPolicy for Hooked {
         self.inner.on_hit(slot)
     }
     fn select_victims(&self, n: usize, evictable: &dyn Fn(SlotId) -> bool, out: &mut Vec<SlotId>) {
-        let hook = self.hooks.select.lock().unwrap().take();
-        if let Some(h) = hook {
-            h();
-        }
+        self.run_select_hook();
         self.inner.select_victims(n, evictable, out)
     }
     fn select_ranked(&self, n: usize, ranking: &crate::evict::Ranking<'_>, out: &mut Vec<SlotId>) {
-        let hook = self.hooks.select.lock().unwrap().take();
-        if let Some(h) = hook {
-            h();
-        }
+        self.run_select_hook();
         self.inner.select_ranked(n, ranking, out)
     }
     fn on_reclass(&self, slot: SlotId) {
