@@ -40,6 +40,12 @@ if [[ ${1:-} == bites ]]; then
             >"$log" 2>&1; then
             echo "FAIL: seeded bug $feature did NOT make the state machine fail"
             fail=1
+        elif ! grep -q "^Test failed:" "$log"; then
+            # Failed without proptest's report: the process died (an abort, a signal) before
+            # shrinking ended, so no minimal input names what the state machine caught.
+            echo "FAIL: seeded bug $feature made the state machine fail without a proptest report:"
+            grep -E "panicked at|abort|signal" "$log" | sort | uniq -c | head -5 || true
+            fail=1
         else
             msg=$(grep -m1 "^Test failed:" "$log" | cut -c1-160)
             ops=$(sed -n '/^minimal failing input/,/^\]/p' "$log" | tr -s ' \n' ' ' | cut -c1-400)
