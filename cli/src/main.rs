@@ -193,6 +193,12 @@ struct SimulateArgs {
     /// Skip the offline optimum.
     #[arg(long)]
     no_optimum: bool,
+    /// Also compute the foresight bound at each pool size for these horizons, comma-separated
+    /// numbers of requests (rows `foresight-R`): the hit ratio of exact knowledge of the page uses
+    /// of the next R requests and none beyond, LRU for the rest (R = 0: plain LRU; R at least
+    /// the trace's length: the optimum).
+    #[arg(long, value_delimiter = ',')]
+    foresight: Vec<u32>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -450,6 +456,7 @@ fn simulate(args: SimulateArgs, every: std::time::Duration) -> Result<(), Error>
         lookahead: args.lookahead,
         protect: args.protect,
         optimum: !args.no_optimum,
+        foresight: args.foresight,
         ssd: args.ssd,
         ssd_admit: args.ssd_admit,
     };

@@ -1,11 +1,13 @@
 //! `kvtier simulate`: the tier-driven LRU equals an independent reference model, the offline optimum
-//! bounds every policy, and the command runs on the whole shipped trace.
+//! bounds every policy, the foresight bound runs from LRU to the optimum, and the command runs on
+//! the whole shipped trace.
 
 mod support;
 
 use kvtier::{ContentKey, Geometry, PolicyKind};
+use kvtier_cli::simulate::foresight::foresight_hits;
 use kvtier_cli::simulate::two_level::{run_two_level, unbounded};
-use kvtier_cli::simulate::{belady, page_keys, run_policy, Variant};
+use kvtier_cli::simulate::{belady, belady_ids, page_keys, run_policy, Variant};
 use kvtier_cli::trace::{parse_str, TraceRequest};
 use std::collections::HashMap;
 use std::process::Command;
@@ -131,6 +133,39 @@ fn optimum_is_exact_on_a_tiny_trace() {
     assert_eq!(belady(&keys, 2), 4);
     // LRU on 2 slots: 1, 2 (evicts 1), 1 (evicts 2), 3 (evicts 1), 1, 2: no hits.
     assert_eq!(run_policy(&keys, Variant::plain(PolicyKind::Lru), 2, &g, &|_| {}).unwrap().hit_pages, 0);
+}
+
+#[test]
+fn foresight_is_exact_on_a_tiny_trace() {
+    // Blocks of 2 full pages, requests for blocks 1, 2, 1, 3, 1, 2, on 2 slots (one block).
+    let g = glm52();
+    let keys = one_block_requests(&g, &[1, 2, 1, 3, 1, 2]);
+    let (seqs, next, ids) = belady_ids(&keys);
+    let hits = |horizon| foresight_hits(&seqs, &next, ids, 2, horizon);
+    // Seeing nothing, it is LRU: no hits (see optimum_is_exact_on_a_tiny_trace).
+    assert_eq!(hits(0), 0);
+    // Seeing one request ahead is the optimum here: at request 2 block 1 (used by request 3) is
+    // kept and block 2 (used by request 6, not seen) is not admitted; at request 4 block 1 (used by
+    // request 5) is kept and block 3 (never used again) is not admitted: hits at requests 3 and 5.
+    assert_eq!(hits(1), 4);
+    assert_eq!(hits(1), belady(&keys, 2));
+}
+
+#[test]
+fn foresight_of_the_whole_trace_is_the_optimum_and_none_bounds_every_horizon() {
+    let g = glm52();
+    for seed in [4u64, 5, 6] {
+        let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
+        let (seqs, next, ids) = belady_ids(&keys);
+        for cap in [24u32, 64, 150] {
+            let opt = belady(&keys, cap);
+            assert_eq!(foresight_hits(&seqs, &next, ids, cap, 250), opt, "seed {seed}, {cap} slots");
+            for horizon in [0, 1, 4, 16, 64] {
+                let h = foresight_hits(&seqs, &next, ids, cap, horizon);
+                assert!(h <= opt, "horizon {horizon}: {h} > optimum {opt} (seed {seed}, {cap} slots)");
+            }
+        }
+    }
 }
 
 #[test]

@@ -143,8 +143,6 @@ impl Session {
         self.next_id
     }
 
-    /// The lease `id`, which this connection must hold a handle on.
-
     /// Counts a finished copy for the tier (bytes, and latency when done) and, when it is done,
     /// for this session's client.
     fn record_copy(

@@ -17,6 +17,7 @@
 //! a missing page is admitted only if some resident page's next use is later than its own, and
 //! then the page whose next use is furthest (deepest first on ties) is evicted.
 
+pub mod foresight;
 pub mod two_level;
 
 use crate::error::Error;
@@ -98,6 +99,9 @@ pub struct SimConfig {
     pub protect: bool,
     /// Also compute the offline optimum ([`belady`]) at each size.
     pub optimum: bool,
+    /// Horizons in requests of the foresight bound ([`foresight::foresight_hits`]) to compute at
+    /// each size (rows `foresight-R`); empty: none.
+    pub foresight: Vec<u32>,
     /// SSD tier sizes as given (bytes with a unit or `Nslots`; see [`parse_disk_slots`]): each
     /// variant also runs over each host pool size with each of these under it
     /// ([`two_level::run_two_level`]). Empty: host pool only.
@@ -118,6 +122,7 @@ impl Default for SimConfig {
             lookahead: 0,
             protect: false,
             optimum: true,
+            foresight: Vec::new(),
             ssd: Vec::new(),
             ssd_admit: 2,
         }
@@ -172,7 +177,8 @@ pub fn page_keys(reqs: &[TraceRequest], geometry: &Geometry) -> Result<Vec<Vec<C
 /// One policy at one pool size.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct PolicyRun {
-    /// The variant's label ([`Variant::label`]; `optimum` for the offline bound).
+    /// The variant's label ([`Variant::label`]; `optimum` for the offline bound, `foresight-R` for
+    /// the foresight bound of horizon `R`).
     pub policy: String,
     /// Chain-aware victims.
     pub chain: bool,
@@ -202,6 +208,34 @@ pub struct PolicyRun {
     pub hint_ns: f64,
 }
 
+impl PolicyRun {
+    /// The row of an offline bound (no tier: no evictions, drops or per-request costs) named
+    /// `policy` at `slots` slots: `hits` of `total` pages, timed from `t0`.
+    fn bound(policy: String, slots: u32, hits: u64, total: u64, t0: Instant) -> Self {
+        PolicyRun {
+            policy,
+            chain: false,
+            lookahead: 0,
+            protect: false,
+            slots,
+            hit_pages: hits,
+            hit_ratio: ratio(hits, total),
+            evictions: 0,
+            dropped_pages: 0,
+            wall_s: t0.elapsed().as_secs_f64(),
+            query_ns: 0.0,
+            save_ns: 0.0,
+            hint_ns: 0.0,
+        }
+    }
+
+    /// True for the rows of the offline bounds (the optimum and the foresight bounds), which run
+    /// no tier.
+    pub fn is_bound(policy: &str) -> bool {
+        policy == "optimum" || policy.starts_with("foresight-")
+    }
+}
+
 /// The whole report.
 #[derive(Clone, Debug, Serialize)]
 pub struct SimReport {
@@ -217,7 +251,8 @@ pub struct SimReport {
     pub slot_bytes: u64,
     /// Pool sizes: (label as given, slots).
     pub sizes: Vec<(String, u32)>,
-    /// Every policy x size, then the optimum per size.
+    /// Every policy x size, then the foresight bounds per horizon and size, then the optimum per
+    /// size.
     pub runs: Vec<PolicyRun>,
     /// SSD tier sizes: (label as given, disk slots); empty without `--ssd`.
     pub ssd_sizes: Vec<(String, u32)>,
@@ -441,10 +476,10 @@ pub(crate) fn ratio(a: u64, b: u64) -> f64 {
     }
 }
 
-/// The offline optimum (furthest next use) with the simulation's prefix semantics, on `slots`
-/// slots. Returns the hit pages.
-pub fn belady(keys: &[Vec<ContentKey>], slots: u32) -> u64 {
-    // Dense ids per distinct key, and the next request using each occurrence's key.
+/// Dense ids of `keys`' pages for the offline bounds: per request the id of each page, per request
+/// and page the index of the next request using that page (`u32::MAX` if none), and the number of
+/// distinct pages.
+pub fn belady_ids(keys: &[Vec<ContentKey>]) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, usize) {
     let mut ids: HashMap<ContentKey, u32> = HashMap::new();
     let seqs: Vec<Vec<u32>> = keys
         .iter()
@@ -466,8 +501,15 @@ pub fn belady(keys: &[Vec<ContentKey>], slots: u32) -> u64 {
             next_seen[p as usize] = i as u32;
         }
     }
+    (seqs, next, ids.len())
+}
+
+/// The offline optimum (furthest next use) with the simulation's prefix semantics, on `slots`
+/// slots. Returns the hit pages.
+pub fn belady(keys: &[Vec<ContentKey>], slots: u32) -> u64 {
+    let (seqs, next, ids) = belady_ids(keys);
     // Resident pages: their current (next use, depth); a max-heap with lazy deletion.
-    let mut resident: Vec<Option<(u32, u32)>> = vec![None; ids.len()];
+    let mut resident: Vec<Option<(u32, u32)>> = vec![None; ids];
     let mut heap: BinaryHeap<(u32, u32, u32)> = BinaryHeap::new();
     let mut count = 0u32;
     let mut hits = 0u64;
@@ -550,25 +592,21 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         }
     }
     let total: u64 = keys.iter().map(|k| k.len() as u64).sum();
+    if !config.foresight.is_empty() {
+        let (seqs, next, ids) = belady_ids(&keys);
+        for &horizon in &config.foresight {
+            for (_, slots) in &sizes {
+                let t0 = Instant::now();
+                let hits = foresight::foresight_hits(&seqs, &next, ids, *slots, horizon);
+                runs.push(PolicyRun::bound(format!("foresight-{horizon}"), *slots, hits, total, t0));
+            }
+        }
+    }
     if config.optimum {
         for (_, slots) in &sizes {
             let t0 = Instant::now();
             let hits = belady(&keys, *slots);
-            runs.push(PolicyRun {
-                policy: "optimum".into(),
-                chain: false,
-                lookahead: 0,
-                protect: false,
-                slots: *slots,
-                hit_pages: hits,
-                hit_ratio: ratio(hits, total),
-                evictions: 0,
-                dropped_pages: 0,
-                wall_s: t0.elapsed().as_secs_f64(),
-                query_ns: 0.0,
-                save_ns: 0.0,
-                hint_ns: 0.0,
-            });
+            runs.push(PolicyRun::bound("optimum".into(), *slots, hits, total, t0));
         }
     }
     Ok(SimReport {
@@ -655,7 +693,7 @@ impl SimReport {
         }
         let hints = self.runs.iter().any(|r| r.lookahead > 0);
         head(&mut s, if hints { "query/save/hint us" } else { "query/save us" });
-        for p in self.policies().into_iter().filter(|p| *p != "optimum") {
+        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_bound(p)) {
             let _ = write!(s, "{p:<w$}");
             for (_, slots) in &self.sizes {
                 let v = self.get(p, *slots).map_or("-".into(), |r| {
@@ -690,7 +728,7 @@ impl SimReport {
             let _ = write!(s, " {:>26}", format!("+ SSD {label} ({slots})"));
         }
         let _ = writeln!(s);
-        for p in self.policies().into_iter().filter(|p| *p != "optimum") {
+        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_bound(p)) {
             for (label, slots) in &self.sizes {
                 let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
                 let _ = write!(s, "{p:<w$} {:>18} {alone:>12}", format!("{label} ({slots})"));
@@ -724,7 +762,7 @@ impl SimReport {
             .filter(|p| {
                 let base = p.split('+').next().unwrap_or(p);
                 let has_chain = all.iter().any(|q| q.starts_with(&chain_of(p)));
-                *p == "optimum"
+                PolicyRun::is_bound(p)
                     || *p == "lru"
                     || p.starts_with(&chain_of(p))
                     || (!has_chain && (*p == base || p.strip_prefix(base).is_some_and(|r| r.starts_with("+la"))))
@@ -788,7 +826,7 @@ impl SimReport {
             let hinted = self.runs.iter().any(|r| r.policy == p && r.lookahead > 0);
             let color = if p == "optimum" { BLACK.to_rgba() } else { Palette99::pick(i).to_rgba() };
             let line = color.stroke_width(2);
-            if p == "optimum" || hinted {
+            if PolicyRun::is_bound(p) || hinted {
                 let legend = move |(x, y): (i32, i32)| {
                     EmptyElement::at((x, y))
                         + PathElement::new(vec![(0, 0), (8, 0)], line)
