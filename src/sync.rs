@@ -80,6 +80,23 @@ mod imp {
 
 pub use imp::*;
 
+/// Asks the processor to bring the cache line at `p` into its caches for a coming read, without
+/// waiting for it: a batch of lookups that each miss the caches (the index's buckets, per-slot
+/// arrays of a million slots) issues every line first and then reads them, so the misses overlap
+/// instead of running one after the other. Only a hint: never faults, whatever `p` points at, and
+/// does nothing on processors other than x86-64 (nor under Miri, which has nothing to prefetch).
+#[inline(always)]
+pub fn prefetch_read<T>(p: *const T) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    // SAFETY: a prefetch is a hint that never faults, even for an unmapped or dangling address,
+    // and reads nothing the program sees; SSE (which defines it) is part of the x86-64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = p;
+}
+
 /// [`lock`] for a lock held for a few microseconds at a time by threads that take it often (the
 /// tier's eviction lock: one selection of victims): first tries to take it for a bounded spell of
 /// spinning (about 20 tries, backing off up to 64 spin hints between them: tens of microseconds),

@@ -32,6 +32,10 @@ impl EvictionPolicy for Clock {
         self.referenced[slot.index()].store(0, Ordering::Relaxed);
         self.residency.insert(slot);
     }
+    fn prefetch_insert(&self, slot: SlotId, _key_hash: u64) {
+        crate::sync::prefetch_read(&self.referenced[slot.index()]);
+        self.residency.prefetch(slot);
+    }
     fn on_hit(&self, slot: SlotId) {
         self.referenced[slot.index()].store(1, Ordering::Relaxed);
     }

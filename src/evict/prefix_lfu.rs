@@ -307,6 +307,16 @@ impl EvictionPolicy for PrefixLfu {
         self.residency.insert(slot);
         self.order.mark(slot);
     }
+    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
+        // The two history counters (the table is 256 B a slot: far beyond the caches of a large
+        // pool) and the slot's metadata words.
+        for i in self.cells(key_hash) {
+            crate::sync::prefetch_read(&self.history[i]);
+        }
+        crate::sync::prefetch_read(&self.meta[slot.index()]);
+        crate::sync::prefetch_read(&self.key_hash[slot.index()]);
+        self.residency.prefetch(slot);
+    }
     fn on_hit(&self, slot: SlotId) {
         let h = self.key_hash[slot.index()].load(Ordering::Relaxed);
         let c = self.bump(h);

@@ -58,6 +58,13 @@ impl Residency {
         self.transition(slot, ABSENT, RESIDENT, "on_insert");
     }
 
+    /// Starts loading `slot`'s state byte into the caches ([`crate::sync::prefetch_read`]; see
+    /// [`super::EvictionPolicy::prefetch_insert`]).
+    #[inline]
+    pub(crate) fn prefetch(&self, slot: SlotId) {
+        crate::sync::prefetch_read(&self.state[slot.index()]);
+    }
+
     /// A selection proposes `slot`: `RESIDENT -> PROPOSED`.
     pub(crate) fn propose(&self, slot: SlotId) {
         self.transition(slot, RESIDENT, PROPOSED, "select_victims");

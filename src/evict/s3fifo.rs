@@ -16,6 +16,10 @@ pub(crate) struct S3Fifo {
     log: InsertLog,
     small_target: usize,
     state: Mutex<S3State>,
+    /// The address of the ghost's first entry and its index mask, for prefetching an entry
+    /// without the lock (the ghost is never resized; a prefetch reads nothing the program sees).
+    ghost_at: usize,
+    ghost_mask: usize,
 }
 
 struct S3State {
@@ -34,8 +38,11 @@ impl S3Fifo {
 
     /// An S3-FIFO for `capacity` slots (small FIFO: 10% of them, at least 1).
     pub(crate) fn new(capacity: u32) -> Self {
-        let ghost = (Self::GHOST_FACTOR * capacity.max(1) as u64).next_power_of_two() as usize;
+        let ghost_len = (Self::GHOST_FACTOR * capacity.max(1) as u64).next_power_of_two() as usize;
+        let ghost = vec![0; ghost_len];
         S3Fifo {
+            ghost_at: ghost.as_ptr() as usize,
+            ghost_mask: ghost_len - 1,
             freq: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
             key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
             residency: Residency::new(capacity),
@@ -44,7 +51,7 @@ impl S3Fifo {
             state: Mutex::new(S3State {
                 small: Fifo::new(capacity),
                 main: Fifo::new(capacity),
-                ghost: vec![0; ghost],
+                ghost,
                 log_head: 0,
                 from_small: vec![false; capacity as usize],
             }),
@@ -53,6 +60,12 @@ impl S3Fifo {
 
     fn ghost_tag(&self, s: u32) -> u64 {
         self.key_hash[s as usize].load(Ordering::Relaxed).max(1)
+    }
+
+    /// Starts loading the ghost entry of key hash `key_hash` into the caches.
+    fn prefetch_ghost(&self, key_hash: u64) {
+        let i = key_hash.max(1) as usize & self.ghost_mask;
+        crate::sync::prefetch_read((self.ghost_at as *const u64).wrapping_add(i));
     }
 }
 
@@ -132,6 +145,16 @@ impl EvictionPolicy for S3Fifo {
         self.key_hash[slot.index()].store(info.key_hash, Ordering::Relaxed);
         self.residency.insert(slot);
         self.log.push(slot);
+    }
+    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
+        crate::sync::prefetch_read(&self.freq[slot.index()]);
+        crate::sync::prefetch_read(&self.key_hash[slot.index()]);
+        self.residency.prefetch(slot);
+        // Read when the next selection queues the block.
+        self.prefetch_ghost(key_hash);
+    }
+    fn prefetch_remove(&self, _slot: SlotId, key_hash: u64) {
+        self.prefetch_ghost(key_hash);
     }
     fn on_hit(&self, slot: SlotId) {
         // Racy saturating increment: a lost update only under-counts a concurrent hit.

@@ -70,6 +70,10 @@ impl EvictionPolicy for Sieve {
         self.residency.insert(slot);
         self.log.push(slot);
     }
+    fn prefetch_insert(&self, slot: SlotId, _key_hash: u64) {
+        crate::sync::prefetch_read(&self.visited[slot.index()]);
+        self.residency.prefetch(slot);
+    }
     fn on_hit(&self, slot: SlotId) {
         let v = &self.visited[slot.index()];
         if v.load(Ordering::Relaxed) == 0 {

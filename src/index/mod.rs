@@ -415,6 +415,16 @@ impl IndexReader<'_> {
         let (_, t) = self.index.root(&self.guard);
         t.find(key, &self.guard).map(Entry::value)
     }
+
+    /// Starts loading the first bucket of `key`'s probe path into the processor's caches
+    /// ([`crate::sync::prefetch_read`]) without waiting: call it for every key of a batch before
+    /// their [`IndexReader::get`]s, so the batch's cache misses overlap. A hint only: it changes no
+    /// answer.
+    #[inline]
+    pub fn prefetch(&self, key: &ContentKey) {
+        let (_, t) = self.index.root(&self.guard);
+        crate::sync::prefetch_read(t.bucket(key.hash64(), 0));
+    }
 }
 
 impl fmt::Debug for IndexReader<'_> {

@@ -154,6 +154,13 @@ impl Chains {
         }
     }
 
+    /// Starts loading `slot`'s parent link into the caches ([`crate::sync::prefetch_read`]): an
+    /// eviction's [`Chains::unlink`] reads and swaps it.
+    #[inline]
+    pub(crate) fn prefetch_link(&self, slot: SlotId) {
+        crate::sync::prefetch_read(&self.parent[slot.index()]);
+    }
+
     /// `parent` has left (its generation is bumped): calls `orphaned` for each block that still
     /// links to it, and forgets its list. O(its children).
     pub(crate) fn take_children(&self, parent: SlotRef, mut orphaned: impl FnMut(SlotId)) {

@@ -387,6 +387,11 @@ impl Core {
         k[1].store(hi, Ordering::Relaxed);
     }
 
+    /// Starts loading the key words of `slot` into the caches ([`crate::sync::prefetch_read`]).
+    pub(crate) fn prefetch_slot_key(&self, slot: SlotId) {
+        crate::sync::prefetch_read(&self.slot_keys[slot.index()]);
+    }
+
     /// The key recorded for the block in `slot` (meaningful while the slot is owned or ready).
     pub fn slot_key(&self, slot: SlotId) -> ContentKey {
         let k = &self.slot_keys[slot.index()];

@@ -119,6 +119,20 @@ impl<'a> Claims<'a> {
     /// pin); the freed slots (not on the free list) are appended to `out`.
     pub fn finish(mut self, out: &mut Vec<SlotId>, reason: EvictReason) {
         let core = self.core;
+        // Every victim's key words first, then (as they arrive) its index bucket: the loop below
+        // then finds them in the caches instead of waiting for each miss in turn.
+        for &(s, _) in &self.victims {
+            core.prefetch_slot_key(s);
+            core.chains.prefetch_link(s);
+        }
+        {
+            let reader = core.index.reader();
+            for &(s, _) in &self.victims {
+                let key = core.slot_key(s);
+                reader.prefetch(&key);
+                core.policy.prefetch_remove(s, key.hash64());
+            }
+        }
         for (s, generation) in std::mem::take(&mut self.victims) {
             let key = core.slot_key(s);
             let removed = core.index.remove_if(&key, SlotRef { slot: s, generation });

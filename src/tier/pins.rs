@@ -125,6 +125,10 @@ impl WriteReservation {
     /// Publishes every reserved block (`WRITING -> READY`): they become visible to queries and
     /// evictable. Call only after the copy into the slots has completed.
     pub fn commit(mut self) {
+        // Start every block's policy state loading first, so the batch's cache misses overlap.
+        for r in &self.entries {
+            self.core.policy.prefetch_insert(r.slot, r.key.hash64());
+        }
         for r in std::mem::take(&mut self.entries) {
             self.core.commit_reserved(r);
         }

@@ -25,7 +25,7 @@ use super::core::{Core, KeyState, Reserved};
 use super::stats::add;
 use crate::evict::InsertInfo;
 use crate::index::{IndexReader, SlotRef};
-use crate::key::ContentKey;
+use crate::key::{ContentKey, FoldHashing};
 use crate::slab::slot::{PinError, SlotId};
 use std::collections::HashSet;
 
@@ -110,10 +110,13 @@ impl Core {
             duplicates: 0,
             refused: 0,
         };
-        let mut seen = HashSet::with_capacity(keys.len());
+        let mut seen: HashSet<ContentKey, FoldHashing> = HashSet::with_capacity_and_hasher(keys.len(), FoldHashing);
         let mut evicting = Vec::new();
         {
             let reader = self.index.reader();
+            for k in keys {
+                reader.prefetch(k);
+            }
             for (i, k) in keys.iter().enumerate() {
                 if seen.insert(*k) {
                     self.plan_key(&reader, &mut plan, i, k, &mut evicting);
