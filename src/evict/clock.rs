@@ -32,7 +32,7 @@ impl EvictionPolicy for Clock {
         self.referenced[slot.index()].store(0, Ordering::Relaxed);
         self.residency.insert(slot);
     }
-    fn prefetch_insert(&self, slot: SlotId, _key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, _key_hash: u64) {
         crate::sync::prefetch_read(&self.referenced[slot.index()]);
         self.residency.prefetch(slot);
     }

@@ -151,7 +151,7 @@ impl EvictionPolicy for Lru {
         self.residency.insert(slot);
         self.order.mark(slot);
     }
-    fn prefetch_insert(&self, slot: SlotId, _key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, _key_hash: u64) {
         crate::sync::prefetch_read(&self.ticks[slot.index()]);
         self.residency.prefetch(slot);
     }

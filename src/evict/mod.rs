@@ -88,19 +88,14 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     /// A block became ready in `slot` (`ABSENT -> RESIDENT`); `info` carries its key hash and, when
     /// the saver knew it, its depth in the prompt.
     fn on_insert(&self, slot: SlotId, info: InsertInfo);
-    /// A hint that [`EvictionPolicy::on_insert`] of a block of key hash `key_hash` into `slot`
-    /// comes soon (the tier gives it for every block of a batch before committing the batch): a
-    /// policy whose per-key or per-slot state lives in tables too large for the processor's
-    /// caches may start loading it ([`crate::sync::prefetch_read`]) so the batch's cache misses
-    /// overlap. Changes no state; the default does nothing.
-    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
-        let _ = (slot, key_hash);
-    }
-    /// A hint that [`EvictionPolicy::on_remove`] of the block of key hash `key_hash` in `slot`
-    /// comes soon (the tier gives it for every victim of a batch of claims before finishing them),
-    /// for the same purpose as [`EvictionPolicy::prefetch_insert`]. Changes no state; the default
-    /// does nothing.
-    fn prefetch_remove(&self, slot: SlotId, key_hash: u64) {
+    /// A hint that a call about the block of key hash `key_hash` in `slot` comes soon: its
+    /// [`EvictionPolicy::on_insert`], [`EvictionPolicy::on_hit`] or [`EvictionPolicy::on_remove`]
+    /// (the tier gives it for every block of a batch before the batch's loop: a save's commits, a
+    /// query's hits, the finish of a save's claimed victims). A policy whose per-key or per-slot
+    /// state lives in tables too large for the processor's caches may start loading what those
+    /// calls touch ([`crate::sync::prefetch_read`]), so the batch's cache misses overlap instead of
+    /// following one another. Changes no state; the default does nothing.
+    fn prefetch(&self, slot: SlotId, key_hash: u64) {
         let _ = (slot, key_hash);
     }
     /// The block in `slot` was hit by a query or found resident by a save (a recency hint; may

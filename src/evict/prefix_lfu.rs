@@ -307,7 +307,7 @@ impl EvictionPolicy for PrefixLfu {
         self.residency.insert(slot);
         self.order.mark(slot);
     }
-    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, key_hash: u64) {
         // The two history counters (the table is 256 B a slot: far beyond the caches of a large
         // pool) and the slot's metadata words.
         for i in self.cells(key_hash) {

@@ -59,7 +59,7 @@ impl Residency {
     }
 
     /// Starts loading `slot`'s state byte into the caches ([`crate::sync::prefetch_read`]; see
-    /// [`super::EvictionPolicy::prefetch_insert`]).
+    /// [`super::EvictionPolicy::prefetch`]).
     #[inline]
     pub(crate) fn prefetch(&self, slot: SlotId) {
         crate::sync::prefetch_read(&self.state[slot.index()]);

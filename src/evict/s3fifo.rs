@@ -146,14 +146,11 @@ impl EvictionPolicy for S3Fifo {
         self.residency.insert(slot);
         self.log.push(slot);
     }
-    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, key_hash: u64) {
         crate::sync::prefetch_read(&self.freq[slot.index()]);
         crate::sync::prefetch_read(&self.key_hash[slot.index()]);
         self.residency.prefetch(slot);
-        // Read when the next selection queues the block.
-        self.prefetch_ghost(key_hash);
-    }
-    fn prefetch_remove(&self, _slot: SlotId, key_hash: u64) {
+        // Read when the next selection queues an inserted block, written when one is removed.
         self.prefetch_ghost(key_hash);
     }
     fn on_hit(&self, slot: SlotId) {

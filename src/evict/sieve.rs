@@ -70,7 +70,7 @@ impl EvictionPolicy for Sieve {
         self.residency.insert(slot);
         self.log.push(slot);
     }
-    fn prefetch_insert(&self, slot: SlotId, _key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, _key_hash: u64) {
         crate::sync::prefetch_read(&self.visited[slot.index()]);
         self.residency.prefetch(slot);
     }

@@ -77,16 +77,13 @@ impl EvictionPolicy for TwoQ {
     fn name(&self) -> &'static str {
         "2q"
     }
-    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
+    fn prefetch(&self, slot: SlotId, key_hash: u64) {
         let i = slot.index();
         crate::sync::prefetch_read(self.ghost_entry(key_hash).0);
         crate::sync::prefetch_read(&self.key_hash[i]);
         crate::sync::prefetch_read(&self.ticks[i]);
         crate::sync::prefetch_read(&self.queue[i]);
         self.residency.prefetch(slot);
-    }
-    fn prefetch_remove(&self, _slot: SlotId, key_hash: u64) {
-        crate::sync::prefetch_read(self.ghost_entry(key_hash).0);
     }
     fn on_insert(&self, slot: SlotId, info: InsertInfo) {
         let i = slot.index();

@@ -425,6 +425,15 @@ impl IndexReader<'_> {
         let (_, t) = self.index.root(&self.guard);
         crate::sync::prefetch_read(t.bucket(key.hash64(), 0));
     }
+
+    /// Starts loading the entry the first bucket of `key`'s probe path holds, when its hash
+    /// fragment matches `key`'s: the second step of a batch's lookups, after
+    /// [`IndexReader::prefetch`] of every key (this one reads the bucket). A hint only.
+    #[inline]
+    pub fn prefetch_entry(&self, key: &ContentKey) {
+        let (_, t) = self.index.root(&self.guard);
+        t.prefetch_entry(key, &self.guard);
+    }
 }
 
 impl fmt::Debug for IndexReader<'_> {

@@ -200,6 +200,18 @@ impl Table {
         None
     }
 
+    /// Starts loading the entry that the first bucket of `key`'s probe path holds, if that bucket
+    /// holds an entry whose hash fragment matches (most likely `key`'s own): reads the bucket (call
+    /// it after a prefetch of it) and prefetches what its pointer names, without dereferencing it.
+    #[inline]
+    pub(super) fn prefetch_entry(&self, key: &ContentKey, guard: &Guard) {
+        let h = key.hash64();
+        let cur = self.bucket(h, 0).load(Ordering::Acquire, guard);
+        if !cur.is_null() && cur.tag() & FRAG_MASK == fragment(h) {
+            crate::sync::prefetch_read(cur.as_raw());
+        }
+    }
+
     /// Puts an entry that is known to be absent into the first empty bucket of its chain (migration
     /// only: no other writer touches this table yet, only other copiers).
     pub(super) fn place(&self, h: u64, p: Shared<'_, Entry>, guard: &Guard) {

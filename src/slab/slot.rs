@@ -175,6 +175,13 @@ impl SlotControl {
         self.words.is_empty()
     }
 
+    /// Starts loading `slot`'s word into the caches ([`crate::sync::prefetch_read`]): a batch of
+    /// pins or commits of slots spread over a large pool overlaps its cache misses this way.
+    #[inline]
+    pub fn prefetch(&self, slot: SlotId) {
+        crate::sync::prefetch_read(&self.words[slot.index()]);
+    }
+
     /// A snapshot of one slot's word.
     #[inline]
     pub fn load(&self, slot: SlotId) -> SlotWord {

@@ -130,7 +130,7 @@ impl<'a> Claims<'a> {
             for &(s, _) in &self.victims {
                 let key = core.slot_key(s);
                 reader.prefetch(&key);
-                core.policy.prefetch_remove(s, key.hash64());
+                core.policy.prefetch(s, key.hash64());
             }
         }
         for (s, generation) in std::mem::take(&mut self.victims) {

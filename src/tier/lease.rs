@@ -30,6 +30,7 @@
 //! the whole copy, whatever happens to the lease.
 
 use crate::error::TierError;
+use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::slab::slot::{PinError, SlotId};
 use crate::source::BlockSource;
@@ -284,28 +285,58 @@ impl Lease {
 
     /// Pins the run of `keys` after `blocks` (the blocks leased so far) whose blocks the host holds
     /// ready, appending them. Returns true if the run ended at a key the host does not hold.
+    ///
+    /// The keys go in windows of [`Lease::LOOKUP_WINDOW`]: each window's index buckets, then the
+    /// entries they hold, are prefetched before its lookups, and every block found has its slot
+    /// word and policy state prefetched before the pins, so the window's cache misses overlap (a
+    /// pool of a million slots misses the caches at each of those steps). A lookup only reads: a
+    /// block found, then evicted before its pin, fails the pin and ends the run, as it would
+    /// between a lookup and a pin made one after the other.
     fn lease_host_run(core: &Arc<Core>, keys: &[ContentKey], blocks: &mut Vec<LeasedBlock>) -> bool {
         let reader = core.index().reader();
         let mut seen = RepeatCheck { set: None, room: keys.len().min(core.pool().capacity() as usize) };
-        for k in &keys[blocks.len()..] {
-            let Some(r) = reader.get(k) else { return true };
-            // A content key is a lineage hash: a key repeated in one prompt is no longer its
-            // prefix. The lease stops at the first repeated key, so it holds at most one pin
-            // per slot (one query can never take a slot's pins from others).
-            if !crate::seeded::seeded("lease-pins-repeated-key") && seen.repeated(k, blocks) {
-                return false;
+        let mut found: Vec<SlotRef> = Vec::with_capacity(Self::LOOKUP_WINDOW.min(keys.len()));
+        for window in keys[blocks.len()..].chunks(Self::LOOKUP_WINDOW) {
+            for k in window {
+                reader.prefetch(k);
             }
-            if core.pin_for_lease(r.slot, r.generation).is_err() {
-                return false;
+            for k in window {
+                reader.prefetch_entry(k);
             }
-            core.policy().on_hit(r.slot);
-            if let Some(ssd) = core.ssd() {
-                ssd.on_hit(r.slot, r.generation, *k);
+            found.clear();
+            for k in window {
+                let Some(r) = reader.get(k) else { break };
+                core.control().prefetch(r.slot);
+                core.policy().prefetch(r.slot, k.hash64());
+                found.push(r);
             }
-            blocks.push(LeasedBlock { key: *k, slot: r });
+            for (k, &r) in window.iter().zip(&found) {
+                // A content key is a lineage hash: a key repeated in one prompt is no longer its
+                // prefix. The lease stops at the first repeated key, so it holds at most one pin
+                // per slot (one query can never take a slot's pins from others).
+                if !crate::seeded::seeded("lease-pins-repeated-key") && seen.repeated(k, blocks) {
+                    return false;
+                }
+                if core.pin_for_lease(r.slot, r.generation).is_err() {
+                    return false;
+                }
+                core.policy().on_hit(r.slot);
+                if let Some(ssd) = core.ssd() {
+                    ssd.on_hit(r.slot, r.generation, *k);
+                }
+                blocks.push(LeasedBlock { key: *k, slot: r });
+            }
+            if found.len() < window.len() {
+                return true;
+            }
         }
         false
     }
+
+    /// Keys looked up together by [`Lease::lease_host_run`]: enough to overlap many cache misses,
+    /// few enough that the processor can track every prefetch of a window at once and that a
+    /// run ending early does not load much it will not read.
+    const LOOKUP_WINDOW: usize = 16;
 
     /// A lease of a connected tier: `blocks` as the daemon leased them, `remote` its handle there,
     /// `sources` where the daemon found each block (empty: all on its host pool; else one per

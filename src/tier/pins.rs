@@ -127,7 +127,7 @@ impl WriteReservation {
     pub fn commit(mut self) {
         // Start every block's policy state loading first, so the batch's cache misses overlap.
         for r in &self.entries {
-            self.core.policy.prefetch_insert(r.slot, r.key.hash64());
+            self.core.policy.prefetch(r.slot, r.key.hash64());
         }
         for r in std::mem::take(&mut self.entries) {
             self.core.commit_reserved(r);

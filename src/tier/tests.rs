@@ -153,11 +153,8 @@ impl crate::evict::EvictionPolicy for Hooked {
     fn on_insert(&self, slot: SlotId, info: crate::evict::InsertInfo) {
         self.inner.on_insert(slot, info)
     }
-    fn prefetch_insert(&self, slot: SlotId, key_hash: u64) {
-        self.inner.prefetch_insert(slot, key_hash)
-    }
-    fn prefetch_remove(&self, slot: SlotId, key_hash: u64) {
-        self.inner.prefetch_remove(slot, key_hash)
+    fn prefetch(&self, slot: SlotId, key_hash: u64) {
+        self.inner.prefetch(slot, key_hash)
     }
     fn on_hit(&self, slot: SlotId) {
         self.inner.on_hit(slot)
