@@ -3,9 +3,9 @@
 # fresh 43-block chain evicts 43 blocks), at 10,000, 100,000 and 1,000,000 slots, for every policy:
 # chain-aware victims (the default) without hints, then with 64 chains hinted (the hinted classes
 # live), and the slot acquisition alone (the `acquire` workload: selection, claims and finish of the
-# 43 victims, every save timed); then the default policy at 1 to 16 threads (throughput against
-# threads) at 100,000 and 1,000,000 slots. Each run prints its own table (ns per save, p50/p99/p99.9
-# of every save timed).
+# 43 victims, every save timed), and a query of a 43-block chain per pool size; then the default
+# policy at 1 to 16 threads (throughput against threads) at 100,000 and 1,000,000 slots. Each run
+# prints its own table (ns per save, p50/p99/p99.9 of every save timed).
 #
 # Usage: benches/evict_at_scale.sh [TIER_BENCH_BINARY] [--quick]
 #   TIER_BENCH_BINARY: a built `tier` bench (default: built here with `cargo bench --bench tier --no-run`).
@@ -40,6 +40,9 @@ for c in "${caps[@]}"; do
         run --capacity "$c" --threads 1 --policy "$p" --hints 64
         acquire --capacity "$c" --threads 1 --policy "$p"
     done
+    # A query of a 43-block chain against the same pool size (every lookup, pin and policy hit).
+    "$bin" --workloads query --contenders core --ops "$ops" --capacity "$c" --threads 1 2>&1 |
+        grep -E '^ +[0-9.]+s +query' | sed "s|^|query --capacity $c :|" || true
 done
 for c in "${caps[@]:1}"; do
     run --capacity "$c" --threads 1,2,4,8,16 --policy adaptive-lfu
