@@ -193,10 +193,10 @@ struct SimulateArgs {
     /// Skip the offline optimum.
     #[arg(long)]
     no_optimum: bool,
-    /// Also compute the foresight bound at each pool size for these horizons, comma-separated
-    /// numbers of requests (rows `foresight-R`): the hit ratio of exact knowledge of the page uses
-    /// of the next R requests and none beyond, LRU for the rest (R = 0: plain LRU; R at least
-    /// the trace's length: the optimum).
+    /// Also compute the foresight reference at each pool size for these horizons, comma-separated
+    /// numbers of requests (rows `foresight-R`): a policy that knows the page uses of the next R
+    /// requests exactly and none beyond, LRU for the rest (R = 0: plain LRU; R at least the
+    /// trace's length: the optimum). A reference, not a bound.
     #[arg(long, value_delimiter = ',')]
     foresight: Vec<u32>,
     /// Print the report as JSON instead of a table.

