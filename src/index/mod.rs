@@ -417,7 +417,7 @@ impl IndexReader<'_> {
     }
 
     /// Starts loading the first bucket of `key`'s probe path into the processor's caches
-    /// ([`crate::sync::prefetch_read`]) without waiting: call it for every key of a batch before
+    /// (a prefetch, `sync::prefetch_read`) without waiting: call it for every key of a batch before
     /// their [`IndexReader::get`]s, so the batch's cache misses overlap. A hint only: it changes no
     /// answer.
     #[inline]

@@ -175,7 +175,7 @@ impl SlotControl {
         self.words.is_empty()
     }
 
-    /// Starts loading `slot`'s word into the caches ([`crate::sync::prefetch_read`]): a batch of
+    /// Starts loading `slot`'s word into the caches (a prefetch, `sync::prefetch_read`): a batch of
     /// pins or commits of slots spread over a large pool overlaps its cache misses this way.
     #[inline]
     pub fn prefetch(&self, slot: SlotId) {

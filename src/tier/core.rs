@@ -387,7 +387,7 @@ impl Core {
         k[1].store(hi, Ordering::Relaxed);
     }
 
-    /// Starts loading the key words of `slot` into the caches ([`crate::sync::prefetch_read`]).
+    /// Starts loading the key words of `slot` into the caches (a prefetch, `sync::prefetch_read`).
     pub(crate) fn prefetch_slot_key(&self, slot: SlotId) {
         crate::sync::prefetch_read(&self.slot_keys[slot.index()]);
     }
