@@ -66,12 +66,13 @@ fn mix64(x: u64) -> u64 {
 }
 
 /// The `BuildHasher` of the tier's small internal maps and sets (the keys being saved and a save
-/// plan's check for repeated keys, keyed by [`ContentKey`]; the chains' child lists, keyed by a packed slot and generation), instead of
-/// std's SipHash, which was about 3% of a save's CPU time in a profile of the tier bench: a content
-/// key is already a uniform hash, so [`FoldHasher`] hashes one exactly as [`ContentKey::hash64`]
-/// does (two words folded, then mixed), and a `u64` by the same mix. Not keyed: a client that chose
-/// colliding keys would only slow its own saves (a plan's set holds that save's keys only; the
-/// saving set's shards, the keys of the saves in flight).
+/// plan's check for repeated keys, keyed by [`ContentKey`]; the chains' child lists, keyed by a
+/// packed slot and generation), instead of std's SipHash, which was about 3% of a save's CPU time
+/// in a profile of the tier bench: a content key is already a uniform hash, so [`FoldHasher`]
+/// hashes one exactly as [`ContentKey::hash64`] does (two words folded, then mixed), and a `u64` by
+/// the same mix. Not keyed: a client that chose colliding keys would only slow its own saves (a
+/// plan's set holds that save's keys only; the saving set's shards, the keys of the saves in
+/// flight).
 #[derive(Copy, Clone, Debug, Default)]
 pub(crate) struct FoldHashing;
 

@@ -93,8 +93,8 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     /// (the tier gives it for every block of a batch before the batch's loop: a save's commits, a
     /// query's hits, the finish of a save's claimed victims). A policy whose per-key or per-slot
     /// state lives in tables too large for the processor's caches may start loading what those
-    /// calls touch (a prefetch, `sync::prefetch_read`), so the batch's cache misses overlap instead of
-    /// following one another. Changes no state; the default does nothing.
+    /// calls touch (a prefetch, `sync::prefetch_read`), so the batch's cache misses overlap
+    /// instead of following one another. Changes no state; the default does nothing.
     fn prefetch(&self, slot: SlotId, key_hash: u64) {
         let _ = (slot, key_hash);
     }
