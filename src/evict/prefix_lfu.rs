@@ -367,25 +367,16 @@ impl PrefixLfu {
         }
         if let Some(t) = &self.tuner {
             let cap = self.meta.len() as u64;
-            let now = self.clock.load(Ordering::Relaxed);
-            let at = self.tuned_at.load(Ordering::Relaxed);
-            // One of the selections running at once tunes (the one whose swap wins).
-            if elapsed(now, at) >= cap.max(1)
-                && self.tuned_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-            {
+            if self.turn_due(&self.tuned_at, cap.max(1)) {
                 let w = crate::sync::lock(t).choose();
                 self.weight.store(w * cap, Ordering::Relaxed);
             }
         }
-        let now = self.clock.load(Ordering::Relaxed);
-        let at = self.aged_at.load(Ordering::Relaxed);
-        // Ageing, by one of the selections running at once (the one whose swap wins): every
-        // counter now reads halved once more, so old popularity fades (`read_cell`); nothing in
-        // the table is written here. With the doorkeeper, halving rounds up: a key seen once stays
-        // seen (else a first sighting just before an ageing would be refused again at its second).
-        if elapsed(now, at) >= self.age_period
-            && self.aged_at.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-        {
+        // Ageing: every counter now reads halved once more, so old popularity fades
+        // (`read_cell`); nothing in the table is written here. With the doorkeeper, halving rounds
+        // up: a key seen once stays seen (else a first sighting just before an ageing would be
+        // refused again at its second).
+        if self.turn_due(&self.aged_at, self.age_period) {
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
         // The score already puts a chain's deeper blocks first (its depth term), so the chain view
@@ -396,6 +387,16 @@ impl PrefixLfu {
             return self.residency.propose_lowest_ranked(n, &ranking, |s| self.score(weight, s), out);
         }
         self.order.select(n, &ranking, &self.residency, |s| self.place(s), |c| weight * c as i64, out);
+    }
+
+    /// True if this selection takes the periodic step (tuning, ageing) whose last run the clock
+    /// value `mark` records: `period` references have passed since, and of the selections running
+    /// at once this one's swap moved the mark to the clock's present value (it only ever moves
+    /// forward).
+    fn turn_due(&self, mark: &AtomicU64, period: u64) -> bool {
+        let now = self.clock.load(Ordering::Relaxed);
+        let at = mark.load(Ordering::Relaxed);
+        elapsed(now, at) >= period && mark.compare_exchange(at, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 }
 

@@ -62,9 +62,14 @@ impl S3Fifo {
         self.key_hash[s as usize].load(Ordering::Relaxed).max(1)
     }
 
+    /// Where in the ghost the tag `tag` (a key hash, at least 1) lives.
+    fn ghost_index(&self, tag: u64) -> usize {
+        tag as usize & self.ghost_mask
+    }
+
     /// Starts loading the ghost entry of key hash `key_hash` into the caches.
     fn prefetch_ghost(&self, key_hash: u64) {
-        let i = key_hash.max(1) as usize & self.ghost_mask;
+        let i = self.ghost_index(key_hash.max(1));
         crate::sync::prefetch_read((self.ghost_at as *const u64).wrapping_add(i));
     }
 }
@@ -72,9 +77,8 @@ impl S3Fifo {
 impl S3Fifo {
     /// Queues a newly resident slot: in main if the ghost remembers its key, else in small.
     fn enqueue(&self, st: &mut S3State, s: u32) {
-        let mask = st.ghost.len() - 1;
         let tag = self.ghost_tag(s);
-        let g = &mut st.ghost[tag as usize & mask];
+        let g = &mut st.ghost[self.ghost_index(tag)];
         if *g == tag {
             *g = 0;
             st.main.push_newest(s);
@@ -203,8 +207,7 @@ impl EvictionPolicy for S3Fifo {
         self.residency.remove(slot);
         if st.from_small[slot.index()] {
             let tag = self.ghost_tag(slot.0);
-            let mask = st.ghost.len() - 1;
-            st.ghost[tag as usize & mask] = tag;
+            st.ghost[self.ghost_index(tag)] = tag;
         }
     }
 }

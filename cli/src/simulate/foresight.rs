@@ -39,12 +39,12 @@ pub fn foresight_hits(seqs: &[Vec<u32>], next: &[Vec<u32>], ids: usize, slots: u
     let mut seen: BinaryHeap<(u32, u32, u32)> = BinaryHeap::new();
     let mut count = 0u32;
     let mut hits = 0u64;
+    // (Seeded bug, tests only: `foresight-blind` sees nothing whatever the horizon.)
+    let blind = crate::seeded::seeded("foresight-blind");
     for (i, s) in seqs.iter().enumerate() {
         let i = i as u32;
         // With a horizon, the current request's own later pages are seen too (their recorded next
         // use is this request); without one nothing is.
-        // (Seeded bug, tests only: `foresight-blind` sees nothing whatever the horizon.)
-        let blind = crate::seeded::seeded("foresight-blind");
         let sees = |n: u32| horizon > 0 && !blind && n != u32::MAX && u64::from(n) <= u64::from(i) + u64::from(horizon);
         let h = s.iter().take_while(|&&p| resident[p as usize].is_some()).count();
         hits += h as u64;
