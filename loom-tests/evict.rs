@@ -108,26 +108,33 @@ fn plan_racing_an_eviction_being_finished() {
     });
 }
 
-/// Two saves select at once under the shared side of the eviction lock (LRU: its victim order in
-/// shards, one slot in each): a two-slot save that cannot fit (the other block is pinned by a
-/// query) claims the unpinned block before it finds it cannot, while a one-slot save looks for a
-/// victim. The one-slot save must get the unpinned block in every interleaving: it is never
+/// Two saves select at once under the eviction lock (the shared side for LRU and the prefix-LFU
+/// family, whose victim order is in shards, one slot in each here; the exclusive side for the
+/// other policies): a two-slot save that cannot fit (the other block is pinned by a query) claims
+/// the unpinned block before it finds it cannot, while a one-slot save looks for a victim. The
+/// one-slot save must get the unpinned block in every interleaving, with every policy: it is never
 /// refused under the shared side (where the other save's claim may yet be given back), and no
 /// thread waits for the exclusive side while holding a claim it may give back.
 #[test]
 fn a_save_beside_a_save_that_cannot_fit_is_not_refused() {
-    model_long(|| {
-        let core = core_with(2, kvtier::PolicyKind::Lru);
+    for &policy in kvtier::PolicyKind::ALL {
+        a_save_beside_a_save_that_cannot_fit(policy);
+    }
+}
+
+fn a_save_beside_a_save_that_cannot_fit(policy: kvtier::PolicyKind) {
+    model_long(move || {
+        let core = core_with(2, policy);
         let k = [key(0), key(1), key(2), key(3), key(4)];
         save_ready(&core, k[0]);
         save_ready(&core, k[1]);
         let lease = query(&core, &k[1..2], 1);
-        assert_eq!(lease.len(), 1, "block 1 is pinned");
+        assert_eq!(lease.len(), 1, "block 1 is pinned ({policy})");
         let c = core.clone();
         let wide = thread::spawn(move || c.acquire_slots(kvtier::internals::Want::Exactly(2)).map(|s| s.len()));
         let got = core.acquire_slots(kvtier::internals::Want::Exactly(1));
         let wide = wide.join().unwrap();
-        assert!(wide.is_err(), "one block is pinned: two slots cannot be had, yet the save got {wide:?}");
+        assert!(wide.is_err(), "one block is pinned: two slots cannot be had, yet the save got {wide:?} ({policy})");
         let slots =
             got.expect("an unpinned block exists and the other save gives its claim back: the save must get a slot");
         assert_eq!(slots.len(), 1);
@@ -135,7 +142,7 @@ fn a_save_beside_a_save_that_cannot_fit_is_not_refused() {
             core.pool().free(s);
         }
         drop(lease);
-        assert!(core.index().get(&k[0]).is_none(), "the unpinned block was evicted for the save");
+        assert!(core.index().get(&k[0]).is_none(), "the unpinned block was evicted for the save ({policy})");
         assert_quiescent(&core, &k[..2]);
     });
 }
