@@ -92,10 +92,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             keys[r].iter().map(|k| layout.group_key(g, k)).collect()
         };
         let mut pages = Vec::new();
-        for g in 0..layout.groups().len() {
+        for (g, arena) in arenas.iter().enumerate().take(layout.groups().len()) {
             let need = layout.needed(g, blocks);
             let p: Vec<u64> = (0..need.len() as u64).collect();
-            arenas[g].fill(&p, &group_keys(g, need.clone()))?;
+            arena.fill(&p, &group_keys(g, need.clone()))?;
             pages.push(GroupPages::new(need.start, p));
         }
         rank.save(&keys, &pages, WaitFor::Nothing)?.wait()?;

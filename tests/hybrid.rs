@@ -104,8 +104,8 @@ impl Toy {
         let pages: Vec<Vec<u64>> =
             (0..self.arenas.len()).map(|g| (32..32 + lease.range(g).len() as u64).collect()).collect();
         self.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
-        for g in 0..self.arenas.len() {
-            self.arenas[g].verify(&pages[g], &self.group_keys(g, keys, lease.range(g))).unwrap();
+        for (g, (arena, p)) in self.arenas.iter().zip(&pages).enumerate() {
+            arena.verify(p, &self.group_keys(g, keys, lease.range(g))).unwrap();
         }
         lease.boundary()
     }
@@ -165,8 +165,8 @@ fn every_block_of_a_hybrid_lease_stays_while_it_is_held() {
     }
     let pages: Vec<Vec<u64>> = (0..3).map(|g| (40..40 + lease.range(g).len() as u64).collect()).collect();
     toy.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
-    for g in 0..3 {
-        toy.arenas[g].verify(&pages[g], &toy.group_keys(g, &keys, lease.range(g))).unwrap();
+    for (g, (arena, p)) in toy.arenas.iter().zip(&pages).enumerate() {
+        arena.verify(p, &toy.group_keys(g, &keys, lease.range(g))).unwrap();
     }
     drop(lease);
     assert_eq!(toy.tier.group(0).evict(usize::MAX), 5, "the restore spent the lease's one use");
@@ -318,8 +318,8 @@ fn evictions_racing_queries_never_break_a_hybrid_restore() {
                 }
                 let pages: Vec<Vec<u64>> = (0..3).map(|g| (32..32 + lease.range(g).len() as u64).collect()).collect();
                 toy.rank.restore(&lease, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
-                for g in 0..3 {
-                    toy.arenas[g].verify(&pages[g], &toy.group_keys(g, keys, lease.range(g))).unwrap();
+                for (g, (arena, p)) in toy.arenas.iter().zip(&pages).enumerate() {
+                    arena.verify(p, &toy.group_keys(g, keys, lease.range(g))).unwrap();
                 }
                 hits += usize::from(b > 0);
             }

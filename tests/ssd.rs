@@ -251,7 +251,7 @@ fn a_file_another_tier_holds_is_refused_and_keeps_its_blocks() {
     let second = HostTier::new(
         tier_config(4, PolicyKind::Lru).with_ssd(SsdConfig::new(&path, file_bytes(4)).with_admit_uses(1)),
     );
-    let err = second.err().expect("a second tier opened a file the first holds");
+    let Err(err) = second else { panic!("a second tier opened a file the first holds") };
     assert!(matches!(err, Error::Ssd(DiskError::InUse { .. })), "{err}");
     // The first tier's blocks are intact, and once it is gone the file opens again.
     assert_eq!(first.evict(4), 2);

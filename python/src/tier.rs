@@ -1211,6 +1211,7 @@ impl PyLease {
     /// Leased blocks this query fetched from peers (`Tier(peers=...)`, or `kvtierd --peer` for a
     /// tier from `kvtier.connect`).
     #[getter]
+    #[allow(clippy::wrong_self_convention)] // a Python property (`lease.from_peer`), not a conversion
     fn from_peer(&self) -> usize {
         self.inner.from_peer()
     }

@@ -81,8 +81,9 @@ impl DiskFile {
         depth: usize,
     ) -> Vec<Result<(), DiskError>> {
         let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<(&mut [u8], Option<Result<(), DiskError>>)>> =
-            outs.iter_mut().map(|out| Mutex::new((&mut **out, None))).collect();
+        // Per request: its destination and, once read, its outcome.
+        type Slot<'o> = Mutex<(&'o mut [u8], Option<Result<(), DiskError>>)>;
+        let slots: Vec<Slot<'_>> = outs.iter_mut().map(|out| Mutex::new((&mut **out, None))).collect();
         std::thread::scope(|scope| {
             for _ in 0..depth {
                 scope.spawn(|| loop {

@@ -238,7 +238,7 @@ impl PrefixLfu {
             let cell = &self.history[(i & self.history_mask) as usize];
             let v = cell.load(Ordering::Relaxed);
             let age = Self::age(v, e);
-            if v & 15 == 0 || age < Self::SWEEP_AGE || age >= Self::AHEAD_FROM {
+            if v & 15 == 0 || !(Self::SWEEP_AGE..Self::AHEAD_FROM).contains(&age) {
                 continue;
             }
             let fresh = Self::cell_value(e, self.read_cell(v, e));

@@ -152,8 +152,11 @@ pub(super) struct Shared {
     live_conns: AtomicUsize,
     counters: Counters,
     /// Open connections: a clone of each stream (shut down at stop) and its thread.
-    conns: Mutex<HashMap<u64, (TcpStream, Option<JoinHandle<()>>)>>,
+    conns: Mutex<HashMap<u64, Connection>>,
 }
+
+/// An open connection: a clone of its stream and the thread serving it.
+type Connection = (TcpStream, Option<JoinHandle<()>>);
 
 /// The owner's side of the peer protocol over one in-process tier (see the module docs). Dropping
 /// it (or [`PeerServer::shutdown`]) closes every connection, releases every peer lease and joins

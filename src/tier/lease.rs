@@ -160,6 +160,11 @@ pub struct Lease {
     inner: Arc<LeaseOf>,
 }
 
+/// The `lower` tier of [`Lease::acquire_with`] (a peer fetch): given the keys after the blocks
+/// leased so far and those blocks, it appends blocks already pinned once for the lease and returns
+/// how many, or its error.
+pub(crate) type LowerTier<'a, E> = dyn FnMut(&[ContentKey], &mut Vec<LeasedBlock>) -> Result<usize, E> + 'a;
+
 impl Lease {
     /// Pins the longest ready prefix of `keys` and returns a lease with `uses` restores allowed
     /// (what [`crate::HostTier::query`] and [`crate::HostTier::query_shared`] do). `uses == 0`, or
@@ -182,7 +187,7 @@ impl Lease {
         core: &Arc<Core>,
         keys: &[ContentKey],
         uses: u32,
-        lower: Option<&mut dyn FnMut(&[ContentKey], &mut Vec<LeasedBlock>) -> Result<usize, E>>,
+        lower: Option<&mut LowerTier<'_, E>>,
         record: bool,
     ) -> (Lease, Option<E>) {
         // Every block pinned so far is unpinned if `lower` (a peer's transport) or a promotion
