@@ -97,6 +97,44 @@ pub fn prefetch_read<T>(p: *const T) {
     let _ = p;
 }
 
+/// Makes the operating system back every page of `v` now. A table of zeros (`vec![0; n]`, or a
+/// collect of zero atomics, which the compiler may turn into a zeroed allocation) gets pages the
+/// kernel maps on their first write, so without this each first write in a save's or a query's
+/// path would take a page fault (about a microsecond, the page zeroed by the kernel) at a random
+/// place of a table of up to hundreds of MB at a million slots. With it, construction pays them
+/// all at once. Changes no value. Nothing under loom (its atomics are not plain memory).
+pub(crate) fn prefault<T>(v: &mut [T]) {
+    #[cfg(not(loom))]
+    {
+        // Seeded bug (tests only): `prefault-skipped` leaves the pages to the first writes.
+        if crate::seeded::seeded("prefault-skipped") {
+            return;
+        }
+        // Elements a page apart touch every page the slice starts on or crosses, but the last
+        // one, which may hold only its tail: the last element touches that one.
+        let step = (4096 / std::mem::size_of::<T>().max(1)).max(1);
+        for i in (0..v.len()).step_by(step).chain(v.len().checked_sub(1)) {
+            let p: *mut T = &mut v[i];
+            // SAFETY: `p` points at an initialised element of `v`, borrowed mutably here, so no
+            // one else reads or writes it; the element is moved out bit for bit and written back
+            // at once (nothing runs between, nothing is dropped), and the volatile write keeps
+            // the compiler from eliding the store that touches the page.
+            unsafe { std::ptr::write_volatile(p, std::ptr::read(p)) };
+        }
+    }
+    #[cfg(loom)]
+    let _ = v;
+}
+
+/// A per-slot table of `n` entries, entry `i` made by `f(i)`, with every page backed at once
+/// ([`prefault`]): the tier's and the policies' per-slot arrays, whose first writes would
+/// otherwise fault on the save and query paths.
+pub(crate) fn table<T>(n: usize, f: impl FnMut(usize) -> T) -> Box<[T]> {
+    let mut t: Box<[T]> = (0..n).map(f).collect();
+    prefault(&mut t);
+    t
+}
+
 /// [`lock`] for a lock held for a few microseconds at a time by threads that take it often (the
 /// tier's eviction lock: one selection of victims): first tries to take it for a bounded spell of
 /// spinning (about 20 tries, backing off up to 64 spin hints between them: tens of microseconds),
@@ -174,4 +212,42 @@ fn recover<G>(r: std::sync::LockResult<G>) -> G {
         return r.unwrap_or_else(|_| panic!("a tier lock was poisoned by an earlier panic"));
     }
     r.unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(all(test, not(loom), not(miri)))]
+mod tests {
+    use super::*;
+
+    /// Pages of `v` the kernel reports resident (`mincore`).
+    fn resident_pages<T>(v: &[T]) -> (usize, usize) {
+        let page = 4096usize;
+        let start = v.as_ptr() as usize & !(page - 1);
+        let end = (v.as_ptr() as usize + std::mem::size_of_val(v)).div_ceil(page) * page;
+        let n = (end - start) / page;
+        let mut map = vec![0u8; n];
+        // SAFETY: `start..end` covers pages of a live allocation (page-aligned as mincore wants);
+        // `map` holds one byte per page.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, end - start, map.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        (map.iter().filter(|&&b| b & 1 == 1).count(), n)
+    }
+
+    /// A zeroed vector larger than any the allocator recycles (40 MiB: above glibc's largest
+    /// threshold for serving an allocation from its heap, so it comes from a fresh mapping whose
+    /// pages the kernel backs on first write) is backed page by page after [`prefault`], and so
+    /// is a [`table`]; both keep their values. Seeded bug `prefault-skipped`.
+    #[test]
+    fn a_table_is_resident_from_the_start_and_holds_its_values() {
+        let mut z = vec![0u32; 10 << 20];
+        z[12345] = 9;
+        prefault(&mut z);
+        let (resident, pages) = resident_pages(&z);
+        assert_eq!(resident, pages, "every page of the vector is backed");
+        assert_eq!((z[12345], z.iter().map(|&x| x as u64).sum::<u64>()), (9, 9));
+        let t = table(8 << 20, |i| AtomicU64::new(if i == 12345 { 7 } else { 0 }));
+        let (resident, pages) = resident_pages(&t);
+        assert_eq!(resident, pages, "every page of the table is backed");
+        assert_eq!(t.iter().map(|x| x.load(Ordering::Relaxed)).sum::<u64>(), 7);
+        assert_eq!(t[12345].load(Ordering::Relaxed), 7);
+    }
 }

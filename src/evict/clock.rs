@@ -17,7 +17,7 @@ impl Clock {
     /// A CLOCK for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
         Clock {
-            referenced: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
+            referenced: crate::sync::table(capacity as usize, |_| AtomicU8::new(0)),
             hand: AtomicUsize::new(0),
             residency: Residency::new(capacity),
         }

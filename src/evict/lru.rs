@@ -47,7 +47,7 @@ impl Lru {
     /// An LRU for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
         Lru {
-            ticks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            ticks: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             clock: AtomicU64::new(1),
             residency: Residency::new(capacity),
             order: VictimOrder::new(capacity, INTERIOR as usize + 1),

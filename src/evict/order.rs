@@ -93,8 +93,8 @@ impl MarkStack {
         let _ = crate::sync::thread_number();
         MarkStack {
             heads: (0..MARK_HEADS).map(|_| CachePadded::new(AtomicU32::new(NIL))).collect(),
-            next: (0..capacity).map(|_| AtomicU32::new(NIL)).collect(),
-            queued: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
+            next: crate::sync::table(capacity as usize, |_| AtomicU32::new(NIL)),
+            queued: crate::sync::table(capacity as usize, |_| AtomicU8::new(0)),
         }
     }
 

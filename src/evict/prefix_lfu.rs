@@ -89,10 +89,10 @@ impl PrefixLfu {
         let c = capacity.max(1) as u64;
         let hist = (Self::HISTORY_PER_SLOT * c).next_power_of_two();
         PrefixLfu {
-            meta: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            meta: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
+            key_hash: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             clock: AtomicU64::new(1),
-            history: (0..hist).map(|_| AtomicU8::new(0)).collect(),
+            history: crate::sync::table(hist as usize, |_| AtomicU8::new(0)),
             history_mask: hist - 1,
             epoch: AtomicU64::new(0),
             aged_at: AtomicU64::new(0),

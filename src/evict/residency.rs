@@ -28,7 +28,7 @@ pub(crate) struct Residency {
 impl Residency {
     /// Every slot of `0..capacity` absent.
     pub(crate) fn new(capacity: u32) -> Self {
-        Residency { state: (0..capacity).map(|_| AtomicU8::new(ABSENT)).collect() }
+        Residency { state: crate::sync::table(capacity as usize, |_| AtomicU8::new(ABSENT)) }
     }
 
     /// Slots tracked.

@@ -39,12 +39,13 @@ impl S3Fifo {
     /// An S3-FIFO for `capacity` slots (small FIFO: 10% of them, at least 1).
     pub(crate) fn new(capacity: u32) -> Self {
         let ghost_len = (Self::GHOST_FACTOR * capacity.max(1) as u64).next_power_of_two() as usize;
-        let ghost = vec![0; ghost_len];
+        let mut ghost = vec![0; ghost_len];
+        crate::sync::prefault(&mut ghost);
         S3Fifo {
             ghost_at: ghost.as_ptr() as usize,
             ghost_mask: ghost_len - 1,
-            freq: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
-            key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            freq: crate::sync::table(capacity as usize, |_| AtomicU8::new(0)),
+            key_hash: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             residency: Residency::new(capacity),
             log: InsertLog::new(capacity),
             small_target: (capacity as usize / 10).max(1),

@@ -27,7 +27,7 @@ impl Sieve {
     /// A SIEVE for `capacity` slots.
     pub(crate) fn new(capacity: u32) -> Self {
         Sieve {
-            visited: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
+            visited: crate::sync::table(capacity as usize, |_| AtomicU8::new(0)),
             residency: Residency::new(capacity),
             log: InsertLog::new(capacity),
             state: Mutex::new(SieveState { queue: Fifo::new(capacity), hand: NIL, log_head: 0 }),

@@ -44,10 +44,10 @@ impl TwoQ {
     pub(crate) fn new(capacity: u32) -> Self {
         let ghost = (capacity.max(1) as usize).next_power_of_two();
         TwoQ {
-            ticks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            queue: (0..capacity).map(|_| AtomicU8::new(ABSENT)).collect(),
-            key_hash: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            ghost: (0..ghost).map(|_| AtomicU64::new(0)).collect(),
+            ticks: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
+            queue: crate::sync::table(capacity as usize, |_| AtomicU8::new(ABSENT)),
+            key_hash: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
+            ghost: crate::sync::table(ghost, |_| AtomicU64::new(0)),
             clock: AtomicU64::new(1),
             probation: AtomicUsize::new(0),
             probation_target: (capacity as usize / 10).max(1),

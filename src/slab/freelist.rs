@@ -168,7 +168,7 @@ impl FreeList {
     pub fn with_shards(n: u32, shards: usize) -> Self {
         let cap_by_n = (n.max(1) as usize).next_power_of_two();
         let shards = shards.clamp(1, MAX_SHARDS).next_power_of_two().min(cap_by_n).min(MAX_SHARDS);
-        let next: Box<[AtomicU32]> = (0..n).map(|_| AtomicU32::new(0)).collect();
+        let next: Box<[AtomicU32]> = crate::sync::table(n as usize, |_| AtomicU32::new(0));
         let mut heads = Vec::with_capacity(shards);
         for s in 0..shards {
             let lo = (s as u64 * n as u64 / shards as u64) as u32;
@@ -188,7 +188,7 @@ impl FreeList {
             avail: CachePadded::new(AtomicUsize::new(n as usize)),
             next,
             #[cfg(debug_assertions)]
-            listed: (0..n).map(|_| crate::sync::AtomicBool::new(true)).collect(),
+            listed: crate::sync::table(n as usize, |_| crate::sync::AtomicBool::new(true)),
             capacity: n,
         }
     }

@@ -159,7 +159,7 @@ pub struct SlotControl {
 impl SlotControl {
     /// `n` slots, all `FREE` with generation 0.
     pub fn new(n: u32) -> Self {
-        let words = (0..n).map(|_| AtomicU64::new(SlotWord::new(SlotState::Free, 0, 0).raw())).collect();
+        let words = crate::sync::table(n as usize, |_| AtomicU64::new(SlotWord::new(SlotState::Free, 0, 0).raw()));
         SlotControl { words }
     }
 

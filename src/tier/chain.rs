@@ -101,11 +101,11 @@ pub(crate) struct Chains {
 impl Chains {
     pub(crate) fn new(capacity: u32) -> Self {
         Chains {
-            parent: (0..capacity).map(|_| AtomicU64::new(NONE)).collect(),
-            children: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            parent: crate::sync::table(capacity as usize, |_| AtomicU64::new(NONE)),
+            children: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             lists: (0..STRIPES).map(|_| CachePadded::new(Mutex::new(ChildLists::default()))).collect(),
-            pos: (0..capacity).map(|_| AtomicU32::new(0)).collect(),
-            counted: (0..capacity).map(|_| AtomicU8::new(0)).collect(),
+            pos: crate::sync::table(capacity as usize, |_| AtomicU32::new(0)),
+            counted: crate::sync::table(capacity as usize, |_| AtomicU8::new(0)),
             orphans: AtomicUsize::new(0),
         }
     }

@@ -54,7 +54,7 @@ pub(crate) struct ColdMarks {
 
 impl ColdMarks {
     pub(crate) fn new(capacity: u32) -> Self {
-        ColdMarks { marks: (0..capacity).map(|_| AtomicU64::new(NONE)).collect(), count: AtomicUsize::new(0) }
+        ColdMarks { marks: crate::sync::table(capacity as usize, |_| AtomicU64::new(NONE)), count: AtomicUsize::new(0) }
     }
 
     /// Marks the block of `generation` in `slot`; true if it was not marked. The caller checks,

@@ -126,9 +126,9 @@ impl Core {
         Ok(Core {
             index,
             policy: policy.build(cap),
-            slot_keys: (0..cap).map(|_| [AtomicU64::new(0), AtomicU64::new(0)]).collect(),
-            slot_depth: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
-            slot_resumed: (0..cap).map(|_| AtomicU32::new(u32::MAX)).collect(),
+            slot_keys: crate::sync::table(cap as usize, |_| [AtomicU64::new(0), AtomicU64::new(0)]),
+            slot_depth: crate::sync::table(cap as usize, |_| AtomicU32::new(u32::MAX)),
+            slot_resumed: crate::sync::table(cap as usize, |_| AtomicU32::new(u32::MAX)),
             chains: Chains::new(cap),
             chain_aware: false,
             protect_hinted: false,

@@ -71,7 +71,7 @@ impl Hints {
     pub(crate) fn new(capacity: u32) -> Self {
         Hints {
             epoch: Instant::now(),
-            marks: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            marks: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             table: Mutex::new(Table { next: 1, ..Table::default() }),
             live: AtomicUsize::new(0),
         }

@@ -140,8 +140,8 @@ impl DiskSlots {
             words: SlotControl::new(n),
             free: FreeList::new(n),
             index: BlockIndex::with_capacity(n as usize),
-            keys: (0..n).map(|_| [AtomicU64::new(0), AtomicU64::new(0)]).collect(),
-            file_generation: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            keys: crate::sync::table(n as usize, |_| [AtomicU64::new(0), AtomicU64::new(0)]),
+            file_generation: crate::sync::table(n as usize, |_| AtomicU64::new(0)),
             lru: Mutex::new(DiskLru::new(n)),
             next_file_generation: AtomicU64::new(1),
         };
