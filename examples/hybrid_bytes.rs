@@ -92,7 +92,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             keys[r].iter().map(|k| layout.group_key(g, k)).collect()
         };
         let mut pages = Vec::new();
-        for (g, arena) in arenas.iter().enumerate().take(layout.groups().len()) {
+        for (g, arena) in arenas.iter().enumerate() {
             let need = layout.needed(g, blocks);
             let p: Vec<u64> = (0..need.len() as u64).collect();
             arena.fill(&p, &group_keys(g, need.clone()))?;

@@ -272,7 +272,7 @@ impl VictimOrder {
                     marks: MarkStack::new(n as u32),
                     state: Mutex::new(State {
                         heaps: Vec::new(),
-                        stamp: vec![0; n].into_boxed_slice(),
+                        stamp: crate::sync::table(n, |_| 0),
                         entries: 0,
                         aside: Vec::new(),
                     }),

@@ -106,7 +106,14 @@ pub(crate) struct Fifo {
 impl Fifo {
     pub(crate) fn new(capacity: u32) -> Self {
         let c = capacity as usize;
-        Fifo { newer: vec![NIL; c], older: vec![NIL; c], member: vec![false; c], newest: NIL, oldest: NIL, len: 0 }
+        Fifo {
+            newer: vec![NIL; c],
+            older: vec![NIL; c],
+            member: crate::sync::table(c, |_| false).into_vec(),
+            newest: NIL,
+            oldest: NIL,
+            len: 0,
+        }
     }
 
     /// True if `s` is queued here.

@@ -54,7 +54,7 @@ impl S3Fifo {
                 main: Fifo::new(capacity),
                 ghost,
                 log_head: 0,
-                from_small: vec![false; capacity as usize],
+                from_small: crate::sync::table(capacity as usize, |_| false).into_vec(),
             }),
         }
     }

@@ -30,15 +30,18 @@
 /// `remote` only. This macro is the one place that feature splits the tier's code paths, so the
 /// flavours' arms sit side by side in each method and nowhere else.
 macro_rules! match_flavor {
-    ($on:expr, $local:pat => $l:expr $(, $remote:pat => $r:expr)* $(,)?) => {
-        match $on {
+    ($on:expr, $local:pat => $l:expr $(, $remote:pat => $r:expr)* $(,)?) => {{
+        // Without `remote` the match has one arm, which clippy would have written as a `let`.
+        #[allow(clippy::infallible_destructuring_match)]
+        let matched = match $on {
             $local => $l,
             $(
                 #[cfg(all(feature = "remote", not(loom)))]
                 $remote => $r,
             )*
-        }
-    };
+        };
+        matched
+    }};
 }
 
 pub(crate) mod chain;

@@ -53,7 +53,7 @@ impl DiskLru {
         DiskLru {
             prev: vec![NIL; n as usize],
             next: vec![NIL; n as usize],
-            listed: vec![false; n as usize],
+            listed: crate::sync::table(n as usize, |_| false).into_vec(),
             head: NIL,
             tail: NIL,
             len: 0,
