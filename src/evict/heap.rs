@@ -70,13 +70,8 @@ impl<T: Ord + Copy> QuadHeap<T> {
             // The next level is the children of whichever child wins here: start loading all
             // four candidates' children now, so the miss on the deep levels of a large heap
             // overlaps this level's comparisons instead of following them.
-            for c in first..end {
-                let g = 4 * c + 1;
-                if g < n {
-                    crate::sync::prefetch_read(&self.v[g]);
-                } else {
-                    break;
-                }
+            for g in (first..end).map(|c| 4 * c + 1).take_while(|&g| g < n) {
+                crate::sync::prefetch_read(&self.v[g]);
             }
             let mut m = first;
             for c in first + 1..end {

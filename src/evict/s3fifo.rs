@@ -39,8 +39,7 @@ impl S3Fifo {
     /// An S3-FIFO for `capacity` slots (small FIFO: 10% of them, at least 1).
     pub(crate) fn new(capacity: u32) -> Self {
         let ghost_len = (Self::GHOST_FACTOR * capacity.max(1) as u64).next_power_of_two() as usize;
-        let mut ghost = vec![0; ghost_len];
-        crate::sync::prefault(&mut ghost);
+        let ghost = crate::sync::table(ghost_len, |_| 0u64).into_vec();
         S3Fifo {
             ghost_at: ghost.as_ptr() as usize,
             ghost_mask: ghost_len - 1,
