@@ -185,7 +185,10 @@ class Tier:
         peer_listen: Optional[str] = None,  # host:port (port 0: any free one)
         peer_timeout_s: float = 2.0,
         peer_pinned_blocks: Optional[int] = None,
+        serve: Optional[Union[str, "os.PathLike[str]"]] = None,  # Unix socket to serve the pool on
     ) -> None: ...
+    @property
+    def served(self) -> Optional[str]: ...
     def attach_cuda(
         self, device: int, tensors: Sequence[Any], *, layout: str = "tokens", cuda_options: Optional[Dict[str, Any]] = None
     ) -> Rank: ...

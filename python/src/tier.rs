@@ -88,25 +88,32 @@ pub(crate) fn parse_policy(policy: &str) -> PyResult<PolicyKind> {
 ///   verified, in the same lease (`Lease.promoted`).
 /// - `ssd_io`: `direct` (`O_DIRECT` where the filesystem takes it, the default) or `buffered`.
 /// - `ssd_read_depth`: reads in flight while a query promotes blocks (1 to 1,024; default 8).
+/// - `serve`: a Unix socket path (str or `os.PathLike`) to serve this tier's pool on, as `kvtierd`
+///   does, from a thread of this process: other processes of the same user `kvtier.connect(path)`
+///   and share the pool while this process lives (the pool is then in shared memory, 4 KiB pages
+///   unless hugepages are reserved). What a single vLLM engine's connector uses instead of a daemon.
 ///
 /// Raises: `PoolTooSmallError` (not one slot), `HugePagesUnavailableError`, `PoolMapError`,
 /// `PoolSyscallError`, `NoSuchNumaNodeError`, `TooManySlotsError`, `ConfigError` (unknown policy or
 /// backing name; an SSD file too small for one block, a bad `ssd_*` option, `ssd_*` options
 /// without `ssd`, a path that holds no kvtier file, no space for the file, an I/O error opening
 /// it), `GeometryMismatchError` (an SSD file made for another geometry, namespace or size; the
-/// file is left as it was).
+/// file is left as it was); with `serve`, `ConfigError` (a daemon already listens at the path, the
+/// path is taken or its directory is not this user's).
 #[pyclass(module = "kvtier", name = "Tier", frozen)]
 pub struct PyTier {
     inner: HostTier,
     /// The peer roles `peers=` and `peer_listen=` started (feature `peers`).
     peers: Option<crate::peers::TierPeers>,
+    /// The Unix socket `serve=` serves this tier's pool on, or None.
+    served: Option<std::path::PathBuf>,
 }
 
 impl PyTier {
     /// A `Tier` over `inner` (for a hybrid tier's group: a clone of that group's `HostTier`,
     /// which shares its pool, index and counters).
     pub(crate) fn wrap(inner: HostTier) -> Self {
-        PyTier { inner, peers: None }
+        PyTier { inner, peers: None, served: None }
     }
 }
 
@@ -285,7 +292,7 @@ pub fn connect(py: Python<'_>, path: Option<std::path::PathBuf>, geometry: Optio
             None => HostTier::connect(&path),
         })
         .py()?;
-    Ok(PyTier { inner, peers: None })
+    Ok(PyTier { inner, peers: None, served: None })
 }
 
 /// The socket path `kvtierd` listens on when started without `--socket`, and `connect()`'s default:
@@ -325,6 +332,19 @@ pub fn _serve(
     Ok(())
 }
 
+/// A tier over `cfg` with its pool in shared memory, served on the Unix socket `path` from a
+/// thread of this process (`Tier(serve=path)`), with the daemon's default limits. The server
+/// thread lives as long as the process; the socket it leaves behind is replaced by the next bind.
+fn serve_tier(path: &std::path::Path, cfg: TierConfig) -> PyResult<HostTier> {
+    let tier = HostTier::new_shared(cfg).py()?;
+    let server = kvtier::Server::bind(path, tier.clone()).py()?;
+    std::thread::Builder::new()
+        .name("kvtier-serve".into())
+        .spawn(move || server.run())
+        .map_err(|e| config_error(format!("spawning the server thread: {e}")))?;
+    Ok(tier)
+}
+
 /// A `kvtier._tensors.ArenaWatch` over `tensors` (every tensor, not the caller's list, which it
 /// may change), built before the rank so a tensor that cannot be watched attaches nothing.
 fn arena_watch(py: Python<'_>, tensors: &Bound<'_, PyAny>, views: &[ArenaView]) -> PyResult<Py<PyAny>> {
@@ -341,7 +361,7 @@ fn new_rank(rank: Rank, watch: Py<PyAny>, device: Option<u32>) -> PyRank {
 impl PyTier {
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
-    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None, peers = None, peer_listen = None, peer_timeout_s = 2.0, peer_pinned_blocks = None))]
+    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None, peers = None, peer_listen = None, peer_timeout_s = 2.0, peer_pinned_blocks = None, serve = None))]
     fn new(
         py: Python<'_>,
         geometry: &PyGeometry,
@@ -360,6 +380,7 @@ impl PyTier {
         peer_listen: Option<&str>,
         peer_timeout_s: f64,
         peer_pinned_blocks: Option<usize>,
+        serve: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let ssd = parse_ssd(ssd, SsdOptions { admit_uses: ssd_admit_uses, io: ssd_io, read_depth: ssd_read_depth })?;
         let mut cfg = TierConfig::new(geometry.inner.clone(), pool_bytes);
@@ -382,7 +403,11 @@ impl PyTier {
             pool = pool.with_numa_node(node);
         }
         let cfg = cfg.with_pool(pool);
-        let inner = py.detach(|| HostTier::new(cfg)).py()?;
+        let inner = match &serve {
+            // The pool in shared memory, so the processes that connect can map its slots.
+            Some(path) => py.detach(|| serve_tier(path, cfg))?,
+            None => py.detach(|| HostTier::new(cfg)).py()?,
+        };
         let options = crate::peers::PeerOptions {
             peers,
             listen: peer_listen,
@@ -390,7 +415,13 @@ impl PyTier {
             pinned_blocks: peer_pinned_blocks,
         };
         let peers = py.detach(|| crate::peers::start(&inner, options))?;
-        Ok(PyTier { inner, peers })
+        Ok(PyTier { inner, peers, served: serve })
+    }
+
+    /// The Unix socket this tier serves its pool on (`serve=`), or None.
+    #[getter]
+    fn served(&self) -> Option<std::path::PathBuf> {
+        self.served.clone()
     }
 
     /// Attaches one GPU's paged KV tensors as a rank (a copy backend on CUDA device `device`).

@@ -1,0 +1,270 @@
+"""``KvtierConnector``: kvtier as a vLLM v1 KV connector (imports vLLM; loaded by vLLM).
+
+The two halves live in vLLM's two processes: the scheduler side (EngineCore) decides which
+blocks come from the pool and which are saved to it (:class:`~kvtier.vllm.scheduler.SchedulerPlanner`),
+the worker side moves the bytes (:class:`~kvtier.vllm.worker.WorkerTransfers`). Both reach one
+pool: a running ``kvtierd`` (``"socket"`` in ``kv_connector_extra_config``), shared by every
+engine on the host, or without one an in-process pool that the engine's first worker makes and
+serves on a private socket for its own scheduler and other workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from .. import _kvtier
+from ..errors import ConfigError
+from .config import ConnectorConfig
+from .plan import StepPlan
+from .scheduler import SchedulerPlanner
+from .worker import WorkerTransfers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierWorkerMetadata", "engine_facts"]
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """One step's restore and save orders, scheduler -> workers."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: the requests whose sync restores are over (their leases can go)."""
+
+    loaded: Set[str] = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KvtierWorkerMetadata":
+        if isinstance(other, KvtierWorkerMetadata):
+            return KvtierWorkerMetadata(self.loaded | other.loaded)
+        return self
+
+
+def engine_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Dict[str, Any]:
+    """What makes two engines' blocks interchangeable (folded into every key's namespace).
+
+    Raises: ``ConfigError`` for what the connector does not support yet (several KV cache groups
+    of a hybrid model, pipeline parallelism).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"kvtier's vLLM connector supports one KV cache group; this model has {len(groups)} (a hybrid model: "
+            "sliding-window or state layers beside full attention)"
+        )
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise ConfigError(f"kvtier's vLLM connector does not support pipeline parallelism yet (size {pc.pipeline_parallel_size})")
+    spec = groups[0].kv_cache_spec
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    try:
+        from vllm.platforms import current_platform
+
+        platform = str(current_platform.device_type)
+    except Exception:  # noqa: BLE001 - a platform vLLM cannot name still has a layout below
+        platform = "unknown"
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        layout = str(get_kv_cache_layout())
+    except Exception:  # noqa: BLE001
+        layout = "default"
+    return {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "dtype": str(mc.dtype),
+        "cache_dtype": str(cc.cache_dtype),
+        "block_size": int(spec.block_size),
+        "spec": type(spec).__name__,
+        "page_bytes": int(spec.page_size_bytes),
+        "layers": len(groups[0].layer_names),
+        "platform": platform,
+        "layout": layout,
+    }
+
+
+def _socket_path(config: ConnectorConfig, vllm_config: "VllmConfig") -> str:
+    if config.socket is not None:
+        return config.socket
+    engine = vllm_config.kv_transfer_config.engine_id
+    dp = vllm_config.parallel_config.data_parallel_rank
+    return os.path.join(os.path.dirname(_kvtier.default_socket_path()), f"vllm-{engine}-dp{dp}.sock")
+
+
+def _salt(request: "Request") -> bytes:
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt:{salt}")
+    return "|".join(parts).encode()
+
+
+def _multimodal(request: "Request") -> bool:
+    return bool(getattr(request, "mm_features", None))
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """kvtier's vLLM connector. Load it with::
+
+        --kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pool": "8GiB"}}'
+
+    ``kv_role``: ``kv_both`` (restore and save), ``kv_producer`` (save only: a prefill
+    instance), ``kv_consumer`` (restore only: a decode instance). ``kv_connector_extra_config``:
+    see :class:`~kvtier.vllm.config.ConnectorConfig`. vLLM's ``kv_load_failure_policy`` is set to
+    ``recompute``: a block the tier cannot restore is computed again, never a failed request.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        if ktc.kv_role == "kv_producer":
+            config = _replace(config, load=False)
+        elif ktc.kv_role == "kv_consumer":
+            config = _replace(config, save=False)
+        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            log.info("kvtier: kv_load_failure_policy set to 'recompute' (a block the tier cannot restore is recomputed)")
+            ktc.kv_load_failure_policy = "recompute"
+        self._config = config
+        self._facts = engine_facts(vllm_config, kv_cache_config)
+        self._block_size = self._facts["block_size"]
+        self._socket = _socket_path(config, vllm_config)
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._planner: Optional[SchedulerPlanner] = None
+        self._worker: Optional[WorkerTransfers] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = SchedulerPlanner(config, self._facts, self._block_size, self._tp_size, self._socket)
+        log.info("kvtier: %s side, pool at %s (%s)", role.name.lower(), self._socket, "kvtierd" if config.socket else "in-process")
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+        self._worker = WorkerTransfers(
+            self._config, self._facts, self._block_size, tp_rank, self._tp_size, self._socket,
+            serve=self._config.socket is None and tp_rank == 0,
+        )
+        self._worker.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def _stream(self) -> Any:
+        w = self._worker
+        return torch.cuda.current_stream() if w is not None and w.device is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        stream = self._stream()
+        self._worker.start(meta.plan, stream)
+        self._worker.wait_loads(stream)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # A sync restore is ordered before the forward in start_load_kv (a stream wait on CUDA).
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # Blocks are saved whole when their request ends (wait_for_save), not layer by layer.
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        self._worker.save(meta.plan, self._stream())
+
+    def get_finished(self, finished_req_ids: Set[str]):
+        if self._worker is None:
+            return None, None
+        sending, recving = self._worker.finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._worker.take_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        if self._worker is None:
+            return None
+        loaded = self._worker.take_loaded()
+        return KvtierWorkerMetadata(loaded) if loaded else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._planner is not None:
+            self._planner.close()
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        assert self._planner is not None
+        n = self._planner.match(
+            request.request_id, request.all_token_ids, num_computed_tokens, _salt(request), _multimodal(request)
+        )
+        return n, n > 0 and self._config.load_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._planner is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._planner.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._planner is not None
+        return KvtierConnectorMetadata(self._planner.take_plan())
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._planner is not None
+        self._planner.saved(set(connector_output.finished_sending or ()))
+        done = set(connector_output.finished_recving or ())
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata):
+            done |= meta.loaded
+        self._planner.loaded(done)
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        assert self._planner is not None
+        delay = self._planner.finished(
+            request.request_id, request.all_token_ids, request.num_computed_tokens, block_ids, _salt(request),
+            _multimodal(request),
+        )
+        return delay, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: the pool is shared and outlives
+        this engine, so nothing is dropped; True."""
+        return True
+
+
+def _replace(config: ConnectorConfig, **changes: Any) -> ConnectorConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)

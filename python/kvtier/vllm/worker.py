@@ -1,0 +1,271 @@
+"""The worker side of the vLLM connector, callable without vLLM.
+
+:class:`WorkerTransfers` owns one rank of the pool over the worker's KV tensors and carries out a
+step's :class:`~kvtier.vllm.plan.StepPlan`: restores before the forward that reads them, saves of
+finished requests' blocks, and the completions vLLM polls (``finished_sending``,
+``finished_recving``, the block ids whose restore failed). Everything here takes plain Python
+data and torch tensors, so the copy logic runs and is tested where vLLM cannot be installed
+(``python/tests/test_vllm_worker.py``, on a CPU and on a GPU).
+
+Failures never reach the engine: a block that could not be restored is reported for vLLM to
+recompute; a save that fails is a future miss (its request is reported finished so vLLM frees
+the blocks); a lost daemon is reconnected (``PoolLink``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from .. import _kvtier
+from .._tensors import describe
+from ..errors import BackendMismatchError, ConfigError, GeometryError, KvtierError
+from .config import ConnectorConfig
+from .keys import shard_namespace
+from .layout import ArenaSpec, arenas_of, byte_views, layer_order
+from .link import PoolLink
+from .plan import LoadSpec, SaveSpec, StepPlan
+
+__all__ = ["WorkerTransfers", "daemon_command"]
+
+log = logging.getLogger("kvtier.vllm")
+
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: List[int]
+    handle: Optional[Any]
+
+
+def daemon_command(geometry: Any, pool: str = "8GiB") -> str:
+    """The ``kvtierd`` command line whose pool fits ``geometry``'s blocks (what the connector
+    prints when a daemon's layout does not match the engine's)."""
+    arenas = " ".join(f"--arena {a['name']}:{a['bytes_per_page']}" for a in geometry.arenas)
+    return f"kvtierd --model {geometry.model} --page-tokens {geometry.page_tokens} {arenas} --pool {pool}"
+
+
+class WorkerTransfers:
+    """One worker's copies between vLLM's KV tensors and the pool.
+
+    ``facts``: the engine facts the keys' namespace folds (``kvtier.vllm.keys``);
+    ``tp_rank`` / ``tp_size``: this worker's tensor-parallel shard; ``socket``: where the pool is
+    served (a kvtierd, or the in-process pool of the engine's first worker); ``serve``: True on the
+    worker that makes the in-process pool (no daemon) and serves it on ``socket``.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        facts: Mapping[str, Any],
+        block_size: int,
+        tp_rank: int,
+        tp_size: int,
+        socket: str,
+        serve: bool,
+    ):
+        self.config = config
+        self.block_size = block_size
+        self.socket = socket
+        self.serve = serve
+        self.shard = shard_namespace(facts, tp_rank, tp_size)
+        self.geometry: Optional[Any] = None
+        self.device: Optional[int] = None
+        self._views: List[Any] = []
+        self._tier: Optional[Any] = None  # the in-process pool (serve=True)
+        self.link: Optional[PoolLink] = None
+        self._loads: Dict[str, _Load] = {}  # async restores in flight
+        self._sync: List[_Load] = []  # this step's sync restores, until waited for
+        self._saves: Dict[str, Any] = {}  # req_id -> SaveTicket, or None when nothing copies
+        self._finished: Set[str] = set()  # req ids vLLM has said finished
+        self._errors: Set[int] = set()
+        self._loaded: Set[str] = set()  # sync restores done this step (worker meta)
+        self.stats = {"restored_blocks": 0, "saved_blocks": 0, "load_errors": 0, "save_errors": 0}
+
+    # ---- registration ----
+
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        """Takes vLLM's per-layer KV tensors (``{layer_name: tensor}``, ``num_blocks`` blocks
+        each) as the arenas of one rank and opens the pool.
+
+        Raises: ``UnsupportedLayoutError`` (a layout whose blocks cannot move whole),
+        ``ConfigError`` (tensors on several devices; an in-process pool that cannot be made).
+        """
+        names = layer_order(list(kv_caches))
+        by_layer: Dict[str, List[ArenaSpec]] = {}
+        for i, name in enumerate(names):
+            by_layer[name] = arenas_of(name, i, kv_caches[name], num_blocks)
+        devices = {describe(kv_caches[n]).device for n in names}
+        if len(devices) != 1:
+            raise ConfigError(f"vLLM's KV tensors are on several devices: {sorted(devices)}")
+        kind, index = devices.pop()
+        self.device = index if kind == "cuda" else None
+        if kind == "cuda" and index is None:
+            raise ConfigError("a CUDA KV tensor without a device index")
+        specs = [s for n in names for s in by_layer[n]]
+        self._views = byte_views(kv_caches, by_layer)
+        arena_names = [f"L{s.layer}" + (f".{k}" if len(by_layer[n]) > 1 else "") for n in names for k, s in enumerate(by_layer[n])]
+        g = _kvtier.Geometry.from_tensors(self._views, model="vllm", page_tokens=self.block_size, names=arena_names, layout="pages")
+        self.geometry = g.with_layers([s.layer for s in specs])
+        if self.serve:
+            c = self.config
+            self._tier = _kvtier.Tier(
+                self.geometry, c.pool_bytes, c.policy, backing="auto", lease_ttl_s=c.lease_ttl_s, serve=self.socket
+            )
+            log.info("kvtier: serving a %d-block pool (%d B a block) on %s", self._tier.capacity, self.geometry.slot_bytes, self.socket)
+            self.link = PoolLink(f"the pool at {self.socket}", lambda: self._attach(self._tier), self.config.reconnect_s)
+        else:
+            self.link = PoolLink(f"the pool at {self.socket}", self._connect, self.config.reconnect_s)
+        self.link.get()
+
+    def _connect(self) -> Tuple[Any, Any]:
+        tier = _kvtier.connect(self.socket)
+        return self._attach(tier)
+
+    def _attach(self, tier: Any) -> Tuple[Any, Any]:
+        try:
+            if self.device is None:
+                rank = tier.attach_host(self._views, layout="pages")
+            else:
+                rank = tier.attach_cuda(self.device, self._views, layout="pages")
+        except (BackendMismatchError, GeometryError) as e:
+            raise ConfigError(
+                f"the pool at {self.socket} holds blocks of another layout ({e}); start kvtierd for this engine with: "
+                f"{daemon_command(self.geometry)}"
+            ) from e
+        return tier, rank
+
+    # ---- a step ----
+
+    def start(self, plan: StepPlan, stream: Any = None) -> None:
+        """Starts the plan's restores (``stream``: the CUDA stream the forward runs on, whose
+        queued work the restores wait for; None on a CPU). Sync restores are waited for in
+        :meth:`wait_loads`; async ones are polled by :meth:`finished`."""
+        for spec in plan.loads:
+            load = _Load(spec.req_id, list(spec.block_ids), self._restore(spec, stream))
+            if self.config.load_async:
+                self._loads[spec.req_id] = load
+            else:
+                self._sync.append(load)
+
+    def _restore(self, spec: LoadSpec, stream: Any) -> Optional[Any]:
+        pool = self.link.get() if self.link else None
+        if pool is None or not self.config.load:
+            self._fail(spec.block_ids, "no pool")
+            return None
+        tier, rank = pool
+        try:
+            keys = self.shard.keys(spec.keys)
+            with tier.query(keys) as lease:
+                n = len(lease)
+                if n < len(keys):
+                    self._fail(spec.block_ids[n:], f"{len(keys) - n} of {len(keys)} blocks no longer in the pool")
+                if n == 0:
+                    return None
+                handle = rank.restore(lease, spec.block_ids[:n], after_stream=stream)
+            self.stats["restored_blocks"] += n
+            return (handle, spec.block_ids[:n])
+        except KvtierError as e:
+            self.link.failed(e)
+            self._fail(spec.block_ids, str(e))
+            return None
+
+    def wait_loads(self, stream: Any = None) -> None:
+        """Makes this step's sync restores visible to the forward: on a CUDA rank the stream
+        waits for them (no host sync); on a CPU rank this thread does."""
+        for load in self._sync:
+            if load.handle is not None:
+                handle, blocks = load.handle
+                try:
+                    if stream is not None and self.device is not None:
+                        handle.stream_wait(stream)
+                    else:
+                        handle.wait()
+                except KvtierError as e:
+                    self._fail(blocks, str(e))
+            self._loaded.add(load.req_id)
+        self._sync.clear()
+
+    def save(self, plan: StepPlan, stream: Any = None) -> None:
+        """Starts the plan's saves (after ``stream``'s queued work on a CUDA rank)."""
+        for spec in plan.saves:
+            self._saves[spec.req_id] = self._save(spec, stream)
+
+    def _save(self, spec: SaveSpec, stream: Any) -> Optional[Any]:
+        pool = self.link.get() if self.link else None
+        if pool is None or not self.config.save or not spec.keys:
+            return None
+        tier, rank = pool
+        try:
+            ticket = rank.save(self.shard.keys(spec.keys), spec.block_ids, after_stream=stream, fit="prefix", prefix_depth=0)
+            self.stats["saved_blocks"] += len(ticket.saving)
+            return ticket
+        except KvtierError as e:
+            self.link.failed(e)
+            self.stats["save_errors"] += 1
+            log.debug("kvtier: save of %s skipped: %s", spec.req_id, e)
+            return None
+
+    def finished(self, finished_req_ids: Sequence[str]) -> Tuple[Set[str], Set[str]]:
+        """(requests whose saves are over, requests whose async restores are over), each
+        reported once. A save is over when its copy landed or failed; a request is reported only
+        once vLLM named it finished (this call or an earlier one)."""
+        self._finished.update(finished_req_ids)
+        sending = set()
+        for req_id in list(self._saves):
+            if req_id not in self._finished:
+                continue
+            ticket = self._saves[req_id]
+            if ticket is not None:
+                try:
+                    if not ticket.done():
+                        continue
+                    ticket.wait(0)
+                except KvtierError as e:
+                    self.stats["save_errors"] += 1
+                    log.debug("kvtier: save of %s failed: %s", req_id, e)
+            del self._saves[req_id]
+            self._finished.discard(req_id)
+            sending.add(req_id)
+        recving = set()
+        for req_id, load in list(self._loads.items()):
+            if load.handle is not None:
+                handle, blocks = load.handle
+                try:
+                    if not handle.done():
+                        continue
+                    handle.wait(0)
+                except KvtierError as e:
+                    self._fail(blocks, str(e))
+            del self._loads[req_id]
+            recving.add(req_id)
+        self._finished -= recving
+        return sending, recving
+
+    def take_errors(self) -> Set[int]:
+        """Block ids whose restore failed since the last call (vLLM recomputes them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_loaded(self) -> Set[str]:
+        """Requests whose sync restores this worker finished since the last call."""
+        loaded, self._loaded = self._loaded, set()
+        return loaded
+
+    def _fail(self, block_ids: Sequence[int], why: str) -> None:
+        if block_ids:
+            self._errors.update(block_ids)
+            self.stats["load_errors"] += len(block_ids)
+            log.debug("kvtier: %d blocks not restored (vLLM recomputes them): %s", len(block_ids), why)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Waits for the copies in flight (at most ``timeout`` s), then closes the rank."""
+        pool = self.link.get() if self.link else None
+        if pool is not None:
+            try:
+                pool[1].close(timeout)
+            except KvtierError as e:
+                log.warning("kvtier: closing the rank: %s", e)
+        if self.link:
+            self.link.close()
