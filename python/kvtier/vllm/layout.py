@@ -14,10 +14,11 @@ FlashInfer (NHD / HND)  ``[blocks, 2, block_size, kv_heads, head]`` 1 (K then V 
 MLA                     ``[blocks, block_size, 656]`` (fp8) etc.    1
 ======================  =========================================  ===========================
 
-The rule behind the table: the block dimension is the dimension of size ``num_blocks`` with the
-largest stride that still leaves every smaller-stride dimension packed densely below it (a
-block's bytes are contiguous: ``bytes_per_page``, every stride in bytes); each index of a
-dimension with a larger stride (FlashAttention's K/V) is an arena of its own. A layout with a
+The rule behind the table: the block dimension is the one dimension of size ``num_blocks`` whose
+smaller-stride dimensions pack densely below it (a block's bytes are contiguous:
+``bytes_per_page``, a multiple of 16, every stride in bytes) and whose larger-stride dimensions
+lie wholly above all of its blocks; each index of such a dimension (FlashAttention's K/V) is an
+arena of its own. A layout with a
 block's bytes not contiguous, arenas that overlap, or an alignment below 16 bytes is refused with
 :class:`UnsupportedLayoutError` at start: never a copy of the wrong bytes.
 """
@@ -81,7 +82,11 @@ def arenas_of(name: str, layer: int, tensor: Any, num_blocks: int) -> List[Arena
     for d in (d for d in dims if shape[d] == num_blocks):
         inner = [i for i in dims if i != d and strides[i] < strides[d]]
         dense = _dense_bytes(shape, strides, inner, info.itemsize)
-        if dense is not None and dense <= strides[d]:
+        if dense is None or dense > strides[d] or dense % 16:
+            continue
+        # Every other dimension lies wholly above the blocks (an arena each), never between them.
+        span = strides[d] * (num_blocks - 1) + dense
+        if all(strides[o] >= span for o in dims if o != d and o not in inner and shape[o] > 1):
             fits.append((d, inner, dense))
     if len(fits) > 1:
         raise UnsupportedLayoutError(

@@ -15,6 +15,7 @@ the blocks); a lost daemon is reconnected (``PoolLink``).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -81,6 +82,9 @@ class WorkerTransfers:
         self._finished: Set[str] = set()  # req ids vLLM has said finished
         self._errors: Set[int] = set()
         self._loaded: Set[str] = set()  # sync restores done this step (worker meta)
+        # Fault injection for the connector's own tests: `restore-fails` reports every restored
+        # block as failed after its copy (vLLM must recompute them and give the same tokens).
+        self._fault = os.environ.get("KVTIER_VLLM_FAULT", "")
         self.stats = {"restored_blocks": 0, "saved_blocks": 0, "load_errors": 0, "save_errors": 0}
 
     # ---- registration ----
@@ -182,6 +186,8 @@ class WorkerTransfers:
                         handle.stream_wait(stream)
                     else:
                         handle.wait()
+                    if self._fault == "restore-fails":
+                        self._fail(blocks, "injected by KVTIER_VLLM_FAULT")
                 except KvtierError as e:
                     self._fail(blocks, str(e))
             self._loaded.add(load.req_id)
@@ -236,6 +242,8 @@ class WorkerTransfers:
                     if not handle.done():
                         continue
                     handle.wait(0)
+                    if self._fault == "restore-fails":
+                        self._fail(blocks, "injected by KVTIER_VLLM_FAULT")
                 except KvtierError as e:
                     self._fail(blocks, str(e))
             del self._loads[req_id]
