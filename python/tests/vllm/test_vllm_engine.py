@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import kvtier
 
-from conftest import Daemon, run_engine
+from support import Daemon, run_engine
 
 BLOCK = 32
 
