@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Docs that cannot drift: the repository paths that README.md and docs/*.md name exist, and
-# docs/design.md's module map lists exactly the source files there are.
+# Docs that cannot drift: the repository paths that README.md and docs/*.md name exist,
+# docs/design.md's module map lists exactly the source files there are, and every figure of
+# docs/benchmarks.md says where it comes from.
 #
 # Usage: ci/docs-paths.sh [--report]   (prints each mismatch; exits 1 on any, 0 with --report)
 #
-# 1. Named paths. In README.md, docs/*.md and docs/results/README.md, every inline code span (`...`), every fenced code block
-#    of a shell language (sh, bash, shell, console) and every link target ([..](target)) is read as
-#    words; a word that starts with one of the top-level folders src/ cuda/ tests/ benches/
-#    loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/ (optionally after ./) is a path and must
-#    exist in the repository (tracked or not ignored). A link target that is a relative path (not a
+# 1. Named paths. In README.md, docs/*.md and docs/results/README.md, every inline code span
+#    (`...`), every fenced code block of a shell language (sh, bash, shell, console) and every
+#    link target ([..](target)) is read as words; a word that starts with one of the top-level
+#    folders src/ cuda/ tests/ benches/ loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/
+#    (optionally after ./) is a path and must exist in the repository (tracked or not ignored). A link target that is a relative path (not a
 #    URL, not only an #anchor) must exist too, resolved from the page's folder. Syntax:
 #    - `path::name` (a test or item in that file), `path:LINE`, `path:LINE-LINE` and `#anchor`
 #      suffixes are dropped before the check;
@@ -16,7 +17,7 @@
 #      alternatives (src/evict/{sieve,s3fifo}.rs); a glob must match at least one path;
 #    - placeholders: `<name>` stands for one segment or part of one (fuzz/corpus/<target>/),
 #      `...` as a whole segment for any number of segments (tests/.../mod.rs) and inside a
-#      segment for any text (docs/bench-...md);
+#      segment for any text (docs/results/bench-...md);
 #    - a word whose first folder is not one of those above (target/, /tmp/, crate-relative
 #      paths) is not checked: write crate files from the repository root (cli/src/trace.rs).
 # 2. The module map. docs/design.md's table with the columns `crate | module | what` (an empty crate
