@@ -9,8 +9,9 @@
 #    (`...`), every fenced code block of a shell language (sh, bash, shell, console) and every
 #    link target ([..](target)) is read as words; a word that starts with one of the top-level
 #    folders src/ cuda/ tests/ benches/ loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/
-#    (optionally after ./) is a path and must exist in the repository (tracked or not ignored). A link target that is a relative path (not a
-#    URL, not only an #anchor) must exist too, resolved from the page's folder. Syntax:
+#    (optionally after ./) is a path and must exist in the repository (tracked or not ignored). A
+#    link target that is a relative path (not a URL, not only an #anchor) must exist too, resolved
+#    from the page's folder. Syntax:
 #    - `path::name` (a test or item in that file), `path:LINE`, `path:LINE-LINE` and `#anchor`
 #      suffixes are dropped before the check;
 #    - globs: `*`, `?`, `[abc]` within a segment, `**` for any number of segments, `{a,b}` for
