@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Docs that cannot drift: the repository paths that README.md and docs/*.md name exist, and
-# docs/design.md's module map lists exactly the source files there are.
+# Docs that cannot drift: the repository paths that README.md and docs/*.md name exist,
+# docs/design.md's module map lists exactly the source files there are, and every figure of
+# docs/benchmarks.md says where it comes from.
 #
 # Usage: ci/docs-paths.sh [--report]   (prints each mismatch; exits 1 on any, 0 with --report)
 #
-# 1. Named paths. In README.md and docs/*.md, every inline code span (`...`), every fenced code block
-#    of a shell language (sh, bash, shell, console) and every link target ([..](target)) is read as
-#    words; a word that starts with one of the top-level folders src/ cuda/ tests/ benches/
-#    loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/ (optionally after ./) is a path and must
-#    exist in the repository (tracked or not ignored). A link target that is a relative path (not a
-#    URL, not only an #anchor) must exist too, resolved from the page's folder. Syntax:
+# 1. Named paths. In README.md, docs/*.md and docs/results/README.md, every inline code span
+#    (`...`), every fenced code block of a shell language (sh, bash, shell, console) and every
+#    link target ([..](target)) is read as words; a word that starts with one of the top-level
+#    folders src/ cuda/ tests/ benches/ loom-tests/ fuzz/ ci/ examples/ daemon/ cli/ python/
+#    (optionally after ./) is a path and must exist in the repository (tracked or not ignored). A
+#    link target that is a relative path (not a URL, not only an #anchor) must exist too, resolved
+#    from the page's folder. Syntax:
 #    - `path::name` (a test or item in that file), `path:LINE`, `path:LINE-LINE` and `#anchor`
 #      suffixes are dropped before the check;
 #    - globs: `*`, `?`, `[abc]` within a segment, `**` for any number of segments, `{a,b}` for
 #      alternatives (src/evict/{sieve,s3fifo}.rs); a glob must match at least one path;
 #    - placeholders: `<name>` stands for one segment or part of one (fuzz/corpus/<target>/),
 #      `...` as a whole segment for any number of segments (tests/.../mod.rs) and inside a
-#      segment for any text (docs/bench-...md);
+#      segment for any text (docs/results/bench-...md);
 #    - a word whose first folder is not one of those above (target/, /tmp/, crate-relative
 #      paths) is not checked: write crate files from the repository root (cli/src/trace.rs).
 # 2. The module map. docs/design.md's table with the columns `crate | module | what` (an empty crate
@@ -31,6 +33,13 @@
 #    - every `.rs` file of the crate's src/ other than the crate root (lib.rs) is listed: `x.rs` by
 #      the module `x`, `x/mod.rs` by the module `x` or `x/`, any other `x/y.rs` by `y.rs` in x's row
 #      or by `x/y.rs` in any row of that crate.
+# 3. Figure rows. In docs/benchmarks.md, every table with a digit in a row below its header carries
+#    where its figures come from (the convention at the top of that page): either its header has the
+#    columns machine, date, commit, command and raw, each non-empty in every row, or a run line
+#    stands above it in its section (no heading in between): a paragraph that starts with `Run:`
+#    and names `machine:`, `date:` (followed by a YYYY-MM-DD date), `commit:` (followed by a short
+#    hexadecimal hash), `command:` (followed by a command in backticks) and `raw:` (followed by a
+#    link or `not kept`), in that order. A run line holds until the next heading or run line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python3 - "$@" <<'PY'
@@ -105,7 +114,7 @@ def clean(word):
 def is_repo_path(word):
     return any(word == r + "/" or word.startswith(r + "/") for r in ROOTS)
 
-docs = ["README.md"] + sorted(glob.glob("docs/*.md"))
+docs = ["README.md"] + sorted(glob.glob("docs/*.md")) + ["docs/results/README.md"]
 for doc in docs:
     text = open(doc, encoding="utf-8").read()
     lines = text.split("\n")
@@ -152,6 +161,79 @@ for doc in docs:
         else:
             para.append((n, line))
     paragraph()
+
+# ---------------------------------------------------------------- figure rows
+RUN_FIELDS = [("machine:", r"\s*\S"), ("date:", r"\s*20\d\d-\d\d-\d\d\b"), ("commit:", r"\s*[0-9a-f]{7,40}\b"),
+              ("command:", r"\s*`[^`]+`"), ("raw:", r"\s*(\[[^\]]+\]\([^)\s]+\)|not kept)")]
+SOURCE_COLUMNS = ["machine", "date", "commit", "command", "raw"]
+
+def run_line_problems(text):
+    """What a run line lacks: each field in order, each followed by what it must name."""
+    missing, pos = [], 0
+    for field, follows in RUN_FIELDS:
+        i = text.find(field, pos)
+        if i < 0:
+            missing.append(f"`{field}`")
+            continue
+        if not re.match(follows, text[i + len(field):]):
+            missing.append(f"`{field}` followed by " + {"date:": "a YYYY-MM-DD date", "commit:": "a hexadecimal hash",
+                                                        "command:": "a command in backticks", "raw:": "a link or `not kept`",
+                                                        "machine:": "a machine"}[field])
+        pos = i + len(field)
+    return missing
+
+bench = "docs/benchmarks.md"
+if os.path.exists(bench):
+    lines = open(bench, encoding="utf-8").read().split("\n")
+    cells = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]
+    run, run_at, fence, i = None, None, False, 0
+    tables = rows_checked = 0
+    while i < len(lines):
+        line = lines[i]
+        if re.match(r"^\s*(```|~~~)", line):
+            fence = not fence
+            i += 1
+            continue
+        if fence:
+            i += 1
+            continue
+        if re.match(r"^#{1,6}\s", line):
+            run, run_at = None, None
+        elif line.startswith("Run:"):
+            j = i
+            while j < len(lines) and lines[j].strip() and not lines[j].startswith("|"):
+                j += 1
+            run, run_at = " ".join(l.strip() for l in lines[i:j]), i + 1
+            for m in run_line_problems(run):
+                problems.append(f"{bench}:{run_at}: run line without {m}")
+            i = j
+            continue
+        elif line.strip().startswith("|"):
+            start = i
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                i += 1
+            header, body = cells(lines[start]), [cells(l) for l in lines[start + 2:i]]
+            if any(re.search(r"\d", c) for row in body for c in row):
+                tables += 1
+                cols = [h.lower() for h in header]
+                if all(c in cols for c in SOURCE_COLUMNS):
+                    for k, row in enumerate(body):
+                        rows_checked += 1
+                        for c in SOURCE_COLUMNS:
+                            idx = cols.index(c)
+                            if idx >= len(row) or not row[idx]:
+                                problems.append(f"{bench}:{start + 3 + k}: figure row without its {c}")
+                        d = row[cols.index("date")] if cols.index("date") < len(row) else ""
+                        if d and not re.match(r"20\d\d-\d\d-\d\d\b", d):
+                            problems.append(f"{bench}:{start + 3 + k}: date `{d}` is not YYYY-MM-DD")
+                elif run is None:
+                    problems.append(f"{bench}:{start + 1}: a table of figures with no run line above it in its section "
+                                    f"(`Run: machine: ... date: ... commit: ... command: ... raw: ...`) and no "
+                                    f"{', '.join(SOURCE_COLUMNS)} columns")
+                else:
+                    rows_checked += len(body)
+            continue
+        i += 1
 
 # ---------------------------------------------------------------- the module map
 def package_name(manifest):
@@ -239,7 +321,8 @@ for crate, rels in sorted(named.items()):
 
 if not problems:
     print(f"ok: every path named in {len(docs)} pages exists; docs/design.md's module map lists "
-          f"{', '.join(sorted(named))}'s source files exactly")
+          f"{', '.join(sorted(named))}'s source files exactly; every figure row of docs/benchmarks.md "
+          f"({rows_checked} rows in {tables} tables) names its machine, date, commit, command and raw output")
     sys.exit(0)
 for p in problems:
     print(p)
@@ -247,6 +330,6 @@ print(f"{len(problems)} mismatches between the docs and the tree (the rules: the
 if REPORT:
     print("(report only: --report)")
     sys.exit(0)
-print("FAIL: docs name paths that do not exist, or design.md's module map is out of date")
+print("FAIL: docs name paths that do not exist, design.md's module map is out of date, or a figure row of benchmarks.md lacks its source")
 sys.exit(1)
 PY

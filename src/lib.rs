@@ -242,3 +242,17 @@ pub mod internals {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The examples of the feature pages (the SSD tier, the daemon, hybrid models), compiled (and the
+/// ones not marked `no_run` run) as doctests, like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/ssd.md")]
+pub struct SsdDocDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/daemon.md")]
+pub struct DaemonDocDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/hybrid.md")]
+pub struct HybridDocDoctests;

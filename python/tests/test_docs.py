@@ -1,5 +1,5 @@
 """The Python examples of docs/python.md run as written (on CPU tensors here; on a GPU they use the
-CUDA rank)."""
+CUDA rank), and its quick start's CPU form runs with numpy alone."""
 
 import pathlib
 import re
@@ -18,15 +18,20 @@ def test_docs_python_examples_run():
         exec(compile(code, str(DOC), "exec"), {"__name__": "__doc_example__"})
 
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+def quick_start():
+    text = DOC.read_text()
+    start = text.index("\n## Quick start\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
 
 
-def test_the_readmes_first_python_example_runs_on_cpu_without_torch():
-    # The README shows the CPU form first: it must run here as written, with numpy only.
-    text = README.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) >= 2, "the README shows the CPU form and the GPU form"
-    cpu = blocks[0]
-    assert "torch" not in cpu and "cuda" not in cpu, cpu
-    assert "torch.cuda.current_stream()" in blocks[1]
-    exec(compile(cpu, str(README), "exec"), {"__name__": "__readme_example__"})
+def test_the_quick_starts_cpu_example_runs_without_torch():
+    # docs/python.md's quick start shows the CPU form first (`python`, run here as written with
+    # numpy only), then the GPU form (`py`: not run without a GPU).
+    section = quick_start()
+    cpu = re.findall(r"```python\n(.*?)```", section, re.S)
+    gpu = re.findall(r"```py\n(.*?)```", section, re.S)
+    assert len(cpu) == 1 and len(gpu) == 1, "the quick start shows the CPU form and the GPU form"
+    assert "torch" not in cpu[0] and "cuda" not in cpu[0], cpu[0]
+    assert "torch.cuda.current_stream()" in gpu[0]
+    exec(compile(cpu[0], str(DOC), "exec"), {"__name__": "__quick_start_example__"})
