@@ -112,6 +112,8 @@ class WorkerTransfers:
         arena_names = [f"L{s.layer}" + (f".{k}" if len(by_layer[n]) > 1 else "") for n in names for k, s in enumerate(by_layer[n])]
         g = _kvtier.Geometry.from_tensors(self._views, model="vllm", page_tokens=self.block_size, names=arena_names, layout="pages")
         self.geometry = g.with_layers([s.layer for s in specs])
+        log.info("kvtier: %d arenas, %d B a block; a kvtierd for this layout: %s", len(specs), self.geometry.block_bytes,
+                 daemon_command(self.geometry))
         if self.serve:
             c = self.config
             self._tier = _kvtier.Tier(
