@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -52,13 +52,19 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: the requests whose sync restores are over (their leases can go)."""
+    """Workers -> scheduler: the requests whose sync restores are over (their leases can go), and
+    for each request whose save ended, how many leading blocks the pool holds (one report per
+    worker; the scheduler takes the smallest of its tensor-parallel workers')."""
 
     loaded: Set[str] = field(default_factory=set)
+    stored: Dict[str, List[int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KvtierWorkerMetadata":
         if isinstance(other, KvtierWorkerMetadata):
-            return KvtierWorkerMetadata(self.loaded | other.loaded)
+            stored = {k: list(v) for k, v in self.stored.items()}
+            for k, v in other.stored.items():
+                stored.setdefault(k, []).extend(v)
+            return KvtierWorkerMetadata(self.loaded | other.loaded, stored)
         return self
 
 
@@ -157,6 +163,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._socket = _socket_path(config, vllm_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._planner: Optional[SchedulerPlanner] = None
+        # KV events: what each finished request's save announces once the workers report it.
+        self._announce: Dict[str, tuple] = {}
+        self._stored_reports: Dict[str, List[int]] = {}
+        self._events: List[Any] = []
         self._worker: Optional[WorkerTransfers] = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SchedulerPlanner(config, self._facts, self._block_size, self._tp_size, self._socket)
@@ -215,7 +225,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         loaded = self._worker.take_loaded()
-        return KvtierWorkerMetadata(loaded) if loaded else None
+        stored = {k: [n] for k, n in self._worker.take_stored().items()}
+        return KvtierWorkerMetadata(loaded, stored) if loaded or stored else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -248,15 +259,52 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             done |= meta.loaded
+            for req_id, counts in meta.stored.items():
+                reports = self._stored_reports.setdefault(req_id, [])
+                reports.extend(counts)
+                if len(reports) >= self._tp_size:
+                    self._stored_reports.pop(req_id)
+                    self._stored_event(req_id, min(reports))
         self._planner.loaded(done)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         assert self._planner is not None
-        delay = self._planner.finished(
+        n = self._planner.finished(
             request.request_id, request.all_token_ids, request.num_computed_tokens, block_ids, _salt(request),
             _multimodal(request),
         )
-        return delay, None
+        if n:
+            hashes = list(getattr(request, "block_hashes", ())[:n])
+            lora = getattr(request, "lora_request", None)
+            self._announce[request.request_id] = (
+                hashes, list(request.all_token_ids[: n * self._block_size]),
+                lora.lora_int_id if lora is not None else None, lora.lora_name if lora is not None else None,
+            )
+        return n > 0, None
+
+    def _stored_event(self, req_id: str, n: int) -> None:
+        """Announces the first ``n`` blocks of a finished request's save as stored in the pool
+        (``medium="CPU"``), under vLLM's own block hashes of this engine."""
+        info = self._announce.pop(req_id, None)
+        if info is None or n == 0:
+            return
+        hashes, tokens, lora_id, lora_name = info
+        n = min(n, len(hashes))
+        if n == 0:
+            return
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        self._events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[:n]], parent_block_hash=None, token_ids=tokens[: n * self._block_size],
+            block_size=self._block_size, lora_id=lora_id, medium="CPU", lora_name=lora_name,
+        ))
+
+    def take_events(self) -> Iterable[Any]:
+        """KV events for vLLM's publisher (``--kv-events-config``): ``BlockStored`` with
+        ``medium="CPU"`` for the blocks each finished request's save put in the pool."""
+        events, self._events = self._events, []
+        return events
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the pool is shared and outlives

@@ -2,9 +2,10 @@
 
 A key names a block's whole prefix: the lineage hash of the block's token ids chained to the key
 of the block before it (``Namespace.chain``), so equal keys mean equal prefixes. kvtier hashes the
-token ids itself rather than reusing vLLM's block hashes: vLLM seeds those with a random value
-per engine process unless ``PYTHONHASHSEED`` is set, and engines that share a pool (data-parallel
-ranks, a prefill and a decode instance, restarts) must agree on every key.
+token ids itself rather than reusing vLLM's block hashes: those depend on the engine's
+``prefix_caching_hash_algo`` (the non-cryptographic ones are seeded randomly per engine process
+unless ``PYTHONHASHSEED`` is set), while engines that share a pool (data-parallel ranks, a prefill
+and a decode instance, restarts, other vLLM versions) must agree on every key.
 
 The namespace folds everything that makes two engines' blocks interchangeable: the model and its
 revision, the dtypes, the block size, the platform, vLLM's KV layout, the per-layer page bytes,

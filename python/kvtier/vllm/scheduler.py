@@ -118,22 +118,22 @@ class SchedulerPlanner:
     def finished(
         self, req_id: str, token_ids: Sequence[int], num_computed: int, block_ids: Sequence[int], salt: bytes = b"",
         multimodal: bool = False,
-    ) -> bool:
+    ) -> int:
         """The request ended with ``block_ids`` holding its first ``num_computed`` tokens' KV.
-        Orders the save of its full blocks; True when vLLM must keep the blocks until the workers
-        report the save over."""
+        Orders the save of its full blocks and returns how many (vLLM must keep the blocks until
+        the workers report the save over when that is not 0)."""
         self._release_hit(req_id)
         keys = self._keys.pop(req_id, None)
         if not self.config.save or multimodal:
-            return False
+            return 0
         n = min(num_computed // self.block_size, len(block_ids), max(0, len(token_ids)) // self.block_size)
         if n == 0 or self.link.get() is None:
-            return False
+            return 0
         keys = keys or RequestKeys(self.base, self.block_size, salt)
         self._plan.saves.append(SaveSpec(req_id, keys.upto(token_ids, n), list(block_ids[:n])))
         self._saving.add(req_id)
         self.stats["save_orders"] += 1
-        return True
+        return n
 
     def take_plan(self) -> StepPlan:
         """This step's orders (and the end of any lease held past ``lease_ttl_s``)."""

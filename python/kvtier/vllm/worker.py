@@ -78,10 +78,11 @@ class WorkerTransfers:
         self.link: Optional[PoolLink] = None
         self._loads: Dict[str, _Load] = {}  # async restores in flight
         self._sync: List[_Load] = []  # this step's sync restores, until waited for
-        self._saves: Dict[str, Any] = {}  # req_id -> SaveTicket, or None when nothing copies
+        self._saves: Dict[str, Any] = {}  # req_id -> (SaveTicket, blocks), or None when nothing copies
         self._finished: Set[str] = set()  # req ids vLLM has said finished
         self._errors: Set[int] = set()
         self._loaded: Set[str] = set()  # sync restores done this step (worker meta)
+        self._stored: Dict[str, int] = {}  # req_id -> leading blocks in the pool after its save
         # Fault injection for the connector's own tests: `restore-fails` reports every restored
         # block as failed after its copy (vLLM must recompute them and give the same tokens).
         self._fault = os.environ.get("KVTIER_VLLM_FAULT", "")
@@ -208,7 +209,7 @@ class WorkerTransfers:
         try:
             ticket = rank.save(self.shard.keys(spec.keys), spec.block_ids, after_stream=stream, fit="prefix", prefix_depth=0)
             self.stats["saved_blocks"] += len(ticket.saving)
-            return ticket
+            return (ticket, len(spec.keys))
         except KvtierError as e:
             self.link.failed(e)
             self.stats["save_errors"] += 1
@@ -224,15 +225,19 @@ class WorkerTransfers:
         for req_id in list(self._saves):
             if req_id not in self._finished:
                 continue
-            ticket = self._saves[req_id]
-            if ticket is not None:
+            save = self._saves[req_id]
+            stored = 0
+            if save is not None:
+                ticket, blocks = save
                 try:
                     if not ticket.done():
                         continue
                     ticket.wait(0)
+                    stored = blocks - ticket.dropped
                 except KvtierError as e:
                     self.stats["save_errors"] += 1
                     log.debug("kvtier: save of %s failed: %s", req_id, e)
+            self._stored[req_id] = stored
             del self._saves[req_id]
             self._finished.discard(req_id)
             sending.add(req_id)
@@ -257,6 +262,12 @@ class WorkerTransfers:
         """Block ids whose restore failed since the last call (vLLM recomputes them)."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_stored(self) -> Dict[str, int]:
+        """For each request whose save ended since the last call: how many of its leading blocks
+        the pool holds now (0 for a save that failed or never started)."""
+        stored, self._stored = self._stored, {}
+        return stored
 
     def take_loaded(self) -> Set[str]:
         """Requests whose sync restores this worker finished since the last call."""

@@ -42,9 +42,13 @@ def prompts():
     return {"A": a, "B": b, "C": c}
 
 
-def engine(args: dict, connector: dict | None):
+def engine(args: dict, connector: dict | None, events_endpoint: str | None = None):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    events = None
+    if events_endpoint is not None:
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint, topic="kv")
 
     ktc = None
     if connector is not None:
@@ -53,7 +57,7 @@ def engine(args: dict, connector: dict | None):
                                kv_connector_extra_config=connector.get("extra", {}))
     return LLM(model=args["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=1024, kv_cache_memory_bytes=32 << 20, block_size=BLOCK, seed=0,
-               kv_transfer_config=ktc)
+               kv_transfer_config=ktc, kv_events_config=events)
 
 
 def run(llm, tokens):
@@ -155,6 +159,51 @@ def scenario_client(args):
             while not os.path.exists(step[1]) and time.time() < deadline:
                 time.sleep(0.1)
             time.sleep(0.5)
+    return out
+
+
+def scenario_events(args):
+    """Runs A with vLLM's KV event publisher on, a ZMQ subscriber in this process decoding each
+    batch with vLLM's own ``KVEventBatch``; returns what the batches said."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    endpoint = f"tcp://127.0.0.1:{args['port']}"
+    got, stop = [], threading.Event()
+
+    def listen():
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not stop.is_set():
+            if sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                for e in decoder.decode(payload).events:
+                    if isinstance(e, BlockStored):
+                        got.append({"type": "stored", "medium": e.medium, "blocks": len(e.block_hashes),
+                                    "tokens": list(e.token_ids), "hashes": [h.hex() if isinstance(h, bytes) else h for h in e.block_hashes]})
+                    elif isinstance(e, BlockRemoved):
+                        got.append({"type": "removed", "medium": e.medium, "blocks": len(e.block_hashes)})
+        sub.close()
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    llm = engine(args, {"extra": {"pool": "64MiB"}}, events_endpoint=endpoint.replace("127.0.0.1", "*"))
+    time.sleep(1.0)  # the subscriber joins before the first batch
+    p = prompts()
+    out = {"A": run(llm, p["A"])}
+    settle(llm)
+    run(llm, [3, 4])
+    time.sleep(1.0)
+    stop.set()
+    t.join()
+    out["events"] = got
+    out["prompt_A"] = p["A"]
     return out
 
 

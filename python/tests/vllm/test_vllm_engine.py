@@ -90,3 +90,52 @@ def test_a_failed_restore_is_recomputed(model_dir, reference, daemon):
                    env={"KVTIER_VLLM_FAULT": "restore-fails"})
     for run in r["runs"]:
         assert run["tokens"] == reference[run["name"]]["tokens"], run
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_decode_engine_gets_the_prefill_engines_blocks_through_peers(model_dir, reference, sock_dir):
+    # Two instances: a prefill engine on daemon P (which serves its pool to peers), a decode engine
+    # on daemon D (which reads its misses from P through NIXL). The daemons need kvtierd built with
+    # the feature `nixl` and the NIXL runtime (ci/nixl.sh) in the environment.
+    port = free_port()
+    p = Daemon(sock_dir, name="p.sock", extra=["--peer-listen", f"127.0.0.1:{port}"])
+    d = None
+    try:
+        d = Daemon(sock_dir, name="d.sock", extra=["--peer", f"127.0.0.1:{port}"])
+        prefill = run_engine("client", {"model": model_dir, "socket": p.socket, "role": "kv_producer",
+                                        "steps": [["run", "A"], ["settle"]]})
+        assert prefill["runs"][0]["tokens"] == reference["A"]["tokens"]
+        assert kvtier.connect(p.socket).stats()["ready_slots"] >= 6
+        assert kvtier.connect(d.socket).stats()["ready_slots"] == 0
+        decode = run_engine("client", {"model": model_dir, "socket": d.socket, "role": "kv_consumer",
+                                       "steps": [["run", "A"], ["run", "C"]]})
+        a, c = decode["runs"]
+        assert a == {"name": "A", "tokens": reference["A"]["tokens"], "cached": 6 * BLOCK}
+        assert c == {"name": "C", "tokens": reference["C"]["tokens"], "cached": 0}
+        # The decode side saves nothing (kv_consumer): its 6 blocks came from the prefill's pool.
+        assert kvtier.connect(d.socket).stats()["ready_slots"] == 6
+    finally:
+        if d is not None:
+            d.stop()
+        p.stop()
+
+
+def test_kv_events_announce_the_pools_blocks_in_vllms_format(model_dir, reference):
+    r = run_engine("events", {"model": model_dir, "port": free_port()})
+    assert r["A"]["tokens"] == reference["A"]["tokens"]
+    cpu = [e for e in r["events"] if e["type"] == "stored" and e["medium"] == "CPU"]
+    gpu = [e for e in r["events"] if e["type"] == "stored" and e["medium"] in ("GPU", None)]
+    # One BlockStored for the pool: A's 6 full blocks computed before it finished (its 200 prompt
+    # tokens and 11 of its 12 generated ones: 211 tokens, 6 blocks of 32), under the engine's
+    # own block hashes, which vLLM's GPU events use too.
+    assert len(cpu) == 1, r["events"]
+    assert cpu[0]["blocks"] == 6 and cpu[0]["tokens"] == r["prompt_A"][: 6 * BLOCK]
+    gpu_hashes = {h for e in gpu for h in e["hashes"]}
+    assert set(cpu[0]["hashes"]) <= gpu_hashes
