@@ -5,6 +5,8 @@
 #   (ci/bites.txt with its GPU-only rows, ci/loom.sh's `bites`, ci/proptest.sh's `bites_bugs`,
 #   ci/sanitize.sh's `bites`), and each bug of those tables is a `seeded("NAME")` there.
 # - the Python binding: the same between python/src/ and ci/python.sh's `bites_table`.
+# - the vLLM connector: the same between python/kvtier/ (`seeded("NAME")` in Python) and
+#   ci/vllm.sh's `bites_table`.
 # A bug in no table is never shown to bite; a table's bug with no branch would "bite" nothing (its
 # test would pass and the bite fail, but under a misleading message). Exits 1 on any mismatch.
 #
@@ -40,6 +42,15 @@ def array_rows(path, array):
         for word in re.findall(r'"([^"]*)"', line) or line.split():
             rows.setdefault(word.split("|", 1)[0], []).append(path)
     return rows
+
+def python_names(root):
+    """`seeded("NAME")` calls in the package's Python code."""
+    found = {}
+    for p in sorted(pathlib.Path(root).rglob("*.py")):
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            for m in re.finditer(r'\bseeded\("(' + NAME + r')"\)', line.split("#", 1)[0]):
+                found.setdefault(m.group(1), []).append(f"{p}:{n}")
+    return found
 
 def bites_txt(path):
     """The rows of ci/bites.txt, and its GPU-only rows (comments `#   NAME | tests/cuda.rs | ..`)."""
@@ -87,5 +98,6 @@ check("src/ and cli/src/", source_names("src", "cli/src"),
       merge(bites_txt("ci/bites.txt"), array_rows("ci/loom.sh", "bites"), array_rows("ci/proptest.sh", "bites_bugs"),
             appended_rows("ci/sanitize.sh", "bites")))
 check("python/src/", source_names("python/src"), array_rows("ci/python.sh", "bites_table"))
+check("python/kvtier/", python_names("python/kvtier"), array_rows("ci/vllm.sh", "bites_table"))
 sys.exit(fail)
 PY

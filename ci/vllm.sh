@@ -3,7 +3,10 @@
 # virtual environment under target/, the kvtier wheel (built here unless WHEEL names one), a
 # kvtierd for the tests that share a daemon (built here with the `nixl` feature, for the
 # prefill/decode test over peers), then python/tests/vllm with KVTIER_REQUIRE_VLLM=1 (a test that
-# cannot run fails, never skips).
+# cannot run fails, never skips). Then the connector's seeded bugs: one more wheel built with
+# them compiled in (KVTIER_PY_SEEDED_BUGS=1), each planted by KVTIER_PY_SEEDED_BUG=NAME, must make
+# its test fail with the expected text (ci/seeded-names.sh checks the names against
+# python/kvtier/).
 #
 # Usage: ci/vllm.sh   Environment: CARGO_TARGET_DIR (cargo's), WHEEL (a built kvtier wheel).
 set -euo pipefail
@@ -24,10 +27,11 @@ py=$target/vllm-venv/bin/python
 
 step "the kvtier wheel"
 wheel=${WHEEL:-}
+python3 -m venv "$target/vllm-build"
+"$target/vllm-build/bin/pip" install -q maturin==1.16.0
+maturin=$target/vllm-build/bin/maturin
 if [[ -z $wheel ]]; then
-    python3 -m venv "$target/vllm-build"
-    "$target/vllm-build/bin/pip" install -q maturin==1.16.0
-    "$target/vllm-build/bin/maturin" build --release -m python/Cargo.toml -o "$target/vllm-wheel"
+    "$maturin" build --release -m python/Cargo.toml -o "$target/vllm-wheel"
     wheel=$(ls "$target"/vllm-wheel/kvtier-*.whl)
 fi
 "$py" -m pip install -q --force-reinstall --no-deps "$wheel"
@@ -40,3 +44,30 @@ export KVTIERD_BIN=$target/release/kvtierd
 step "pytest python/tests/vllm (a real vLLM engine on the CPU)"
 cd "$repo"
 KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider -rA python/tests/vllm python/tests/test_vllm_worker.py
+
+step "the connector's seeded bugs: each makes its engine test fail"
+# bug | test (python/tests/vllm/...) | expected text in the failure
+bites_table=(
+    "vllm-restore-drops-last|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
+    "vllm-save-keys-shifted|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
+)
+KVTIER_PY_SEEDED_BUGS=1 "$maturin" build --release -m python/Cargo.toml -o "$target/vllm-bite-wheel" >"$target/vllm-bite-build.log" 2>&1 \
+    || { tail -20 "$target/vllm-bite-build.log"; echo "FAIL: the seeded wheel does not build"; exit 1; }
+"$py" -m pip install -q --force-reinstall --no-deps "$target"/vllm-bite-wheel/kvtier-*.whl
+failed=0
+for row in "${bites_table[@]}"; do
+    IFS='|' read -r bug test expect <<<"$row"
+    step "seeded bug $bug: $test must fail with \"$expect\""
+    if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider "python/tests/vllm/$test" >"$target/vllm-bite.log" 2>&1; then
+        echo "FAIL: seeded bug $bug did NOT make $test fail"
+        failed=1
+    elif ! grep -qF -- "$expect" "$target/vllm-bite.log"; then
+        tail -40 "$target/vllm-bite.log"
+        echo "FAIL: $test failed with seeded bug $bug, but not with \"$expect\""
+        failed=1
+    else
+        echo "ok: $(tail -1 "$target/vllm-bite.log")"
+    fi
+done
+"$py" -m pip install -q --force-reinstall --no-deps "$wheel"
+exit "$failed"

@@ -58,6 +58,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(peers::peers_available, m)?)?;
     m.add_function(wrap_pyfunction!(tier::connect, m)?)?;
     m.add_function(wrap_pyfunction!(tier::default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(seeded::_seeded_bug, m)?)?;
     m.add_function(wrap_pyfunction!(tier::_serve, m)?)?;
     m.add_function(wrap_pyfunction!(_error_examples, m)?)?;
     m.add_function(wrap_pyfunction!(_settle_dropped_leases, m)?)?;

@@ -19,3 +19,17 @@ pub(crate) fn seeded(name: &'static str) -> bool {
     PLANTED.get_or_init(|| std::env::var("KVTIER_PY_SEEDED_BUG").ok().filter(|b| !b.is_empty())).as_deref()
         == Some(name)
 }
+
+/// The seeded bug planted for the Python code of the package (`kvtier/vllm/_seeded.py`): the
+/// value of `KVTIER_PY_SEEDED_BUG` in a seeded build, always None in a normal build.
+#[pyo3::pyfunction]
+pub fn _seeded_bug() -> Option<String> {
+    #[cfg(kvtier_py_seeded_bugs)]
+    {
+        std::env::var("KVTIER_PY_SEEDED_BUG").ok().filter(|b| !b.is_empty())
+    }
+    #[cfg(not(kvtier_py_seeded_bugs))]
+    {
+        None
+    }
+}

@@ -24,6 +24,7 @@ from ..errors import KvtierError
 from .config import ConnectorConfig
 from .keys import RequestKeys, base_namespace, shard_namespace
 from .link import PoolLink
+from ._seeded import seeded
 from .plan import LoadSpec, SaveSpec, StepPlan
 
 __all__ = ["SchedulerPlanner"]
@@ -130,7 +131,11 @@ class SchedulerPlanner:
         if n == 0 or self.link.get() is None:
             return 0
         keys = keys or RequestKeys(self.base, self.block_size, salt)
-        self._plan.saves.append(SaveSpec(req_id, keys.upto(token_ids, n), list(block_ids[:n])))
+        blocks = list(block_ids[:n])
+        # Seeded bug (tests only): each key saved with the next block's bytes.
+        if seeded("vllm-save-keys-shifted") and n > 1:
+            blocks = blocks[1:] + blocks[:1]
+        self._plan.saves.append(SaveSpec(req_id, keys.upto(token_ids, n), blocks))
         self._saving.add(req_id)
         self.stats["save_orders"] += 1
         return n

@@ -80,6 +80,18 @@ def settle(llm) -> bool:
     return False
 
 
+def zero_kv() -> None:
+    """Zeroes every block of the engine's KV cache (single-process mode, vLLM's prefix cache
+    emptied, no request running): a block a restore leaves out then holds zeros, not the bytes of
+    an earlier request that happened to use it. (A restore that only permutes whole blocks of a
+    prefix changes no token: RoPE is in the cached keys and attention sums over all of them; the
+    seeded bugs of ci/vllm.sh are chosen so that they do.)"""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    for view in get_kv_transfer_group()._worker._views:
+        view.zero_()
+
+
 def scheduler_connector(llm):
     """The scheduler side's connector (single-process mode only)."""
     core = llm.llm_engine.engine_core.engine_core
@@ -124,8 +136,10 @@ def scenario_roundtrip(args):
     llm = engine(args, {"extra": {"pool": "64MiB"}, "engine_id": args.get("engine_id")})
     out = {"cold_A": run(llm, p["A"])}
     out["settled"] = settle(llm)
+    zero_kv()
     out["warm_A"] = run(llm, p["A"])
     settle(llm)
+    zero_kv()
     out["B"] = run(llm, p["B"])
     settle(llm)
     out["C"] = run(llm, p["C"])
@@ -134,6 +148,7 @@ def scenario_roundtrip(args):
     out["planner"] = dict(planner.stats)
     out["perturbed_blocks"] = perturb(llm, p["A"])
     settle(llm)
+    zero_kv()
     out["perturbed_A"] = run(llm, p["A"])
     return out
 
