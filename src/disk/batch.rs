@@ -127,16 +127,18 @@ impl DiskFile {
             return;
         }
         let next = AtomicUsize::new(0);
-        let work = || loop {
-            let Some((i, cell)) = cells.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-            let req = requests[*i];
-            let mut cell = cell.lock().unwrap_or_else(|p| p.into_inner());
-            let result = self.read(req.slot, req.key, req.generation, cell.0);
-            cell.1 = Some(result);
+        // Copy (it borrows only): each thread gets its own.
+        let work = || {
+            while let Some((i, cell)) = cells.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let req = requests[*i];
+                let mut cell = cell.lock().unwrap_or_else(|p| p.into_inner());
+                let result = self.read(req.slot, req.key, req.generation, cell.0);
+                cell.1 = Some(result);
+            }
         };
         std::thread::scope(|scope| {
             for _ in 1..depth.min(cells.len()) {
-                let spawned = std::thread::Builder::new().name("kvtier-disk-read".into()).spawn_scoped(scope, &work);
+                let spawned = std::thread::Builder::new().name("kvtier-disk-read".into()).spawn_scoped(scope, work);
                 if spawned.is_err() {
                     break;
                 }
