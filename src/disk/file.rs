@@ -256,7 +256,8 @@ impl DiskFile {
             path = %self.path.display(), length = len, expected = file_bytes, slots_lost = report.truncated,
             "a disk slot file was truncated: its whole slots are kept, the file is extended again"
         );
-        let length = i64::try_from(file_bytes).expect("a preallocated size fits an i64");
+        let length = i64::try_from(file_bytes)
+            .map_err(|_| DiskError::BadConfig(format!("a file of {file_bytes} B is larger than the OS takes")))?;
         nix::fcntl::fallocate(self.buffered.as_raw_fd(), nix::fcntl::FallocateFlags::empty(), 0, length).map_err(
             |errno| {
                 if errno == nix::errno::Errno::ENOSPC {
