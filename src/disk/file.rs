@@ -12,7 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -88,6 +88,9 @@ pub struct ScanReport {
     /// Slots with a sound trailer that belongs elsewhere (another namespace, another slot, another
     /// payload size): free.
     pub foreign: u64,
+    /// Slots (counted in `torn` too) that a file shorter than its header says no longer holds
+    /// whole: free, and the file is extended again to its full size.
+    pub truncated: u64,
 }
 
 /// A 4 KiB-aligned heap buffer for `O_DIRECT` transfers.
@@ -145,6 +148,11 @@ pub struct DiskFile {
     buffered: File,
     mode: IoMode,
     staging: Mutex<Vec<AlignedBuf>>,
+    /// Staging buffers taken and not given back (in use, or given up to a drive that never
+    /// completed a transfer into them).
+    staging_out: AtomicUsize,
+    /// `io_uring_enter` failed during a batch: batches go on threads from then on.
+    pub(super) ring_failed: AtomicBool,
     direct_ops: AtomicU64,
     buffered_ops: AtomicU64,
 }
@@ -170,13 +178,19 @@ impl DiskFile {
     /// # Errors
     /// - [`DiskError::BadConfig`]: zero slots or payload bytes, or a size that overflows.
     /// - [`DiskError::NoSpace`]: the filesystem cannot hold the file (`fallocate` said `ENOSPC`);
-    ///   the partly made file is removed.
+    ///   the partly made file is removed. Also for an existing file shorter than its header says
+    ///   (truncated) that cannot be extended again; that file is left as it is.
     /// - [`DiskError::NotADiskFile`]: the path holds something that is not a kvtier disk slot file
     ///   (or its header is torn); the file is left as it is.
     /// - [`DiskError::OtherGeometry`]: a kvtier file of another namespace, payload size or slot
     ///   count; the file is left as it is.
     /// - [`DiskError::InUse`]: another open `DiskFile` (in this process or another) holds the file.
     /// - [`DiskError::Io`]: any other I/O failure, with the path and the step.
+    ///
+    /// A file this call creates is removed again when any later step fails: an error leaves
+    /// nothing behind. An existing file that was truncated (shorter than its header says) keeps
+    /// the slots it still holds whole: the others are counted in [`ScanReport::truncated`] and
+    /// [`ScanReport::torn`], and the file is extended back to its full size (`fallocate`).
     pub fn open_or_create(config: &DiskFileConfig) -> Result<(DiskFile, ScanReport), DiskError> {
         let stride = slot_stride(config.payload_bytes).filter(|_| config.payload_bytes > 0);
         let header = match stride {
@@ -201,13 +215,59 @@ impl DiskFile {
         if !exists {
             Self::create(&path, &header, file_bytes)?;
         }
-        let file = Self::open(&path, header, config.io)?;
-        let found = file.read_header()?;
-        if found != header {
-            return Err(DiskError::OtherGeometry { path, found: Box::new(found), wanted: Box::new(header) });
+        let opened = Self::open(&path, header, config.io).and_then(|file| {
+            let found = file.read_header()?;
+            if found != header {
+                return Err(DiskError::OtherGeometry {
+                    path: path.clone(),
+                    found: Box::new(found),
+                    wanted: Box::new(header),
+                });
+            }
+            let scan = if exists {
+                file.reopen(file_bytes)?
+            } else {
+                ScanReport { blank: header.slots, ..ScanReport::default() }
+            };
+            Ok((file, scan))
+        });
+        if opened.is_err() && !exists {
+            // Made by this call and refused after all: nothing is left behind.
+            let _ = std::fs::remove_file(&path);
         }
-        let scan = if exists { file.scan()? } else { ScanReport { blank: header.slots, ..ScanReport::default() } };
-        Ok((file, scan))
+        opened
+    }
+
+    /// The scan of an existing file, which first finds how long the file is: a truncated one keeps
+    /// the slots it still holds whole, and is extended back to `file_bytes`.
+    fn reopen(&self, file_bytes: u64) -> Result<ScanReport, DiskError> {
+        let len = self.buffered.metadata().map_err(|e| io_error(&self.path, "reading the file's length", e))?.len();
+        // Seeded bug (tests only): the length is taken on trust, and a truncated file's scan fails
+        // on the first slot past its end (the old refusal).
+        if len >= file_bytes || crate::seeded::seeded("ssd-truncated-refused") {
+            return self.scan();
+        }
+        // Slots whose last page (the trailer's) lies wholly in the file.
+        let whole = (len.saturating_sub(HEADER_BYTES as u64) / self.header.stride).min(self.header.slots);
+        let mut report = self.scan_first(whole)?;
+        report.truncated = self.header.slots - whole;
+        report.torn += report.truncated;
+        tracing::warn!(
+            path = %self.path.display(), length = len, expected = file_bytes, slots_lost = report.truncated,
+            "a disk slot file was truncated: its whole slots are kept, the file is extended again"
+        );
+        let length = i64::try_from(file_bytes)
+            .map_err(|_| DiskError::BadConfig(format!("a file of {file_bytes} B is larger than the OS takes")))?;
+        nix::fcntl::fallocate(self.buffered.as_raw_fd(), nix::fcntl::FallocateFlags::empty(), 0, length).map_err(
+            |errno| {
+                if errno == nix::errno::Errno::ENOSPC {
+                    DiskError::NoSpace { path: self.path.clone(), bytes: file_bytes }
+                } else {
+                    io_error(&self.path, "extending a truncated file (fallocate)", errno.into())
+                }
+            },
+        )?;
+        Ok(report)
     }
 
     fn create(path: &Path, header: &FileHeader, file_bytes: u64) -> Result<(), DiskError> {
@@ -233,7 +293,11 @@ impl DiskFile {
         // at the next open rather than taken for an empty tier of some other geometry.
         let mut page = vec![0u8; HEADER_BYTES];
         header.encode(&mut page);
-        file.write_all_at(&page, 0).map_err(|e| io_error(path, "writing the file header", e))?;
+        if let Err(e) = file.write_all_at(&page, 0) {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+            return Err(io_error(path, "writing the file header", e));
+        }
         Ok(())
     }
 
@@ -275,6 +339,8 @@ impl DiskFile {
             buffered,
             mode,
             staging: Mutex::new(Vec::new()),
+            staging_out: AtomicUsize::new(0),
+            ring_failed: AtomicBool::new(false),
             direct_ops: AtomicU64::new(0),
             buffered_ops: AtomicU64::new(0),
         })
@@ -289,6 +355,23 @@ impl DiskFile {
             _ => io_error(&self.path, "reading the file header", e),
         })?;
         FileHeader::decode(&page).map_err(|fault| DiskError::NotADiskFile { path: self.path.clone(), fault })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Staging buffers (one slot stride each) taken by transfers and not given back: 0 whenever no
+    /// transfer is in progress, unless a drive never completed an io_uring transfer, whose buffer
+    /// is then given up rather than freed under it (see [`DiskFile::read_batch`]).
+    pub fn staging_in_use(&self) -> usize {
+        self.staging_out.load(Ordering::Relaxed)
+    }
+
+    /// True once `io_uring_enter` failed during a batch of this file: its batches go on threads.
+    pub fn ring_failed(&self) -> bool {
+        self.ring_failed.load(Ordering::Relaxed)
     }
 
     /// The geometry the file was made for.
@@ -322,10 +405,19 @@ impl DiskFile {
 
     pub(super) fn take_staging(&self) -> AlignedBuf {
         let reuse = self.staging.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        reuse.unwrap_or_else(|| AlignedBuf::new(self.stride()))
+        let buf = reuse.unwrap_or_else(|| AlignedBuf::new(self.stride()));
+        self.staging_out.fetch_add(1, Ordering::Relaxed);
+        buf
+    }
+
+    /// Leaks a staging buffer a transfer that never completed may still write (never freed, and
+    /// still counted in [`DiskFile::staging_in_use`]).
+    pub(super) fn give_up_staging(&self, buf: AlignedBuf) {
+        std::mem::forget(buf);
     }
 
     pub(super) fn give_staging(&self, buf: AlignedBuf) {
+        self.staging_out.fetch_sub(1, Ordering::Relaxed);
         let mut pool = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         // Keep a few for reuse; a burst of threads does not pin their buffers for good.
         if pool.len() < 8 {
@@ -481,12 +573,18 @@ impl DiskFile {
     /// blocks they name. A block found here is served only after [`DiskFile::read`] verifies it.
     ///
     /// # Errors
-    /// [`DiskError::Io`] when a trailer page cannot be read.
+    /// [`DiskError::Io`] when a trailer page cannot be read (a slot past the end of a truncated
+    /// file included; [`DiskFile::open_or_create`] scans only the slots such a file holds).
     pub fn scan(&self) -> Result<ScanReport, DiskError> {
+        self.scan_first(self.header.slots)
+    }
+
+    /// The scan of the first `slots` slots.
+    fn scan_first(&self, slots: u64) -> Result<ScanReport, DiskError> {
         let mut report = ScanReport::default();
         let mut page = AlignedBuf::new(DISK_PAGE);
         let last_page = self.header.stride - DISK_PAGE as u64;
-        for slot in 0..self.header.slots {
+        for slot in 0..slots {
             let offset = self.header.slot_offset(slot) + last_page;
             self.transfer(offset, page.bytes_mut(), false, "reading a slot trailer")?;
             let bytes = page.bytes();

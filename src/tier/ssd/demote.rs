@@ -1,8 +1,10 @@
 //! The demotion thread: writes queued host blocks to disk slots, one at a time, off every save's
 //! and query's path.
 //!
-//! It holds the tier's core only while it writes a job (a [`Weak`] reference upgraded per job),
-//! so dropping the last handle of a tier frees it; the tier's drop stops and joins the thread.
+//! It holds the tier's core only while it writes a job (a [`Weak`] reference upgraded per job).
+//! The drop of the tier's last handle (`TierHandle`: every `HostTier` and `Rank`) stops and joins
+//! it before it returns, so the thread never holds the core, or its files' locks, past that drop:
+//! the core goes with the last handle, or with the last lease that outlives it.
 
 use super::{bump, lock, pin_for_demotion, DemotionQueue, Job, SsdTier};
 use crate::tier::core::Core;

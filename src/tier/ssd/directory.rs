@@ -293,8 +293,11 @@ impl DiskSlots {
 
     /// Drops the block of a pinned slot whose read failed verification: the pin goes, and the
     /// block is evicted unless another read pinned it meanwhile (that read fails too, and drops
-    /// it then). Returns true if it was dropped now.
-    pub fn drop_unverified(&self, d: DiskRef) -> bool {
+    /// it then). When it is dropped now, `erase(slot)` runs while the slot is still owned (out of
+    /// the index and the recency list, not yet free, so no demotion can be writing it): the tier
+    /// clears the slot's trailer on disk there, so that a restart does not find the block again.
+    /// Returns true if it was dropped now.
+    pub fn drop_unverified(&self, d: DiskRef, erase: impl FnOnce(u32)) -> bool {
         let mut lru = lock(&self.lru);
         self.words.unpin(SlotId(d.slot));
         let Some(g) = self.words.begin_evict(SlotId(d.slot)) else { return false };
@@ -306,8 +309,11 @@ impl DiskSlots {
         let key = self.key_of(d.slot);
         let removed = self.index.remove_if(&key, SlotRef { slot: SlotId(d.slot), generation: g });
         debug_assert!(removed, "ready disk slot {} had no index entry", d.slot);
-        self.words.release(SlotId(d.slot));
         drop(lru);
+        // The slot is EVICTING and ours: the erase's write (I/O) goes without the list's lock.
+        // A panic in it leaves the slot withheld (EVICTING), never free under a write.
+        erase(d.slot);
+        self.words.release(SlotId(d.slot));
         self.free.push(d.slot);
         true
     }
@@ -385,9 +391,11 @@ mod tests {
         write(&slots, 1);
         let a = slots.pin(&key(1)).unwrap();
         let b = slots.pin(&key(1)).unwrap();
-        assert!(!slots.drop_unverified(a));
-        assert!(slots.contains(&key(1)));
-        assert!(slots.drop_unverified(b));
+        let mut erased = Vec::new();
+        assert!(!slots.drop_unverified(a, |s| erased.push(s)));
+        assert!(slots.contains(&key(1)) && erased.is_empty(), "a block another read holds is kept");
+        assert!(slots.drop_unverified(b, |s| erased.push(s)));
+        assert_eq!(erased, [b.slot], "the dropped slot is erased once, while still owned");
         assert!(!slots.contains(&key(1)));
         assert_eq!(slots.free_count(), 2);
     }

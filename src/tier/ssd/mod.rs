@@ -22,12 +22,18 @@
 //!   under their keys (so a save of the same key finds it in flight, and a key a save reserved
 //!   first ends the run), reads them at [`SsdConfig::read_depth`] (io_uring), verifies each
 //!   block's key, generation and XXH3, and commits the verified leading run `READY` with the
-//!   lease's pin already taken. A block that fails verification is dropped from disk and ends the
-//!   run: never served.
+//!   lease's pin already taken. A block that fails verification is dropped, its slot's trailer
+//!   cleared on disk (a restart does not find it again), and ends the run: never served. A block
+//!   that could not be read (an I/O error) ends the run and stays. The run's disk pins are held by
+//!   a guard: a panic anywhere in a promotion releases them.
 //! - **Disk slots** ([`directory`]) use the host tier's slot words, free list and index, and an
 //!   O(1) recency list for victims.
 //! - **Restart**: opening an existing file scans its trailers; every sound block of this namespace
-//!   is `READY` again, torn and foreign slots are free.
+//!   is `READY` again, torn and foreign slots are free. A truncated file keeps the slots it still
+//!   holds whole and is extended back to its size.
+//! - **Drop**: when the tier's last handle ([`crate::HostTier`] or [`crate::Rank`]) goes, the
+//!   demotion thread is stopped and joined before the drop returns; a tier whose configuration
+//!   was refused after its files were made removes them.
 
 #[cfg(not(loom))]
 pub(crate) mod demote;
@@ -125,7 +131,7 @@ pub struct SsdStats {
     pub blocks: u64,
     /// Blocks found again by the trailer scans when the files were opened.
     pub recovered_blocks: u64,
-    /// Slots the scans found torn or corrupted (now free).
+    /// Slots the scans found torn or corrupted, or past the end of a truncated file (now free).
     pub recovered_torn: u64,
     /// Slots the scans found holding another namespace's or another slot's block (now free).
     pub recovered_foreign: u64,
@@ -145,8 +151,9 @@ pub struct SsdStats {
     pub promoted_blocks: u64,
     /// Bytes read by promotions (payloads).
     pub bytes_promoted: u64,
-    /// Blocks a promotion found unverified (checksum, key or generation) or could not read: never
-    /// served, dropped from disk.
+    /// Blocks a promotion found unverified (checksum, key or generation: never served, dropped and
+    /// cleared on disk), and reads that failed where a promotion's run stopped (an I/O error: the
+    /// block stays on disk).
     pub promotion_failures: u64,
     /// Disk blocks evicted to make room for demotions.
     pub disk_evictions: u64,
@@ -265,6 +272,11 @@ pub(crate) struct SsdTier {
     host_clean: Box<[AtomicU64]>,
     pub(crate) queue: Arc<DemotionQueue>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The files [`SsdTier::open`] created. Removed again when the tier is dropped before
+    /// [`SsdTier::keep_files`] (the configuration was refused after they were made).
+    created: Vec<PathBuf>,
+    /// The tier was built whole: its files stay when it is dropped.
+    keep: std::sync::atomic::AtomicBool,
     counters: SsdCounters,
     /// Blocks the trailer scans found again.
     recovered_blocks: u64,
@@ -351,6 +363,7 @@ impl SsdTier {
             scan.blank += report.blank;
             scan.torn += report.torn;
             scan.foreign += report.foreign;
+            scan.truncated += report.truncated;
             starts.push(total as u32);
             files.push(file);
             total += slots;
@@ -374,6 +387,8 @@ impl SsdTier {
             host_clean: crate::sync::table(host_slots as usize, |_| AtomicU64::new(0)),
             queue: Arc::new(DemotionQueue::default()),
             worker: Mutex::new(None),
+            created,
+            keep: std::sync::atomic::AtomicBool::new(false),
             counters: SsdCounters::default(),
             recovered_blocks,
             scan,
@@ -463,6 +478,33 @@ impl SsdTier {
         *lock(&self.worker) = Some(handle);
     }
 
+    /// Stops the demotion thread and waits for it to end: the job it is writing is finished (a
+    /// reference to the core it holds is dropped with it), the queued ones are abandoned. Called
+    /// when the tier's last handle goes (`TierHandle`) and when the tier is dropped; a no-op the
+    /// second time, and on the demotion thread itself.
+    pub(crate) fn stop_worker(&self) {
+        lock(&self.queue.state).stop = true;
+        self.queue.wake.notify_all();
+        self.queue.idle.notify_all();
+        let mut worker = lock(&self.worker);
+        if worker.as_ref().is_some_and(|h| h.thread().id() == std::thread::current().id()) {
+            // The demotion thread dropping the tier (it held the last reference for a job): it
+            // exits on its own once it sees `stop`.
+            return;
+        }
+        if let Some(handle) = worker.take() {
+            drop(worker);
+            let _ = handle.join();
+        }
+    }
+
+    /// The tier was built whole ([`crate::HostTier::new`]): the files it created stay when it is
+    /// dropped. Until then a drop removes them (a configuration refused after they were made
+    /// leaves nothing).
+    pub(crate) fn keep_files(&self) {
+        self.keep.store(true, Ordering::Release);
+    }
+
     /// A snapshot of the counters.
     pub(crate) fn stats(&self) -> SsdStats {
         let c = &self.counters;
@@ -527,14 +569,15 @@ impl LowerTier for SsdTier {
 
 impl Drop for SsdTier {
     fn drop(&mut self) {
-        lock(&self.queue.state).stop = true;
-        self.queue.wake.notify_all();
-        self.queue.idle.notify_all();
-        if let Some(handle) = lock(&self.worker).take() {
-            // The demotion thread may be the one dropping the tier (it held the last reference for
-            // a job): it exits on its own once it sees `stop`.
-            if handle.thread().id() != std::thread::current().id() {
-                let _ = handle.join();
+        self.stop_worker();
+        // Seeded bug (tests only): a refused configuration leaves the files it made.
+        if !self.keep.load(Ordering::Acquire) && !crate::seeded::seeded("ssd-refusal-leaves-file") {
+            // Closed (and unlocked) first, then removed.
+            self.files.clear();
+            for path in &self.created {
+                if let Err(e) = std::fs::remove_file(path) {
+                    tracing::warn!(error = %e, path = %path.display(), "an SSD tier file made for a refused configuration could not be removed");
+                }
             }
         }
     }
