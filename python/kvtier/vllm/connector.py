@@ -269,9 +269,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         assert self._planner is not None
+        # Tokens a step still in flight will compute have no KV yet (vLLM's async scheduling).
+        computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
         n = self._planner.finished(
-            request.request_id, request.all_token_ids, request.num_computed_tokens, block_ids, _salt(request),
-            _multimodal(request),
+            request.request_id, request.all_token_ids, computed, block_ids, _salt(request), _multimodal(request)
         )
         if n:
             hashes = list(getattr(request, "block_hashes", ())[:n])

@@ -225,7 +225,7 @@ class WorkerTransfers:
         """(requests whose saves are over, requests whose async restores are over), each
         reported once. A save is over when its copy landed or failed; a request is reported only
         once vLLM named it finished (this call or an earlier one)."""
-        self._finished.update(finished_req_ids)
+        self._finished.update(r for r in finished_req_ids if r in self._saves)
         sending = set()
         for req_id in list(self._saves):
             if req_id not in self._finished:

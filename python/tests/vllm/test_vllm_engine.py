@@ -41,6 +41,16 @@ def test_two_engine_processes_share_one_kvtierd(model_dir, reference, daemon):
     assert stats["ready_slots"] >= 6 and stats["restored_blocks"] >= 6
 
 
+def test_async_loads_restore_the_same_prefix(model_dir, reference, daemon):
+    # "load": "async": the request waits a step while its blocks come back (finished_recving).
+    steps = [["run", "A"], ["settle"], ["run", "A"], ["run", "B"]]
+    r = run_engine("client", {"model": model_dir, "socket": daemon.socket, "steps": steps, "extra": {"load": "async"}})
+    cold, warm, b = r["runs"]
+    assert cold["tokens"] == warm["tokens"] == reference["A"]["tokens"]
+    assert warm["cached"] == 6 * BLOCK
+    assert b["tokens"] == reference["B"]["tokens"]
+
+
 def test_a_daemon_killed_mid_run_changes_no_token(model_dir, reference, sock_dir):
     d = Daemon(sock_dir)
     try:
