@@ -70,7 +70,7 @@ impl Owner {
         let reader = tier(8, PolicyKind::Lru);
         let t = self.fabric.transport(&reader);
         let client = PeerClient::connect_with_secret(self.addr(), &reader, t, Some(&secret()), soon())
-            .unwrap_or_else(|e| panic!("after {case}: a correct peer must still be served: {e}"));
+            .unwrap_or_else(|e| panic!("after {case}: a correct peer must still be served: {e:?}"));
         let f = client.fetch(&self.keys, soon()).unwrap();
         assert_eq!(f.lease.len(), 4, "after {case}: every block served");
         let b = arenas();
@@ -202,10 +202,10 @@ fn a_wrong_secret_no_secret_or_a_replayed_proof_gets_nothing() {
     let t = o.fabric.transport(&reader);
     // Through the production client: another secret, and none.
     let other = PeerSecret::new(b"another secret of enough length".to_vec()).unwrap();
-    let e = PeerClient::connect_with_secret(o.addr(), &reader, t.clone(), Some(&other), soon()).unwrap_err();
-    assert!(matches!(e, PeerError::Auth(_)), "a wrong secret must be refused: {e}");
-    let e = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap_err();
-    assert!(matches!(e, PeerError::Auth(_)), "no secret must be refused: {e}");
+    let e = PeerClient::connect_with_secret(o.addr(), &reader, t.clone(), Some(&other), soon());
+    assert!(matches!(e, Err(PeerError::Auth(_))), "a wrong secret must be refused: {e:?}");
+    let e = PeerClient::connect(o.addr(), &reader, t.clone(), soon());
+    assert!(matches!(e, Err(PeerError::Auth(_))), "no secret must be refused: {e:?}");
     assert_untouched(&reader);
     // Raw: the refusal says nothing about the owner (not its namespace), even for a reader of
     // another namespace, and the connection is closed.
@@ -275,9 +275,11 @@ fn an_owner_that_cannot_prove_the_secret_is_not_believed() {
             s.write_all(&frep(&PeerReply::Welcome { mac, namespace: ns, block_bytes: slot_bytes, descriptor, limits }));
         std::thread::sleep(Duration::from_millis(200));
     });
-    let e =
-        PeerClient::connect_with_secret(at, &reader, o.fabric.transport(&reader), Some(&secret()), soon()).unwrap_err();
-    assert!(matches!(e, PeerError::Auth(ref m) if m.contains("owner's proof")), "{e}");
+    let e = PeerClient::connect_with_secret(at, &reader, o.fabric.transport(&reader), Some(&secret()), soon());
+    assert!(
+        matches!(e, Err(PeerError::Auth(ref m)) if m.contains("owner's proof")),
+        "an owner that cannot prove the secret must not be believed: {e:?}"
+    );
     h.join().unwrap();
     o.still_serves("an owner without the secret");
 }
@@ -287,8 +289,11 @@ fn serving_an_open_address_without_a_secret_is_refused_at_start() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let fabric = Fabric::new();
     let t = tier(4, PolicyKind::Lru);
-    let e = PeerServer::bind(&t, "0.0.0.0:0", fabric.transport(&t), PeerLimits::default()).unwrap_err();
-    assert!(matches!(e, PeerError::Config(ref m) if m.contains("secret")), "an open port without a secret: {e}");
+    let e = PeerServer::bind(&t, "0.0.0.0:0", fabric.transport(&t), PeerLimits::default());
+    assert!(
+        matches!(e, Err(PeerError::Config(ref m)) if m.contains("secret")),
+        "an open port without a secret must be refused at start: {e:?}"
+    );
     let s = PeerServer::bind_with_secret(&t, "0.0.0.0:0", fabric.transport(&t), PeerLimits::default(), Some(secret()));
     assert!(s.is_ok(), "with a secret it serves: {:?}", s.err());
 }
@@ -399,19 +404,21 @@ fn an_owner_that_trickles_its_replies_is_left_at_the_readers_deadline() {
     // The hello's challenge trickled: a 300 ms connect ends at 300 ms.
     let (at, h) = trickling_owner(&o, &reader, true);
     let t0 = Instant::now();
-    let e = PeerClient::connect_with_secret(at, &reader, t.clone(), Some(&secret()), t0 + ms300).unwrap_err();
+    let e = PeerClient::connect_with_secret(at, &reader, t.clone(), Some(&secret()), t0 + ms300);
     let took = t0.elapsed();
-    assert!(matches!(e, PeerError::Deadline), "{e}");
     assert!(took < Duration::from_millis(900), "a 300 ms connect held for {took:?}");
+    assert!(matches!(e, Err(PeerError::Deadline)), "{e:?}");
+    drop(e);
     h.join().unwrap();
     // A query's reply trickled: a 300 ms fetch ends at 300 ms, the reader unchanged.
     let (at, h) = trickling_owner(&o, &reader, false);
     let client = PeerClient::connect_with_secret(at, &reader, t.clone(), Some(&secret()), soon()).unwrap();
     let t0 = Instant::now();
-    let e = client.fetch(&o.keys, t0 + ms300).unwrap_err();
+    let e = client.fetch(&o.keys, t0 + ms300);
     let took = t0.elapsed();
-    assert!(matches!(e, PeerError::Deadline), "{e}");
     assert!(took < Duration::from_millis(900), "a 300 ms fetch held for {took:?}");
+    assert!(matches!(e, Err(PeerError::Deadline)), "{e:?}");
+    drop(e);
     assert_untouched(&reader);
     drop(client);
     h.join().unwrap();
@@ -421,8 +428,8 @@ fn an_owner_that_trickles_its_replies_is_left_at_the_readers_deadline() {
     let t0 = Instant::now();
     let f = peers.query(&o.keys, t0 + ms300);
     let took = t0.elapsed();
-    assert!(matches!(f.errors.as_slice(), [(0, PeerError::Deadline)]), "{:?}", f.errors);
     assert!(took < Duration::from_millis(900), "a 300 ms peer set query held for {took:?}");
+    assert!(matches!(f.errors.as_slice(), [(0, PeerError::Deadline)]), "{:?}", f.errors);
     drop((f, peers));
     h.join().unwrap();
     o.still_serves("owners that trickle");
@@ -441,10 +448,10 @@ fn connections_over_the_limit_are_told_so_and_the_reader_pauses_no_one() {
         .collect();
     let reader = tier(8, PolicyKind::Lru);
     let t = o.fabric.transport(&reader);
-    let e = PeerClient::connect_with_secret(o.addr(), &reader, t.clone(), Some(&secret()), soon()).unwrap_err();
+    let e = PeerClient::connect_with_secret(o.addr(), &reader, t.clone(), Some(&secret()), soon());
     assert!(
-        matches!(e, PeerError::Refused(ref m) if m.contains("maximum of 4")),
-        "a connection over the limit gets a typed refusal, not a silent close: {e}"
+        matches!(e, Err(PeerError::Refused(ref m)) if m.contains("maximum of 4")),
+        "a connection over the limit gets a typed refusal, not a silent close: {e:?}"
     );
     // A peer set records the refusal and does not pause the peer: once a connection frees, the
     // next query is served.

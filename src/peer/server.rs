@@ -827,16 +827,9 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
             }
             let reserved = table.reserve(&keys[..fit]);
-            // Seeded bug (tests only): `peer-table-locked-across-query` queries the tier under the
-            // table's lock (every other connection and the accept loop wait for its promotion).
-            let held = if crate::seeded::seeded("peer-table-locked-across-query") {
-                Some(table)
-            } else {
-                drop(table);
-                None
-            };
+            drop(table);
             let lease = shared.tier.query(&keys[..fit]);
-            let mut table = held.unwrap_or_else(|| super::lock(&shared.table));
+            let mut table = super::lock(&shared.table);
             let slot_bytes = shared.core.pool().slot_bytes();
             let blocks: Vec<WirePeerBlock> = lease
                 .blocks()
