@@ -112,7 +112,7 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     drop(client);
     eventually("the peer's pins are gone", || engine.stats().pinned_slots == 0);
     // The owner's side on the daemon's /metrics: one lease of four blocks, all four validated,
-    // nothing pinned or leased now, the budget as asked.
+    // nothing pinned or leased now, the budget as asked; two connections, one refused its proof.
     let metrics = metrics_addr(&d);
     eventually("the peer's lease is gone from the metrics", || sample(&metrics, "kvtier_peer_leases") == 0.0);
     for (series, v) in [
@@ -122,7 +122,8 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
         ("kvtier_peer_blocks_validated_total{result=\"invalid\"}", 0.0),
         ("kvtier_peer_pinned_blocks", 0.0),
         ("kvtier_peer_pin_budget_blocks", 6.0),
-        ("kvtier_peer_connections_accepted_total", 1.0),
+        ("kvtier_peer_connections_accepted_total", 2.0),
+        ("kvtier_peer_auth_failures_total", 1.0),
         ("kvtier_peer_refusals_total{limit=\"pinned_blocks\"}", 0.0),
     ] {
         assert_eq!(sample(&metrics, series), v, "{series}");

@@ -182,6 +182,8 @@ impl TierPeers {
             ("pinned_blocks", s.pinned_blocks),
             ("pin_budget", s.pin_budget),
             ("held_blocks", s.held_blocks),
+            ("refused_connections", s.refused_connections),
+            ("auth_failures", s.refused_auth),
         ])
     }
 }

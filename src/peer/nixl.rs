@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 /// The longest a drain waits for a transfer past its deadline to be over; past it the request is
 /// released and the read's [`ReadDone`] kept for good (its slots withheld, never reused).
-pub const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 /// The first 4 bytes of a [`NixlTransport`] descriptor.
 const MAGIC: [u8; 4] = *b"KVTN";
@@ -423,6 +423,13 @@ impl PeerTransport for NixlTransport {
             match agent.get_xfer_status(&request) {
                 Ok(XferStatus::Success) => return Ok(()),
                 Ok(XferStatus::InProgress) if Instant::now() >= deadline => {
+                    // Seeded bug (tests only): `nixl-deadline-releases-at-once` releases the
+                    // request at the deadline and says the transfer is over (the old behaviour).
+                    if crate::seeded::seeded("nixl-deadline-releases-at-once") {
+                        drop(request);
+                        drop(done);
+                        return Err(TransportError::Deadline);
+                    }
                     // Not released here: a release asks UCX to cancel, which is not synchronous.
                     // The drain releases it once NIXL says it is over, then drops `done`.
                     drain(&self.shared, request, p.agent.clone(), done);

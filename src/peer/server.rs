@@ -687,9 +687,13 @@ fn serve(shared: &Shared, conn: u64, stream: TcpStream, from: SocketAddr) {
     let mut peer = None;
     let welcome = match handshake(shared, &stream, &mut buf, &mut out, hello_deadline) {
         Ok((descriptor, reader_nonce, owner_nonce)) => {
-            match (shared.transport.add_peer(&descriptor), shared.transport.local_descriptor()) {
-                (Ok(p), Ok(d)) => {
-                    peer = Some(p);
+            let added = shared.transport.add_peer(&descriptor);
+            if let Ok(p) = &added {
+                // Forgotten by `finish` however the connection ends.
+                peer = Some(*p);
+            }
+            match (added, shared.transport.local_descriptor()) {
+                (Ok(_), Ok(d)) => {
                     let ours = shared.tier.namespace();
                     let block_bytes = shared.tier.geometry().slot_bytes();
                     let mac = auth::mac(
