@@ -13,7 +13,10 @@
 //!    other reservations (index entries first, then the slots go back free);
 //! 7. `Release` the owner's lease.
 //!
-//! Any error after step 3 aborts every reservation, so the local tier is left as it was.
+//! Any error after step 3 aborts every reservation, so the local tier is left as it was; only a
+//! read that ended while its transfer may still write the slots (past its deadline: a cancel is not
+//! synchronous) leaves them quarantined until the transport says the transfer is over
+//! ([`super::ReadDone`]), then they go free.
 
 use super::client::{PeerClient, PeerFetch};
 use super::transport::BlockRead;

@@ -622,6 +622,10 @@ enum HelloEnd {
     Close(String),
 }
 
+/// What a handshake that checked gives: the reader's transport descriptor, the reader's nonce and
+/// the owner's.
+type Proven = (Vec<u8>, [u8; auth::NONCE_BYTES], [u8; auth::NONCE_BYTES]);
+
 /// The handshake (module docs of `auth`), all of it by `deadline`: the reader's hello, the
 /// challenge, the reader's proof. Returns the reader's transport descriptor and the two nonces
 /// once the proof checked and the namespace is the owner's.
@@ -631,7 +635,7 @@ fn handshake(
     buf: &mut Vec<u8>,
     out: &mut Vec<u8>,
     deadline: Instant,
-) -> Result<(Vec<u8>, [u8; auth::NONCE_BYTES], [u8; auth::NONCE_BYTES]), HelloEnd> {
+) -> Result<Proven, HelloEnd> {
     let read = |buf: &mut Vec<u8>| match read_request(shared, stream, buf, deadline) {
         Ok(Frame::Msg(r)) => Ok(r),
         Ok(Frame::Oversized(len)) => Err(HelloEnd::Close(format!("an oversized hello frame ({len} B)"))),
