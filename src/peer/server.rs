@@ -241,7 +241,8 @@ impl PeerServer {
         // Seeded bug (tests only): `peer-listens-open-without-secret` skips the check.
         if secret.is_none() && !addr.ip().is_loopback() && !crate::seeded::seeded("peer-listens-open-without-secret") {
             return Err(PeerError::Config(format!(
-                "serving peers at {addr}, not a loopback address, needs a shared secret (--peer-secret-file): \
+                "serving peers at {addr}, not a loopback address, needs a shared secret (kvtierd --peer-secret-file, \
+                 Python peer_secret_file=): \
                  without one anybody who reaches the port reads the pool"
             )));
         }
