@@ -836,9 +836,17 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
             }
             let reserved = table.reserve(&keys[..fit]);
-            drop(table);
+            // Seeded bug (tests only): `peer-table-locked-across-query` queries the tier under the
+            // table's lock (every other connection, the stats and the accept loop's expiry wait
+            // for an SSD promotion).
+            let held = if crate::seeded::seeded("peer-table-locked-across-query") {
+                Some(table)
+            } else {
+                drop(table);
+                None
+            };
             let lease = shared.tier.query(&keys[..fit]);
-            let mut table = super::lock(&shared.table);
+            let mut table = held.unwrap_or_else(|| super::lock(&shared.table));
             let slot_bytes = shared.core.pool().slot_bytes();
             let blocks: Vec<WirePeerBlock> = lease
                 .blocks()
@@ -902,4 +910,98 @@ fn still_holds(core: &Core, b: &LeasedBlock) -> bool {
     w.state() == SlotState::Ready
         && w.generation() == b.slot.generation
         && core.index().get(&b.key).is_some_and(|r| r.slot == b.slot.slot && r.generation == b.slot.generation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::{BlockRead, ReadDone, TransportError, TransportPeer};
+    use crate::{ArenaSpec, BackingChoice, EngineArenas, Geometry, MemcpyArenas, PolicyKind, SsdConfig, TierConfig};
+
+    /// A transport that moves no bytes (the test only queries).
+    struct NoBytes;
+
+    impl PeerTransport for NoBytes {
+        fn local_descriptor(&self) -> Result<Vec<u8>, TransportError> {
+            Ok(vec![1])
+        }
+        fn add_peer(&self, _: &[u8]) -> Result<TransportPeer, TransportError> {
+            Ok(TransportPeer(1))
+        }
+        fn remove_peer(&self, _: TransportPeer) {}
+        fn read_tracked(
+            &self,
+            _: TransportPeer,
+            _: &[BlockRead],
+            _: Instant,
+            _: ReadDone,
+        ) -> Result<(), TransportError> {
+            Err(TransportError::Backend("no bytes here".into()))
+        }
+    }
+
+    fn call(s: &mut TcpStream, req: &PeerRequest) -> PeerReply {
+        let mut buf = Vec::new();
+        proto::write_msg(s, req, &mut buf).unwrap();
+        match proto::read_msg::<PeerReply>(s, &mut buf, 1 << 20).unwrap() {
+            Frame::Msg(m) => m,
+            other => panic!("a bad reply frame {other:?}"),
+        }
+    }
+
+    /// Issue 45 item 4: a query whose SSD promotion waits (here for the eviction lock, which the
+    /// test holds) keeps no lock of the server: its stats, other connections and the accept
+    /// loop's lease expiry go on. Seeded bug `peer-table-locked-across-query`.
+    #[test]
+    fn a_query_that_waits_in_the_tier_holds_no_lock_of_the_server() {
+        let g = Geometry::new("peer-unit", 16, vec![ArenaSpec::packed("a", 4096, 16)]).unwrap();
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let ssd = SsdConfig::new(dir.path().join("ssd"), 4096 + 8 * 8192)
+            .with_admit_uses(1)
+            .with_io(crate::IoPreference::Buffered);
+        let cfg = TierConfig::new(g.clone(), 4 * g.slot_bytes())
+            .with_policy(PolicyKind::Lru)
+            .with_backing(BackingChoice::Plain)
+            .with_chain_aware(false)
+            .with_ssd(ssd);
+        let tier = HostTier::new(cfg).unwrap();
+        let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+        let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+        let k: Vec<crate::ContentKey> = (0..5).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+        arenas.fill(&[0, 1, 2, 3, 4], &k).unwrap();
+        rank.save(&k[..4], &[0, 1, 2, 3], crate::WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        tier.flush_demotions();
+        assert_eq!(tier.evict(1), 1);
+        rank.save(&k[4..], &[4], crate::WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        assert!(!tier.contains(&k[0]), "k0 is on the SSD only, and the host is full");
+        let server = PeerServer::bind(&tier, "127.0.0.1:0", Arc::new(NoBytes), PeerLimits::default()).unwrap();
+        let (addr, ns, k0) = (server.local_addr(), tier.namespace(), k[0]);
+        // The promotion of k0 must evict a host block: it waits while the test holds the lock.
+        let evicting = server.shared.core.lock_eviction();
+        let reader = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let nonce = auth::nonce().unwrap();
+            let hello = PeerRequest::Hello { magic: proto::PEER_MAGIC, version: proto::PEER_PROTOCOL_VERSION, nonce };
+            let PeerReply::Challenge { nonce: theirs } = call(&mut s, &hello) else { panic!("no challenge") };
+            let mac = auth::mac(None, Role::Reader, &nonce, &theirs, &ns, 0, &[1]);
+            let welcome = call(&mut s, &PeerRequest::Auth { mac, namespace: ns, descriptor: vec![1] });
+            assert!(matches!(welcome, PeerReply::Welcome { .. }), "{welcome:?}");
+            call(&mut s, &PeerRequest::Query { keys: vec![k0], ttl_ms: 10_000 })
+        });
+        std::thread::sleep(Duration::from_millis(300)); // the query is in the tier by now
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = server.shared.clone();
+        let probe = std::thread::spawn(move || {
+            let _ = tx.send(shared.stats().leases);
+        });
+        let answered = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+        let waiting = !reader.is_finished();
+        drop(evicting);
+        probe.join().unwrap();
+        let reply = reader.join().unwrap();
+        assert!(waiting, "the query's promotion waited for the eviction lock (the case under test)");
+        assert!(answered, "the server's tables stayed locked while a query waited in the tier (an SSD promotion)");
+        assert!(matches!(reply, PeerReply::Leased { ref blocks, .. } if blocks.len() == 1), "{reply:?}");
+    }
 }
