@@ -34,12 +34,12 @@
 //! namespaces joined by a veth pair with `tc netem` delay and runs this bench across them.
 
 use kvtier::internals::peer_proto::{
-    read_msg, write_msg, Frame, PeerReply, PeerRequest, PEER_MAGIC, PEER_PROTOCOL_VERSION,
+    mac, nonce, read_msg, write_msg, Frame, PeerReply, PeerRequest, Role, PEER_MAGIC, PEER_PROTOCOL_VERSION,
 };
 use kvtier::nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, OptArgs, XferDescList, XferOp, XferStatus};
 use kvtier::{
     pattern, BlockRead, BlockSource, ContentKey, EngineArenas, Geometry, HostPool, HostTier, MemcpyArenas,
-    NixlTransport, PeerClient, PeerLimits, PeerServer, PeerTransport, PoolConfig, TierConfig, WaitFor,
+    NixlTransport, PeerClient, PeerLimits, PeerSecret, PeerServer, PeerTransport, PoolConfig, TierConfig, WaitFor,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -47,6 +47,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const OWNER_ENV: &str = "KVTIER_PEER_BENCH_OWNER";
+
+/// The peers' secret of the bench's two processes (an owner listening across namespaces needs
+/// one).
+fn secret() -> PeerSecret {
+    PeerSecret::new(b"kvtier peer bench secret".to_vec()).expect("a secret")
+}
 /// The longest request, blocks (a 2,752-token prefix of 64-token pages).
 const BLOCKS: u64 = 43;
 /// Request sizes, blocks.
@@ -100,7 +106,8 @@ fn owner() {
     let listen = std::env::var("KVTIER_PEER_BENCH_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into());
     // Every block may be pinned for peers (the default keeps an eighth of the pool for the owner).
     let limits = PeerLimits { pinned_blocks: Some(BLOCKS as usize), ..PeerLimits::default() };
-    let server = PeerServer::bind(&tier, listen.as_str(), t, limits).expect("the peer server");
+    let server =
+        PeerServer::bind_with_secret(&tier, listen.as_str(), t, limits, Some(secret())).expect("the peer server");
     let mut out = std::io::stdout().lock();
     writeln!(out, "descriptor {}", hex(&d)).unwrap();
     writeln!(out, "addr {}", server.local_addr()).unwrap();
@@ -409,8 +416,14 @@ fn main() {
             NixlTransport::new(&format!("kvtier-bench-fetch-{}", std::process::id()), reader.pool())
                 .expect("transport"),
         );
-        let client = PeerClient::connect(addr.as_str(), &reader, t, Instant::now() + Duration::from_secs(30))
-            .expect("a peer connection");
+        let client = PeerClient::connect_with_secret(
+            addr.as_str(),
+            &reader,
+            t,
+            Some(&secret()),
+            Instant::now() + Duration::from_secs(30),
+        )
+        .expect("a peer connection");
         let fetch = |n: u64| {
             let s = Instant::now();
             let f = client.fetch(&keys[..n as usize], Instant::now() + Duration::from_secs(60)).expect("a fetch");
@@ -476,13 +489,14 @@ fn main() {
             f => panic!("a reply frame, not {f:?}"),
         }
     };
-    let hello = PeerRequest::Hello {
-        magic: PEER_MAGIC,
-        version: PEER_PROTOCOL_VERSION,
-        namespace: reader.namespace(),
-        descriptor: control_transport.local_descriptor().expect("a descriptor"),
-    };
-    assert!(matches!(call(&hello), PeerReply::Welcome { .. }), "the owner's welcome");
+    let ours = nonce().expect("a nonce");
+    let hello = PeerRequest::Hello { magic: PEER_MAGIC, version: PEER_PROTOCOL_VERSION, nonce: ours };
+    let PeerReply::Challenge { nonce: theirs } = call(&hello) else { panic!("the owner's challenge") };
+    let descriptor = control_transport.local_descriptor().expect("a descriptor");
+    let ns = reader.namespace();
+    let proof = mac(Some(&secret()), Role::Reader, &ours, &theirs, &ns, 0, &descriptor);
+    let auth = PeerRequest::Auth { mac: proof, namespace: ns, descriptor };
+    assert!(matches!(call(&auth), PeerReply::Welcome { .. }), "the owner's welcome");
     let mut peer_query = || {
         let q = PeerRequest::Query { keys: keys.clone(), ttl_ms: 10_000 };
         let s = Instant::now();

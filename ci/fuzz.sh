@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 shift || true
 targets=("$@")
-if [[ ${#targets[@]} -eq 0 ]]; then targets=(trace_parser geometry tier_ops wire_frame wire_session); fi
+if [[ ${#targets[@]} -eq 0 ]]; then targets=(trace_parser geometry tier_ops wire_frame wire_session peer_frame); fi
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked

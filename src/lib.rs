@@ -110,8 +110,8 @@ pub use peer::nixl::{nixl_sys, NixlTransport};
 #[cfg(all(feature = "peers", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "peers")))]
 pub use peer::{
-    BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerServer, PeerServerStats, PeerSet, PeerSetFetch,
-    PeerTransport, TransportError, TransportPeer,
+    unique_agent_name, BlockRead, PeerClient, PeerError, PeerFetch, PeerLimits, PeerSecret, PeerServer,
+    PeerServerStats, PeerSet, PeerSetFetch, PeerTransport, ReadDone, TransportError, TransportPeer,
 };
 #[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
@@ -147,6 +147,8 @@ pub mod internals {
     /// The peer control protocol's messages and frames.
     #[cfg(all(feature = "peers", not(loom)))]
     pub mod peer_proto {
+        /// The hello's proofs (a raw test client computes its own).
+        pub use crate::peer::auth::{mac, nonce, Role};
         pub use crate::peer::proto::*;
     }
     #[cfg(all(feature = "remote", not(loom)))]

@@ -295,8 +295,9 @@ fn two_readers_fetch_the_same_blocks_at_once() {
     assert_eq!(o.tier.stats().pinned_slots, 0);
 }
 
-/// A raw control connection that has said hello with `version` in namespace `ns`, with a
-/// descriptor the owner can load; returns it and the hello's reply.
+/// A raw control connection that has said hello with `version` in namespace `ns` (without a
+/// secret, as the owners here have none), with a descriptor the owner can load; returns it and
+/// the hello's last reply (the refusal of the hello, or the answer to the proof).
 fn raw_hello(
     fabric: &Arc<Fabric>,
     addr: std::net::SocketAddr,
@@ -306,7 +307,13 @@ fn raw_hello(
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let descriptor = fabric.transport(&tier(1, PolicyKind::Lru)).local_descriptor().unwrap();
-    let r = call(&mut s, &PeerRequest::Hello { magic: proto::PEER_MAGIC, version, namespace: ns, descriptor }).unwrap();
+    let nonce = proto::nonce().unwrap();
+    let owner_nonce = match call(&mut s, &PeerRequest::Hello { magic: proto::PEER_MAGIC, version, nonce }).unwrap() {
+        PeerReply::Challenge { nonce } => nonce,
+        r => return (s, r),
+    };
+    let mac = proto::mac(None, proto::Role::Reader, &nonce, &owner_nonce, &ns, 0, &descriptor);
+    let r = call(&mut s, &PeerRequest::Auth { mac, namespace: ns, descriptor }).unwrap();
     (s, r)
 }
 
@@ -641,5 +648,77 @@ fn a_transport_that_panics_mid_fetch_leaves_no_pin_and_no_reserved_slot() {
     let again = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
     let f = again.fetch(&o.keys, soon()).unwrap();
     assert_eq!((f.lease.len(), f.lease.from_peer()), (4, 3));
+    restore_and_verify(&reader, &f.lease, &o.keys);
+}
+
+#[test]
+fn a_read_past_its_deadline_keeps_its_slots_quarantined_until_the_transfer_is_over() {
+    // The fetch reserves four of the reader's eight slots; what the reader saves next may land in
+    // them if they are let go while the transfer can still write.
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits::default());
+    let reader = tier(8, PolicyKind::Lru);
+    let t = fabric.transport(&reader);
+    let client = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let late = t.late_next_read();
+    let e = client.fetch(&o.keys, Instant::now() + Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(e, PeerError::Transport(TransportError::Deadline)), "{e}");
+    let s = reader.stats();
+    assert_eq!(
+        (s.quarantined_slots, s.free_slots, s.writing_slots, s.index_entries),
+        (4, 4, 0, 0),
+        "a slot a transfer may still write must stay quarantined until the transport says it is over: {s:?}"
+    );
+    // The reader saves its own blocks meanwhile (into whatever slots it has), then the late
+    // bytes land: the reader's blocks keep their own bytes.
+    let a = arenas();
+    let rank = reader.attach(a.backend().unwrap()).unwrap();
+    let mine = keys(&reader, 100..104);
+    let saved = save_filled(&rank, &a, &mine, &[0, 1, 2, 3]);
+    late.release.send(()).unwrap();
+    late.landed.recv_timeout(Duration::from_secs(10)).unwrap();
+    let held = reader.query(&mine);
+    if !held.is_empty() {
+        let b = arenas();
+        let r2 = reader.attach(b.backend().unwrap()).unwrap();
+        let pages: Vec<u64> = (0..held.len() as u64).map(|i| 10 + i).collect();
+        r2.restore(&held, &pages, WaitFor::Nothing).unwrap().wait().unwrap();
+        b.verify(&pages, &mine[..held.len()]).expect("a block saved after the failed fetch has its own bytes");
+    }
+    drop((held, saved));
+    // Over: the slots are free again, and the fetch goes through.
+    let s = reader.stats();
+    assert_eq!(s.quarantined_slots, 0, "the transfer is over: its slots are back: {s:?}");
+    assert_eq!(reader.evict(usize::MAX), s.ready_slots as usize);
+    // The failed fetch broke its connection: a new one fetches the owner's bytes.
+    let again = PeerClient::connect(o.addr(), &reader, t.clone(), soon()).unwrap();
+    let f = again.fetch(&o.keys, soon()).unwrap();
+    assert_eq!(f.lease.len(), 4);
+    restore_and_verify(&reader, &f.lease, &o.keys);
+}
+
+#[test]
+fn a_peer_set_drops_an_idle_connection_the_owner_closed_and_pauses_no_one() {
+    let fabric = Fabric::new();
+    let o = owner(&fabric, 8, 4, PeerLimits { idle_timeout: Duration::from_millis(200), ..PeerLimits::default() });
+    let server = o.server.as_ref().unwrap();
+    let reader = tier(8, PolicyKind::Lru);
+    let peers = PeerSet::new(&reader, fabric.transport(&reader), [o.addr().to_string()]).unwrap();
+    let f = peers.query(&o.keys[..2], soon());
+    assert_eq!((f.lease.len(), f.errors.len()), (2, 0), "{:?}", f.errors);
+    drop(f);
+    // The connection idles in the set; the owner closes it after its idle timeout.
+    let t0 = Instant::now();
+    while server.stats().connections > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the owner closes a connection idle past its timeout");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let f = peers.query(&o.keys, soon());
+    assert!(
+        f.errors.is_empty(),
+        "an idle connection the owner closed must not be used (a failure that pauses a healthy peer): {:?}",
+        f.errors
+    );
+    assert_eq!(f.lease.len(), 4);
     restore_and_verify(&reader, &f.lease, &o.keys);
 }

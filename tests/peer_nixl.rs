@@ -15,7 +15,8 @@
 
 use kvtier::{
     pattern, ArenaSpec, BlockRead, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, MemcpyArenas,
-    NixlTransport, PeerClient, PeerError, PeerLimits, PeerServer, PeerTransport, TierConfig, TransportError, WaitFor,
+    NixlTransport, PeerClient, PeerError, PeerLimits, PeerServer, PeerTransport, ReadDone, TierConfig, TransportError,
+    WaitFor,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -317,6 +318,81 @@ fn a_deadline_already_passed_gives_deadline_and_reads_nothing() {
     let e = reader.transport.read(peer, &[read], past).unwrap_err();
     assert!(matches!(e, TransportError::Deadline), "a passed deadline: {e:?}");
     assert!(reader.slot(0).iter().all(|&x| x == 0xa5), "nothing was posted");
+}
+
+#[test]
+fn a_read_past_its_deadline_mid_transfer_says_when_the_transfer_is_over() {
+    if !runtime("a_read_past_its_deadline_mid_transfer_says_when_the_transfer_is_over") {
+        return;
+    }
+    // Over TCP, both sides (the owner inherits the environment): over shared memory UCX's cma
+    // copies within the post, so a deadline would rarely fall mid-transfer. Restored at the end
+    // (one test thread: nothing else reads the environment meanwhile).
+    let saved: Vec<(&str, Option<std::ffi::OsString>)> =
+        ["UCX_TLS", "UCX_NET_DEVICES"].iter().map(|v| (*v, std::env::var_os(v))).collect();
+    std::env::set_var("UCX_TLS", "tcp,self");
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    let owner = Owner::start();
+    let reader = Reader::new("drain");
+    let peer = reader.transport.add_peer(&owner.descriptor).unwrap();
+    let keys = keys(&reader.tier);
+    let sb = reader.slot_bytes();
+    let reads: Vec<BlockRead> = (0..BLOCKS)
+        .map(|j| BlockRead { remote_offset: owner.offsets[j as usize], local_offset: j * sb, len: sb })
+        .collect();
+    // A batch of 256 block reads (20 MB: the 16 blocks again and again, into the 24 slots in turn)
+    // and deadlines short enough to pass while it is in flight: the read returns at the deadline,
+    // and its ReadDone drops only once NIXL reports the transfer over.
+    let big: Vec<BlockRead> = (0..256u64)
+        .map(|i| BlockRead {
+            remote_offset: owner.offsets[(i % BLOCKS) as usize],
+            local_offset: (i % SLOTS) * sb,
+            len: sb,
+        })
+        .collect();
+    let mut drained = 0;
+    let (mut oks, mut early) = (0, 0);
+    for attempt in 0..300u32 {
+        let over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let o = over.clone();
+        let done = ReadDone::new(move || o.store(true, std::sync::atomic::Ordering::SeqCst));
+        let deadline = Instant::now() + Duration::from_micros(50 + u64::from(attempt % 40) * 50);
+        let r = reader.transport.read_tracked(peer, &big, deadline, done);
+        let at_return = over.load(std::sync::atomic::Ordering::SeqCst);
+        match r {
+            Ok(()) => {
+                oks += 1;
+                assert!(at_return, "a completed read's transfer is over when it returns");
+            }
+            Err(TransportError::Deadline) if !at_return => {
+                drained += 1;
+                let until = Instant::now() + BOUND;
+                while !over.load(std::sync::atomic::Ordering::SeqCst) {
+                    assert!(Instant::now() < until, "a transfer past its deadline was never reported over");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            Err(TransportError::Deadline) => early += 1,
+            Err(e) => panic!("attempt {attempt}: {e:?}"),
+        }
+        if drained >= 5 {
+            break;
+        }
+    }
+    println!("{drained} reads passed their deadline mid-transfer and were drained; {oks} completed, {early} timed out before posting");
+    for (v, old) in saved {
+        match old {
+            Some(x) => std::env::set_var(v, x),
+            None => std::env::remove_var(v),
+        }
+    }
+    assert!(drained > 0, "no read passed its deadline mid-transfer: the drain was never exercised");
+    // The transport works on after its drains, and forgets the peer (waiting for none left).
+    reader.transport.read(peer, &reads, deadline()).unwrap();
+    for j in 0..BLOCKS {
+        reader.verify(j as u32, &keys[j as usize]);
+    }
+    reader.transport.remove_peer(peer);
 }
 
 #[test]

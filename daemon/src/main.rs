@@ -138,11 +138,21 @@ struct Args {
     /// prefill's blocks) at ADDR (host:port; port 0 picks a free one, printed at start): the peer
     /// control protocol over TCP, the bytes read one-sided from the pool through NIXL, whose
     /// runtime (libnixl_capi.so and its UCX plugin) must be on LD_LIBRARY_PATH and
-    /// NIXL_PLUGIN_DIR. Anyone who can reach ADDR can read the pool's blocks: keep it on a private
-    /// network. Built with feature `nixl` only.
+    /// NIXL_PLUGIN_DIR. Peers must prove the secret of --peer-secret-file before anything is
+    /// answered; an address that is not loopback needs it. An authenticated peer can read any
+    /// block of the pool (NIXL's reads are one-sided, over the whole registered pool): share the
+    /// secret only with instances trusted with the pool, on a private network. Built with
+    /// feature `nixl` only.
     #[cfg(feature = "nixl")]
     #[arg(long, value_name = "ADDR")]
     peer_listen: Option<String>,
+    /// The peers' shared secret: a file of at least 16 bytes (a trailing newline is cut) that
+    /// its group and others cannot read (mode 0600), the same on every instance of the group.
+    /// Proven both ways in each peer connection's hello (HMAC-SHA-256 over fresh nonces), by
+    /// --peer-listen's peers and to --peer's owners. Built with feature `nixl` only.
+    #[cfg(feature = "nixl")]
+    #[arg(long, value_name = "PATH")]
+    peer_secret_file: Option<std::path::PathBuf>,
     /// Blocks peers may keep pinned at once over all their connections [default: all but an
     /// eighth of the pool's slots], so the engines' own saves keep victims.
     #[cfg(feature = "nixl")]
@@ -175,17 +185,38 @@ struct PeerRoles {
 /// a peer server in front of it and the configured peers to read from (each only with its flag).
 ///
 /// # Errors
-/// A message naming the flag: the NIXL runtime missing, an address that cannot be bound, a pin
+/// A message naming the flag: a secret file that cannot be used, a listen address that is not
+/// loopback without a secret, the NIXL runtime missing, an address that cannot be bound, a pin
 /// budget of 0, a peer address empty or given twice.
 #[cfg(feature = "nixl")]
 fn peer_roles(a: &Args, tier: &HostTier) -> Result<PeerRoles, String> {
     let flag = match (&a.peer_listen, a.peers.first()) {
+        (None, None) if a.peer_secret_file.is_some() => {
+            return Err("--peer-secret-file: needs --peer-listen or --peer".into())
+        }
         (None, None) => return Ok(PeerRoles { server: None, readers: None }),
         (Some(addr), _) => format!("--peer-listen {addr}"),
         (None, Some(addr)) => format!("--peer {addr}"),
     };
+    let secret = match &a.peer_secret_file {
+        Some(p) => Some(kvtier::PeerSecret::from_file(p).map_err(|e| format!("--peer-secret-file: {e}"))?),
+        None => None,
+    };
+    // Checked before NIXL starts (PeerServer::bind checks it too): an open port without a secret
+    // lets anybody who reaches it read the pool.
+    if let (Some(addr), None) = (&a.peer_listen, &secret) {
+        use std::net::ToSocketAddrs;
+        let open =
+            addr.to_socket_addrs().map_err(|e| format!("--peer-listen {addr}: {e}"))?.any(|s| !s.ip().is_loopback());
+        if open {
+            return Err(format!(
+                "--peer-listen {addr}: not a loopback address, so it needs --peer-secret-file (without a secret \
+                 anybody who reaches the port reads the pool)"
+            ));
+        }
+    }
     let transport: std::sync::Arc<dyn kvtier::PeerTransport> = std::sync::Arc::new(
-        kvtier::NixlTransport::new(&format!("kvtierd-{}", std::process::id()), tier.pool())
+        kvtier::NixlTransport::new(&kvtier::unique_agent_name("kvtierd"), tier.pool())
             .map_err(|e| format!("{flag}: {e}"))?,
     );
     let server = match &a.peer_listen {
@@ -193,7 +224,7 @@ fn peer_roles(a: &Args, tier: &HostTier) -> Result<PeerRoles, String> {
         Some(addr) => {
             let limits = kvtier::PeerLimits { pinned_blocks: a.peer_pinned_blocks, ..kvtier::PeerLimits::default() };
             Some(
-                kvtier::PeerServer::bind(tier, addr.as_str(), transport.clone(), limits)
+                kvtier::PeerServer::bind_with_secret(tier, addr.as_str(), transport.clone(), limits, secret.clone())
                     .map_err(|e| format!("--peer-listen {addr}: {e}"))?,
             )
         }
@@ -202,7 +233,8 @@ fn peer_roles(a: &Args, tier: &HostTier) -> Result<PeerRoles, String> {
         None
     } else {
         let set = kvtier::PeerSet::new(tier, transport, a.peers.iter().cloned())
-            .map_err(|e| format!("--peer {}: {e}", a.peers.join(",")))?;
+            .map_err(|e| format!("--peer {}: {e}", a.peers.join(",")))?
+            .with_secret(secret);
         Some(std::sync::Arc::new(set))
     };
     Ok(PeerRoles { server, readers })

@@ -2,9 +2,11 @@
 //! pool served to another kvtier instance through the peer protocol, the bytes read one-sided
 //! through NIXL, and a daemon that reads its clients' misses from such a peer. An engine saves
 //! blocks into the daemon; a second instance (an in-process tier in the first test, a second
-//! daemon's client in the second) gets them from it, restores them and checks every byte. A
-//! daemon that cannot serve or read peers (no NIXL runtime, an address it cannot bind, one given
-//! twice) exits with a message naming the flag before its socket exists.
+//! daemon's client in the second) gets them from it, restores them and checks every byte; every
+//! peer proves the shared secret of `--peer-secret-file`. A daemon that cannot serve or read peers
+//! (no NIXL runtime, an address it cannot bind, one given twice, an open address without a
+//! secret, a secret file others can read) exits with a message naming the flag before its socket
+//! exists.
 //!
 //! `cargo test --release -p kvtierd --features nixl --test peer -- --test-threads=1` with the NIXL
 //! runtime in the environment (`eval "$(bash ci/nixl.sh)"`). Without it the tests that need it
@@ -14,7 +16,7 @@ mod support;
 
 use kvtier::{
     BackingChoice, BlockSource, ContentKey, EngineArenas, Geometry, HostTier, MemcpyArenas, NixlTransport, PeerClient,
-    Rank, TierConfig, WaitFor,
+    PeerError, PeerSecret, Rank, TierConfig, WaitFor,
 };
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -35,6 +37,16 @@ fn runtime(test: &str) -> bool {
     false
 }
 
+/// The peers' shared secret of these tests, in a file of mode 0600 (kept for the test's life).
+fn secret_file() -> (tempfile::TempDir, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peer.secret");
+    std::fs::write(&path, "the daemon tests' peer secret\n").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    (dir, path.to_str().unwrap().to_string())
+}
+
 fn keys(tier: &HostTier, n: u64) -> Vec<ContentKey> {
     (0..n).map(|i| tier.namespace().trace_page_key(i, 0)).collect()
 }
@@ -44,7 +56,17 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     if !runtime("a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs") {
         return;
     }
-    let args = ["--peer-listen", "127.0.0.1:0", "--peer-pinned-blocks", "6", "--metrics", "127.0.0.1:0"];
+    let (_dir, secret) = secret_file();
+    let args = [
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--peer-pinned-blocks",
+        "6",
+        "--metrics",
+        "127.0.0.1:0",
+        "--peer-secret-file",
+        secret.as_str(),
+    ];
     let d = Daemon::start_args(8, "lru", None, &args);
     let addr = d
         .line
@@ -68,8 +90,14 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
             .unwrap();
     assert_eq!(reader.namespace(), engine.namespace());
     let transport =
-        Arc::new(NixlTransport::new(&format!("kvtierd-test-reader-{}", std::process::id()), reader.pool()).unwrap());
-    let client = PeerClient::connect(addr.as_str(), &reader, transport, Instant::now() + DEADLINE).unwrap();
+        Arc::new(NixlTransport::new(&kvtier::unique_agent_name("kvtierd-test-reader"), reader.pool()).unwrap());
+    // Without the secret, or with another, the daemon answers nothing but a refusal.
+    let e = PeerClient::connect(addr.as_str(), &reader, transport.clone(), Instant::now() + DEADLINE).unwrap_err();
+    assert!(matches!(e, PeerError::Auth(_)), "{e}");
+    let key = PeerSecret::from_file(&secret).unwrap();
+    let client =
+        PeerClient::connect_with_secret(addr.as_str(), &reader, transport, Some(&key), Instant::now() + DEADLINE)
+            .unwrap();
     let f = client.fetch(&k, Instant::now() + DEADLINE).unwrap();
     assert_eq!((f.lease.len(), f.lease.from_peer(), f.stale), (4, 4, 0), "all four blocks from the daemon");
     assert!((0..4).all(|i| f.lease.source(i) == Some(BlockSource::Peer)));
@@ -84,7 +112,7 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
     drop(client);
     eventually("the peer's pins are gone", || engine.stats().pinned_slots == 0);
     // The owner's side on the daemon's /metrics: one lease of four blocks, all four validated,
-    // nothing pinned or leased now, the budget as asked.
+    // nothing pinned or leased now, the budget as asked; two connections, one refused its proof.
     let metrics = metrics_addr(&d);
     eventually("the peer's lease is gone from the metrics", || sample(&metrics, "kvtier_peer_leases") == 0.0);
     for (series, v) in [
@@ -94,7 +122,8 @@ fn a_peer_fetches_the_daemons_blocks_through_nixl_and_the_engines_keep_theirs() 
         ("kvtier_peer_blocks_validated_total{result=\"invalid\"}", 0.0),
         ("kvtier_peer_pinned_blocks", 0.0),
         ("kvtier_peer_pin_budget_blocks", 6.0),
-        ("kvtier_peer_connections_accepted_total", 1.0),
+        ("kvtier_peer_connections_accepted_total", 2.0),
+        ("kvtier_peer_auth_failures_total", 1.0),
         ("kvtier_peer_refusals_total{limit=\"pinned_blocks\"}", 0.0),
     ] {
         assert_eq!(sample(&metrics, series), v, "{series}");
@@ -120,6 +149,8 @@ fn peer_addr(d: &Daemon) -> String {
 /// The prefill side of the daemon-reader tests: a daemon serving its pool to peers (`owner`, at
 /// `addr`) and its engine (`tier`, with `arenas` of geometry `g` attached as `rank`).
 struct Prefill {
+    /// The peers' secret file (its folder kept for the test's life).
+    secret: (tempfile::TempDir, String),
     owner: Daemon,
     addr: String,
     tier: HostTier,
@@ -132,7 +163,9 @@ struct Prefill {
 /// A [`Prefill`] whose engine has filled pages `0..n` with `keys` (`0..n`) and saved the first
 /// four: the owner holds four blocks.
 fn prefill_owner(n: u64) -> Prefill {
-    let owner = Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0"]);
+    let secret = secret_file();
+    let owner =
+        Daemon::start_args(8, "lru", None, &["--peer-listen", "127.0.0.1:0", "--peer-secret-file", secret.1.as_str()]);
     let addr = peer_addr(&owner);
     let tier = HostTier::connect(&owner.socket).unwrap();
     let g = tier.geometry().with_pages(64).unwrap();
@@ -142,7 +175,7 @@ fn prefill_owner(n: u64) -> Prefill {
     let pages: Vec<u64> = (0..n).collect();
     arenas.fill(&pages, &k).unwrap();
     rank.save(&k[..4], &pages[..4], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
-    Prefill { owner, addr, tier, g, arenas, rank, keys: k }
+    Prefill { secret, owner, addr, tier, g, arenas, rank, keys: k }
 }
 
 #[test]
@@ -152,12 +185,13 @@ fn a_daemon_with_a_peer_leases_its_clients_the_peers_blocks_marked_as_from_the_p
     }
     // The prefill side: a daemon serving its pool to peers; its engine saves the first four of
     // six keys.
-    let Prefill { owner, addr, tier: prefill, g, arenas: _prefill_arenas, rank: prefill_rank, keys: k } =
+    let Prefill { secret, owner, addr, tier: prefill, g, arenas: _prefill_arenas, rank: prefill_rank, keys: k } =
         prefill_owner(6);
 
     // The decode side: a daemon that reads its misses from the owner; its engine has saved only
     // the first block itself.
-    let reader = Daemon::start_args(8, "lru", None, &["--peer", addr.as_str(), "--peer-timeout-ms", "20000"]);
+    let args = ["--peer", addr.as_str(), "--peer-timeout-ms", "20000", "--peer-secret-file", secret.1.as_str()];
+    let reader = Daemon::start_args(8, "lru", None, &args);
     let decode = HostTier::connect(&reader.socket).unwrap();
     assert_eq!(decode.namespace(), prefill.namespace());
     let decode_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
@@ -208,10 +242,27 @@ fn a_daemon_fetches_for_a_process_no_more_than_its_slot_bound() {
     if !runtime("a_daemon_fetches_for_a_process_no_more_than_its_slot_bound") {
         return;
     }
-    let Prefill { owner: _owner, addr, tier: _prefill, g, arenas: _prefill_arenas, rank: prefill_rank, keys: k } =
-        prefill_owner(4);
+    let Prefill {
+        secret,
+        owner: _owner,
+        addr,
+        tier: _prefill,
+        g,
+        arenas: _prefill_arenas,
+        rank: prefill_rank,
+        keys: k,
+    } = prefill_owner(4);
     // A process may hold 2 slots being written at once: a query fetches at most 2 blocks.
-    let args = ["--peer", addr.as_str(), "--peer-timeout-ms", "20000", "--max-slots-per-process", "2"];
+    let args = [
+        "--peer",
+        addr.as_str(),
+        "--peer-timeout-ms",
+        "20000",
+        "--max-slots-per-process",
+        "2",
+        "--peer-secret-file",
+        secret.1.as_str(),
+    ];
     let reader = Daemon::start_args(8, "lru", None, &args);
     let decode = HostTier::connect(&reader.socket).unwrap();
     let decode_arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
@@ -282,6 +333,32 @@ fn a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exis
     let (code, err) = refused(&socket, &["--peer", "127.0.0.1:7000"], &["LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("kvtierd: --peer 127.0.0.1:7000: ") && err.contains("NIXL runtime not found"), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+    // An address that is not loopback without a secret (checked before NIXL starts).
+    let (code, err) = refused(&socket, &["--peer-listen", "0.0.0.0:0"], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer-listen 0.0.0.0:0: ") && err.contains("needs --peer-secret-file"), "{err}");
+    assert!(!socket.exists(), "no socket is left behind");
+    // A secret file its group or others can read, one too short, and a secret without a role.
+    let (_dir, path) = secret_file();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let (code, err) = refused(&socket, &["--peer-listen", "0.0.0.0:0", "--peer-secret-file", &path], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("kvtierd: --peer-secret-file: ") && err.contains("chmod 600"), "{err}");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    std::fs::write(&path, "short\n").unwrap();
+    let (code, err) = refused(&socket, &["--peer", "127.0.0.1:7000", "--peer-secret-file", &path], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("too short"), "{err}");
+    let (code, err) = refused(&socket, &["--peer-secret-file", &path], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--peer-secret-file: needs --peer-listen or --peer"), "{err}");
     assert!(!socket.exists(), "no socket is left behind");
     if !runtime("a_daemon_that_cannot_serve_peers_exits_naming_the_flag_before_its_socket_exists (bad address)") {
         return;

@@ -185,6 +185,7 @@ class Tier:
         peer_listen: Optional[str] = None,  # host:port (port 0: any free one)
         peer_timeout_s: float = 2.0,
         peer_pinned_blocks: Optional[int] = None,
+        peer_secret_file: Optional[str] = None,  # the peers' shared secret (mode 0600, >= 16 B)
         serve: Optional[Union[str, "os.PathLike[str]"]] = None,  # Unix socket to serve the pool on
     ) -> None: ...
     @property

@@ -21,6 +21,10 @@ pub(crate) struct PeerOptions<'a> {
     /// Blocks peers may keep pinned here at once (None: all but an eighth of the slots).
     #[cfg_attr(not(feature = "peers"), allow(dead_code))]
     pub pinned_blocks: Option<usize>,
+    /// The peers' shared secret's file (`kvtier::PeerSecret::from_file`): proven to the peers
+    /// read from and asked of those served. Needed to serve at an address that is not loopback.
+    #[cfg_attr(not(feature = "peers"), allow(dead_code))]
+    pub secret_file: Option<std::path::PathBuf>,
 }
 
 impl PeerOptions<'_> {
@@ -64,6 +68,9 @@ fn peer_error(what: &str, e: &kvtier::PeerError) -> PyErr {
 /// pin budget of 0 or over the pool); `PeerError` (the NIXL runtime missing, an address that
 /// cannot be bound).
 pub(crate) fn start(tier: &HostTier, o: PeerOptions<'_>) -> PyResult<Option<TierPeers>> {
+    if o.secret_file.is_some() && !o.any() {
+        return Err(config_error("peer_secret_file is the peers' secret: it needs peers= or peer_listen=".into()));
+    }
     if o.pinned_blocks.is_some() && o.listen.is_none() {
         return Err(config_error("peer_pinned_blocks bounds what peers pin here: it needs peer_listen=".into()));
     }
@@ -97,7 +104,11 @@ fn start_roles(tier: &HostTier, o: PeerOptions<'_>, timeout: Duration) -> PyResu
     if let Some(p) = peers.iter().find(|p| p.trim().is_empty()) {
         return Err(config_error(format!("peers: an address is empty ({p:?})")));
     }
-    let name = format!("kvtier-py-{}-{}", std::process::id(), AGENTS.fetch_add(1, Ordering::Relaxed));
+    let secret = match &o.secret_file {
+        Some(p) => Some(kvtier::PeerSecret::from_file(p).map_err(|e| config_error(format!("peer_secret_file: {e}")))?),
+        None => None,
+    };
+    let name = format!("{}-{}", kvtier::unique_agent_name("kvtier-py"), AGENTS.fetch_add(1, Ordering::Relaxed));
     let transport: Arc<dyn kvtier::PeerTransport> = Arc::new(
         kvtier::NixlTransport::new(&name, tier.pool())
             .map_err(|e| peer_error("registering the pool with NIXL", &kvtier::PeerError::Transport(e)))?,
@@ -107,7 +118,7 @@ fn start_roles(tier: &HostTier, o: PeerOptions<'_>, timeout: Duration) -> PyResu
         Some(addr) => {
             let limits = kvtier::PeerLimits { pinned_blocks: o.pinned_blocks, ..kvtier::PeerLimits::default() };
             Some(
-                kvtier::PeerServer::bind(tier, addr, transport.clone(), limits)
+                kvtier::PeerServer::bind_with_secret(tier, addr, transport.clone(), limits, secret.clone())
                     .map_err(|e| peer_error(&format!("peer_listen {addr}"), &e))?,
             )
         }
@@ -115,10 +126,12 @@ fn start_roles(tier: &HostTier, o: PeerOptions<'_>, timeout: Duration) -> PyResu
     let readers = if peers.is_empty() {
         None
     } else {
-        let set = kvtier::PeerSet::new(tier, transport, peers).map_err(|e| match e {
-            kvtier::PeerError::Config(m) => config_error(format!("peers: {m}")),
-            e => peer_error("peers", &e),
-        })?;
+        let set = kvtier::PeerSet::new(tier, transport, peers)
+            .map_err(|e| match e {
+                kvtier::PeerError::Config(m) => config_error(format!("peers: {m}")),
+                e => peer_error("peers", &e),
+            })?
+            .with_secret(secret);
         Some(Arc::new(set))
     };
     Ok(Some(TierPeers { server, readers, timeout }))
@@ -169,6 +182,8 @@ impl TierPeers {
             ("pinned_blocks", s.pinned_blocks),
             ("pin_budget", s.pin_budget),
             ("held_blocks", s.held_blocks),
+            ("refused_connections", s.refused_connections),
+            ("auth_failures", s.refused_auth),
         ])
     }
 }

@@ -361,7 +361,7 @@ fn new_rank(rank: Rank, watch: Py<PyAny>, device: Option<u32>) -> PyRank {
 impl PyTier {
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
-    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None, peers = None, peer_listen = None, peer_timeout_s = 2.0, peer_pinned_blocks = None, serve = None))]
+    #[pyo3(signature = (geometry, pool_bytes, policy = None, *, backing = "auto", prefault = false, mlock = false, numa_node = None, lease_ttl_s = None, ssd = None, ssd_admit_uses = None, ssd_io = None, ssd_read_depth = None, peers = None, peer_listen = None, peer_timeout_s = 2.0, peer_pinned_blocks = None, peer_secret_file = None, serve = None))]
     fn new(
         py: Python<'_>,
         geometry: &PyGeometry,
@@ -380,6 +380,7 @@ impl PyTier {
         peer_listen: Option<&str>,
         peer_timeout_s: f64,
         peer_pinned_blocks: Option<usize>,
+        peer_secret_file: Option<std::path::PathBuf>,
         serve: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let ssd = parse_ssd(ssd, SsdOptions { admit_uses: ssd_admit_uses, io: ssd_io, read_depth: ssd_read_depth })?;
@@ -413,6 +414,7 @@ impl PyTier {
             listen: peer_listen,
             timeout_s: peer_timeout_s,
             pinned_blocks: peer_pinned_blocks,
+            secret_file: peer_secret_file,
         };
         let peers = py.detach(|| crate::peers::start(&inner, options))?;
         Ok(PyTier { inner, peers, served: serve })

@@ -108,7 +108,7 @@ def test_a_lease_says_where_each_block_came_from(tier, rank):
     assert (tier.peers, tier.peer_address, tier.peer_stats()) == ([], None, None)
 
 
-def test_peer_options_are_refused_with_a_typed_error_without_peers_or_bad(geometry):
+def test_peer_options_are_refused_with_a_typed_error_without_peers_or_bad(geometry, tmp_path):
     for bad in (0, -1.0, 1e19):
         with pytest.raises(kvtier.ConfigError, match=r"peer_timeout_s must be a number of seconds in \(0, 3600\]"):
             kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peers=["127.0.0.1:1"], peer_timeout_s=bad)
@@ -117,7 +117,17 @@ def test_peer_options_are_refused_with_a_typed_error_without_peers_or_bad(geomet
     tier = kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain")
     with pytest.raises(kvtier.ConfigError, match="hold_for_peers needs a tier made with peer_listen="):
         tier.hold_for_peers(tier.namespace.keys([b"a"]), 1.0)
+    secret = tmp_path / "peer.secret"
+    secret.write_text("a peer secret of some length\n")
+    secret.chmod(0o644)
+    with pytest.raises(kvtier.ConfigError, match="peer_secret_file is the peers' secret: it needs peers= or peer_listen="):
+        kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peer_secret_file=str(secret))
     if kvtier.peers_available():
+        # A secret file its group or others may read; an open address without a secret.
+        with pytest.raises(kvtier.ConfigError, match="chmod 600"):
+            kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peers=["127.0.0.1:1"], peer_secret_file=str(secret))
+        with pytest.raises(kvtier.ConfigError, match="needs a shared secret"):
+            kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peer_listen="0.0.0.0:0")
         with pytest.raises(kvtier.ConfigError, match="configured twice"):
             kvtier.Tier(geometry, 4 * geometry.slot_bytes, backing="plain", peers=["127.0.0.1:1", "127.0.0.1:1"])
         with pytest.raises(kvtier.PeerError, match="peer_listen 256.0.0.1:1") as e:

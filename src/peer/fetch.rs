@@ -13,17 +13,23 @@
 //!    other reservations (index entries first, then the slots go back free);
 //! 7. `Release` the owner's lease.
 //!
-//! Any error after step 3 aborts every reservation, so the local tier is left as it was.
+//! Any error after step 3 aborts every reservation, so the local tier is left as it was; only a
+//! read that ended while its transfer may still write the slots (past its deadline: a cancel is not
+//! synchronous) leaves them quarantined until the transport says the transfer is over
+//! ([`super::ReadDone`]), then they go free.
 
 use super::client::{PeerClient, PeerFetch};
 use super::transport::BlockRead;
 use super::PeerError;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
+use crate::tier::core::{Core, Reserved};
 use crate::tier::lease::{Lease, LeasedBlock};
+use crate::tier::pins::WriteReservation;
 use crate::tier::ssd::reserve_promotion;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 use std::time::Instant;
 
 impl PeerClient {
@@ -125,6 +131,7 @@ impl PeerClient {
         let owned_keys: Vec<ContentKey> = owned.iter().map(|b| b.key).collect();
         let reservation = reserve_promotion(&self.core, &owned_keys);
         let n = reservation.len();
+        let landed = Landed::new(&self.core);
         let outcome = (|| {
             if n == 0 {
                 return Ok(0);
@@ -143,7 +150,9 @@ impl PeerClient {
                     len: self.block_bytes,
                 })
                 .collect();
-            self.transport.read(self.peer, &reads, deadline)?;
+            // The slots the transfer may still write after an error are quarantined until the
+            // transport says it is over (`landed`).
+            self.transport.read_tracked(self.peer, &reads, deadline, landed.done())?;
             let valid = self.validate(lease, n, deadline)?;
             // Seeded bug (tests only): `peer-skips-validate` serves whatever the read brought.
             if crate::seeded::seeded("peer-skips-validate") {
@@ -157,8 +166,12 @@ impl PeerClient {
                 // Seeded bug (tests only): `peer-abort-leaks-slot` withholds the slots for good.
                 if crate::seeded::seeded("peer-abort-leaks-slot") {
                     reservation.quarantine();
-                } else {
+                } else if crate::seeded::seeded("peer-deadline-frees-in-flight") || landed.is_over() {
+                    // Seeded bug (tests only): `peer-deadline-frees-in-flight` frees slots a
+                    // transfer may still write.
                     drop(reservation); // aborted: index entries first, then the slots go free
+                } else {
+                    landed.quarantine(reservation);
                 }
                 let _ = self.release(lease, deadline);
                 return Err(e);
@@ -176,5 +189,57 @@ impl PeerClient {
             blocks.push(LeasedBlock { key: r.key, slot: SlotRef { slot: r.slot, generation: r.generation } });
         }
         Ok((committed.len(), stale))
+    }
+}
+
+/// Whether a read's transfer is over, and the slots it may still write until it is: the slots are
+/// quarantined (`WRITING`, withheld, their index entries gone) when the read failed before the
+/// transport said so, and go back free when it does (the [`super::ReadDone`] it was given drops).
+struct Landed {
+    core: crate::sync::Arc<Core>,
+    state: std::sync::Arc<Mutex<LandedState>>,
+}
+
+enum LandedState {
+    /// The transfer may still write.
+    Running,
+    /// The transport said the transfer is over.
+    Over,
+    /// Over an error the slots were quarantined while the transfer ran: freed when it is over.
+    Quarantined(Vec<Reserved>),
+}
+
+impl Landed {
+    fn new(core: &crate::sync::Arc<Core>) -> Landed {
+        Landed { core: core.clone(), state: std::sync::Arc::new(Mutex::new(LandedState::Running)) }
+    }
+
+    /// The transport's half: dropped when the transfer is over.
+    fn done(&self) -> super::ReadDone {
+        let (core, state) = (self.core.clone(), self.state.clone());
+        super::ReadDone::new(move || {
+            let was = std::mem::replace(&mut *super::lock(&state), LandedState::Over);
+            if let LandedState::Quarantined(slots) = was {
+                for r in slots {
+                    core.release_quarantined(r);
+                }
+            }
+        })
+    }
+
+    fn is_over(&self) -> bool {
+        matches!(*super::lock(&self.state), LandedState::Over)
+    }
+
+    /// Quarantines `reservation`'s slots until the transfer is over (at once freed if it already
+    /// is).
+    fn quarantine(&self, reservation: WriteReservation) {
+        let mut st = super::lock(&self.state);
+        if matches!(*st, LandedState::Over) {
+            drop(st);
+            drop(reservation);
+            return;
+        }
+        *st = LandedState::Quarantined(reservation.quarantine_entries());
     }
 }

@@ -57,6 +57,12 @@ impl Collector for PeerCollector {
                 s.leases_granted,
             ),
             ("kvtier_peer_blocks_leased", "Blocks answered under peer leases.", s.blocks_leased),
+            (
+                "kvtier_peer_auth_failures",
+                "Peer hellos refused because the reader's proof of the shared secret failed (another secret, none, a \
+                 replayed proof).",
+                s.refused_auth,
+            ),
         ];
         for (name, help, v) in counters {
             family(&mut enc, name, help, None, &[(none, counter(v))])?;

@@ -16,6 +16,7 @@
 //! that its slot still held that key at that generation under a live lease (the lease pinned it,
 //! so the bytes read are the key's). Anything else is dropped before any query can see it.
 
+pub(crate) mod auth;
 mod client;
 mod fetch;
 #[cfg(feature = "metrics")]
@@ -29,10 +30,11 @@ mod transport;
 #[cfg(all(feature = "nixl", not(loom)))]
 pub(crate) mod nixl;
 
+pub use auth::PeerSecret;
 pub use client::{PeerClient, PeerFetch};
 pub use server::{PeerLimits, PeerServer, PeerServerStats};
 pub use set::{PeerSet, PeerSetFetch};
-pub use transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
+pub use transport::{BlockRead, PeerTransport, ReadDone, TransportError, TransportPeer};
 
 /// Locks `m`, recovering from poisoning: the peer tables stay consistent across a panic in any
 /// one connection's handler (each update is a few map operations that cannot fail; the pin table
@@ -64,6 +66,13 @@ pub enum PeerError {
     /// expires; nothing was published).
     #[error("the peer fetch did not complete before its deadline")]
     Deadline,
+    /// The handshake's proof of the shared secret failed: the owner refused this side's (another
+    /// secret, or a secret on one side only), or the owner's own proof did not check (which).
+    #[error("peer authentication failed: {0}")]
+    Auth(String),
+    /// A peer secret that cannot be used (its file unreadable, open to others, too short).
+    #[error("{0}")]
+    Secret(String),
     /// The peer speaks another version of the control protocol.
     #[error("the peer speaks peer protocol version {theirs}, this instance {ours}")]
     Version {
@@ -140,7 +149,45 @@ impl PeerError {
     }
 }
 
+/// A NIXL agent name that no other instance has: `{prefix}-{host}-{pid}-{random}` (a daemon that
+/// is PID 1 in its container has the same PID on every host, and a host name may repeat too; 64
+/// random bits do not). A peer's agent name is how NIXL tells loaded peers apart.
+pub fn unique_agent_name(prefix: &str) -> String {
+    let pid = std::process::id();
+    // Seeded bug (tests only): `nixl-agent-name-pid-only` names agents by PID alone.
+    if crate::seeded::seeded("nixl-agent-name-pid-only") {
+        return format!("{prefix}-{pid}");
+    }
+    let mut host = [0u8; 64];
+    // SAFETY: `host` is a writable buffer of the length passed; gethostname writes at most that
+    // many bytes into it.
+    let ok = unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) } == 0;
+    let host = if ok {
+        let end = host.iter().position(|&b| b == 0).unwrap_or(host.len());
+        String::from_utf8_lossy(&host[..end]).into_owned()
+    } else {
+        "host".to_string()
+    };
+    let mut r = [0u8; 8];
+    if getrandom::fill(&mut r).is_err() {
+        // No randomness (never on Linux once booted): the clock's nanoseconds instead.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        r = (t.as_nanos() as u64).to_le_bytes();
+    }
+    format!("{prefix}-{host}-{pid}-{:016x}", u64::from_le_bytes(r))
+}
+
 /// Hex of a namespace's 16 bytes (for messages).
 pub(crate) fn namespace_hex(ns: &crate::key::Namespace) -> String {
     ns.0.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn two_agent_names_of_one_process_differ() {
+        let (a, b) = (super::unique_agent_name("kvtierd"), super::unique_agent_name("kvtierd"));
+        assert_ne!(a, b, "agent names must be unique even for one PID on one host");
+        assert!(a.starts_with("kvtierd-") && a.contains(&std::process::id().to_string()), "{a}");
+    }
 }

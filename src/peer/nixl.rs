@@ -11,8 +11,12 @@
 //!   header; nothing may follow the metadata.
 //! - **Read**: every [`BlockRead`] of a batch is range-checked against both pools, then the batch
 //!   is one NIXL READ request (local descriptors in this pool, remote ones at the peer's base plus
-//!   the offset), posted and polled until it completes or the deadline passes (the request is then
-//!   released, which asks the backend to cancel it).
+//!   the offset), posted and polled until it completes or the deadline passes. Past the deadline
+//!   the read returns at once, but NIXL's cancel of a UCX transfer in flight is not synchronous, so
+//!   the request is handed to a drain thread that polls it until NIXL reports it over (completed
+//!   or failed), and only then releases it and drops the read's [`ReadDone`]: the caller keeps
+//!   the destination slots quarantined until then. Removing the peer and deregistering the pool
+//!   wait for those transfers (up to [`DRAIN_LIMIT`]; past it the slots stay withheld for good).
 //! - **Errors**: nixl-sys 1.5.1's C API reports every backend failure of a transfer, the peer's
 //!   disconnection (`NIXL_ERR_REMOTE_DISCONNECT`) included, as one status; a transfer that was
 //!   accepted and then failed is reported as [`TransportError::Disconnected`], one NIXL refused
@@ -22,7 +26,7 @@
 /// drives NIXL next to [`NixlTransport`] (kvtier's raw-NIXL benchmark) with the same version.
 pub use nixl_sys;
 
-use super::transport::{BlockRead, PeerTransport, TransportError, TransportPeer};
+use super::transport::{BlockRead, PeerTransport, ReadDone, TransportError, TransportPeer};
 use crate::slab::HostPool;
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, OptArgs, RegistrationHandle,
@@ -30,8 +34,12 @@ use nixl_sys::{
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, Weak};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+/// The longest a drain waits for a transfer past its deadline to be over; past it the request is
+/// released and the read's [`ReadDone`] kept for good (its slots withheld, never reused).
+pub(crate) const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 /// The first 4 bytes of a [`NixlTransport`] descriptor.
 const MAGIC: [u8; 4] = *b"KVTN";
@@ -99,11 +107,34 @@ struct Shared {
     /// invalidates the peer's metadata, and with it NIXL's requests to it) waits for them.
     peers: RwLock<HashMap<u64, Peer>>,
     next_peer: AtomicU64,
+    /// Transfers past their deadline still draining, per peer agent name.
+    draining: Mutex<HashMap<String, usize>>,
+    /// Signalled when a drain ends.
+    drained: Condvar,
 }
 
 impl Shared {
-    /// Deregisters the pool (waiting for reads in flight); later reads fail.
+    /// Waits (up to [`DRAIN_LIMIT`]) until no transfer to `agent` (any agent: `None`) is draining.
+    fn wait_drained(&self, agent: Option<&str>) {
+        let until = Instant::now() + DRAIN_LIMIT;
+        let mut d = self.draining.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let busy = match agent {
+                Some(a) => d.get(a).is_some_and(|&n| n > 0),
+                None => d.values().any(|&n| n > 0),
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            if !busy || left.is_zero() {
+                return;
+            }
+            d = self.drained.wait_timeout(d, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Deregisters the pool (waiting for reads in flight and transfers draining); later reads
+    /// fail.
     fn deregister(&self) {
+        self.wait_drained(None);
         let taken = self.registration.write().unwrap_or_else(|e| e.into_inner()).take();
         drop(taken); // RegistrationHandle's drop deregisters
     }
@@ -194,6 +225,8 @@ impl NixlTransport {
             registration: RwLock::new(Some(registration)),
             peers: RwLock::new(HashMap::new()),
             next_peer: AtomicU64::new(1),
+            draining: Mutex::new(HashMap::new()),
+            drained: Condvar::new(),
         });
         pool.with_registrations(|r| r.push(Box::new(PoolGuard(Arc::downgrade(&shared)))));
         Ok(NixlTransport { shared, name: name.to_string() })
@@ -325,6 +358,8 @@ impl PeerTransport for NixlTransport {
         let mut peers = self.shared.peers.write().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = peers.remove(&peer.0) {
             if !peers.values().any(|q| q.agent == p.agent) {
+                // Its metadata goes only once no transfer to it is draining.
+                self.shared.wait_drained(Some(&p.agent));
                 // NOT_FOUND (already gone) is the goal state; anything else leaves stale metadata
                 // that no TransportPeer can reach.
                 let _ = self.shared.agent.invalidate_remote_md(&p.agent);
@@ -340,7 +375,13 @@ impl PeerTransport for NixlTransport {
     /// [`TransportError::Disconnected`] when NIXL failed the posted transfer;
     /// [`TransportError::Backend`] when NIXL refused the request, `peer` is not loaded, or the
     /// pool was dropped.
-    fn read(&self, peer: TransportPeer, reads: &[BlockRead], deadline: Instant) -> Result<(), TransportError> {
+    fn read_tracked(
+        &self,
+        peer: TransportPeer,
+        reads: &[BlockRead],
+        deadline: Instant,
+        done: ReadDone,
+    ) -> Result<(), TransportError> {
         let registration = self.shared.registration.read().unwrap_or_else(|e| e.into_inner());
         if registration.is_none() {
             return Err(TransportError::Backend("the host pool was dropped".into()));
@@ -382,7 +423,16 @@ impl PeerTransport for NixlTransport {
             match agent.get_xfer_status(&request) {
                 Ok(XferStatus::Success) => return Ok(()),
                 Ok(XferStatus::InProgress) if Instant::now() >= deadline => {
-                    drop(request); // release: the backend cancels what is still in flight
+                    // Seeded bug (tests only): `nixl-deadline-releases-at-once` releases the
+                    // request at the deadline and says the transfer is over (the old behaviour).
+                    if crate::seeded::seeded("nixl-deadline-releases-at-once") {
+                        drop(request);
+                        drop(done);
+                        return Err(TransportError::Deadline);
+                    }
+                    // Not released here: a release asks UCX to cancel, which is not synchronous.
+                    // The drain releases it once NIXL says it is over, then drops `done`.
+                    drain(&self.shared, request, p.agent.clone(), done);
                     return Err(TransportError::Deadline);
                 }
                 Ok(XferStatus::InProgress) => std::thread::yield_now(),
@@ -398,6 +448,66 @@ impl PeerTransport for NixlTransport {
             }
         }
     }
+}
+
+/// Polls `request` (a READ past its deadline) on a thread of its own until NIXL reports it over,
+/// then releases it and drops `done` (module docs). Counted in `shared.draining` meanwhile.
+fn drain(shared: &Arc<Shared>, request: nixl_sys::XferRequest, agent: String, done: ReadDone) {
+    *shared.draining.lock().unwrap_or_else(|e| e.into_inner()).entry(agent.clone()).or_insert(0) += 1;
+    // Shared with the thread, so that a thread that cannot start hands them back.
+    let held = Arc::new(Mutex::new(Some((request, done))));
+    let (s, h, name) = (shared.clone(), held.clone(), agent.clone());
+    let job = move || {
+        let Some((request, done)) = h.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        let until = Instant::now() + DRAIN_LIMIT;
+        let over = loop {
+            match s.agent.get_xfer_status(&request) {
+                Ok(XferStatus::InProgress) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
+                Ok(XferStatus::InProgress) => break false,
+                Err(NixlError::NotFound) => {
+                    // NIXL deleted the request itself (with its transfers): releasing it again
+                    // would free it twice.
+                    std::mem::forget(request);
+                    break true;
+                }
+                Ok(XferStatus::Success) | Err(_) => {
+                    drop(request);
+                    break true;
+                }
+            }
+        };
+        if over {
+            drop(done);
+        } else {
+            // Never reported over: the slots stay withheld for good.
+            tracing::warn!(agent = %name, "a NIXL READ past its deadline never ended: its slots stay quarantined");
+            std::mem::forget(done);
+        }
+        drained_one(&s, &name);
+    };
+    if let Err(e) = std::thread::Builder::new().name("kvtier-nixl-drain".into()).spawn(job) {
+        // No thread to wait on the transfer: release the request and keep the slots withheld
+        // for good (`done` never dropped).
+        tracing::error!(error = %e, "no drain thread for a NIXL READ past its deadline: its slots stay quarantined");
+        if let Some((request, done)) = held.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            std::mem::forget(done);
+            drop(request);
+        }
+        drained_one(shared, &agent);
+    }
+}
+
+/// One drain of a transfer to `agent` ended.
+fn drained_one(shared: &Shared, agent: &str) {
+    let mut d = shared.draining.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = d.get_mut(agent) {
+        *n -= 1;
+        if *n == 0 {
+            d.remove(agent);
+        }
+    }
+    drop(d);
+    shared.drained.notify_all();
 }
 
 #[cfg(test)]

@@ -99,6 +99,25 @@ impl PinTable {
         Some(hold)
     }
 
+    /// Counts each distinct key of `keys` as pinned (a query's or a hold's keys while the tier is
+    /// queried without the lock: they are in the pin budget from the check on) and returns them,
+    /// for [`PinTable::unreserve`] once the lease is filed.
+    pub(super) fn reserve(&mut self, keys: &[crate::ContentKey]) -> Vec<crate::ContentKey> {
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        let distinct: Vec<crate::ContentKey> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+        for k in &distinct {
+            self.pin(*k);
+        }
+        distinct
+    }
+
+    /// Takes back the counts of [`PinTable::reserve`].
+    pub(super) fn unreserve(&mut self, reserved: &[crate::ContentKey]) {
+        for k in reserved {
+            self.unpin(k);
+        }
+    }
+
     pub(super) fn leases_of(&self, conn: u64) -> usize {
         self.per_conn.get(&conn).map_or(0, |&n| n as usize)
     }

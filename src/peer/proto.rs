@@ -1,11 +1,15 @@
 //! The peer control protocol: length-prefixed postcard frames (a 4-byte little-endian length,
 //! then the payload), as the tier daemon's (`crate::remote::proto`), over TCP. The reader speaks
-//! first with [`PeerRequest::Hello`]; every later request has exactly one reply.
+//! first with [`PeerRequest::Hello`]; every later request has exactly one reply. The hello is a
+//! challenge-response over a shared secret (`super::auth`): nothing but a `Challenge` or a refusal
+//! that says nothing about the owner is answered before the reader proved the secret.
 //!
 //! ```text
 //!   reader                                   owner
-//!   Hello {magic, version, ns, descriptor} -> Welcome {ns, block bytes, descriptor, limits}
-//!                                            | Refused (version, namespace, magic)
+//!   Hello {magic, version, nonce}          -> Challenge {nonce}
+//!                                            | Refused (magic, version, connections)
+//!   Auth {mac, ns, descriptor}             -> Welcome {mac, ns, block bytes, descriptor, limits}
+//!                                            | Refused (auth; then namespace, descriptor)
 //!   Query {keys, ttl_ms}                   -> Leased {lease, ttl_ms, [(key, offset, generation)]}
 //!   (transport reads the blocks)
 //!   Validate {lease, blocks}               -> Valid [still valid per block read]
@@ -15,22 +19,37 @@
 use crate::key::{ContentKey, Namespace};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
 
 /// First bytes of a hello: "kvtier peer".
 pub const PEER_MAGIC: [u8; 4] = *b"KVTP";
 /// Version of this protocol; a hello with another is refused ([`PeerRefusal::Version`]).
-pub const PEER_PROTOCOL_VERSION: u32 = 1;
+/// Version 2: the hello is a challenge-response over the peers' shared secret.
+pub const PEER_PROTOCOL_VERSION: u32 = 2;
+
+/// Bytes of a nonce and of a MAC in the hello.
+pub use super::auth::NONCE_BYTES;
 
 /// A request from a reader to an owner.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PeerRequest {
-    /// The first frame: [`PEER_MAGIC`], [`PEER_PROTOCOL_VERSION`], the namespace the reader's
-    /// keys are in, and its transport descriptor ([`super::PeerTransport::local_descriptor`]).
+    /// The first frame: [`PEER_MAGIC`], [`PEER_PROTOCOL_VERSION`] and the reader's nonce (32
+    /// random bytes of this connection). Answered [`PeerReply::Challenge`].
     Hello {
         /// [`PEER_MAGIC`].
         magic: [u8; 4],
         /// [`PEER_PROTOCOL_VERSION`].
         version: u32,
+        /// The reader's nonce.
+        nonce: [u8; NONCE_BYTES],
+    },
+    /// The second frame: the reader's proof of the secret (its MAC over both nonces, its
+    /// namespace and its descriptor: `super::auth`), the namespace its keys are in, and its
+    /// transport descriptor ([`super::PeerTransport::local_descriptor`]).
+    Auth {
+        /// HMAC-SHA-256 of the reader (`super::auth::mac`).
+        mac: [u8; NONCE_BYTES],
         /// The reader's tier's namespace.
         namespace: Namespace,
         /// The reader's transport descriptor (opaque bytes).
@@ -82,6 +101,8 @@ pub struct WirePeerLimits {
     pub leases_per_connection: u64,
     /// Longest lease time-to-live, ms.
     pub max_lease_ttl_ms: u64,
+    /// Longest idle time between requests before the owner closes the connection, ms.
+    pub idle_timeout_ms: u64,
 }
 
 /// Why an owner refused a hello or a request.
@@ -96,7 +117,16 @@ pub enum PeerRefusal {
         /// The reader's.
         theirs: u32,
     },
-    /// The reader's namespace is not the owner's.
+    /// The reader's proof of the secret failed (another secret, none, a replayed hello). Says
+    /// nothing about the owner; the connection is closed.
+    Auth,
+    /// The owner serves as many connections as its limit allows: try again later (the connection
+    /// is closed). Sent before the hello.
+    Connections {
+        /// The limit.
+        max: u64,
+    },
+    /// The reader's namespace is not the owner's (sent only to a reader that proved the secret).
     Namespace {
         /// The owner's namespace.
         ours: Namespace,
@@ -112,15 +142,23 @@ pub enum PeerRefusal {
         /// The bound.
         max: u64,
     },
-    /// A request before the hello, or a second hello.
+    /// A request before the hello is complete, or a second hello.
     OutOfOrder,
 }
 
 /// A reply from an owner.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PeerReply {
-    /// The hello was accepted.
+    /// The answer to a hello: the owner's nonce (32 random bytes of this connection).
+    Challenge {
+        /// The owner's nonce.
+        nonce: [u8; NONCE_BYTES],
+    },
+    /// The reader's proof checked: the owner's own proof and what a reader needs.
     Welcome {
+        /// HMAC-SHA-256 of the owner over both nonces, its namespace, its block bytes and its
+        /// descriptor (`super::auth::mac`); the reader checks it before it loads the descriptor.
+        mac: [u8; NONCE_BYTES],
         /// The owner's namespace.
         namespace: Namespace,
         /// Bytes per block (the geometry's slot bytes; one transport read each).
@@ -186,4 +224,48 @@ pub fn read_msg<T: for<'de> Deserialize<'de>>(
         Ok(m) => Frame::Msg(m),
         Err(e) => Frame::Undecodable(e.to_string()),
     })
+}
+
+/// A stream whose every read and write must end by `deadline`: each socket call gets what is left
+/// of it as its timeout (never the whole time again), and once it has passed a call fails with
+/// [`std::io::ErrorKind::TimedOut`] without touching the socket. So a frame or a hello that
+/// arrives a byte at a time still ends at the deadline.
+pub(crate) struct Timed<'a> {
+    /// The socket.
+    pub(crate) stream: &'a TcpStream,
+    /// When every call must have ended.
+    pub(crate) deadline: Instant,
+}
+
+impl Timed<'_> {
+    fn left(&self) -> std::io::Result<std::time::Duration> {
+        // Seeded bug (tests only): `peer-deadline-per-read` gives each call the whole timeout
+        // again (the old behaviour: a trickled frame took as long as the sender liked).
+        if crate::seeded::seeded("peer-deadline-per-read") {
+            return Ok(std::time::Duration::from_secs(30));
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the deadline passed"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }

@@ -1,8 +1,9 @@
 //! [`PeerServer`]: the owner's side of the peer protocol. One thread accepts (and expires leases
 //! past their time-to-live); one thread per connection, at most [`PeerLimits::connections`].
 
+use super::auth::{self, PeerSecret, Role};
 use super::pins::{Hold, OwnerLease, PinTable};
-use super::proto::{self, Frame, PeerRefusal, PeerReply, PeerRequest, WirePeerBlock, WirePeerLimits};
+use super::proto::{self, Frame, PeerRefusal, PeerReply, PeerRequest, Timed, WirePeerBlock, WirePeerLimits};
 use super::{PeerError, PeerTransport};
 use crate::slab::slot::SlotState;
 use crate::sync::Arc as TierArc;
@@ -10,7 +11,6 @@ use crate::tier::core::Core;
 use crate::tier::lease::LeasedBlock;
 use crate::HostTier;
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,13 +24,18 @@ use std::time::{Duration, Instant};
 pub struct PeerLimits {
     /// Connections served at once (64); one more is closed at accept.
     pub connections: usize,
-    /// Time from accept to a complete hello (5 s).
+    /// Time from accept to a complete hello, the whole handshake (every frame of it, however it
+    /// arrives) included (5 s).
     pub hello_timeout: Duration,
-    /// Time a frame may take once its first byte arrived (30 s); between frames a connection may
-    /// idle.
+    /// Time a whole frame may take once its first byte arrived, however its bytes trickle (30 s).
     pub frame_timeout: Duration,
-    /// Time a reply may wait for the reader to take it (30 s).
+    /// Time a whole reply may take to be taken by the reader (30 s).
     pub write_timeout: Duration,
+    /// Time an authenticated connection may idle between requests before the owner closes it
+    /// (120 s); the welcome tells the reader, whose idle connections are closed before it. TCP
+    /// keepalive (probes after 30 s idle, every 10 s, 3 unanswered end it) finds a reader that
+    /// vanished sooner.
+    pub idle_timeout: Duration,
     /// Largest request frame payload, bytes (1 MiB = 1,048,576 B).
     pub frame_bytes: usize,
     /// Keys one query may name (4,096).
@@ -57,6 +62,7 @@ impl Default for PeerLimits {
             hello_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(120),
             frame_bytes: 1 << 20,
             keys_per_query: 4096,
             leases_per_connection: 64,
@@ -74,6 +80,7 @@ impl PeerLimits {
             keys_per_query: self.keys_per_query as u64,
             leases_per_connection: self.leases_per_connection as u64,
             max_lease_ttl_ms: self.max_lease_ttl.as_millis().min(u64::MAX as u128) as u64,
+            idle_timeout_ms: self.idle_timeout.as_millis().min(u64::MAX as u128) as u64,
         }
     }
 }
@@ -106,8 +113,10 @@ pub struct PeerServerStats {
     pub pin_budget: u64,
     /// Blocks held for a peer ([`PeerServer::hold`]) not fetched yet.
     pub held_blocks: u64,
-    /// Connections refused at accept over [`PeerLimits::connections`].
+    /// Connections refused at accept over [`PeerLimits::connections`] (each told so).
     pub refused_connections: u64,
+    /// Hellos refused because the reader's proof of the secret failed.
+    pub refused_auth: u64,
     /// Queries refused over [`PeerLimits::keys_per_query`].
     pub refused_keys_per_query: u64,
     /// Queries refused over [`PeerLimits::leases_per_connection`].
@@ -125,6 +134,7 @@ struct Counters {
     blocks_validated: AtomicU64,
     blocks_invalid: AtomicU64,
     refused_connections: AtomicU64,
+    refused_auth: AtomicU64,
     refused_keys_per_query: AtomicU64,
     refused_leases_per_connection: AtomicU64,
     refused_pinned_blocks: AtomicU64,
@@ -141,11 +151,14 @@ pub(super) struct Shared {
     core: TierArc<Core>,
     transport: Arc<dyn PeerTransport>,
     limits: PeerLimits,
+    /// The peers' shared secret (`None`: the empty key, on loopback only).
+    secret: Option<PeerSecret>,
     stop: AtomicBool,
-    /// Peer leases and holds. Queries and holds call the tier (`HostTier::query`: index, slot
-    /// pins, an SSD promotion's reads) under it, so the budget check and the lease are one step;
-    /// the tier never calls back into the server, so no other lock of this module is taken
-    /// under it.
+    /// Peer leases and holds. A query or a hold counts its keys against the pin budget under it
+    /// (as reserved pins), then calls the tier (`HostTier::query`: index, slot pins, an SSD
+    /// promotion's reads) without it, then takes it again to file the lease and drop the
+    /// reservation: so the budget holds for concurrent queries, and a slow promotion stalls no
+    /// other connection, nor the accept loop.
     table: Mutex<PinTable>,
     next_lease: AtomicU64,
     next_conn: AtomicU64,
@@ -174,18 +187,38 @@ impl std::fmt::Debug for PeerServer {
 }
 
 impl PeerServer {
-    /// Listens on `addr` (e.g. `127.0.0.1:0`) and serves `tier`'s blocks to peers, whose reads go
-    /// through `transport` (its descriptor is sent in each welcome).
+    /// Listens on `addr` (a loopback address, e.g. `127.0.0.1:0`) and serves `tier`'s blocks to
+    /// peers without a secret: [`PeerServer::bind_with_secret`] with `None`.
     ///
     /// # Errors
-    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0 or
-    /// a pin budget over the pool's slots; [`PeerError::Transport`] if the transport has no descriptor; [`PeerError::Connect`] if
-    /// `addr` cannot be bound.
+    /// Those of [`PeerServer::bind_with_secret`]; an address that is not loopback is a
+    /// [`PeerError::Config`].
     pub fn bind(
         tier: &HostTier,
         addr: impl ToSocketAddrs,
         transport: Arc<dyn PeerTransport>,
         limits: PeerLimits,
+    ) -> Result<PeerServer, PeerError> {
+        Self::bind_with_secret(tier, addr, transport, limits, None)
+    }
+
+    /// Listens on `addr` (e.g. `10.0.0.5:7070`) and serves `tier`'s blocks to peers that prove
+    /// `secret` in their hello (see the module docs of `auth` and `docs/design.md`, "Trust model:
+    /// the peer port"); their reads go through `transport`, whose descriptor is sent only to
+    /// them. Without a secret (`None`) only a loopback address is allowed, and only readers
+    /// without one are let in.
+    ///
+    /// # Errors
+    /// [`PeerError::NotInProcess`] for a connected tier; [`PeerError::Config`] for a limit of 0,
+    /// a pin budget over the pool's slots, or no secret on an address that is not loopback;
+    /// [`PeerError::Transport`] if the transport has no descriptor; [`PeerError::Connect`] if
+    /// `addr` cannot be bound.
+    pub fn bind_with_secret(
+        tier: &HostTier,
+        addr: impl ToSocketAddrs,
+        transport: Arc<dyn PeerTransport>,
+        limits: PeerLimits,
+        secret: Option<PeerSecret>,
     ) -> Result<PeerServer, PeerError> {
         let core = tier.in_process_core().ok_or(PeerError::NotInProcess)?.clone();
         if limits.connections == 0
@@ -205,6 +238,14 @@ impl PeerServer {
         transport.local_descriptor()?;
         let listener = TcpListener::bind(addr).map_err(|source| PeerError::Connect { addr: "bind".into(), source })?;
         let addr = listener.local_addr().map_err(|source| PeerError::Connect { addr: "bind".into(), source })?;
+        // Seeded bug (tests only): `peer-listens-open-without-secret` skips the check.
+        if secret.is_none() && !addr.ip().is_loopback() && !crate::seeded::seeded("peer-listens-open-without-secret") {
+            return Err(PeerError::Config(format!(
+                "serving peers at {addr}, not a loopback address, needs a shared secret (kvtierd --peer-secret-file, \
+                 Python peer_secret_file=): \
+                 without one anybody who reaches the port reads the pool"
+            )));
+        }
         listener.set_nonblocking(true).map_err(|source| PeerError::Connect { addr: addr.to_string(), source })?;
         let shared = Arc::new(Shared {
             tier: tier.clone(),
@@ -212,6 +253,7 @@ impl PeerServer {
             core,
             transport,
             limits,
+            secret,
             stop: AtomicBool::new(false),
             table: Mutex::new(PinTable::default()),
             // Lease ids start at a random point: a stale id from an earlier server is not a
@@ -251,22 +293,31 @@ impl PeerServer {
     /// [`PeerLimits::max_hold_ttl`]) passed, whichever comes first. Returns how many blocks are
     /// held (0 if the first key is not ready).
     pub fn hold(&self, keys: &[crate::ContentKey], ttl: Duration) -> usize {
-        // Under the lease table's lock, as a query, so the pin budget holds for both.
+        // The budget counted under the lease table's lock, as a query's, so it holds for both;
+        // the tier is queried without it.
         let mut table = super::lock(&self.shared.table);
         let fit = self.shared.pin_prefix(&table, keys);
+        let reserved = table.reserve(&keys[..fit]);
+        drop(table);
         let prefix = self.shared.tier.query(&keys[..fit]);
-        let expires = Instant::now() + ttl.min(self.shared.limits.max_hold_ttl);
-        // One lease per block, so each is let go when a peer fetched it.
-        let (mut held, mut replaced) = (0, Vec::new());
+        let mut leases = Vec::new();
         for b in prefix.blocks() {
             let lease = self.shared.tier.query(std::slice::from_ref(&b.key));
             if lease.is_empty() {
                 break;
             }
-            held += 1;
-            let expires = table.holds.get(&b.key).map_or(expires, |h| h.expires.max(expires));
-            replaced.extend(table.insert_hold(b.key, Hold { _pins: lease, expires }));
+            leases.push((b.key, lease));
         }
+        let mut table = super::lock(&self.shared.table);
+        let expires = Instant::now() + ttl.min(self.shared.limits.max_hold_ttl);
+        // One lease per block, so each is let go when a peer fetched it.
+        let (mut held, mut replaced) = (0, Vec::new());
+        for (key, lease) in leases {
+            held += 1;
+            let expires = table.holds.get(&key).map_or(expires, |h| h.expires.max(expires));
+            replaced.extend(table.insert_hold(key, Hold { _pins: lease, expires }));
+        }
+        table.unreserve(&reserved);
         drop(table);
         // Outside the lock: settling unpins.
         drop((replaced, prefix));
@@ -332,6 +383,7 @@ impl Shared {
             pin_budget: self.pin_budget as u64,
             held_blocks,
             refused_connections: n(&c.refused_connections),
+            refused_auth: n(&c.refused_auth),
             refused_keys_per_query: n(&c.refused_keys_per_query),
             refused_leases_per_connection: n(&c.refused_leases_per_connection),
             refused_pinned_blocks: n(&c.refused_pinned_blocks),
@@ -412,15 +464,61 @@ fn random_start() -> u64 {
     (h.finish() >> 2) | 1
 }
 
+/// Refused connections kept open a while (up to this many, each up to [`LINGER`]) so the reader
+/// reads the refusal before the close: closing a socket with its hello unread would reset it, and
+/// the reset could overtake the refusal.
+const LINGERING: usize = 64;
+/// How long a refused connection is kept for its reader to take the refusal.
+const LINGER: Duration = Duration::from_millis(500);
+
+/// Tells a connection over the limit why it is refused (a `Refused(Connections)` frame, written
+/// without blocking into the empty send buffer), then shuts its sending side; returns it for the
+/// accept loop to drain and close.
+fn refuse_at_accept(shared: &Shared, stream: TcpStream) -> Option<TcpStream> {
+    // Seeded bug (tests only): `peer-refuses-silently` closes the connection without a word.
+    if crate::seeded::seeded("peer-refuses-silently") {
+        return None;
+    }
+    stream.set_nonblocking(true).ok()?;
+    let mut out = Vec::new();
+    let refusal = PeerReply::Refused(PeerRefusal::Connections { max: shared.limits.connections as u64 });
+    proto::write_msg(&mut &stream, &refusal, &mut out).ok()?;
+    stream.shutdown(Shutdown::Write).ok()?;
+    Some(stream)
+}
+
+/// Reads and drops what a refused connection sends; true once it is done with (its reader
+/// closed it, an error, or [`LINGER`] passed).
+fn drained(stream: &TcpStream, since: Instant) -> bool {
+    let mut scratch = [0u8; 512];
+    loop {
+        match std::io::Read::read(&mut &*stream, &mut scratch) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return since.elapsed() >= LINGER,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return true,
+        }
+    }
+}
+
 fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
     let mut last_expiry = Instant::now();
+    let mut lingering: std::collections::VecDeque<(TcpStream, Instant)> = std::collections::VecDeque::new();
     while !shared.stop.load(Ordering::Acquire) {
+        lingering.retain(|(s, since)| !drained(s, *since));
         match listener.accept() {
             Ok((stream, from)) => {
                 bump(&shared.counters.connections_accepted, 1);
                 if shared.live_conns.load(Ordering::Acquire) >= shared.limits.connections {
                     bump(&shared.counters.refused_connections, 1);
                     tracing::warn!(%from, "peer connection refused: too many connections");
+                    if let Some(s) = refuse_at_accept(shared, stream) {
+                        if lingering.len() >= LINGERING {
+                            lingering.pop_front();
+                        }
+                        lingering.push_back((s, Instant::now()));
+                    }
                     continue;
                 }
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -457,39 +555,215 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// Reads the next request: the first byte may wait for ever (an idle connection), the rest of the
-/// frame must arrive within the frame timeout.
-fn next_request(
+/// `now + d`, or far in the future when the clock cannot add `d`.
+fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d).unwrap_or_else(|| now + Duration::from_secs(1 << 30))
+}
+
+/// Turns TCP keepalive on for `stream`: probes after 30 s idle, every 10 s, and 3 unanswered end
+/// the connection (a reader or owner that vanished without a FIN). Best effort.
+pub(crate) fn keepalive(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let v: libc::c_int = value;
+        // SAFETY: `fd` is the open socket `stream` owns for this call; the option value is a
+        // c_int on the stack whose size is passed with it.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+/// Reads one request frame, the whole frame by `deadline`.
+fn read_request(
     shared: &Shared,
-    stream: &mut TcpStream,
+    stream: &TcpStream,
     buf: &mut Vec<u8>,
-    first_timeout: Option<Duration>,
+    deadline: Instant,
 ) -> std::io::Result<Frame<PeerRequest>> {
-    stream.set_read_timeout(first_timeout)?;
+    proto::read_msg(&mut Timed { stream, deadline }, buf, shared.limits.frame_bytes)
+}
+
+/// Reads the next request of an authenticated connection: the first byte may wait up to the
+/// idle timeout, the rest of the frame must arrive within the frame timeout of it.
+fn next_request(shared: &Shared, stream: &TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Frame<PeerRequest>> {
     let mut first = [0u8; 1];
+    let idle = after(shared.limits.idle_timeout);
     loop {
-        match stream.read(&mut first) {
+        match std::io::Read::read(&mut Timed { stream, deadline: idle }, &mut first) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
             Ok(_) => break,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
     }
-    stream.set_read_timeout(Some(shared.limits.frame_timeout))?;
-    let mut chained = (&first[..]).chain(&mut *stream);
+    let mut rest = Timed { stream, deadline: after(shared.limits.frame_timeout) };
+    let mut chained = std::io::Read::chain(&first[..], &mut rest);
     proto::read_msg(&mut chained, buf, shared.limits.frame_bytes)
 }
 
-fn serve(shared: &Shared, conn: u64, mut stream: TcpStream, from: SocketAddr) {
-    let _ = stream.set_write_timeout(Some(shared.limits.write_timeout));
+/// Why a connection ended before or during its hello (logged).
+enum HelloEnd {
+    /// A refusal to send, then close.
+    Refuse(PeerRefusal, &'static str),
+    /// Close without a word (the stream failed, an unreadable frame).
+    Close(String),
+}
+
+/// What a handshake that checked gives: the reader's transport descriptor, the reader's nonce and
+/// the owner's.
+type Proven = (Vec<u8>, [u8; auth::NONCE_BYTES], [u8; auth::NONCE_BYTES]);
+
+/// The handshake (module docs of `auth`), all of it by `deadline`: the reader's hello, the
+/// challenge, the reader's proof. Returns the reader's transport descriptor and the two nonces
+/// once the proof checked and the namespace is the owner's.
+fn handshake(
+    shared: &Shared,
+    stream: &TcpStream,
+    buf: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+    deadline: Instant,
+) -> Result<Proven, HelloEnd> {
+    let read = |buf: &mut Vec<u8>| match read_request(shared, stream, buf, deadline) {
+        Ok(Frame::Msg(r)) => Ok(r),
+        Ok(Frame::Oversized(len)) => Err(HelloEnd::Close(format!("an oversized hello frame ({len} B)"))),
+        Ok(Frame::Undecodable(why)) => Err(HelloEnd::Close(format!("a malformed hello frame: {why}"))),
+        Err(e) => Err(HelloEnd::Close(format!("the hello did not arrive: {e}"))),
+    };
+    let reader_nonce = match read(buf)? {
+        PeerRequest::Hello { magic, .. } if magic != proto::PEER_MAGIC => {
+            return Err(HelloEnd::Refuse(PeerRefusal::Magic, "another magic"))
+        }
+        PeerRequest::Hello { version, .. } if version != proto::PEER_PROTOCOL_VERSION => {
+            return Err(HelloEnd::Refuse(
+                PeerRefusal::Version { ours: proto::PEER_PROTOCOL_VERSION, theirs: version },
+                "another protocol version",
+            ))
+        }
+        PeerRequest::Hello { nonce, .. } => nonce,
+        _ => return Err(HelloEnd::Refuse(PeerRefusal::OutOfOrder, "a request before the hello")),
+    };
+    let owner_nonce = auth::nonce().map_err(|e| HelloEnd::Close(e.to_string()))?;
+    proto::write_msg(&mut Timed { stream, deadline }, &PeerReply::Challenge { nonce: owner_nonce }, out)
+        .map_err(|e| HelloEnd::Close(format!("the challenge was not taken: {e}")))?;
+    let PeerRequest::Auth { mac, namespace, descriptor } = read(buf)? else {
+        return Err(HelloEnd::Refuse(PeerRefusal::OutOfOrder, "no proof after the challenge"));
+    };
+    if !auth::verify(
+        shared.secret.as_ref(),
+        Role::Reader,
+        &reader_nonce,
+        &owner_nonce,
+        &namespace,
+        0,
+        &descriptor,
+        &mac,
+    ) {
+        bump(&shared.counters.refused_auth, 1);
+        return Err(HelloEnd::Refuse(PeerRefusal::Auth, "the reader's proof of the secret failed"));
+    }
+    // Authenticated from here: the owner's namespace may be told.
+    let ours = shared.tier.namespace();
+    if namespace != ours {
+        return Err(HelloEnd::Refuse(PeerRefusal::Namespace { ours }, "another namespace"));
+    }
+    Ok((descriptor, reader_nonce, owner_nonce))
+}
+
+fn serve(shared: &Shared, conn: u64, stream: TcpStream, from: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    keepalive(&stream);
     let mut buf = Vec::new();
     let mut out = Vec::new();
+    let hello_deadline = after(shared.limits.hello_timeout);
     let mut peer = None;
-    let mut first = true;
+    let welcome = match handshake(shared, &stream, &mut buf, &mut out, hello_deadline) {
+        Ok((descriptor, reader_nonce, owner_nonce)) => {
+            let added = shared.transport.add_peer(&descriptor);
+            if let Ok(p) = &added {
+                // Forgotten by `finish` however the connection ends.
+                peer = Some(*p);
+            }
+            match (added, shared.transport.local_descriptor()) {
+                (Ok(_), Ok(d)) => {
+                    let ours = shared.tier.namespace();
+                    let block_bytes = shared.tier.geometry().slot_bytes();
+                    let mac = auth::mac(
+                        shared.secret.as_ref(),
+                        Role::Owner,
+                        &reader_nonce,
+                        &owner_nonce,
+                        &ours,
+                        block_bytes,
+                        &d,
+                    );
+                    Ok(PeerReply::Welcome {
+                        mac,
+                        namespace: ours,
+                        block_bytes,
+                        descriptor: d,
+                        limits: shared.limits.wire(),
+                    })
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    Err(HelloEnd::Refuse(PeerRefusal::Descriptor(e.to_string()), "a descriptor"))
+                }
+            }
+        }
+        Err(e) => Err(e),
+    };
+    let reply = match welcome {
+        Ok(w) => w,
+        Err(HelloEnd::Refuse(r, why)) => {
+            tracing::warn!(%from, reason = why, "peer hello refused");
+            let _ = proto::write_msg(
+                &mut Timed {
+                    stream: &stream,
+                    deadline: after(shared.limits.write_timeout.min(Duration::from_secs(1))),
+                },
+                &PeerReply::Refused(r),
+                &mut out,
+            );
+            finish(shared, peer, &stream);
+            return;
+        }
+        Err(HelloEnd::Close(why)) => {
+            tracing::warn!(%from, reason = %why, "peer connection closed in its hello");
+            finish(shared, peer, &stream);
+            return;
+        }
+    };
+    let mut reply = reply;
     loop {
-        let timeout = if first { Some(shared.limits.hello_timeout) } else { None };
-        let req = match next_request(shared, &mut stream, &mut buf, timeout) {
+        if let Err(e) = proto::write_msg(
+            &mut Timed { stream: &stream, deadline: after(shared.limits.write_timeout) },
+            &reply,
+            &mut out,
+        ) {
+            tracing::debug!(%from, error = %e, "peer connection closed: reply not taken");
+            break;
+        }
+        // A large reply's buffers are not kept for the connection's life.
+        if out.capacity() > 1 << 20 {
+            out = Vec::new();
+        }
+        if buf.capacity() > 1 << 20 {
+            buf = Vec::new();
+        }
+        let req = match next_request(shared, &stream, &mut buf) {
             Ok(Frame::Msg(r)) => r,
             Ok(Frame::Oversized(len)) => {
                 tracing::warn!(%from, len, max = shared.limits.frame_bytes, "peer connection closed: oversized frame");
@@ -501,61 +775,32 @@ fn serve(shared: &Shared, conn: u64, mut stream: TcpStream, from: SocketAddr) {
             }
             Err(e) => {
                 if e.kind() != std::io::ErrorKind::UnexpectedEof {
-                    tracing::debug!(%from, error = %e, "peer connection closed");
+                    tracing::debug!(%from, error = %e, "peer connection closed (idle, a frame past its timeout, or an error)");
                 }
                 break;
             }
         };
-        let (reply, close) = match (first, req) {
-            (true, PeerRequest::Hello { magic, version, namespace, descriptor }) => {
-                let ours = shared.tier.namespace();
-                if magic != proto::PEER_MAGIC {
-                    (PeerReply::Refused(PeerRefusal::Magic), true)
-                } else if version != proto::PEER_PROTOCOL_VERSION {
-                    (
-                        PeerReply::Refused(PeerRefusal::Version {
-                            ours: proto::PEER_PROTOCOL_VERSION,
-                            theirs: version,
-                        }),
-                        true,
-                    )
-                } else if namespace != ours {
-                    (PeerReply::Refused(PeerRefusal::Namespace { ours }), true)
-                } else {
-                    match (shared.transport.add_peer(&descriptor), shared.transport.local_descriptor()) {
-                        (Ok(p), Ok(d)) => {
-                            peer = Some(p);
-                            (
-                                PeerReply::Welcome {
-                                    namespace: ours,
-                                    block_bytes: shared.tier.geometry().slot_bytes(),
-                                    descriptor: d,
-                                    limits: shared.limits.wire(),
-                                },
-                                false,
-                            )
-                        }
-                        (Err(e), _) | (_, Err(e)) => (PeerReply::Refused(PeerRefusal::Descriptor(e.to_string())), true),
-                    }
-                }
+        reply = match req {
+            PeerRequest::Hello { .. } | PeerRequest::Auth { .. } => {
+                let _ = proto::write_msg(
+                    &mut Timed { stream: &stream, deadline: after(shared.limits.write_timeout) },
+                    &PeerReply::Refused(PeerRefusal::OutOfOrder),
+                    &mut out,
+                );
+                break;
             }
-            (true, _) | (false, PeerRequest::Hello { .. }) => (PeerReply::Refused(PeerRefusal::OutOfOrder), true),
-            (false, req) => (answer(shared, conn, req), false),
+            req => answer(shared, conn, req),
         };
-        first = false;
-        if let Err(e) = proto::write_msg(&mut stream, &reply, &mut out) {
-            tracing::debug!(%from, error = %e, "peer connection closed: reply not taken");
-            break;
-        }
-        if close {
-            break;
-        }
     }
+    finish(shared, peer, &stream);
+}
+
+/// Ends a connection: forgets its transport peer and shuts the stream down (the accept thread
+/// keeps a clone of it, to shut it down at stop: the reader sees the end now).
+fn finish(shared: &Shared, peer: Option<super::TransportPeer>, stream: &TcpStream) {
     if let Some(p) = peer {
         shared.transport.remove_peer(p);
     }
-    // The accept thread keeps a clone of the stream (to shut it down at stop): close it here so
-    // the reader sees the end now.
     let _ = stream.shutdown(Shutdown::Both);
 }
 
@@ -565,7 +810,7 @@ fn limit(what: &str, asked: u64, max: u64) -> PeerReply {
 
 fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
     match req {
-        PeerRequest::Hello { .. } => PeerReply::Refused(PeerRefusal::OutOfOrder),
+        PeerRequest::Hello { .. } | PeerRequest::Auth { .. } => PeerReply::Refused(PeerRefusal::OutOfOrder),
         PeerRequest::Query { keys, ttl_ms } => {
             if keys.len() > shared.limits.keys_per_query {
                 bump(&shared.counters.refused_keys_per_query, 1);
@@ -581,15 +826,27 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             } else {
                 Duration::from_millis(ttl_ms).min(shared.limits.max_lease_ttl)
             };
-            // The pin budget is checked and the lease taken under the table's lock, so concurrent
-            // queries cannot together pin more than it.
+            // The pin budget is checked and the keys that fit counted against it (reserved) under
+            // the table's lock, so concurrent queries cannot together pin more than it; the tier
+            // (an SSD promotion's reads) is queried without the lock.
             let mut table = super::lock(&shared.table);
             let fit = shared.pin_prefix(&table, &keys);
             if fit == 0 && !keys.is_empty() {
                 bump(&shared.counters.refused_pinned_blocks, 1);
                 return limit("blocks pinned for peers", keys.len() as u64, shared.pin_budget as u64);
             }
+            let reserved = table.reserve(&keys[..fit]);
+            // Seeded bug (tests only): `peer-table-locked-across-query` queries the tier under the
+            // table's lock (every other connection, the stats and the accept loop's expiry wait
+            // for an SSD promotion).
+            let held = if crate::seeded::seeded("peer-table-locked-across-query") {
+                Some(table)
+            } else {
+                drop(table);
+                None
+            };
             let lease = shared.tier.query(&keys[..fit]);
+            let mut table = held.unwrap_or_else(|| super::lock(&shared.table));
             let slot_bytes = shared.core.pool().slot_bytes();
             let blocks: Vec<WirePeerBlock> = lease
                 .blocks()
@@ -602,6 +859,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
                 .collect();
             let ttl_ms = ttl.as_millis().min(u64::MAX as u128) as u64;
             if blocks.is_empty() {
+                table.unreserve(&reserved);
                 return PeerReply::Leased { lease: 0, ttl_ms, blocks };
             }
             let id = shared.next_lease.fetch_add(1, Ordering::Relaxed);
@@ -610,6 +868,7 @@ fn answer(shared: &Shared, conn: u64, req: PeerRequest) -> PeerReply {
             bump(&shared.counters.leases_granted, 1);
             bump(&shared.counters.blocks_leased, blocks.len() as u64);
             table.insert_lease(id, OwnerLease { conn, lease, expires });
+            table.unreserve(&reserved);
             PeerReply::Leased { lease: id, ttl_ms, blocks }
         }
         PeerRequest::Validate { lease, blocks } => {
@@ -651,4 +910,98 @@ fn still_holds(core: &Core, b: &LeasedBlock) -> bool {
     w.state() == SlotState::Ready
         && w.generation() == b.slot.generation
         && core.index().get(&b.key).is_some_and(|r| r.slot == b.slot.slot && r.generation == b.slot.generation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::{BlockRead, ReadDone, TransportError, TransportPeer};
+    use crate::{ArenaSpec, BackingChoice, EngineArenas, Geometry, MemcpyArenas, PolicyKind, SsdConfig, TierConfig};
+
+    /// A transport that moves no bytes (the test only queries).
+    struct NoBytes;
+
+    impl PeerTransport for NoBytes {
+        fn local_descriptor(&self) -> Result<Vec<u8>, TransportError> {
+            Ok(vec![1])
+        }
+        fn add_peer(&self, _: &[u8]) -> Result<TransportPeer, TransportError> {
+            Ok(TransportPeer(1))
+        }
+        fn remove_peer(&self, _: TransportPeer) {}
+        fn read_tracked(
+            &self,
+            _: TransportPeer,
+            _: &[BlockRead],
+            _: Instant,
+            _: ReadDone,
+        ) -> Result<(), TransportError> {
+            Err(TransportError::Backend("no bytes here".into()))
+        }
+    }
+
+    fn call(s: &mut TcpStream, req: &PeerRequest) -> PeerReply {
+        let mut buf = Vec::new();
+        proto::write_msg(s, req, &mut buf).unwrap();
+        match proto::read_msg::<PeerReply>(s, &mut buf, 1 << 20).unwrap() {
+            Frame::Msg(m) => m,
+            other => panic!("a bad reply frame {other:?}"),
+        }
+    }
+
+    /// Issue 45 item 4: a query whose SSD promotion waits (here for the eviction lock, which the
+    /// test holds) keeps no lock of the server: its stats, other connections and the accept
+    /// loop's lease expiry go on. Seeded bug `peer-table-locked-across-query`.
+    #[test]
+    fn a_query_that_waits_in_the_tier_holds_no_lock_of_the_server() {
+        let g = Geometry::new("peer-unit", 16, vec![ArenaSpec::packed("a", 4096, 16)]).unwrap();
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let ssd = SsdConfig::new(dir.path().join("ssd"), 4096 + 8 * 8192)
+            .with_admit_uses(1)
+            .with_io(crate::IoPreference::Buffered);
+        let cfg = TierConfig::new(g.clone(), 4 * g.slot_bytes())
+            .with_policy(PolicyKind::Lru)
+            .with_backing(BackingChoice::Plain)
+            .with_chain_aware(false)
+            .with_ssd(ssd);
+        let tier = HostTier::new(cfg).unwrap();
+        let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+        let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+        let k: Vec<crate::ContentKey> = (0..5).map(|i| tier.namespace().trace_page_key(i, 0)).collect();
+        arenas.fill(&[0, 1, 2, 3, 4], &k).unwrap();
+        rank.save(&k[..4], &[0, 1, 2, 3], crate::WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        tier.flush_demotions();
+        assert_eq!(tier.evict(1), 1);
+        rank.save(&k[4..], &[4], crate::WaitFor::Nothing).unwrap().handle.wait().unwrap();
+        assert!(!tier.contains(&k[0]), "k0 is on the SSD only, and the host is full");
+        let server = PeerServer::bind(&tier, "127.0.0.1:0", Arc::new(NoBytes), PeerLimits::default()).unwrap();
+        let (addr, ns, k0) = (server.local_addr(), tier.namespace(), k[0]);
+        // The promotion of k0 must evict a host block: it waits while the test holds the lock.
+        let evicting = server.shared.core.lock_eviction();
+        let reader = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let nonce = auth::nonce().unwrap();
+            let hello = PeerRequest::Hello { magic: proto::PEER_MAGIC, version: proto::PEER_PROTOCOL_VERSION, nonce };
+            let PeerReply::Challenge { nonce: theirs } = call(&mut s, &hello) else { panic!("no challenge") };
+            let mac = auth::mac(None, Role::Reader, &nonce, &theirs, &ns, 0, &[1]);
+            let welcome = call(&mut s, &PeerRequest::Auth { mac, namespace: ns, descriptor: vec![1] });
+            assert!(matches!(welcome, PeerReply::Welcome { .. }), "{welcome:?}");
+            call(&mut s, &PeerRequest::Query { keys: vec![k0], ttl_ms: 10_000 })
+        });
+        std::thread::sleep(Duration::from_millis(300)); // the query is in the tier by now
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = server.shared.clone();
+        let probe = std::thread::spawn(move || {
+            let _ = tx.send(shared.stats().leases);
+        });
+        let answered = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+        let waiting = !reader.is_finished();
+        drop(evicting);
+        probe.join().unwrap();
+        let reply = reader.join().unwrap();
+        assert!(waiting, "the query's promotion waited for the eviction lock (the case under test)");
+        assert!(answered, "the server's tables stayed locked while a query waited in the tier (an SSD promotion)");
+        assert!(matches!(reply, PeerReply::Leased { ref blocks, .. } if blocks.len() == 1), "{reply:?}");
+    }
 }

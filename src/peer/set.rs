@@ -2,6 +2,7 @@
 //! address, opened on first use and taken by one fetch at a time, a pause after a peer fails, and
 //! a query that asks them for what this instance misses.
 
+use super::auth::PeerSecret;
 use super::client::{PeerClient, PeerFetch};
 use super::transport::PeerTransport;
 use super::PeerError;
@@ -51,6 +52,8 @@ pub struct PeerSet {
     tier: HostTier,
     transport: Arc<dyn PeerTransport>,
     peers: Vec<Peer>,
+    /// The secret proven to every peer (`None`: none, for owners without one on loopback).
+    secret: Option<PeerSecret>,
 }
 
 /// The outcome of [`PeerSet::query`].
@@ -107,7 +110,14 @@ impl PeerSet {
                 health: Mutex::new(Health::default()),
             });
         }
-        Ok(PeerSet { tier: tier.clone(), transport, peers })
+        Ok(PeerSet { tier: tier.clone(), transport, peers, secret: None })
+    }
+
+    /// Proves `secret` to every peer (their `PeerServer`s' shared secret, `kvtierd
+    /// --peer-secret-file`); `None` (the default) for owners without one.
+    pub fn with_secret(mut self, secret: Option<PeerSecret>) -> Self {
+        self.secret = secret;
+        self
     }
 
     /// The tier whose pool this set's fetches fill.
@@ -248,10 +258,24 @@ impl PeerSet {
             }
         }
         let _in_flight = InFlight(&p.in_flight);
-        let taken = super::lock(&p.idle).pop();
+        // An idle connection the owner may have closed (idle past half its bound, or closed
+        // already) is dropped, not used: its failure would pause a healthy peer.
+        let taken = loop {
+            let c = super::lock(&p.idle).pop();
+            match c {
+                Some(c) if c.is_stale() && !crate::seeded::seeded("peer-reuses-stale-connection") => drop(c),
+                other => break other,
+            }
+        };
         let client = match taken {
             Some(c) => c,
-            None => match PeerClient::connect(p.addr.as_str(), &self.tier, self.transport.clone(), deadline) {
+            None => match PeerClient::connect_with_secret(
+                p.addr.as_str(),
+                &self.tier,
+                self.transport.clone(),
+                self.secret.as_ref(),
+                deadline,
+            ) {
                 Ok(c) => c,
                 Err(e) => {
                     self.failed(p, &e);

@@ -30,9 +30,63 @@ pub trait PeerTransport: Send + Sync + 'static {
     /// Forgets a peer loaded by [`add_peer`](Self::add_peer).
     fn remove_peer(&self, peer: TransportPeer);
     /// Performs every read of `reads` as one batch (one NIXL READ request) and returns once all
-    /// completed, or an error: the peer went away, `deadline` passed (the reads are cancelled and
-    /// the local bytes are unspecified), or a read was out of either pool's range.
-    fn read(&self, peer: TransportPeer, reads: &[BlockRead], deadline: Instant) -> Result<(), TransportError>;
+    /// completed, or an error: the peer went away, `deadline` passed, or a read was out of either
+    /// pool's range. Returns by `deadline` whatever the transfer does.
+    ///
+    /// `done` tells the caller when no byte of this transfer can land any more: the transport
+    /// drops it (or calls [`ReadDone::over`]) once the transfer is over: completed, failed, or
+    /// released in a way after which the backend writes nothing more. On `Ok` it must be over.
+    /// After an error whose transfer may still be writing the destination (a deadline that passed
+    /// mid-transfer, where a cancel is not synchronous), the transport keeps `done` until it
+    /// knows, and the caller keeps the destination slots quarantined until then; a transport
+    /// that never knows keeps it for good (the slots stay withheld: never a wrong byte).
+    fn read_tracked(
+        &self,
+        peer: TransportPeer,
+        reads: &[BlockRead],
+        deadline: Instant,
+        done: ReadDone,
+    ) -> Result<(), TransportError>;
+
+    /// [`PeerTransport::read_tracked`] for a caller that does not reuse the destination after an
+    /// error (a benchmark, a test).
+    fn read(&self, peer: TransportPeer, reads: &[BlockRead], deadline: Instant) -> Result<(), TransportError> {
+        self.read_tracked(peer, reads, deadline, ReadDone::none())
+    }
+}
+
+/// Told when a read's transfer is over ([`PeerTransport::read_tracked`]): dropping it (or
+/// [`ReadDone::over`]) says no byte of that transfer lands any more.
+#[must_use = "dropping a ReadDone says the transfer is over"]
+pub struct ReadDone(Option<Box<dyn FnOnce() + Send>>);
+
+impl ReadDone {
+    /// A `ReadDone` that runs `f` when the transfer is over.
+    pub fn new(f: impl FnOnce() + Send + 'static) -> ReadDone {
+        ReadDone(Some(Box::new(f)))
+    }
+
+    /// A `ReadDone` nobody waits for.
+    pub fn none() -> ReadDone {
+        ReadDone(None)
+    }
+
+    /// Says the transfer is over (the same as dropping it).
+    pub fn over(self) {}
+}
+
+impl std::fmt::Debug for ReadDone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ReadDone").field(&self.0.is_some()).finish()
+    }
+}
+
+impl Drop for ReadDone {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
 }
 
 /// Why a transport operation failed.

@@ -172,6 +172,17 @@ impl WriteReservation {
             self.core.quarantine_reserved(r);
         }
     }
+
+    /// [`WriteReservation::quarantine`], returning the quarantined blocks for
+    /// [`Core::release_quarantined`] once their copy is known to have stopped.
+    #[cfg(all(feature = "peers", not(loom)))]
+    pub(crate) fn quarantine_entries(mut self) -> Vec<Reserved> {
+        let entries = std::mem::take(&mut self.entries);
+        for r in &entries {
+            self.core.quarantine_reserved(*r);
+        }
+        entries
+    }
 }
 
 impl Drop for WriteReservation {
