@@ -86,6 +86,25 @@ fn stats_prints_a_table_and_names_a_missing_socket() {
     assert!(err.contains("nobody.sock"), "the error names the socket: {err}");
 }
 
+#[test]
+fn stats_where_nothing_listens_says_how_to_start_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    // No socket file at all (ENOENT), then a stale socket file nobody listens on (ECONNREFUSED).
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    for path in [dir.path().join("nobody.sock"), stale] {
+        let out = Command::new(support::kvtier_bin()).arg("stats").arg("--socket").arg(&path).output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("no connection to the tier daemon: nothing listens at {}", path.display())),
+            "{err}"
+        );
+        assert!(err.contains(&format!("kvtierd --geometry PRESET --pool SIZE --socket {}", path.display())), "{err}");
+        assert!(err.contains("cargo run --release -p kvtierd -- --geometry PRESET"), "{err}");
+    }
+}
+
 /// What a client process's ready line starts with.
 const READY: &str = "KVTIER-CLIENT-READY ";
 
