@@ -581,10 +581,26 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
         .filter(|d| !d.is_zero())
         .ok_or_else(|| Error::Config(format!("--watch {every}: expected a positive number of seconds")))?;
     let terminal = std::io::stdout().is_terminal();
+    let mut tier = tier;
     let mut prev: Option<(kvtier::TierStats, std::time::Instant)> = None;
     loop {
-        let now = read()?;
-        let clients = clients()?;
+        let (now, clients) = match tier.try_stats().and_then(|s| Ok((s, tier.clients()?))) {
+            Ok(reading) => reading,
+            // The daemon stopped or restarts: say so once, then wait for it and go on.
+            Err(e @ kvtier::TierError::Disconnected { .. }) => {
+                println!(
+                    "kvtierd at {} is gone ({e}); waiting for it to come back (trying every {:.1} s)",
+                    socket.display(),
+                    every.as_secs_f64()
+                );
+                tier = reconnect(&socket, every)?;
+                println!("kvtierd at {} is back", socket.display());
+                // A new daemon run counts from zero: no rates against the old one's counters.
+                prev = None;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         let at = std::time::Instant::now();
         let since = prev.as_ref().map(|(s, t)| (s, at - *t));
         if terminal {
@@ -603,6 +619,18 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
         }
         prev = Some((now, at));
         std::thread::sleep(every);
+    }
+}
+
+/// Connects to the daemon at `socket` again, trying every `every` for as long as nothing listens
+/// there (`kvtier stats --watch` across a daemon restart); any other error ends the wait.
+fn reconnect(socket: &std::path::Path, every: std::time::Duration) -> Result<kvtier::HostTier, Error> {
+    loop {
+        std::thread::sleep(every);
+        match kvtier::HostTier::connect(socket) {
+            Err(kvtier::Error::Tier(kvtier::TierError::Disconnected { .. })) => {}
+            r => return Ok(r?),
+        }
     }
 }
 
