@@ -562,7 +562,7 @@ pub enum TierError {
     /// Nothing was saved or restored by the call; a copy already submitted keeps its own bytes (a
     /// restore's pages hold the right bytes once its handle completes, a save's blocks may not be
     /// visible). The handle stays failed: fall back to prefill and connect again.
-    #[error("the tier daemon connection is lost: {reason}")]
+    #[error("no connection to the tier daemon: {reason}")]
     Disconnected {
         /// What happened (the I/O error, or the daemon's restart).
         reason: String,

@@ -336,6 +336,7 @@ fn ssd_config(files: &[kvtier::SsdFile], admit: u32) -> Option<kvtier::SsdConfig
 }
 
 fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
+    let began = std::time::Instant::now();
     let (_, requests) = requests(args.trace.as_ref(), args.requests)?;
     let concurrency = args.concurrency as usize;
     // Page size first (presets differ), then the arenas sized for the replay.
@@ -388,6 +389,8 @@ fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
         }
     }
     bar.finish();
+    // The whole command: the trace read, the GPU arenas made, and every run.
+    let command_s = began.elapsed().as_secs_f64();
     if args.json {
         let v = match reports.as_slice() {
             [one] => serde_json::to_value(one),
@@ -396,6 +399,10 @@ fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
             }
             _ => unreachable!("one or two runs"),
         };
+        let v = v.map(|mut v| {
+            v["command_s"] = serde_json::json!(command_s);
+            v
+        });
         println!("{}", serde_json::to_string_pretty(&v.expect("a report serialises")).expect("a report serialises"));
     } else if let [without, with] = reports.as_slice() {
         println!("without hints:");
@@ -410,6 +417,9 @@ fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {
         );
     } else {
         print!("{}", reports[0]);
+    }
+    if !args.json {
+        println!("command time: {command_s:.3} s in all (trace read, GPU arenas made, set-up and replay)");
     }
     Ok(())
 }
@@ -581,10 +591,26 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
         .filter(|d| !d.is_zero())
         .ok_or_else(|| Error::Config(format!("--watch {every}: expected a positive number of seconds")))?;
     let terminal = std::io::stdout().is_terminal();
+    let mut tier = tier;
     let mut prev: Option<(kvtier::TierStats, std::time::Instant)> = None;
     loop {
-        let now = read()?;
-        let clients = clients()?;
+        let (now, clients) = match tier.try_stats().and_then(|s| Ok((s, tier.clients()?))) {
+            Ok(reading) => reading,
+            // The daemon stopped or restarts: say so once, then wait for it and go on.
+            Err(e @ kvtier::TierError::Disconnected { .. }) => {
+                println!(
+                    "kvtierd at {} is gone ({e}); waiting for it to come back (trying every {:.1} s)",
+                    socket.display(),
+                    every.as_secs_f64()
+                );
+                tier = reconnect(&socket, every)?;
+                println!("kvtierd at {} is back", socket.display());
+                // A new daemon run counts from zero: no rates against the old one's counters.
+                prev = None;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         let at = std::time::Instant::now();
         let since = prev.as_ref().map(|(s, t)| (s, at - *t));
         if terminal {
@@ -603,6 +629,18 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
         }
         prev = Some((now, at));
         std::thread::sleep(every);
+    }
+}
+
+/// Connects to the daemon at `socket` again, trying every `every` for as long as nothing listens
+/// there (`kvtier stats --watch` across a daemon restart); any other error ends the wait.
+fn reconnect(socket: &std::path::Path, every: std::time::Duration) -> Result<kvtier::HostTier, Error> {
+    loop {
+        std::thread::sleep(every);
+        match kvtier::HostTier::connect(socket) {
+            Err(kvtier::Error::Tier(kvtier::TierError::Disconnected { .. })) => {}
+            r => return Ok(r?),
+        }
     }
 }
 

@@ -488,6 +488,21 @@ fn cli_replays_a_trace_file_and_prints_json() {
     assert_eq!(v["verification"], "passed");
     assert_eq!(v["evictions"], 0);
     assert!(v.get("ssd").is_none(), "no SSD figures without --ssd: {v}");
+    // The set-up (the pool made) is timed apart from the replay; the run and the command hold both.
+    let secs = |name: &str| v[name].as_f64().unwrap_or_else(|| panic!("no number {name} in {v}"));
+    let (setup, replay, run, command) = (secs("setup_s"), secs("wall_s"), secs("run_s"), secs("command_s"));
+    assert!(setup > 0.0 && replay > 0.0, "{v}");
+    assert!(run >= setup + replay && command >= run, "{v}");
+
+    let out =
+        kvtier(&["replay", p.to_str().unwrap(), "--geometry", "deepseek-v3", "--pool", "64MiB", "--backend", "host"]);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for row in ["set-up time ", "replay time ", "run time ", "command time: "] {
+        let line = text.lines().find(|l| l.starts_with(row)).unwrap_or_else(|| panic!("no {row:?} row: {text}"));
+        assert!(line.contains(" s "), "seconds, with the unit: {line}");
+    }
+    assert!(!text.contains("wall time"), "{text}");
 }
 
 /// `--lookahead N` replays twice and reports both runs.

@@ -86,6 +86,105 @@ fn stats_prints_a_table_and_names_a_missing_socket() {
     assert!(err.contains("nobody.sock"), "the error names the socket: {err}");
 }
 
+#[test]
+fn stats_where_nothing_listens_says_how_to_start_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    // No socket file at all (ENOENT), then a stale socket file nobody listens on (ECONNREFUSED).
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    for path in [dir.path().join("nobody.sock"), stale] {
+        let out = Command::new(support::kvtier_bin()).arg("stats").arg("--socket").arg(&path).output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("no connection to the tier daemon: nothing listens at {}", path.display())),
+            "{err}"
+        );
+        assert!(err.contains(&format!("kvtierd --geometry PRESET --pool SIZE --socket {}", path.display())), "{err}");
+        assert!(err.contains("cargo run --release -p kvtierd -- --geometry PRESET"), "{err}");
+    }
+}
+
+/// What a daemon process's ready line starts with.
+const SERVING: &str = "KVTIER-DAEMON-SERVING ";
+
+/// A daemon process (run only as a child, `KVTIER_SERVE` set to the socket): serves a tier of 8
+/// slots there, prints its ready line once it listens, and serves until it is killed.
+#[test]
+fn daemon_role() {
+    let Some(path) = std::env::var_os("KVTIER_SERVE") else { return };
+    let g = Geometry::new("stats-model", 16, vec![ArenaSpec::packed("kv", 4096, 1)]).unwrap();
+    let cfg = TierConfig::new(g.clone(), 8 * g.slot_bytes()).with_backing(BackingChoice::Plain);
+    let server = kvtier::Server::bind(&path, HostTier::new_shared(cfg).unwrap()).unwrap();
+    println!("{SERVING}{}", std::process::id());
+    server.run().unwrap();
+}
+
+/// Starts a daemon process (see [`daemon_role`]) on `socket` and waits until it listens.
+fn daemon(socket: &std::path::Path) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "daemon_role", "--nocapture", "--test-threads", "1"])
+        .env("KVTIER_SERVE", socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Some(line) = lines.next() {
+        if line.unwrap().contains(SERVING) {
+            std::thread::spawn(move || lines.for_each(drop));
+            return child;
+        }
+    }
+    panic!("the daemon ended before it listened: {:?}", child.wait());
+}
+
+#[test]
+fn stats_watch_waits_for_a_restarted_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtierd.sock");
+    let mut first = daemon(&socket);
+    let mut watch = Command::new(support::kvtier_bin())
+        .args(["stats", "--watch", "0.2", "--socket"])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let mut until = |what: &str, watch: &mut Child| {
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            seen.push(line.clone());
+            if line.contains(what) {
+                return line;
+            }
+        }
+        let _ = watch.kill();
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(watch.stderr.as_mut().unwrap(), &mut err);
+        panic!("kvtier stats --watch ended before {what:?}: {:?}\nstdout: {seen:#?}\nstderr: {err}", watch.wait());
+    };
+    until("(every 0.2 s)", &mut watch);
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let gone = until(" is gone", &mut watch);
+    assert!(gone.contains(&socket.display().to_string()), "{gone}");
+    assert!(gone.contains("waiting for it to come back"), "{gone}");
+    // Still waiting, not exited, while nothing listens.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(watch.try_wait().unwrap().is_none(), "kvtier stats --watch exited with the daemon gone");
+    let mut second = daemon(&socket);
+    until(" is back", &mut watch);
+    let table = until("(every 0.2 s)", &mut watch);
+    assert!(table.starts_with("kvtierd at"), "{table}");
+    watch.kill().unwrap();
+    watch.wait().unwrap();
+    second.kill().unwrap();
+    second.wait().unwrap();
+}
+
 /// What a client process's ready line starts with.
 const READY: &str = "KVTIER-CLIENT-READY ";
 

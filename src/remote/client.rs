@@ -647,14 +647,34 @@ pub(crate) struct Connected {
     pub(crate) policy: PolicyKind,
 }
 
+/// Why a connect to `path` failed, for [`TierError::Disconnected`]'s reason. Where nothing
+/// listens there (no socket file, `ENOENT`, or a stale one, `ECONNREFUSED`), no daemon ever ran or
+/// it stopped: the reason says so and how to start `kvtierd` on that path.
+fn connect_failure(path: &Path, e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    if !matches!(e.kind(), ErrorKind::NotFound | ErrorKind::ConnectionRefused) {
+        return format!("connecting to the tier daemon at {}: {e}", path.display());
+    }
+    let socket = if path == crate::remote::default_socket_path() {
+        String::new()
+    } else {
+        format!(" --socket {}", path.display())
+    };
+    format!(
+        "nothing listens at {} ({e}): no tier daemon runs there; start one with \
+         `kvtierd --geometry PRESET --pool SIZE{socket}` (from a source checkout: \
+         `cargo run --release -p kvtierd -- --geometry PRESET --pool SIZE{socket}`)",
+        path.display()
+    )
+}
+
 /// Connects to the tier daemon at `path` (see [`crate::HostTier::connect`]).
 ///
 /// # Errors
 /// As [`crate::HostTier::connect`].
 pub(crate) fn connect(path: &Path, opts: &ConnectOptions) -> Result<Connected, Error> {
     let expect = opts.geometry.as_ref();
-    let stream = UnixStream::connect(path)
-        .map_err(|e| lost(format!("connecting to the tier daemon at {}: {e}", path.display())))?;
+    let stream = UnixStream::connect(path).map_err(|e| lost(connect_failure(path, &e)))?;
     let io_err = |e: std::io::Error| Error::Tier(lost(describe(&e)));
     keep_cloexec(&stream).map_err(io_err)?;
     check_peer(&stream, opts.trusted_uid())?;

@@ -65,8 +65,15 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+try:
+    import torch
+    from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+except ModuleNotFoundError as e:
+    if __name__ != "__main__":
+        raise
+    # Run as a program without its dependencies: one line that says what to install, not a traceback.
+    print(f"kvtier.examples.hybrid_cache needs torch and transformers ({e}): pip install torch transformers", file=sys.stderr)
+    sys.exit(2)
 
 import kvtier
 

@@ -53,11 +53,18 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-import torch
+try:
+    import torch
+
+    from .paged_cache import PagedCache, PagedKV
+except ModuleNotFoundError as e:
+    if __name__ != "__main__":
+        raise
+    # Run as a program without its dependencies: one line that says what to install, not a traceback.
+    print(f"kvtier.examples.llama_restore needs torch and transformers ({e}): pip install torch transformers", file=sys.stderr)
+    sys.exit(2)
 
 import kvtier
-
-from .paged_cache import PagedCache, PagedKV
 
 __all__ = ["CONFIGS", "build_model", "Bench", "main"]
 

@@ -102,15 +102,33 @@ fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping, std::io::Error>
     Ok(Mapping { ptr: p.cast(), len })
 }
 
-/// True if the kernel may back shmem with transparent hugepages when advised.
-fn shmem_thp_allowed() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .map(|s| ["[always]", "[within_size]", "[advise]", "[force]"].iter().any(|m| s.contains(m)))
-        .unwrap_or(false)
+/// The kernel's shmem THP setting.
+const SHMEM_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// The setting in force of a `shmem_enabled` file's text: the bracketed word (`always`,
+/// `within_size`, `advise`, `never`, `deny`, `force`).
+fn selected(text: &str) -> Option<&str> {
+    let start = text.find('[')? + 1;
+    let end = start + text[start..].find(']')?;
+    Some(&text[start..end])
 }
 
-/// An ordinary memfd of `data` bytes, mapped; THP advised where shmem THP is allowed.
-fn plain_memfd(data: u64, want_thp: bool) -> Result<(Mapping, Backing, OwnedFd), PoolError> {
+/// `Ok(())` if the kernel may back shmem with transparent hugepages when advised, else why not.
+fn shmem_thp_allowed() -> Result<(), String> {
+    let text = std::fs::read_to_string(SHMEM_ENABLED).map_err(|e| format!("{SHMEM_ENABLED} cannot be read ({e})"))?;
+    match selected(&text) {
+        Some("always" | "within_size" | "advise" | "force") => Ok(()),
+        Some(s) => Err(format!(
+            "the kernel's shmem THP setting is `{s}` ({SHMEM_ENABLED}); as root, `echo advise > {SHMEM_ENABLED}` \
+             allows it"
+        )),
+        None => Err(format!("{SHMEM_ENABLED} names no setting ({:?})", text.trim())),
+    }
+}
+
+/// An ordinary memfd of `data` bytes, mapped; THP advised where shmem THP is allowed. With
+/// `want_thp`, the last item says why the pages are plain if they are.
+fn plain_memfd(data: u64, want_thp: bool) -> Result<(Mapping, Backing, OwnedFd, Option<String>), PoolError> {
     let backing_try = if want_thp { Backing::TransparentHuge } else { Backing::Plain };
     let len = map_len(data, backing_try)?;
     let err = |e: std::io::Error| PoolError::Map { bytes: len as u64, backing: "memfd", source: e };
@@ -118,13 +136,18 @@ fn plain_memfd(data: u64, want_thp: bool) -> Result<(Mapping, Backing, OwnedFd),
     size_and_seal(&fd, len).map_err(err)?;
     let map = map_shared(fd.as_fd(), len).map_err(err)?;
     let mut backing = Backing::Plain;
-    if want_thp && shmem_thp_allowed() {
-        // SAFETY: the range is exactly our own mapping; MADV_HUGEPAGE changes no contents.
-        if unsafe { nix::sys::mman::madvise(map.as_void(), len, MmapAdvise::MADV_HUGEPAGE) }.is_ok() {
-            backing = Backing::TransparentHuge;
+    let mut why_plain = None;
+    if want_thp {
+        match shmem_thp_allowed() {
+            // SAFETY: the range is exactly our own mapping; MADV_HUGEPAGE changes no contents.
+            Ok(()) => match unsafe { nix::sys::mman::madvise(map.as_void(), len, MmapAdvise::MADV_HUGEPAGE) } {
+                Ok(()) => backing = Backing::TransparentHuge,
+                Err(e) => why_plain = Some(format!("the kernel refused MADV_HUGEPAGE on the pool ({e})")),
+            },
+            Err(why) => why_plain = Some(why),
         }
     }
-    Ok((map, backing, fd))
+    Ok((map, backing, fd, why_plain))
 }
 
 /// A hugetlb memfd of `data` bytes, mapped (pages reserved by the mapping). `Err(None)`: not
@@ -186,17 +209,27 @@ impl HostPool {
                     Err((_, _, Some(e))) => return Err(e),
                     Err(_) => {
                         check_backable(data, Backing::TransparentHuge, config)?;
-                        plain_memfd(data, true)?
+                        // Auto takes plain pages quietly where shmem THP is off.
+                        let (map, backing, fd, _) = plain_memfd(data, true)?;
+                        (map, backing, fd)
                     }
                 }
             }
             BackingChoice::TransparentHuge => {
                 check_backable(data, Backing::TransparentHuge, config)?;
-                plain_memfd(data, true)?
+                let (map, backing, fd, why_plain) = plain_memfd(data, true)?;
+                if let Some(why) = why_plain {
+                    // Asked for THP and given 4 KiB pages: say so (copies and the TLB pay for it).
+                    tracing::warn!(
+                        "backing thp asked for the shared pool, but it is backed by plain 4 KiB pages: {why}"
+                    );
+                }
+                (map, backing, fd)
             }
             BackingChoice::Plain => {
                 check_backable(data, Backing::Plain, config)?;
-                plain_memfd(data, false)?
+                let (map, backing, fd, _) = plain_memfd(data, false)?;
+                (map, backing, fd)
             }
         };
         Self::assemble(map, backing, slot_bytes, capacity, config, Some(fd))
