@@ -68,7 +68,8 @@ pub(crate) fn parse_policy(policy: &str) -> PyResult<PolicyKind> {
 ///
 /// `Tier(geometry, pool_bytes, policy=None, *, backing="auto", prefault=False, mlock=False,
 /// numa_node=None, lease_ttl_s=None, ssd=None, ssd_admit_uses=None, ssd_io=None,
-/// ssd_read_depth=None)`:
+/// ssd_read_depth=None, peers=None, peer_listen=None, peer_timeout_s=2.0, peer_pinned_blocks=None,
+/// peer_secret_file=None, serve=None)`:
 ///
 /// - `geometry`: the block layout (`Geometry`); every attached rank's tensors must match it.
 /// - `pool_bytes`: host memory for block slots, in bytes; capacity = `pool_bytes // geometry.slot_bytes`.

@@ -4,6 +4,8 @@ the tier is a cache and never changes a token."""
 
 from __future__ import annotations
 
+import os
+
 import kvtier
 
 from support import Daemon, run_engine
@@ -115,10 +117,13 @@ def test_a_decode_engine_gets_the_prefill_engines_blocks_through_peers(model_dir
     # on daemon D (which reads its misses from P through NIXL). The daemons need kvtierd built with
     # the feature `nixl` and the NIXL runtime (ci/nixl.sh) in the environment.
     port = free_port()
-    p = Daemon(sock_dir, name="p.sock", extra=["--peer-listen", f"127.0.0.1:{port}"])
+    secret = os.path.join(sock_dir, "peer.secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    p = Daemon(sock_dir, name="p.sock", extra=["--peer-listen", f"127.0.0.1:{port}", "--peer-secret-file", secret])
     d = None
     try:
-        d = Daemon(sock_dir, name="d.sock", extra=["--peer", f"127.0.0.1:{port}"])
+        d = Daemon(sock_dir, name="d.sock", extra=["--peer", f"127.0.0.1:{port}", "--peer-secret-file", secret])
         prefill = run_engine("client", {"model": model_dir, "socket": p.socket, "role": "kv_producer",
                                         "steps": [["run", "A"], ["settle"]]})
         assert prefill["runs"][0]["tokens"] == reference["A"]["tokens"]
