@@ -573,7 +573,8 @@ impl Session {
         }
         // The tier cuts a hint at MAX_HINT_TTL; the connection counts it no longer than that.
         let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
-        let id = self.shared.tier.hint(&distinct, ttl).get();
+        // Refused typed over the daemon's hint bytes (every connection's hints together).
+        let id = self.shared.tier.try_hint(&distinct, ttl)?.get();
         self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
         ClientCounters::add(&self.counters.hints_given, 1);
         Ok(Reply::Count(id))
