@@ -65,9 +65,10 @@ pub struct Limits {
     /// pool's capacity; `--max-writing-slots`), and each process's **fair share** of them: this
     /// bound divided by the processes connected now or holding such slots (at least 1 slot). A
     /// process may take slots past its fair share only from what the others leave: a save is
-    /// refused with [`Limit::WritingSlots`], before anything is reserved, if it would take the
-    /// slots held past this bound, or take its process past its fair share while that leaves
-    /// another connected process less than its own share unheld. So every connected process can
+    /// refused with [`Limit::WritingSlots`] (its reservation dropped, as a failed save's) if the
+    /// slots it reserved (keys already resident take none) take the slots held past this bound,
+    /// or take its process past its fair share while that leaves another connected process less
+    /// than its own share unheld. So every connected process can
     /// always have its fair share being written, however many slots the others keep `WRITING`
     /// (two processes that never finish their copies leave a third at least a third); a process
     /// that connects while others hold more than their new shares gets its share as their saves

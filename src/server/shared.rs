@@ -170,36 +170,33 @@ impl Shared {
         }
     }
 
-    /// Takes `n` slots for process `pid`'s saves: refused with [`Limit::SlotsPerProcess`] past its
-    /// bound, with [`Limit::WritingSlots`] past the bound over every process or past its fair
-    /// share while that leaves another connected process less than its own unheld (see
-    /// [`Limits::writing_slots`]). Nothing is taken when refused.
+    /// Takes `n` slots of process `pid`'s bound, or refuses with [`Limit::SlotsPerProcess`].
     pub(super) fn take_slots(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
-        // Lock order: `slots_held`, then `live_by_pid` (which nothing takes the other way round).
         let mut held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
-        let h = held.get(&pid).copied().unwrap_or(0);
-        let asked = h.saturating_add(n);
-        if asked > self.slot_bound && !crate::seeded::seeded("slots-unbounded-per-process") {
-            return Err(limit(Limit::SlotsPerProcess, asked, self.slot_bound));
+        let h = held.entry(pid).or_default();
+        if h.saturating_add(n) > self.slot_bound && !crate::seeded::seeded("slots-unbounded-per-process") {
+            return Err(limit(Limit::SlotsPerProcess, h.saturating_add(n), self.slot_bound));
         }
-        // Seeded bug (tests only): `writing-slots-unbounded` bounds each process on its own only.
-        if !crate::seeded::seeded("writing-slots-unbounded") {
-            self.check_fair_share(&held, pid, n)?;
-        }
-        *held.entry(pid).or_default() += n;
+        *h += n;
         Ok(())
     }
 
-    /// The bound over every process and the fair shares ([`Limits::writing_slots`]) for `n` more
-    /// slots of process `pid`, given what each process holds now.
-    fn check_fair_share(
-        &self,
-        held: &HashMap<Option<u32>, usize>,
-        pid: Option<u32>,
-        n: usize,
-    ) -> Result<(), TierError> {
+    /// Checks the `n` slots just reserved for process `pid` (counted in its holdings by
+    /// [`Shared::take_slots`]) against the bound over every process and the process's fair share
+    /// ([`Limits::writing_slots`]): refused with [`Limit::WritingSlots`] if they take the slots held
+    /// past the bound, or take the process past its fair share while that leaves another connected
+    /// process less than its own share unheld. The caller drops the reservation when refused.
+    pub(super) fn check_writing(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
+        // Seeded bug (tests only): `writing-slots-unbounded` bounds each process on its own only.
+        if crate::seeded::seeded("writing-slots-unbounded") {
+            return Ok(());
+        }
+        // Lock order: `slots_held`, then `live_by_pid` (which nothing takes the other way round).
+        let held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
         let bound = self.writing_bound;
-        let total: usize = held.values().sum();
+        // What was held before these `n`.
+        let total = held.values().sum::<usize>().saturating_sub(n);
+        let h = held.get(&pid).copied().unwrap_or(0).saturating_sub(n);
         if total.saturating_add(n) > bound {
             return Err(limit(Limit::WritingSlots, total.saturating_add(n), bound));
         }
@@ -214,7 +211,6 @@ impl Shared {
         procs.sort_unstable();
         procs.dedup();
         let share = (bound / procs.len()).max(1);
-        let h = held.get(&pid).copied().unwrap_or(0);
         if h.saturating_add(n) <= share {
             return Ok(());
         }
