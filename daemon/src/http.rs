@@ -59,7 +59,9 @@ impl Default for HttpLimits {
 
 /// What the endpoint answers from: the daemon's metrics and the pool's health.
 pub struct Endpoint {
+    /// The families `/metrics` encodes (read at each scrape).
     pub registry: Registry,
+    /// What `/healthz` answers (sampled between requests too).
     pub health: PoolHealth,
 }
 

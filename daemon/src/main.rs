@@ -140,7 +140,10 @@ struct Args {
     ssd_admit: u32,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
     /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
-    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network.
+    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network. One thread
+    /// serves every connection (HTTP/1.1, hyper), with --metrics-connections open at most and
+    /// --metrics-timeout on every read and write; no connection lives past 60 s, so no client
+    /// holds a thread or delays another's answer.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// Seconds the pool may have no free or evictable slot (every slot pinned, being written or
