@@ -96,19 +96,38 @@ impl Endpoint {
     }
 }
 
-/// Serves `listener` for ever on the calling thread, sampling the pool's health every quarter of
-/// its bound (at most every second) in between, so an exhaustion is timed from when it began
-/// rather than from the first probe.
+/// Serves `listener` on the calling thread for as long as the process lives: should serving ever
+/// end (the runtime failing to start, a panic outside a request's answer), its connections are
+/// closed and it starts again on the same socket after 100 ms, so no fault leaves `/metrics` and
+/// `/healthz` unanswered for good.
+pub fn run(listener: std::net::TcpListener, endpoint: Endpoint, limits: HttpLimits) {
+    let endpoint = Rc::new(endpoint);
+    loop {
+        let outcome = listener
+            .try_clone()
+            .map(|l| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(l, endpoint.clone(), limits))));
+        match outcome {
+            Err(e) => tracing::error!("metrics endpoint: cloning its socket: {e}; trying again"),
+            Ok(Ok(Err(e))) => tracing::error!("metrics endpoint: {e}; starting again"),
+            Ok(Ok(Ok(()))) => tracing::error!("metrics endpoint: stopped serving; starting again"),
+            Ok(Err(_)) => tracing::error!("metrics endpoint: panicked (logged above); starting again"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Serves `listener` on the calling thread until an error, sampling the pool's health every
+/// quarter of its bound (at most every second) in between, so an exhaustion is timed from when it
+/// began rather than from the first probe.
 ///
 /// # Errors
 /// The runtime or the listener could not be set up (nothing was served).
-pub fn serve(listener: std::net::TcpListener, endpoint: Endpoint, limits: HttpLimits) -> io::Result<()> {
+fn serve(listener: std::net::TcpListener, endpoint: Rc<Endpoint>, limits: HttpLimits) -> io::Result<()> {
     listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build()?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let endpoint = Rc::new(endpoint);
         let tick = (endpoint.health.bound() / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let sampler = endpoint.clone();
         tokio::task::spawn_local(async move {

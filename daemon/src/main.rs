@@ -674,12 +674,7 @@ fn main() {
     if let Some(m) = metrics {
         std::thread::Builder::new()
             .name("kvtierd-metrics".into())
-            .spawn(move || {
-                if let Err(e) = http::serve(m.listener, m.endpoint, m.limits) {
-                    // The engines' socket goes on without metrics.
-                    tracing::error!("metrics endpoint at {}: {e}; /metrics and /healthz are not served", m.addr);
-                }
-            })
+            .spawn(move || http::run(m.listener, m.endpoint, m.limits))
             .expect("spawning the metrics thread");
     }
     let sig = stop.wait();
