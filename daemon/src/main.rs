@@ -69,7 +69,8 @@ struct Args {
     /// Slots being written or withheld over every process at once (0: the pool's capacity). Each
     /// process's fair share is this divided by the processes connected (or holding such slots);
     /// a save past its share is served only from what the other connected processes' unheld
-    /// shares leave, so every connected engine can always have its share being written.
+    /// shares leave, so processes that never finish their copies cannot take the others' shares
+    /// (slots taken before a process connected come back as those saves end).
     #[arg(long, default_value_t = Limits::default().writing_slots)]
     max_writing_slots: usize,
     /// Bytes the hint tables may take over every connection's hints (256 B a hint, 114 B a key it
