@@ -931,7 +931,12 @@ fn client_role() {
                 };
                 match r.call(&req) {
                     Reply::SavePrepared { slots, .. } if slots.len() == 1 => parked += 1,
-                    Reply::Error(WireError::LimitExceeded { limit: Limit::SlotsPerProcess, .. }) => refused += 1,
+                    // Past the per-process bound, or (that bound seeded away) past the process's
+                    // fair share of the slots being written over every process.
+                    Reply::Error(WireError::LimitExceeded {
+                        limit: Limit::SlotsPerProcess | Limit::WritingSlots,
+                        ..
+                    }) => refused += 1,
                     other => panic!("cycle {i}: {other:?}"),
                 }
             }
