@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Proves the regression tests bite: builds the tests that ci/bites.txt names ONCE with every seeded
-# bug compiled in (KVTIER_SEEDED_BUGS=1, read by the build scripts of kvtier and the CLI; see
+# bug compiled in (KVTIER_SEEDED_BUGS=1, read by the build scripts of kvtier, the CLI and the daemon; see
 # src/seeded.rs), then for each row runs its test with that row's bug planted at run time
 # (KVTIER_SEEDED_BUG=NAME, inherited by the kvtierd and kvtier processes the tests start, which
 # are the same build) and requires it to FAIL with the expected text. A test that passes with its

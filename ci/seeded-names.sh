@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The seeded bugs' names, checked both ways (the compiler no longer checks them: every seeded bug is
 # compiled in under KVTIER_SEEDED_BUGS=1 and picked at run time by name, see src/seeded.rs).
-# - kvtier and the CLI: each `seeded("NAME")` in src/ and cli/src/ is a bug of some bite table
+# - kvtier, the CLI and the daemon: each `seeded("NAME")` in src/, cli/src/ and daemon/src/ is a bug of some bite table
 #   (ci/bites.txt with its GPU-only rows, ci/loom.sh's `bites`, ci/proptest.sh's `bites_bugs`,
 #   ci/sanitize.sh's `bites`), and each bug of those tables is a `seeded("NAME")` there.
 # - the Python binding: the same between python/src/ and ci/python.sh's `bites_table`.
@@ -94,7 +94,7 @@ def check(what, src, tables):
         for name in sorted(set(src) | set(tables)):
             print(f"{name}: {', '.join(src.get(name, []))} | {', '.join(sorted(set(tables.get(name, []))))}")
 
-check("src/ and cli/src/", source_names("src", "cli/src"),
+check("src/, cli/src/ and daemon/src/", source_names("src", "cli/src", "daemon/src"),
       merge(bites_txt("ci/bites.txt"), array_rows("ci/loom.sh", "bites"), array_rows("ci/proptest.sh", "bites_bugs"),
             appended_rows("ci/sanitize.sh", "bites")))
 check("python/src/", source_names("python/src"), array_rows("ci/python.sh", "bites_table"))

@@ -655,6 +655,12 @@ pub enum Limit {
     LeasedBlocksPerConnection,
     /// Connections one process (by its pid from `SO_PEERCRED`) has open at once.
     ConnectionsPerProcess,
+    /// Bytes the tier's hint tables are charged, over every hint of every connection (see
+    /// `HINTED_KEY_BYTES` in the docs of [`crate::HostTier::try_hint`]).
+    HintBytes,
+    /// Slots held `WRITING` (saves in flight or withheld) over every process of a daemon at once,
+    /// or beyond a process's fair share of them while others hold theirs.
+    WritingSlots,
 }
 
 impl std::fmt::Display for Limit {
@@ -672,6 +678,10 @@ impl std::fmt::Display for Limit {
             Limit::SlotsPerProcess => "slots being written or withheld per process",
             Limit::LeasedBlocksPerConnection => "leased blocks per connection",
             Limit::ConnectionsPerProcess => "daemon connections per process",
+            Limit::HintBytes => "bytes of hints held by the daemon (all connections)",
+            Limit::WritingSlots => {
+                "slots being written or withheld over all processes (or past this process's fair share)"
+            }
         })
     }
 }

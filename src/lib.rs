@@ -130,7 +130,7 @@ pub use tier::lease::Lease;
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
     AuditReport, EvictionLockStats, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig,
-    TierStats, MAX_HINT_TTL,
+    TierStats, HINTED_KEY_BYTES, HINT_BYTES, MAX_HINT_TTL,
 };
 
 /// Internals for kvtier's own tests, loom models, benchmarks and fuzz targets (feature

@@ -2,6 +2,9 @@
 //! that connects to its Unix socket (`kvtier::HostTier::connect`). See `docs/design.md` ("The tier
 //! daemon") for the protocol and what happens when an engine dies.
 
+mod http;
+mod seeded;
+
 use clap::Parser;
 use kvtier::prometheus_client::registry::Registry;
 use kvtier::{ArenaSpec, BackingChoice, Geometry, HostTier, PolicyKind, PoolConfig, SsdConfig, TierConfig};
@@ -63,6 +66,17 @@ struct Args {
     /// pool's capacity).
     #[arg(long, default_value_t = Limits::default().slots_per_process)]
     max_slots_per_process: usize,
+    /// Slots being written or withheld over every process at once (0: the pool's capacity). Each
+    /// process's fair share is this divided by the processes connected (or holding such slots);
+    /// a save past its share is served only from what the other connected processes' unheld
+    /// shares leave, so processes that never finish their copies cannot take the others' shares
+    /// (slots taken before a process connected come back as those saves end).
+    #[arg(long, default_value_t = Limits::default().writing_slots)]
+    max_writing_slots: usize,
+    /// Bytes the hint tables may take over every connection's hints (256 B a hint, 114 B a key it
+    /// names; the default holds about 2.3 million hinted keys); a hint past it is refused typed.
+    #[arg(long, default_value_t = Limits::default().hint_bytes)]
+    max_hint_bytes: usize,
     /// Uses one lease may have.
     #[arg(long, default_value_t = Limits::default().lease_uses)]
     max_lease_uses: u32,
@@ -127,13 +141,26 @@ struct Args {
     ssd_admit: u32,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
     /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
-    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network.
+    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network. One thread
+    /// serves every connection (HTTP/1.1, hyper), with --metrics-connections open at most and
+    /// --metrics-timeout on every read and write; no connection lives past 60 s, so no client
+    /// holds a thread or delays another's answer.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// Seconds the pool may have no free or evictable slot (every slot pinned, being written or
     /// quarantined) before /healthz answers 503.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, requires = "metrics")]
     healthz_bound: f64,
+    /// HTTP connections the metrics endpoint keeps open at once; one more closes the oldest. All of
+    /// them are served by one thread, whatever their clients do.
+    #[arg(long, value_name = "N", default_value_t = http::HttpLimits::default().connections, requires = "metrics")]
+    metrics_connections: usize,
+    /// Seconds the metrics endpoint waits for a request's head, for a byte to read or for the
+    /// client to take a byte written; past it the connection is closed. No connection lives past
+    /// 60 s.
+    #[arg(long, value_name = "SECONDS", default_value_t = http::HttpLimits::default().timeout.as_secs_f64(),
+          requires = "metrics")]
+    metrics_timeout: f64,
     /// Serve this pool's blocks to other kvtier instances (peers, e.g. decode engines fetching a
     /// prefill's blocks) at ADDR (host:port; port 0 picks a free one, printed at start): the peer
     /// control protocol over TCP, the bytes read one-sided from the pool through NIXL, whose
@@ -344,6 +371,8 @@ fn server_config(a: &Args) -> Result<ServerConfig, String> {
         copies_per_connection: a.max_copies,
         lease_uses: a.max_lease_uses,
         slots_per_process: a.max_slots_per_process,
+        writing_slots: a.max_writing_slots,
+        hint_bytes: a.max_hint_bytes,
         thread_stack_bytes: a.thread_stack,
     };
     let group = match &a.group {
@@ -376,13 +405,12 @@ fn raise_fd_limit() {
     }
 }
 
-/// The `--metrics` endpoint: an HTTP server bound to its address, the daemon's metrics and the
-/// pool's health.
+/// The `--metrics` endpoint: its listening socket, what it answers from and its bounds.
 struct MetricsEndpoint {
-    http: tiny_http::Server,
+    listener: std::net::TcpListener,
     addr: std::net::SocketAddr,
-    registry: Registry,
-    health: PoolHealth,
+    endpoint: http::Endpoint,
+    limits: http::HttpLimits,
 }
 
 /// `more` adds further families (the peer server's) to the registry.
@@ -393,59 +421,21 @@ fn metrics_endpoint(
     more: impl FnOnce(&mut Registry),
 ) -> Result<MetricsEndpoint, String> {
     let bound = seconds("healthz-bound", a.healthz_bound)?;
-    let http = tiny_http::Server::http(addr).map_err(|e| e.to_string())?;
-    let addr = http.server_addr().to_ip().ok_or("not an IP address")?;
+    let timeout = seconds("metrics-timeout", a.metrics_timeout)?;
+    if timeout.is_zero() || a.metrics_connections == 0 {
+        return Err("--metrics-timeout and --metrics-connections must be above zero".into());
+    }
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let mut registry = Registry::default();
     server.register_metrics(&mut registry);
     more(&mut registry);
-    Ok(MetricsEndpoint { http, addr, registry, health: PoolHealth::new(server.tier(), bound) })
-}
-
-impl MetricsEndpoint {
-    /// Answers `/metrics` and `/healthz` (one request at a time), sampling the pool's health every
-    /// quarter of the bound (at most every second) in between, so an exhaustion is timed from
-    /// when it began rather than from the first probe.
-    fn serve(self) {
-        let tick = (self.health.bound() / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-        loop {
-            // A sample, so the exhaustion clock runs between probes.
-            let _ = self.health.check();
-            let req = match self.http.recv_timeout(tick) {
-                Ok(Some(r)) => r,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!("metrics endpoint: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                }
-            };
-            let text = |status: u16, body: String, kind: &str| {
-                let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("a valid header");
-                tiny_http::Response::from_string(body).with_status_code(status).with_header(header)
-            };
-            let plain = "text/plain; charset=utf-8";
-            let get = matches!(req.method(), tiny_http::Method::Get | tiny_http::Method::Head);
-            let path = req.url().split('?').next().unwrap_or("").to_string();
-            let resp = match path.as_str() {
-                _ if !get => text(405, "only GET and HEAD\n".into(), plain),
-                "/metrics" => {
-                    let mut body = String::new();
-                    match kvtier::prometheus_client::encoding::text::encode(&mut body, &self.registry) {
-                        Ok(()) => text(200, body, "application/openmetrics-text; version=1.0.0; charset=utf-8"),
-                        Err(e) => text(500, format!("encoding the metrics: {e}\n"), plain),
-                    }
-                }
-                "/healthz" => {
-                    let h = self.health.check();
-                    text(if h.is_healthy() { 200 } else { 503 }, format!("{h}\n"), plain)
-                }
-                _ => text(404, "not found: /metrics and /healthz are served here\n".into(), plain),
-            };
-            if let Err(e) = req.respond(resp) {
-                tracing::debug!("metrics endpoint: answering: {e}");
-            }
-        }
-    }
+    Ok(MetricsEndpoint {
+        listener,
+        addr,
+        endpoint: http::Endpoint { registry, health: PoolHealth::new(server.tier(), bound) },
+        limits: http::HttpLimits { connections: a.metrics_connections, timeout },
+    })
 }
 
 /// Colour in the log only on a terminal, and never with `NO_COLOR` set to anything non-empty
@@ -510,7 +500,8 @@ fn log_limits(l: &Limits) {
     tracing::info!(
         "limits: {} connections ({} per process), frames up to {} B, {} keys per request, {} hints ({} keys), \
          {} leases ({} blocks), {} copies in flight per connection, {} uses per lease, {} slots per process \
-         (0: half the pool); timeouts hello {:?}, frame {:?}, write {:?}",
+         (0: half the pool), {} slots being written over all processes (0: the pool), {} B of hints; timeouts \
+         hello {:?}, frame {:?}, write {:?}",
         l.connections,
         l.connections_per_process,
         l.frame_bytes,
@@ -522,13 +513,31 @@ fn log_limits(l: &Limits) {
         l.copies_per_connection,
         l.lease_uses,
         l.slots_per_process,
+        l.writing_slots,
+        l.hint_bytes,
         l.hello_timeout,
         l.frame_timeout,
         l.write_timeout,
     );
 }
 
+/// Large allocations go straight to the system and come straight back: glibc's allocator otherwise
+/// raises its thresholds after the first large free (up to 32 MiB mapped, 64 MiB trimmed), after
+/// which the temporaries of a large request (a hint of 2^20 keys, its decoded keys and their
+/// de-duplication) stay resident in the connection threads' arenas once freed. The daemon's pool
+/// is mapped by itself, so only requests' buffers and the tables of hints and leases pass here.
+fn return_large_frees() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt sets two of the allocator's parameters (under its own lock); called before
+    // any other thread of this process starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 20);
+    }
+}
+
 fn main() {
+    return_large_frees();
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -698,7 +707,7 @@ fn main() {
     if let Some(m) = metrics {
         std::thread::Builder::new()
             .name("kvtierd-metrics".into())
-            .spawn(move || m.serve())
+            .spawn(move || http::run(m.listener, m.endpoint, m.limits))
             .expect("spawning the metrics thread");
     }
     let sig = stop.wait();

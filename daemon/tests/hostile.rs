@@ -602,6 +602,284 @@ fn one_process_cannot_take_every_connection() {
     served_and_clean(&d.socket, 8..16);
 }
 
+// ---- The metrics port (`--metrics`): TCP, so beyond the socket's same-uid trust model.
+
+/// The metrics address the daemon printed (`..., metrics at http://ADDR/metrics`).
+fn metrics_addr(d: &Daemon) -> String {
+    let at = d.line.split("metrics at http://").nth(1).unwrap_or_else(|| panic!("no metrics address in {:?}", d.line));
+    at.strip_suffix("/metrics").expect("the address ends with /metrics").to_string()
+}
+
+/// A field of the daemon's `/proc/PID/status` (the number before any unit).
+fn daemon_status(d: &Daemon, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.child.id())).expect("the daemon's status");
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in the status"));
+    line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+/// The daemon's descriptors once two counts 100 ms apart agree (a connection just answered may
+/// still be closing).
+fn settled_fds(d: &Daemon) -> usize {
+    let mut n = daemon_fds(d);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let m = daemon_fds(d);
+        if m == n {
+            return n;
+        }
+        n = m;
+    }
+}
+
+fn daemon_threads(d: &Daemon) -> u64 {
+    daemon_status(d, "Threads:")
+}
+
+/// `GET /healthz` on a fresh connection, answered within `within`: the status code, or why not.
+fn healthz(addr: &str, within: Duration) -> Result<u16, String> {
+    let t0 = Instant::now();
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("connecting: {e}"))?;
+    s.set_read_timeout(Some(within)).unwrap();
+    s.set_write_timeout(Some(within)).unwrap();
+    write!(s, "GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    let mut b = [0u8; 4096];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&b[..n]),
+            Err(e) => return Err(format!("no answer after {:?}: {e}", t0.elapsed())),
+        }
+        if t0.elapsed() > within {
+            return Err(format!("no complete answer within {within:?}"));
+        }
+    }
+    let text = String::from_utf8_lossy(&raw);
+    text.split(' ').nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| format!("no status in {text:?}"))
+}
+
+/// `/healthz` answers 200 within 3 s (a liveness probe's patience, with room for a loaded machine).
+fn healthz_answers(addr: &str, during: &str) {
+    match healthz(addr, Duration::from_secs(3)) {
+        Ok(200) => {}
+        other => panic!("/healthz did not answer while {during}: {other:?}"),
+    }
+}
+
+/// True once the peer has closed `s` (end of stream or reset), reading whatever it sent; false if
+/// it is still open after `within`.
+fn tcp_closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    let mut b = [0u8; 64 << 10];
+    while t0.elapsed() < within {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// The daemon's threads and memory are back near `(threads, rss)` (a correct engine's and the
+/// observer's connections aside): at most 2 threads and 32 MiB more.
+fn back_to(d: &Daemon, (threads, rss): (u64, u64)) {
+    soon("the daemon's threads are back to what they were", || daemon_threads(d) <= threads + 2);
+    let grown = d.rss_bytes().saturating_sub(rss);
+    assert!(grown < 32 << 20, "the daemon stayed {grown} B larger");
+}
+
+#[test]
+fn half_requests_to_the_metrics_port_hold_no_thread_and_are_closed_at_the_timeout() {
+    let d = Daemon::start_args(64, "lru", None, &["--metrics", "127.0.0.1:0", "--metrics-timeout", "1"]);
+    let addr = metrics_addr(&d);
+    healthz_answers(&addr, "nobody else was connected");
+    let before = (daemon_threads(&d), d.rss_bytes());
+    // 8 half requests (under the connection bound): each is closed at the timeout.
+    let mut half: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").unwrap();
+            s
+        })
+        .collect();
+    healthz_answers(&addr, "8 half requests were open");
+    assert!(daemon_threads(&d) <= before.0, "8 half requests took {} threads", daemon_threads(&d) - before.0);
+    engine_is_served(&d.socket, 0..8);
+    for s in &mut half {
+        assert!(tcp_closed_within(s, Duration::from_secs(10)), "a half request was not closed at the 1 s timeout");
+    }
+    drop(half);
+    healthz_answers(&addr, "the half requests had gone");
+    served_and_clean(&d.socket, 8..16);
+    back_to(&d, before);
+}
+
+#[test]
+fn many_idle_connections_to_the_metrics_port_hold_one_thread_and_at_most_the_bound() {
+    // A timeout longer than the test: only the connection bound closes connections here.
+    let d = Daemon::start_args(
+        64,
+        "lru",
+        None,
+        &["--metrics", "127.0.0.1:0", "--metrics-connections", "16", "--metrics-timeout", "120"],
+    );
+    let addr = metrics_addr(&d);
+    healthz_answers(&addr, "nobody else was connected");
+    let before = (daemon_threads(&d), d.rss_bytes());
+    let fds = settled_fds(&d);
+    // 500 idle connections: one thread serves them all, and past 16 the oldest are closed.
+    let mut idle = Vec::new();
+    for i in 0..500 {
+        idle.push(std::net::TcpStream::connect(&addr).unwrap_or_else(|e| panic!("connection {i}: {e}")));
+    }
+    let threads = daemon_threads(&d);
+    assert!(threads <= before.0, "500 idle connections took the daemon from {} to {threads} threads", before.0);
+    soon("the daemon holds at most 16 metrics connections", || daemon_fds(&d) <= fds + 16 + 2);
+    healthz_answers(&addr, "500 idle connections were open");
+    assert!(daemon_fds(&d) <= fds + 16 + 2, "the daemon holds {} sockets more than before", daemon_fds(&d) - fds);
+    engine_is_served(&d.socket, 0..8);
+    drop(idle);
+    healthz_answers(&addr, "the idle connections had gone");
+    served_and_clean(&d.socket, 8..16);
+    back_to(&d, before);
+}
+
+#[test]
+fn a_metrics_client_that_pipelines_and_never_reads_delays_nobody_and_is_dropped() {
+    // A timeout far above the probes' patience: only serving connections side by side answers them.
+    let d = Daemon::start_args(64, "lru", None, &["--metrics", "127.0.0.1:0", "--metrics-timeout", "10"]);
+    let addr = metrics_addr(&d);
+    healthz_answers(&addr, "nobody else was connected");
+    let before = (daemon_threads(&d), d.rss_bytes());
+    let fds = settled_fds(&d);
+    // Requests for the largest answer until the socket takes no more (the daemon's answers fill
+    // the client's receive buffer, then the daemon stops reading), bounded in count and time.
+    let mut p = std::net::TcpStream::connect(&addr).unwrap();
+    p.set_nonblocking(true).unwrap();
+    let req = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    let (mut sent, t0) = (0usize, Instant::now());
+    let mut stalled = 0;
+    while sent < 200_000 && t0.elapsed() < Duration::from_secs(20) && stalled < 50 {
+        match p.write(req) {
+            Ok(_) => {
+                sent += 1;
+                stalled = 0;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                stalled += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("pipelining: {e} after {sent} requests"),
+        }
+    }
+    assert!(stalled >= 50 || sent == 200_000, "the pipelining client never filled its socket");
+    for _ in 0..3 {
+        healthz_answers(&addr, "a client pipelined requests and never read");
+    }
+    engine_is_served(&d.socket, 0..8);
+    // The daemon drops the client at the write timeout (10 s), however much it asked.
+    assert!(daemon_fds(&d) > fds, "the daemon holds no socket for the pipelining client");
+    soon("the non-reading client's connection is closed", || daemon_fds(&d) <= fds);
+    drop(p);
+    healthz_answers(&addr, "the pipelining client had gone");
+    served_and_clean(&d.socket, 8..16);
+    back_to(&d, before);
+}
+
+// ---- Hints over every connection.
+
+#[test]
+fn hints_are_bounded_in_bytes_over_every_connection_and_their_memory_returns() {
+    // 2^18 keys a hint: about 30 MB charged (114 B a key); 64 MiB hold two such hints.
+    let per = 1usize << 18;
+    let budget = 64usize << 20;
+    let d = Daemon::start_args(64, "lru", None, &["--max-hint-bytes", &budget.to_string()]);
+    let obs = observer(&d.socket);
+    let before = d.rss_bytes();
+    let hint = |c: u64| Request::Hint {
+        keys: (0..per as u64).map(|i| obs.namespace().trace_page_key(i, c)).collect(),
+        ttl_ms: 600_000,
+    };
+    let mut conns: Vec<Raw> = (0..3).map(|_| Raw::hello(&d.socket)).collect();
+    let mut ids = Vec::new();
+    for (i, r) in conns.iter_mut().enumerate().take(2) {
+        match r.call(&hint(i as u64)) {
+            Reply::Count(id) if id != 0 => ids.push(id),
+            other => panic!("hint {i} within the budget: {other:?}"),
+        }
+    }
+    let peak = d.rss_bytes();
+    // The third connection's hint is over the bytes of every connection's hints together.
+    match conns[2].call(&hint(2)) {
+        Reply::Error(WireError::LimitExceeded { limit: Limit::HintBytes, asked, max }) => {
+            assert_eq!(max, budget as u64);
+            assert!(asked > max, "{asked} {max}");
+        }
+        other => panic!("a hint over the daemon's hint bytes was taken: {other:?}"),
+    }
+    assert_eq!(obs.live_hints(), 2);
+    // A connected tier gets the refusal typed (try_hint), never a silent id 0.
+    let k: Vec<ContentKey> = (0..per as u64).map(|i| obs.namespace().trace_page_key(i, 9)).collect();
+    match obs.try_hint(&k, Duration::from_secs(60)) {
+        Err(TierError::LimitExceeded { limit: Limit::HintBytes, max, .. }) => assert_eq!(max, budget as u64),
+        other => panic!("a connected tier's hint over the bytes: {other:?}"),
+    }
+    // Withdrawn, the hints give their memory back.
+    for (r, id) in conns.iter_mut().zip(&ids) {
+        assert_eq!(r.call(&Request::WithdrawHint { id: *id }), Reply::Bool(true));
+    }
+    assert_eq!(obs.live_hints(), 0);
+    let after = d.rss_bytes();
+    assert!(peak > before + (budget as u64) / 4, "two hints of 2^18 keys grew the daemon by {} B only", peak - before);
+    assert!(
+        after < before + (24 << 20),
+        "memory stayed resident after every hint was withdrawn: {} B then {} B more than before",
+        peak - before,
+        after.saturating_sub(before)
+    );
+    // Room again for a hint as large.
+    assert!(matches!(conns[2].call(&hint(2)), Reply::Count(id) if id != 0));
+    drop(conns);
+    served_and_clean(&d.socket, 0..8);
+}
+
+// ---- Slots being written over every process.
+
+#[test]
+fn two_processes_that_never_finish_their_saves_leave_the_others_their_share() {
+    // The per-process bound at its default (half the pool): two such processes held every slot.
+    let d = Daemon::start_args(64, "lru", None, &["--max-slots-per-process", "32"]);
+    // This process is connected first: its fair share is reserved for it.
+    let obs = observer(&d.socket);
+    let mut hogs: Vec<Client> =
+        (0..2).map(|i| Client::start(&d.socket, "hold-writing", &[("KVTIER_TAG", (i + 1).to_string())])).collect();
+    for h in &mut hogs {
+        h.expect("READY");
+    }
+    for h in &mut hogs {
+        h.tell("go");
+    }
+    let mut held = 0;
+    for h in &mut hogs {
+        let line = h.expect("HOLDING");
+        let (n, why) = line.split_once(' ').unwrap();
+        held += n.parse::<u64>().unwrap();
+        assert!(why.contains("WritingSlots") || why.contains("SlotsPerProcess"), "{line}");
+    }
+    // Three processes connected: a fair share is 64 / 3 = 21 slots.
+    assert!(held <= 64 - 21, "two processes that never finish held {held} of 64 slots writing");
+    assert_eq!(obs.stats().writing_slots, held);
+    engine_is_served(&d.socket, 0..8);
+    for h in hogs {
+        h.kill9();
+    }
+    soon("the killed processes' slots come back", || obs.stats().writing_slots == 0);
+    served_and_clean(&d.socket, 8..24);
+}
+
 /// The client processes' entry point: does nothing unless run as a client by a test.
 #[test]
 fn client_role() {
@@ -653,7 +931,12 @@ fn client_role() {
                 };
                 match r.call(&req) {
                     Reply::SavePrepared { slots, .. } if slots.len() == 1 => parked += 1,
-                    Reply::Error(WireError::LimitExceeded { limit: Limit::SlotsPerProcess, .. }) => refused += 1,
+                    // Past the per-process bound, or (that bound seeded away) past the process's
+                    // fair share of the slots being written over every process.
+                    Reply::Error(WireError::LimitExceeded {
+                        limit: Limit::SlotsPerProcess | Limit::WritingSlots,
+                        ..
+                    }) => refused += 1,
                     other => panic!("cycle {i}: {other:?}"),
                 }
             }
@@ -716,6 +999,31 @@ fn client_role() {
                 again.len() == served
             });
             say(format!("REOPENED {}", again.len()));
+            while hear().is_some() {}
+        }
+        // Connects, says READY, and on "go" prepares 1-block saves it never finishes until one
+        // is refused; reports how many it holds and the refusal, and waits to be killed.
+        "hold-writing" => {
+            let tag: u64 = std::env::var("KVTIER_TAG").unwrap().parse().unwrap();
+            let mut r = Raw::hello(&socket);
+            say("READY");
+            assert_eq!(hear().as_deref(), Some("go"));
+            let (mut held, mut why) = (0, String::from("none"));
+            for i in 0..1000 {
+                let k = keys(&obs, tag * 100_000 + i..tag * 100_000 + i + 1);
+                match r.call(&Request::PrepareSave { keys: k, prefix: false, prefix_depth: None, parent: None }) {
+                    Reply::SavePrepared { slots, .. } if slots.len() == 1 => held += 1,
+                    Reply::Error(WireError::LimitExceeded { limit, .. }) => {
+                        why = format!("{limit:?}");
+                        break;
+                    }
+                    other => {
+                        why = format!("{other:?}");
+                        break;
+                    }
+                }
+            }
+            say(format!("HOLDING {held} {why}"));
             while hear().is_some() {}
         }
         other => panic!("unknown role {other}"),

@@ -376,9 +376,11 @@ class LimitExceededError(TierError, ValueError):
     hold; nothing was done and the connection stays usable (split the request, or release what the
     connection holds). Attributes: ``limit`` (the bound's name: ``frame_bytes``,
     ``keys_per_request``, ``evict_blocks``, ``hints_per_connection``, ``hint_keys_per_connection``,
-    ``leases_per_connection``, ``copies_per_connection``, ``connections``, ``lease_uses``),
-    ``asked`` and ``max`` (in the bound's unit: bytes, keys, blocks, hints, leases, copies,
-    connections or uses)."""
+    ``leases_per_connection``, ``copies_per_connection``, ``connections``, ``lease_uses``,
+    ``slots_per_process``, ``leased_blocks_per_connection``, ``connections_per_process``,
+    ``hint_bytes`` (the daemon's hint tables over all connections), ``writing_slots`` (slots being
+    written over all processes, or past this process's fair share)), ``asked`` and ``max`` (in the
+    bound's unit: bytes, keys, blocks, hints, leases, copies, connections, uses or slots)."""
 
 
 class ProtocolError(TierError):

@@ -88,12 +88,14 @@ pub fn limit_name(l: &Limit) -> &'static str {
         Limit::SlotsPerProcess => "slots_per_process",
         Limit::LeasedBlocksPerConnection => "leased_blocks_per_connection",
         Limit::ConnectionsPerProcess => "connections_per_process",
+        Limit::HintBytes => "hint_bytes",
+        Limit::WritingSlots => "writing_slots",
         _ => "other",
     }
 }
 
 /// Every bound this binding names, in declaration order (for `examples` and the tests).
-const LIMITS: [Limit; 12] = [
+const LIMITS: [Limit; 14] = [
     Limit::FrameBytes,
     Limit::KeysPerRequest,
     Limit::EvictBlocks,
@@ -106,6 +108,8 @@ const LIMITS: [Limit; 12] = [
     Limit::SlotsPerProcess,
     Limit::LeasedBlocksPerConnection,
     Limit::ConnectionsPerProcess,
+    Limit::HintBytes,
+    Limit::WritingSlots,
 ];
 
 impl From<&GeometryError> for Raised {

@@ -620,13 +620,16 @@ impl PyTier {
     /// blocks while an unhinted block is evictable (a hint never makes a save fail). Returns the
     /// hint's id (an int) for `withdraw_hint`.
     ///
-    /// Raises: `KeyLengthError`, `ConfigError` (a negative or non-finite `ttl_s`).
+    /// Raises: `KeyLengthError`, `ConfigError` (a negative or non-finite `ttl_s`),
+    /// `LimitExceededError` (a tier daemon's bound: `hint_bytes` over all its connections,
+    /// `hints_per_connection`, `hint_keys_per_connection`, `keys_per_request`; nothing is hinted),
+    /// `DisconnectedError` (a connected tier whose daemon is gone).
     #[pyo3(signature = (keys, ttl_s = 60.0))]
     fn hint(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ttl_s: f64) -> PyResult<u64> {
         let keys = keys_of(keys)?;
         let ttl = std::time::Duration::try_from_secs_f64(ttl_s)
             .map_err(|_| config_error(format!("ttl_s must be a non-negative number of seconds, not {ttl_s}")))?;
-        Ok(py.detach(|| self.inner.hint(&keys, ttl)).get())
+        Ok(py.detach(|| self.inner.try_hint(&keys, ttl)).py()?.get())
     }
 
     /// Withdraws hint `id` (its request was admitted or dropped). Returns False if it had already

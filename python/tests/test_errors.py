@@ -63,6 +63,8 @@ def test_the_bounded_protocol_errors_map_to_their_classes_with_fields():
             "slots_per_process",
             "leased_blocks_per_connection",
             "connections_per_process",
+            "hint_bytes",
+            "writing_slots",
             "frame_bytes",
         ]
     )

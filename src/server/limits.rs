@@ -61,6 +61,24 @@ pub struct Limits {
     /// one process cannot take every slot, and a process that parks slots connection after
     /// connection stops at this bound (its parked slots share one pidfd).
     pub slots_per_process: usize,
+    /// Slots held `WRITING` for saves in flight or withheld, over every process at once (0: the
+    /// pool's capacity; `--max-writing-slots`), and each process's **fair share** of them: this
+    /// bound divided by the processes connected now or holding such slots (at least 1 slot). A
+    /// process may take slots past its fair share only from what the others leave: a save is
+    /// refused with [`Limit::WritingSlots`] (its reservation dropped, as a failed save's) if the
+    /// slots it reserved (keys already resident take none) take the slots held past this bound,
+    /// or take its process past its fair share while that leaves another connected process less
+    /// than its own share unheld. So every connected process can
+    /// always have its fair share being written, however many slots the others keep `WRITING`
+    /// (two processes that never finish their copies leave a third at least a third); a process
+    /// that connects while others hold more than their new shares gets its share as their saves
+    /// finish (or their processes exit).
+    pub writing_slots: usize,
+    /// Bytes the daemon's hint tables may be charged over every connection's hints (256 MiB,
+    /// `--max-hint-bytes`): 256 B a hint and `kvtier::HINTED_KEY_BYTES` (114 B) a key it names,
+    /// about 2.3 million hinted keys. A hint past it is refused with [`Limit::HintBytes`]; the
+    /// tables shrink and their memory goes back to the system as hints go.
+    pub hint_bytes: usize,
     /// Stack size of a connection's thread, bytes (256 KiB, `--thread-stack`).
     pub thread_stack_bytes: usize,
 }
@@ -82,6 +100,8 @@ impl Default for Limits {
             copies_per_connection: 4096,
             lease_uses: 1024,
             slots_per_process: 0,
+            writing_slots: 0,
+            hint_bytes: 256 << 20,
             thread_stack_bytes: 256 << 10,
         }
     }

@@ -420,7 +420,16 @@ impl Session {
                         return Err(e);
                     }
                 };
-                self.shared.give_slots(self.pid, want - p.reservation.len().min(want));
+                let reserved = p.reservation.len().min(want);
+                self.shared.give_slots(self.pid, want - reserved);
+                // The bound over every process and the fair shares count the slots the save
+                // reserved (its keys already resident or in flight take none): over them, the
+                // reservation is dropped as a failed save's is.
+                if let Err(e) = self.shared.check_writing(self.pid, reserved) {
+                    drop(p);
+                    self.shared.give_slots(self.pid, reserved);
+                    return Err(e);
+                }
                 let slots: Vec<u32> = p.reservation.entries().iter().map(|r| r.slot.0).collect();
                 let save = if slots.is_empty() {
                     0
@@ -573,7 +582,8 @@ impl Session {
         }
         // The tier cuts a hint at MAX_HINT_TTL; the connection counts it no longer than that.
         let ttl = Duration::from_millis(ttl_ms).min(crate::tier::MAX_HINT_TTL);
-        let id = self.shared.tier.hint(&distinct, ttl).get();
+        // Refused typed over the daemon's hint bytes (every connection's hints together).
+        let id = self.shared.tier.try_hint(&distinct, ttl)?.get();
         self.hints.push(OwnedHint { id, keys: distinct.len(), expires: now.checked_add(ttl) });
         ClientCounters::add(&self.counters.hints_given, 1);
         Ok(Reply::Count(id))

@@ -65,6 +65,8 @@ pub(super) struct Shared {
     slots_held: Mutex<HashMap<Option<u32>, usize>>,
     /// [`Limits::slots_per_process`] resolved against the pool's capacity.
     slot_bound: usize,
+    /// [`Limits::writing_slots`] resolved against the pool's capacity.
+    writing_bound: usize,
     /// Connections open now (each counted from accept until its thread ends).
     pub(super) live: AtomicUsize,
     /// Connections open now by each process (pid from `SO_PEERCRED`), counted like [`Shared::live`].
@@ -128,6 +130,12 @@ impl Shared {
             0 => (pool.capacity() as usize / 2).max(1),
             n => n,
         };
+        let writing_bound = match limits.writing_slots {
+            0 => (pool.capacity() as usize).max(1),
+            n => n,
+        };
+        // Every connection's hints share one budget of bytes in the tier's table.
+        core.set_hint_budget(limits.hint_bytes);
         Shared {
             tier,
             core,
@@ -137,6 +145,7 @@ impl Shared {
             parked: Mutex::new(Vec::new()),
             slots_held: Mutex::new(HashMap::new()),
             slot_bound,
+            writing_bound,
             live: AtomicUsize::new(0),
             live_by_pid: Mutex::new(HashMap::new()),
             refused: Mutex::new(Vec::new()),
@@ -169,6 +178,49 @@ impl Shared {
             return Err(limit(Limit::SlotsPerProcess, h.saturating_add(n), self.slot_bound));
         }
         *h += n;
+        Ok(())
+    }
+
+    /// Checks the `n` slots just reserved for process `pid` (counted in its holdings by
+    /// [`Shared::take_slots`]) against the bound over every process and the process's fair share
+    /// ([`Limits::writing_slots`]): refused with [`Limit::WritingSlots`] if they take the slots held
+    /// past the bound, or take the process past its fair share while that leaves another connected
+    /// process less than its own share unheld. The caller drops the reservation when refused.
+    pub(super) fn check_writing(&self, pid: Option<u32>, n: usize) -> Result<(), TierError> {
+        // Seeded bug (tests only): `writing-slots-unbounded` bounds each process on its own only.
+        if crate::seeded::seeded("writing-slots-unbounded") {
+            return Ok(());
+        }
+        // Lock order: `slots_held`, then `live_by_pid` (which nothing takes the other way round).
+        let held = self.slots_held.lock().unwrap_or_else(|p| p.into_inner());
+        let bound = self.writing_bound;
+        // What was held before these `n`.
+        let total = held.values().sum::<usize>().saturating_sub(n);
+        let h = held.get(&pid).copied().unwrap_or(0).saturating_sub(n);
+        if total.saturating_add(n) > bound {
+            return Err(limit(Limit::WritingSlots, total.saturating_add(n), bound));
+        }
+        let live: Vec<Option<u32>> = {
+            let by_pid = self.live_by_pid.lock().unwrap_or_else(|p| p.into_inner());
+            by_pid.keys().map(|&p| Some(p)).collect()
+        };
+        // The processes that share the bound: those connected and those holding slots (a
+        // disconnected one whose copies are withheld), this one included.
+        let mut procs: Vec<Option<u32>> = live.iter().copied().chain(held.keys().copied()).collect();
+        procs.push(pid);
+        procs.sort_unstable();
+        procs.dedup();
+        let share = (bound / procs.len()).max(1);
+        if h.saturating_add(n) <= share {
+            return Ok(());
+        }
+        // Past its share: only from what the other connected processes' unheld shares leave.
+        let reserved: usize =
+            live.iter().filter(|&&q| q != pid).map(|q| share.saturating_sub(held.get(q).copied().unwrap_or(0))).sum();
+        let room = bound.saturating_sub(total.saturating_add(reserved));
+        if n > room {
+            return Err(limit(Limit::WritingSlots, h.saturating_add(n), share.max(h.saturating_add(room))));
+        }
         Ok(())
     }
 

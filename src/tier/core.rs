@@ -687,8 +687,30 @@ impl Core {
         )
     }
 
-    /// Hints `keys` for `ttl` (see [`crate::HostTier::hint`]).
+    /// Hints `keys` for `ttl` (see [`crate::HostTier::hint`]); a hint over the table's budget is
+    /// refused as id 0, which withdraws nothing ([`Core::try_hint`] says why).
     pub fn hint(&self, keys: &[ContentKey], ttl: Duration) -> HintId {
+        self.try_hint(keys, ttl).unwrap_or(HintId::from_number(0))
+    }
+
+    /// Bounds the bytes the hint table may be charged (see `super::hints`; unbounded until set).
+    pub(crate) fn set_hint_budget(&self, bytes: usize) {
+        self.hints.set_budget(bytes);
+    }
+
+    /// The bytes the hint table is charged now, its budget and its per-key table's capacity
+    /// (entries).
+    pub fn hint_memory(&self) -> (usize, usize, usize) {
+        let (bytes, budget) = self.hints.bytes();
+        (bytes, budget, self.hints.key_capacity())
+    }
+
+    /// A hint on `keys` for `ttl` (see [`crate::HostTier::try_hint`]).
+    ///
+    /// # Errors
+    /// [`TierError::LimitExceeded`] with [`crate::Limit::HintBytes`]: the hint would take the
+    /// table's charge past its budget (see `super::hints`); nothing changed.
+    pub fn try_hint(&self, keys: &[ContentKey], ttl: Duration) -> Result<HintId, TierError> {
         self.hints.add(self.control(), keys, ttl, |k| self.find_block(k), &|s| self.policy.on_reclass(s))
     }
 

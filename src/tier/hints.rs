@@ -13,7 +13,15 @@
 //! names an old generation and is ignored, so a reused slot never inherits a hint. Deadlines are
 //! milliseconds since the tier was built, odd (so a mark is never 0), compared with wrapping
 //! arithmetic: hints longer than [`MAX_HINT_TTL`] are cut to it.
+//!
+//! Memory: the table is charged [`HINT_BYTES`] a hint and [`HINTED_KEY_BYTES`] a key each hint
+//! names (an upper bound of what its entries take, growth headroom included); a hint that would
+//! take the charge past the tier's budget ([`Hints::set_budget`]; unbounded unless set, the daemon
+//! sets `Limits::hint_bytes`) is refused with [`Limit::HintBytes`] and changes nothing. When hints go,
+//! the tables shrink once they hold a quarter of their capacity, and a shrink that gave back at
+//! least [`TRIM_AFTER`] bytes asks the allocator to return its free pages to the system.
 
+use crate::error::{Limit, TierError};
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::slab::slot::{SlotControl, SlotId};
@@ -42,15 +50,82 @@ impl HintId {
     }
 }
 
+/// The hints naming one key and their deadlines: one inline (most keys: no allocation of its
+/// own), more on the heap.
+enum Holders {
+    One(u64, u64),
+    Many(Vec<(u64, u64)>),
+}
+
+impl Holders {
+    fn names(&self, id: u64) -> bool {
+        match self {
+            Holders::One(h, _) => *h == id,
+            Holders::Many(v) => v.iter().any(|&(h, _)| h == id),
+        }
+    }
+
+    fn push(&mut self, id: u64, deadline: u64) {
+        match self {
+            Holders::One(h, d) => *self = Holders::Many(vec![(*h, *d), (id, deadline)]),
+            Holders::Many(v) => v.push((id, deadline)),
+        }
+    }
+
+    /// Drops hint `id`; false once no hint is left.
+    fn remove(&mut self, id: u64) -> bool {
+        match self {
+            Holders::One(h, _) => *h != id,
+            Holders::Many(v) => {
+                v.retain(|&(h, _)| h != id);
+                let last = match v[..] {
+                    [] => return false,
+                    [(h, d)] => Some((h, d)),
+                    _ => None,
+                };
+                if let Some((h, d)) = last {
+                    *self = Holders::One(h, d);
+                }
+                true
+            }
+        }
+    }
+
+    /// The latest deadline.
+    fn deadline(&self) -> Option<u64> {
+        match self {
+            Holders::One(_, d) => Some(*d),
+            Holders::Many(v) => v.iter().map(|&(_, d)| d).max(),
+        }
+    }
+}
+
+/// Bytes the table is charged per hint: its entry in `hints` and in `by_deadline` (a B-tree's
+/// share), with growth headroom.
+pub const HINT_BYTES: usize = 256;
+/// Bytes the table is charged per key a hint names: the key in the hint's own list, the key's
+/// entry in the per-key map at twice its size (a hash table's growth headroom and control byte),
+/// and one more holder on the heap (a key several hints name).
+pub const HINTED_KEY_BYTES: usize = std::mem::size_of::<ContentKey>()
+    + 2 * (std::mem::size_of::<(ContentKey, Holders)>() + 1)
+    + std::mem::size_of::<(u64, u64)>();
+/// A shrink of the tables that gives back at least this many bytes (by the charge) asks the
+/// allocator to return its free pages to the system (`malloc_trim`, glibc).
+pub(crate) const TRIM_AFTER: usize = 16 << 20;
+
 #[derive(Default)]
 struct Table {
     next: u64,
     /// Live hints: their keys and deadline.
     hints: HashMap<u64, (Vec<ContentKey>, u64)>,
     /// Per key, the live hints naming it and their deadlines.
-    keys: HashMap<ContentKey, Vec<(u64, u64)>>,
+    keys: HashMap<ContentKey, Holders>,
     /// Live hints by deadline, to drop expired ones.
     by_deadline: BTreeSet<(u64, u64)>,
+    /// The charge of the live hints, bytes ([`HINT_BYTES`], [`HINTED_KEY_BYTES`]).
+    bytes: usize,
+    /// The charge when the tables last shrank (or grew from empty), bytes.
+    bytes_at_shrink: usize,
 }
 
 /// The tier's hints (see the module docs).
@@ -60,6 +135,8 @@ pub(crate) struct Hints {
     table: Mutex<Table>,
     /// Live hints (a save looks at the table only when some exist).
     live: AtomicUsize,
+    /// The most the table may be charged, bytes (see the module docs; `usize::MAX`: unbounded).
+    budget: AtomicUsize,
 }
 
 #[inline]
@@ -74,6 +151,54 @@ impl Hints {
             marks: crate::sync::table(capacity as usize, |_| AtomicU64::new(0)),
             table: Mutex::new(Table { next: 1, ..Table::default() }),
             live: AtomicUsize::new(0),
+            budget: AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    /// Bounds what the live hints may be charged, bytes (see the module docs); hints already
+    /// given are kept.
+    pub(crate) fn set_budget(&self, bytes: usize) {
+        self.budget.store(bytes, Ordering::Relaxed);
+    }
+
+    /// What the live hints are charged now, bytes, and the budget.
+    pub(crate) fn bytes(&self) -> (usize, usize) {
+        let t = crate::sync::lock(&self.table);
+        (t.bytes, self.budget.load(Ordering::Relaxed))
+    }
+
+    /// The capacity of the per-key table, entries (tests: the table shrinks when hints go).
+    pub(crate) fn key_capacity(&self) -> usize {
+        crate::sync::lock(&self.table).keys.capacity()
+    }
+
+    /// Shrinks the tables once they are mostly empty; true if the charge fell by [`TRIM_AFTER`]
+    /// or more since the last shrink (the caller trims the allocator once the lock is released).
+    fn shrink(t: &mut Table) -> bool {
+        // Seeded bug (tests only): `hint-tables-kept` keeps the tables at their largest.
+        if crate::seeded::seeded("hint-tables-kept") {
+            return false;
+        }
+        let sparse = |cap: usize, len: usize| cap > 1024 && cap / 4 > len;
+        if !sparse(t.keys.capacity(), t.keys.len()) && !sparse(t.hints.capacity(), t.hints.len()) {
+            return false;
+        }
+        t.keys.shrink_to_fit();
+        t.hints.shrink_to_fit();
+        let freed = t.bytes_at_shrink.saturating_sub(t.bytes);
+        t.bytes_at_shrink = t.bytes;
+        freed >= TRIM_AFTER
+    }
+
+    /// Asks the allocator to return its free pages to the system (glibc's `malloc_trim`; nothing
+    /// elsewhere): the hash tables and key lists of large hints are freed into its arenas, which
+    /// otherwise keep them resident.
+    fn trim() {
+        #[cfg(all(target_os = "linux", target_env = "gnu", not(loom)))]
+        // SAFETY: malloc_trim takes a size and touches only the allocator's own state, under its
+        // locks.
+        unsafe {
+            libc::malloc_trim(0);
         }
     }
 
@@ -131,11 +256,22 @@ impl Hints {
         ttl: Duration,
         find: impl Fn(&ContentKey) -> Option<SlotRef>,
         lowered: &dyn Fn(SlotId),
-    ) -> HintId {
+    ) -> Result<HintId, TierError> {
         let now = self.now_ms();
         let deadline = now + ttl.min(MAX_HINT_TTL).as_millis() as u64;
         let mut t = crate::sync::lock(&self.table);
         self.expire(control, &mut t, now, &find, lowered);
+        if Self::shrink(&mut t) {
+            drop(t);
+            Self::trim();
+            t = crate::sync::lock(&self.table);
+        }
+        let budget = self.budget.load(Ordering::Relaxed);
+        let asked = t.bytes.saturating_add(HINT_BYTES.saturating_add(keys.len().saturating_mul(HINTED_KEY_BYTES)));
+        // Seeded bug (tests only): `hint-bytes-unbounded` takes every hint whatever it costs.
+        if asked > budget && !crate::seeded::seeded("hint-bytes-unbounded") {
+            return Err(TierError::LimitExceeded { limit: Limit::HintBytes, asked: asked as u64, max: budget as u64 });
+        }
         // Announce the hint before looking its keys up, with a read-modify-write of `live` (see
         // `on_reserve`): a save reserving one of the keys now either is seen by the lookups below,
         // or sees a live hint and waits for this table lock, then finds the key in the table.
@@ -146,21 +282,30 @@ impl Hints {
         t.next += 1;
         let mut own: Vec<ContentKey> = Vec::with_capacity(keys.len());
         for k in keys {
-            let holders = t.keys.entry(*k).or_default();
-            if holders.iter().any(|&(h, _)| h == id) {
-                continue; // a key named twice in one hint
-            }
-            holders.push((id, deadline));
-            let d = holders.iter().map(|&(_, d)| d).max();
+            let d = match t.keys.entry(*k) {
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    if e.get().names(id) {
+                        continue; // a key named twice in one hint
+                    }
+                    e.get_mut().push(id, deadline);
+                    e.get().deadline()
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(Holders::One(id, deadline));
+                    Some(deadline)
+                }
+            };
             own.push(*k);
             if let Some(r) = find(k) {
                 self.mark(control, r, d);
             }
         }
+        t.bytes += HINT_BYTES + own.len() * HINTED_KEY_BYTES;
+        t.bytes_at_shrink = t.bytes_at_shrink.max(t.bytes);
         t.hints.insert(id, (own, deadline));
         t.by_deadline.insert((deadline, id));
         self.live.store(t.hints.len(), Ordering::Release);
-        HintId(id)
+        Ok(HintId(id))
     }
 
     /// Withdraws hint `id`; false if it was withdrawn already or had expired.
@@ -176,6 +321,11 @@ impl Hints {
         self.expire(control, &mut t, now, &find, lowered);
         let found = self.remove(control, &mut t, id.0, &find, lowered);
         self.live.store(t.hints.len(), Ordering::Relaxed);
+        let trim = Self::shrink(&mut t);
+        drop(t);
+        if trim {
+            Self::trim();
+        }
         found
     }
 
@@ -206,10 +356,10 @@ impl Hints {
     ) -> bool {
         let Some((keys, deadline)) = t.hints.remove(&id) else { return false };
         t.by_deadline.remove(&(deadline, id));
+        t.bytes = t.bytes.saturating_sub(HINT_BYTES + keys.len() * HINTED_KEY_BYTES);
         for k in keys {
             let Some(holders) = t.keys.get_mut(&k) else { continue };
-            holders.retain(|&(h, _)| h != id);
-            let d = holders.iter().map(|&(_, d)| d).max();
+            let d = if holders.remove(id) { holders.deadline() } else { None };
             if d.is_none() {
                 t.keys.remove(&k);
             }
@@ -243,7 +393,7 @@ impl Hints {
             return;
         }
         let t = crate::sync::lock(&self.table);
-        if let Some(d) = t.keys.get(key).and_then(|h| h.iter().map(|&(_, d)| d).max()) {
+        if let Some(d) = t.keys.get(key).and_then(Holders::deadline) {
             self.mark(control, r, Some(d));
         }
     }

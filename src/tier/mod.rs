@@ -64,7 +64,7 @@ pub(crate) mod ssd;
 pub(crate) mod stats;
 
 pub use config::{Fit, SaveOptions, TierConfig};
-pub use hints::{HintId, MAX_HINT_TTL};
+pub use hints::{HintId, HINTED_KEY_BYTES, HINT_BYTES, MAX_HINT_TTL};
 pub use rank::{Rank, RankLoad, SaveTicket};
 pub use stats::{AuditReport, EvictionLockStats, TierStats};
 
@@ -374,11 +374,35 @@ impl HostTier {
     /// index lookup per key; victim selection reads one word per candidate while any hint is live.
     ///
     /// On a connected tier (`HostTier::connect`, feature `remote`) the hint goes to the daemon's tier; if the daemon
-    /// is gone the hint is lost (a hint is advice, never an error) and its id withdraws nothing.
+    /// is gone or refuses the hint (its bounds: hints and keys per connection, hint bytes over all
+    /// connections) the hint is lost (a hint is advice, never an error here), the refusal is logged
+    /// (`tracing`, warn) and the id returned, 0, withdraws nothing. [`HostTier::try_hint`] returns
+    /// the refusal instead.
     pub fn hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> HintId {
+        self.try_hint(keys, ttl).unwrap_or_else(|e| {
+            tracing::warn!("a hint on {} keys was not given: {e}", keys.len());
+            HintId::from_number(0)
+        })
+    }
+
+    /// [`HostTier::hint`], refused with a typed error rather than lost.
+    ///
+    /// # Errors
+    /// [`TierError::LimitExceeded`]: the hint is over a bound: the table's budget of bytes
+    /// ([`crate::Limit::HintBytes`]: a daemon's `Limits::hint_bytes` over all its connections; an
+    /// in-process tier's hints are unbounded), or on a connected tier the connection's hints or
+    /// hinted keys ([`crate::Limit::HintsPerConnection`], [`crate::Limit::HintKeysPerConnection`])
+    /// or the keys of one request. On a connected tier also [`TierError::Disconnected`] (the
+    /// daemon is gone). Nothing is hinted.
+    pub fn try_hint(&self, keys: &[ContentKey], ttl: std::time::Duration) -> Result<HintId, TierError> {
         match_flavor!(&self.flavor,
-            Flavor::InProcess(core) => core.hint(keys, ttl),
-            Flavor::Connected(d) => HintId::from_number(d.conn.hint(keys, ttl).unwrap_or(0)),
+            Flavor::InProcess(core) => core.try_hint(keys, ttl),
+            Flavor::Connected(d) => {
+                let r = d.conn.hint(keys, ttl);
+                // Seeded bug (tests only): `hint-refusal-silent` answers a refused hint with id 0.
+                let r = if crate::seeded::seeded("hint-refusal-silent") { r.or(Ok(0)) } else { r };
+                r.map(HintId::from_number)
+            }
         )
     }
 

@@ -554,6 +554,38 @@ fn a_hint_on_a_missing_key_protects_it_once_saved() {
     assert!(tier.contains(&k[0]) && !tier.contains(&k[1]));
 }
 
+/// The hint table's byte budget: a hint past it is refused typed and changes nothing; withdrawn
+/// hints give the table's memory back (the per-key table shrinks), and a hint as large fits again.
+#[test]
+fn hints_past_the_byte_budget_are_refused_typed_and_withdrawn_ones_shrink_the_table() {
+    let (tier, _arenas, _rank) = small_tier(4, crate::PolicyKind::Lru);
+    let core = tier.core();
+    let per = 1u64 << 14;
+    let charge = HINT_BYTES + per as usize * HINTED_KEY_BYTES;
+    core.set_hint_budget(2 * charge);
+    let ttl = std::time::Duration::from_secs(3600);
+    let hint = |c: u64| -> Vec<ContentKey> { (0..per).map(|i| tier.namespace().trace_page_key(i, c)).collect() };
+    let a = tier.try_hint(&hint(1), ttl).expect("a hint within the budget");
+    let b = tier.try_hint(&hint(2), ttl).expect("a second hint within the budget");
+    match tier.try_hint(&hint(3), ttl) {
+        Err(TierError::LimitExceeded { limit: crate::Limit::HintBytes, asked, max }) => {
+            assert_eq!((asked, max), (3 * charge as u64, 2 * charge as u64));
+        }
+        other => panic!("a hint over the budget was taken: {other:?}"),
+    }
+    assert_eq!(tier.live_hints(), 2, "the refused hint changed nothing");
+    assert_eq!(core.hint_memory().0, 2 * charge);
+    let grown = core.hint_memory().2;
+    assert!(grown >= 2 * per as usize, "{grown}");
+    assert!(tier.withdraw_hint(a) && tier.withdraw_hint(b));
+    let (bytes, _, cap) = core.hint_memory();
+    assert_eq!(bytes, 0);
+    assert!(cap < 1024, "the per-key table kept its capacity of {cap} entries (from {grown}) after every hint went");
+    // Room again.
+    let c = tier.try_hint(&hint(3), ttl).expect("a hint once the others went");
+    assert!(tier.withdraw_hint(c));
+}
+
 /// A withdrawn hint puts its block back in its place among the unhinted ones at once: the
 /// policy's victim order is told (`on_reclass`), so the block is not kept behind newer ones.
 #[test]
