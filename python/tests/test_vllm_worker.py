@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -125,10 +126,9 @@ def test_blocks_saved_and_restored_through_the_worker_keep_their_bytes(layout, t
         keys = RequestKeys(base_namespace(FACTS), BS).upto(tokens, len(src))
         stream = torch.cuda.current_stream() if device == "cuda" else None
         w.save(StepPlan(saves=[SaveSpec("r1", keys, src)]), stream)
-        for _ in range(2000):
-            sending, _ = w.finished({"r1"})
-            if sending:
-                break
+        deadline = time.monotonic() + 60
+        while not (sending := w.finished({"r1"})[0]) and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert sending == {"r1"}
         w.start(StepPlan(loads=[LoadSpec("r2", keys, dst)]), stream)
         w.wait_loads(stream)
