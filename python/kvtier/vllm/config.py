@@ -6,7 +6,6 @@ Every key is optional::
      "pool": "8GiB",                         # in-process pool size (bytes or a size string)
      "policy": "adaptive-lfu",               # in-process pool's eviction policy
      "load": "sync",                         # "sync" (in the step that needs it) or "async"
-     "layerwise": False,                     # CUDA: per-layer waits for a sync restore
      "lease_ttl_s": 30.0,                    # a scheduler lease's longest hold
      "reconnect_s": 1.0,                     # how often a lost daemon is tried again
      "save": True, "load_enabled": True}     # turn either direction off
@@ -76,13 +75,12 @@ class ConnectorConfig:
     pool_bytes: int
     policy: Optional[str]
     load_async: bool
-    layerwise: bool
     lease_ttl_s: float
     reconnect_s: float
     save: bool
     load: bool
 
-    KEYS = ("socket", "pool", "policy", "load", "layerwise", "lease_ttl_s", "reconnect_s", "save", "load_enabled")
+    KEYS = ("socket", "pool", "policy", "load", "lease_ttl_s", "reconnect_s", "save", "load_enabled")
 
     @staticmethod
     def from_extra(extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -115,7 +113,6 @@ class ConnectorConfig:
             pool_bytes=parse_size(extra.get("pool", "4GiB"), "kv_connector_extra_config['pool']"),
             policy=policy,
             load_async=load == "async",
-            layerwise=_flag(extra, "layerwise", False),
             lease_ttl_s=_seconds(extra, "lease_ttl_s", 30.0),
             reconnect_s=_seconds(extra, "reconnect_s", 1.0),
             save=_flag(extra, "save", True),
