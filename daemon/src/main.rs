@@ -113,7 +113,8 @@ struct Args {
     /// long) [default: never].
     #[arg(long)]
     lease_ttl: Option<f64>,
-    /// Touch every page at start (no page faults on first saves).
+    /// Touch every page at start (no page faults on first saves). Refused unless MemAvailable
+    /// less the pool stays at least max(1 GiB, 5% of MemTotal) (see --overcommit).
     #[arg(long)]
     prefault: bool,
     /// Lock the pool in memory (refused if the pool exceeds RLIMIT_MEMLOCK, unless the daemon has
@@ -121,8 +122,9 @@ struct Args {
     #[arg(long)]
     mlock: bool,
     /// Map a pool larger than memory can back, on purpose. Without it a pool larger than physical
-    /// memory (MemTotal less the hugetlb pool), or with --prefault or --mlock larger than
-    /// MemAvailable, is refused at start (hugetlb pools are checked against the free 2 MiB pages).
+    /// memory (MemTotal less the hugetlb pool), or with --prefault or --mlock one that would leave
+    /// less than max(1 GiB, 5% of MemTotal) of MemAvailable (the headroom kept for the engines and
+    /// the kernel), is refused at start (hugetlb pools are checked against the free 2 MiB pages).
     #[arg(long)]
     overcommit: bool,
     /// Bind the pool to this NUMA node.
