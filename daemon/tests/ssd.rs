@@ -172,3 +172,27 @@ fn the_daemons_ssd_tier_is_seen_by_its_metrics_and_by_connected_tiers() {
     drop(tier);
     stop(&mut d);
 }
+
+/// The peer flags exist in every build; one without the `nixl` feature refuses them saying how to
+/// rebuild (not clap's "unexpected argument"), before the pool or the socket is made.
+#[cfg(not(feature = "nixl"))]
+#[test]
+fn peer_flags_without_the_nixl_feature_say_how_to_rebuild() {
+    let dir = tmpdir();
+    let socket = dir.path().join("kvtierd.sock");
+    let secret = dir.path().join("secret").display().to_string();
+    for (args, flag) in [
+        (vec!["--peer-listen", "127.0.0.1:0"], "--peer-listen"),
+        (vec!["--peer", "127.0.0.1:9"], "--peer"),
+        (vec!["--peer-secret-file", secret.as_str()], "--peer-secret-file"),
+    ] {
+        let (code, err) = refused(&socket, &args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        let want = format!(
+            "kvtierd: {flag}: kvtierd was built without the `nixl` feature: rebuild with `cargo build --release -p \
+             kvtierd --features nixl`"
+        );
+        assert!(err.contains(&want), "{args:?}: stderr `{err}` lacks `{want}`");
+        assert!(!socket.exists(), "{args:?}: a refused flag bound the socket");
+    }
+}
