@@ -739,6 +739,8 @@ fn main() {
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
+    // The bind lock's file too, unless a daemon is binding the path right now.
+    Server::remove_lock_file(&path);
     // Peers' connections close and their leases settle before the flush.
     #[cfg(feature = "nixl")]
     if let Some(p) = peers {

@@ -30,6 +30,9 @@ fn stop(d: &mut Daemon) {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to kvtierd");
     let status = support::wait_exit(&mut d.child, "kvtierd after SIGTERM", DEADLINE);
     assert!(status.success(), "kvtierd stopped by SIGTERM exits cleanly: {status}");
+    let mut lock = d.socket.clone().into_os_string();
+    lock.push(".lock");
+    assert!(!Path::new(&lock).exists(), "a clean stop removes the socket's bind lock file");
 }
 
 #[test]
