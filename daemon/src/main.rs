@@ -669,7 +669,11 @@ fn main() {
     );
     #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut at = match &metrics {
-        Some(m) => format!(", metrics at http://{}/metrics", m.addr),
+        Some(m) => {
+            // In the log too, not only on stdout: a daemon run by a service manager logs stderr.
+            tracing::info!("serving metrics at http://{}/metrics (health at /healthz)", m.addr);
+            format!(", metrics at http://{}/metrics", m.addr)
+        }
         None => String::new(),
     };
     #[cfg(feature = "nixl")]
