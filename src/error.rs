@@ -168,6 +168,11 @@ pub enum GeometryError {
     },
 }
 
+/// `b` bytes in GiB, for messages.
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
 /// The host pool could not be created or configured.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -277,6 +282,26 @@ pub enum PoolError {
         /// `available memory (MemAvailable), which a prefaulted or locked pool takes at start`, or
         /// `RLIMIT_MEMLOCK (the pool is locked)`.
         what: &'static str,
+    },
+    /// A prefaulted or locked pool would leave less than the headroom in available memory:
+    /// `MemAvailable` less the pool must stay at least max(1 GiB, 5% of `MemTotal`), so that the
+    /// engines, the kernel and the daemon itself still have room once the pool took its memory
+    /// at start. [`crate::PoolConfig::overcommit`] skips it. Nothing was mapped.
+    #[error(
+        "a prefaulted or locked pool of {bytes} B ({:.2} GiB) would leave {:.2} GiB of the {:.2} GiB \
+         available (MemAvailable), less than the {:.2} GiB headroom kept free (max(1 GiB, 5% of \
+         MemTotal)); ask for a pool of at most {:.2} GiB, or overcommit on purpose (kvtierd \
+         --overcommit)",
+        gib(*bytes), gib(available.saturating_sub(*bytes)), gib(*available), gib(*headroom),
+        gib(available.saturating_sub(*headroom))
+    )]
+    NoHeadroom {
+        /// Bytes the pool would map.
+        bytes: u64,
+        /// `MemAvailable`, bytes.
+        available: u64,
+        /// Bytes that must stay available: max(1 GiB, 5% of `MemTotal`).
+        headroom: u64,
     },
 }
 

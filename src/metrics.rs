@@ -108,7 +108,11 @@ impl Collector for TierCollector {
         match self.tier.in_process_core() {
             Some(core) => {
                 encode_latency(&mut enc, &core.counters.copy_latency)?;
-                encode_eviction_lock(&mut enc, &core.eviction_lock_stats())
+                encode_eviction_lock(&mut enc, &core.eviction_lock_stats())?;
+                match crate::tier::ssd::SsdTier::of(core) {
+                    Some(ssd) => encode_ssd(&mut enc, &ssd.stats()),
+                    None => Ok(()),
+                }
             }
             None => Ok(()),
         }
@@ -181,6 +185,70 @@ fn encode_eviction_lock(enc: &mut DescriptorEncoder<'_>, e: &crate::tier::Evicti
         Some(&Unit::Seconds),
         &[(t, seconds(e.held_ns))],
     )
+}
+
+/// Encodes the SSD tier's figures `s` ([`crate::SsdStats`]) as `kvtier_ssd_*` families (only a
+/// tier with an SSD tier has them).
+fn encode_ssd(enc: &mut DescriptorEncoder<'_>, s: &crate::SsdStats) -> std::fmt::Result {
+    let t: &[(&str, &str)] = &[TIER];
+    let gauges: [(&str, &str, u64); 3] = [
+        ("kvtier_ssd_capacity_blocks", "Disk slots over every SSD file.", s.capacity),
+        ("kvtier_ssd_blocks", "Blocks on disk now.", s.blocks),
+        ("kvtier_ssd_demotions_pending", "Demotions still queued or being written.", s.demotions_pending),
+    ];
+    for (name, help, v) in gauges {
+        family(enc, name, help, None, &[(t, gauge(v))])?;
+    }
+    let counters: [(&str, &str, Option<&Unit>, u64); 14] = [
+        (
+            "kvtier_ssd_recovered_blocks",
+            "Blocks found again by the scans when the files were opened.",
+            None,
+            s.recovered_blocks,
+        ),
+        (
+            "kvtier_ssd_recovered_torn",
+            "Slots the opening scans found torn or corrupted (now free).",
+            None,
+            s.recovered_torn,
+        ),
+        (
+            "kvtier_ssd_recovered_foreign",
+            "Slots the opening scans found holding another namespace's or slot's block (now free).",
+            None,
+            s.recovered_foreign,
+        ),
+        ("kvtier_ssd_demoted_blocks", "Host blocks written to disk.", None, s.demoted_blocks),
+        ("kvtier_ssd_demoted", "Payload bytes written by demotions.", Some(&Unit::Bytes), s.bytes_demoted),
+        (
+            "kvtier_ssd_demotions_skipped",
+            "Queued demotions not done: the block was evicted or already on disk.",
+            None,
+            s.demotions_skipped,
+        ),
+        ("kvtier_ssd_demotions_dropped", "Demotions not queued because the queue was full.", None, s.demotions_dropped),
+        (
+            "kvtier_ssd_demotion_failures",
+            "Demotions whose write failed (the block stays on the host only).",
+            None,
+            s.demotion_failures,
+        ),
+        ("kvtier_ssd_promoted_blocks", "Blocks read back into host slots by queries.", None, s.promoted_blocks),
+        ("kvtier_ssd_promoted", "Payload bytes read by promotions.", Some(&Unit::Bytes), s.bytes_promoted),
+        (
+            "kvtier_ssd_promotion_failures",
+            "Blocks a promotion found unverified, and failed reads.",
+            None,
+            s.promotion_failures,
+        ),
+        ("kvtier_ssd_disk_evictions", "Disk blocks evicted to make room for demotions.", None, s.disk_evictions),
+        ("kvtier_ssd_io_direct", "SSD transfers done with O_DIRECT.", None, s.io_direct),
+        ("kvtier_ssd_io_buffered", "SSD transfers done through the page cache.", None, s.io_buffered),
+    ];
+    for (name, help, unit, v) in counters {
+        family(enc, name, help, unit, &[(t, counter(v))])?;
+    }
+    Ok(())
 }
 
 /// Encodes the families of one tier's counters `s` (blocks of `block_bytes` payload bytes, `hints`

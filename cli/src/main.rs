@@ -577,13 +577,20 @@ fn stats(args: StatsArgs) -> Result<(), Error> {
     let tier = kvtier::HostTier::connect(&socket)?;
     let read = || tier.try_stats().map_err(Error::from);
     let clients = || tier.clients().map_err(Error::from);
+    let ssd = || tier.try_ssd_stats().map_err(Error::from);
     if args.json {
-        println!("{}", stats::json(&read()?, &clients()?));
+        println!("{}", stats::json(&read()?, &clients()?, ssd()?.as_ref()));
         return Ok(());
     }
     let Some(every) = args.watch else {
-        let (now, clients) = (read()?, clients()?);
-        print!("kvtierd at {}\n{}{}", socket.display(), stats::table(&now, None), stats::clients_table(&clients));
+        let (now, clients, ssd) = (read()?, clients()?, ssd()?);
+        print!(
+            "kvtierd at {}\n{}{}{}",
+            socket.display(),
+            stats::table(&now, None),
+            stats::ssd_table(ssd.as_ref()),
+            stats::clients_table(&clients)
+        );
         return Ok(());
     };
     let every = std::time::Duration::try_from_secs_f64(every)

@@ -7,7 +7,7 @@
 //! the top clients: the daemon's client processes ([`kvtier::HostTier::clients`]), busiest first,
 //! one row each.
 
-use kvtier::{ClientStats, TierStats};
+use kvtier::{ClientStats, SsdStats, TierStats};
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -157,15 +157,50 @@ pub fn table(now: &TierStats, since: Option<(&TierStats, Duration)>) -> String {
     t
 }
 
-/// `now` as one line of JSON: [`TierStats`]' fields by name, plus `hit_ratio` and `clients` (an
-/// array of [`ClientStats`] objects, busiest first).
-pub fn json(now: &TierStats, clients: &[ClientStats]) -> String {
+/// `now` as one line of JSON: [`TierStats`]' fields by name, plus `hit_ratio`, `clients` (an
+/// array of [`ClientStats`] objects, busiest first) and `ssd` (the daemon's SSD tier's
+/// [`SsdStats`] fields by name, or `null` without an SSD tier).
+pub fn json(now: &TierStats, clients: &[ClientStats], ssd: Option<&SsdStats>) -> String {
     let mut v = serde_json::to_value(now).expect("TierStats serialises");
     if let Some(m) = v.as_object_mut() {
         m.insert("hit_ratio".into(), serde_json::json!(hit_ratio(now)));
         m.insert("clients".into(), serde_json::to_value(clients).expect("ClientStats serialises"));
+        m.insert("ssd".into(), serde_json::to_value(ssd).expect("SsdStats serialises"));
     }
     v.to_string()
+}
+
+/// The readable lines of the daemon's SSD tier (empty without one).
+pub fn ssd_table(ssd: Option<&SsdStats>) -> String {
+    let Some(s) = ssd else { return String::new() };
+    let gb = |b: u64| b as f64 / GB;
+    let mut t = String::from("SSD tier\n");
+    let mut row = |name: &str, value: String| {
+        let _ = writeln!(t, "  {name:<28} {value}");
+    };
+    row("blocks on disk", format!("{} of {}", s.blocks, s.capacity));
+    row(
+        "demoted",
+        format!(
+            "{} blocks ({:.3} GB), {} pending, {} skipped, {} dropped, {} failed",
+            s.demoted_blocks,
+            gb(s.bytes_demoted),
+            s.demotions_pending,
+            s.demotions_skipped,
+            s.demotions_dropped,
+            s.demotion_failures
+        ),
+    );
+    row(
+        "promoted",
+        format!("{} blocks ({:.3} GB), {} failed", s.promoted_blocks, gb(s.bytes_promoted), s.promotion_failures),
+    );
+    row("disk evictions", s.disk_evictions.to_string());
+    row(
+        "recovered at open",
+        format!("{} blocks, {} torn, {} foreign", s.recovered_blocks, s.recovered_torn, s.recovered_foreign),
+    );
+    t
 }
 
 #[cfg(test)]

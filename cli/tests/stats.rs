@@ -45,6 +45,7 @@ fn stats_json_reports_the_served_tiers_counters() {
     assert!(out.status.success(), "kvtier stats failed: {stderr}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     let want = tier.stats();
+    assert!(v["ssd"].is_null(), "no SSD tier: `ssd` is null in {v}");
     let field = |name: &str| v[name].as_u64().unwrap_or_else(|| panic!("no number {name} in {v}"));
     assert_eq!(want.saved_blocks, 3);
     assert_eq!(want.hit_blocks, 2);

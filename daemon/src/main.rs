@@ -113,7 +113,8 @@ struct Args {
     /// long) [default: never].
     #[arg(long)]
     lease_ttl: Option<f64>,
-    /// Touch every page at start (no page faults on first saves).
+    /// Touch every page at start (no page faults on first saves). Refused unless MemAvailable
+    /// less the pool stays at least max(1 GiB, 5% of MemTotal) (see --overcommit).
     #[arg(long)]
     prefault: bool,
     /// Lock the pool in memory (refused if the pool exceeds RLIMIT_MEMLOCK, unless the daemon has
@@ -121,8 +122,9 @@ struct Args {
     #[arg(long)]
     mlock: bool,
     /// Map a pool larger than memory can back, on purpose. Without it a pool larger than physical
-    /// memory (MemTotal less the hugetlb pool), or with --prefault or --mlock larger than
-    /// MemAvailable, is refused at start (hugetlb pools are checked against the free 2 MiB pages).
+    /// memory (MemTotal less the hugetlb pool), or with --prefault or --mlock one that would leave
+    /// less than max(1 GiB, 5% of MemTotal) of MemAvailable (the headroom kept for the engines and
+    /// the kernel), is refused at start (hugetlb pools are checked against the free 2 MiB pages).
     #[arg(long)]
     overcommit: bool,
     /// Bind the pool to this NUMA node.
@@ -168,36 +170,56 @@ struct Args {
     /// NIXL_PLUGIN_DIR. Peers must prove the secret of --peer-secret-file before anything is
     /// answered; an address that is not loopback needs it. An authenticated peer can read any
     /// block of the pool (NIXL's reads are one-sided, over the whole registered pool): share the
-    /// secret only with instances trusted with the pool, on a private network. Built with
-    /// feature `nixl` only.
-    #[cfg(feature = "nixl")]
+    /// secret only with instances trusted with the pool, on a private network. Needs a build
+    /// with feature `nixl` (without it, refused at start).
     #[arg(long, value_name = "ADDR")]
     peer_listen: Option<String>,
     /// The peers' shared secret: a file of at least 16 bytes (a trailing newline is cut) that
     /// its group and others cannot read (mode 0600), the same on every instance of the group.
     /// Proven both ways in each peer connection's hello (HMAC-SHA-256 over fresh nonces), by
-    /// --peer-listen's peers and to --peer's owners. Built with feature `nixl` only.
-    #[cfg(feature = "nixl")]
+    /// --peer-listen's peers and to --peer's owners. Needs a build with feature `nixl`
+    /// (without it, refused at start).
     #[arg(long, value_name = "PATH")]
     peer_secret_file: Option<std::path::PathBuf>,
     /// Blocks peers may keep pinned at once over all their connections [default: all but an
     /// eighth of the pool's slots], so the engines' own saves keep victims.
-    #[cfg(feature = "nixl")]
     #[arg(long, value_name = "N", requires = "peer_listen")]
     peer_pinned_blocks: Option<usize>,
     /// Read from the peer at ADDR (host:port of another instance's `--peer-listen`; repeat for
     /// several, asked in order): a client's query whose prefix ends short here asks the peers for
     /// the keys after it, and the blocks they hold are read through NIXL into this pool (the next
     /// query hits here) and leased to the client, marked as from a peer. The peers must serve the
-    /// same model (namespace) and block size. Built with feature `nixl` only.
-    #[cfg(feature = "nixl")]
+    /// same model (namespace) and block size. Needs a build with feature `nixl`
+    /// (without it, refused at start).
     #[arg(long = "peer", value_name = "ADDR")]
     peers: Vec<String>,
     /// Milliseconds a query may spend on its peers (connecting, the owner's lease, the read, the
     /// generation check); past it the client gets the prefix held so far.
-    #[cfg(feature = "nixl")]
     #[arg(long, value_name = "MS", default_value_t = 2000, requires = "peers")]
     peer_timeout_ms: u64,
+}
+
+/// The refusal of a peer flag by a build without the `nixl` feature.
+#[cfg(not(feature = "nixl"))]
+const NO_NIXL: &str =
+    "kvtierd was built without the `nixl` feature: rebuild with `cargo build --release -p kvtierd --features nixl`";
+
+/// The first peer flag given, in a build without the `nixl` feature (the flags exist in every
+/// build so that such a build says why it cannot serve them, not "unexpected argument").
+#[cfg(not(feature = "nixl"))]
+fn peer_flag_without_nixl(a: &Args) -> Option<&'static str> {
+    let _ = a.peer_timeout_ms; // Only with --peer (clap `requires`), refused with it.
+    if a.peer_listen.is_some() {
+        Some("--peer-listen")
+    } else if !a.peers.is_empty() {
+        Some("--peer")
+    } else if a.peer_secret_file.is_some() {
+        Some("--peer-secret-file")
+    } else if a.peer_pinned_blocks.is_some() {
+        Some("--peer-pinned-blocks")
+    } else {
+        None
+    }
 }
 
 /// What `--peer-listen` and `--peer` give: the peer server in front of the pool, and the peers
@@ -546,6 +568,11 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvtier=info,kvtierd=info".into()),
         )
         .init();
+    #[cfg(not(feature = "nixl"))]
+    if let Some(flag) = peer_flag_without_nixl(&args) {
+        eprintln!("kvtierd: {flag}: {NO_NIXL}");
+        std::process::exit(2);
+    }
     let socket = args.socket.clone().unwrap_or_else(kvtier::default_socket_path);
     let (cfg, server_cfg) = match config(&args).and_then(|c| Ok((c, server_config(&args)?))) {
         Ok(c) => c,
@@ -642,7 +669,11 @@ fn main() {
     );
     #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut at = match &metrics {
-        Some(m) => format!(", metrics at http://{}/metrics", m.addr),
+        Some(m) => {
+            // In the log too, not only on stdout: a daemon run by a service manager logs stderr.
+            tracing::info!("serving metrics at http://{}/metrics (health at /healthz)", m.addr);
+            format!(", metrics at http://{}/metrics", m.addr)
+        }
         None => String::new(),
     };
     #[cfg(feature = "nixl")]
@@ -712,6 +743,8 @@ fn main() {
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);
+    // The bind lock's file too, unless a daemon is binding the path right now.
+    Server::remove_lock_file(&path);
     // Peers' connections close and their leases settle before the flush.
     #[cfg(feature = "nixl")]
     if let Some(p) = peers {

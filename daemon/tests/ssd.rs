@@ -30,6 +30,9 @@ fn stop(d: &mut Daemon) {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to kvtierd");
     let status = support::wait_exit(&mut d.child, "kvtierd after SIGTERM", DEADLINE);
     assert!(status.success(), "kvtierd stopped by SIGTERM exits cleanly: {status}");
+    let mut lock = d.socket.clone().into_os_string();
+    lock.push(".lock");
+    assert!(!Path::new(&lock).exists(), "a clean stop removes the socket's bind lock file");
 }
 
 #[test]
@@ -125,6 +128,74 @@ fn bad_ssd_flags_are_refused_naming_the_flag_and_create_nothing() {
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains(&want), "{args:?}: stderr `{err}` lacks `{want}`");
         assert!(!a.exists() && !b.exists(), "{args:?}: a refused flag created a file");
+        assert!(!socket.exists(), "{args:?}: a refused flag bound the socket");
+    }
+}
+
+/// `GET /metrics` from the daemon's metrics endpoint (printed in its ready line): the body.
+fn scrape(d: &Daemon) -> String {
+    use std::io::{Read, Write};
+    let at = d.line.split("metrics at http://").nth(1).unwrap_or_else(|| panic!("no metrics address in {:?}", d.line));
+    let addr = at.strip_suffix("/metrics").expect("the address ends with /metrics");
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    raw.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_else(|| panic!("no header end in {raw:?}"))
+}
+
+#[test]
+fn the_daemons_ssd_tier_is_seen_by_its_metrics_and_by_connected_tiers() {
+    let plain = Daemon::start(4);
+    assert_eq!(HostTier::connect(&plain.socket).unwrap().ssd_stats(), None, "no SSD tier, no SSD figures");
+    drop(plain);
+
+    let dir = tmpdir();
+    let flag = format!("{}:36KiB", dir.path().join("d.ssd").display());
+    let mut d = Daemon::start_args(4, "lru", None, &["--ssd", &flag, "--ssd-admit", "1", "--metrics", "127.0.0.1:0"]);
+    let tier = HostTier::connect(&d.socket).unwrap();
+    let s = tier.ssd_stats().expect("a connected tier reads its daemon's SSD figures");
+    assert_eq!((s.capacity, s.blocks), (4, 0));
+    assert!(scrape(&d).contains("kvtier_ssd_capacity_blocks{tier=\"host\"} 4\n"), "{}", scrape(&d));
+    let g = tier.geometry().with_pages(64).unwrap();
+    let arenas = Arc::new(MemcpyArenas::new(&g).unwrap());
+    let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..3);
+    arenas.fill(&[0, 1, 2], &k).unwrap();
+    rank.save(&k, &[0, 1, 2], WaitFor::Nothing).unwrap().handle.wait_timeout(DEADLINE).unwrap().unwrap();
+    support::eventually("three blocks demoted", || tier.ssd_stats().is_some_and(|s| s.demoted_blocks == 3));
+    let s = tier.try_ssd_stats().unwrap().unwrap();
+    assert_eq!((s.blocks, s.bytes_demoted), (3, 3 * SLOT_BYTES));
+    let body = scrape(&d);
+    for want in ["kvtier_ssd_demoted_blocks_total{tier=\"host\"} 3\n", "kvtier_ssd_blocks{tier=\"host\"} 3\n"] {
+        assert!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
+    }
+    rank.shutdown(DEADLINE).unwrap();
+    drop(tier);
+    stop(&mut d);
+}
+
+/// The peer flags exist in every build; one without the `nixl` feature refuses them saying how to
+/// rebuild (not clap's "unexpected argument"), before the pool or the socket is made.
+#[cfg(not(feature = "nixl"))]
+#[test]
+fn peer_flags_without_the_nixl_feature_say_how_to_rebuild() {
+    let dir = tmpdir();
+    let socket = dir.path().join("kvtierd.sock");
+    let secret = dir.path().join("secret").display().to_string();
+    for (args, flag) in [
+        (vec!["--peer-listen", "127.0.0.1:0"], "--peer-listen"),
+        (vec!["--peer", "127.0.0.1:9"], "--peer"),
+        (vec!["--peer-secret-file", secret.as_str()], "--peer-secret-file"),
+    ] {
+        let (code, err) = refused(&socket, &args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        let want = format!(
+            "kvtierd: {flag}: kvtierd was built without the `nixl` feature: rebuild with `cargo build --release -p \
+             kvtierd --features nixl`"
+        );
+        assert!(err.contains(&want), "{args:?}: stderr `{err}` lacks `{want}`");
         assert!(!socket.exists(), "{args:?}: a refused flag bound the socket");
     }
 }

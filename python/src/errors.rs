@@ -168,6 +168,10 @@ impl From<&PoolError> for Raised {
             P::ExceedsMemory { bytes, available, what } => {
                 r("PoolExceedsMemoryError").int("bytes", *bytes).int("available", *available).str("what", what)
             }
+            P::NoHeadroom { bytes, available, .. } => r("PoolExceedsMemoryError")
+                .int("bytes", *bytes)
+                .int("available", *available)
+                .str("what", "available memory (MemAvailable) less the headroom kept free"),
             _ => r("PoolError"),
         }
     }

@@ -658,8 +658,9 @@ impl PyTier {
         self.inner.eviction_lock_stats().map(|s| to_py(py, &s)).transpose()
     }
 
-    /// The SSD tier's counters as a dict of ints, or None without an SSD tier (and for a tier
-    /// from `kvtier.connect`: the daemon's SSD tier is its own). Blocks unless named bytes:
+    /// The SSD tier's counters as a dict of ints, or None without an SSD tier (for a tier from
+    /// `kvtier.connect`, the daemon's SSD tier's; None also when the daemon is gone). Blocks
+    /// unless named bytes:
     /// `capacity` (disk slots over every file), `blocks` (on disk now), `recovered_blocks` (found
     /// again in the files when the tier opened them), `recovered_torn`, `recovered_foreign`
     /// (slots found torn, or holding another namespace's block: now free), `demoted_blocks`,

@@ -278,6 +278,14 @@ impl Conn {
         }
     }
 
+    /// The daemon's SSD tier's counters (`None` without one).
+    pub(crate) fn ssd_stats(&self) -> Result<Option<crate::SsdStats>, TierError> {
+        match self.call(&Request::SsdStats)? {
+            Reply::SsdStats(s) => Ok(s),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// The daemon's client processes but this connection's own.
     pub(crate) fn clients(&self) -> Result<Vec<proto::WireClient>, TierError> {
         match self.call(&Request::Clients)? {

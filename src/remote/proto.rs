@@ -15,7 +15,7 @@
 //! After the hello every [`Request`] gets exactly one [`Reply`], in order, except the one-way
 //! messages ([`Request::is_one_way`]), which get none. Everything is batched: one round trip per
 //! query or save batch, never per page. Bump [`PROTOCOL_VERSION`] with any change to these types
-//! (or to [`WireStats`]).
+//! (or to [`WireStats`], or to [`crate::SsdStats`], which travels as it is).
 
 use crate::error::TierError;
 use crate::key::{ContentKey, Namespace};
@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -187,6 +187,8 @@ pub enum Request {
     /// Each connected client process's counters, the asking connection's own left out. ->
     /// [`Reply::Clients`].
     Clients,
+    /// The daemon's SSD tier's counters. -> [`Reply::SsdStats`]. Added in version 7.
+    SsdStats,
 }
 
 impl Request {
@@ -220,6 +222,7 @@ impl Request {
             Request::Stats => "Stats",
             Request::Audit { .. } => "Audit",
             Request::Clients => "Clients",
+            Request::SsdStats => "SsdStats",
         }
     }
 }
@@ -558,6 +561,9 @@ pub enum Reply {
     Audit(Result<WireAudit, String>),
     /// One row per connected client process (busiest first).
     Clients(Vec<WireClient>),
+    /// The SSD tier's counters, `None` when the daemon has no SSD tier (fixed-size: decoding it
+    /// allocates nothing). Added in version 7.
+    SsdStats(Option<crate::SsdStats>),
 }
 
 /// Encodes `msg` as one frame (length prefix and payload) into `buf` (cleared first).

@@ -58,7 +58,7 @@ use crate::tier::HostTier;
 use connection::{send_answer, serve};
 use peer::{exited, peer_pid};
 use shared::{ConnSlot, Parked, Shared};
-use socket::{bind_socket, clear_stale_socket, lock_bind, socket_dir};
+use socket::{bind_socket, clear_stale_socket, lock_bind, remove_lock_file, socket_dir};
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -98,7 +98,8 @@ impl Server {
     /// alone. The socket is `0600` (`0660` of `config.group` with a group), and never more open
     /// than `0600` before its mode is set (it is bound under umask `0177`, the process's umask
     /// restored after). Probing, replacing and binding the socket happen under an exclusive
-    /// `flock` of the file `PATH.lock` beside it (created `0600`, left in place), so of two
+    /// `flock` of the file `PATH.lock` beside it (created `0600`; [`Server::remove_lock_file`] removes it
+    /// on a clean stop), so of two
     /// daemons starting at once on one path the second waits and then finds the first listening.
     ///
     /// # Errors
@@ -179,6 +180,14 @@ impl Server {
     /// The tier served.
     pub fn tier(&self) -> &HostTier {
         &self.shared.tier
+    }
+
+    /// On a clean stop, after the socket at `path` is removed: removes `PATH.lock`, the bind
+    /// lock's file, if no daemon holds the lock now (one binding `path` after this one keeps it).
+    /// Removal is safe against the race the lock prevents: a daemon that takes the lock checks that
+    /// `PATH.lock` still names the file it locked, and otherwise locks the new one. True if removed.
+    pub fn remove_lock_file(path: impl AsRef<Path>) -> bool {
+        remove_lock_file(path.as_ref())
     }
 
     /// The socket's path.

@@ -155,6 +155,11 @@ impl Session {
         latency_ns: Option<u64>,
     ) {
         let done = outcome == Outcome::Done;
+        tracing::debug!(
+            "process {}: {dir:?} copy of {blocks} blocks ({bytes} B) ended {outcome:?}, {} us from submission",
+            ShowPid(self.pid),
+            latency_ns.map_or_else(|| "?".to_string(), |ns| (ns / 1000).to_string()),
+        );
         counters.record_copy(dir, blocks, bytes, done, latency_ns.map(Duration::from_nanos));
         if done {
             let (b, n) = match dir {
@@ -275,10 +280,17 @@ impl Session {
     /// was (its maps change only after the work that can fail).
     pub(super) fn run(&mut self, req: Request) -> Reply {
         let name = req.name();
-        let span =
-            tracing::debug_span!("request", kind = name, blocks = request_blocks(&req), pid = %ShowPid(self.pid));
+        let blocks = request_blocks(&req);
+        let span = tracing::debug_span!("request", kind = name, blocks, pid = %ShowPid(self.pid));
         let _entered = span.enter();
+        let start = std::time::Instant::now();
         let reply = self.run_request(req, name);
+        tracing::debug!(
+            "process {}: {name} ({blocks} keys/blocks) -> {} in {} us",
+            ShowPid(self.pid),
+            reply_summary(&reply),
+            start.elapsed().as_micros(),
+        );
         if let Reply::Error(WireError::LimitExceeded { .. }) = &reply {
             ClientCounters::add(&self.counters.refused, 1);
         }
@@ -551,6 +563,7 @@ impl Session {
             Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
             Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
             Request::Clients => Reply::Clients(self.shared.clients.rows(self.client_id)),
+            Request::SsdStats => Reply::SsdStats(self.shared.tier.ssd_stats()),
             Request::Audit { keys } => {
                 self.check_keys(keys.len())?;
                 Reply::Audit(core.audit(&keys).map(|a| WireAudit {
@@ -703,6 +716,26 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Blocks (or keys) a request names, for its debug span (0 for requests that name none).
+/// A reply in a few words, for the per-request debug line: its kind, and an error's text.
+fn reply_summary(reply: &Reply) -> String {
+    match reply {
+        Reply::Error(e) => format!("error {e:?}"),
+        Reply::Bool(b) => format!("Bool({b})"),
+        Reply::Count(n) => format!("Count({n})"),
+        Reply::Leased { blocks, .. } => format!("Leased({} blocks)", blocks.len()),
+        Reply::SavePrepared { saving, .. } => format!("SavePrepared({} to copy)", saving.len()),
+        Reply::Restoring { slots, .. } => format!("Restoring({} slots)", slots.len()),
+        Reply::Welcome(_) => "Welcome".into(),
+        Reply::Done => "Done".into(),
+        Reply::Attached { .. } => "Attached".into(),
+        Reply::LeaseInfo { .. } => "LeaseInfo".into(),
+        Reply::Stats(_) => "Stats".into(),
+        Reply::Audit(_) => "Audit".into(),
+        Reply::Clients(c) => format!("Clients({})", c.len()),
+        Reply::SsdStats(s) => format!("SsdStats({})", if s.is_some() { "some" } else { "none" }),
+    }
+}
+
 fn request_blocks(req: &Request) -> u64 {
     match req {
         Request::Query { keys, .. }

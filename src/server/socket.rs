@@ -91,8 +91,23 @@ pub(super) fn lock_path(path: &Path) -> PathBuf {
 /// Takes the exclusive `flock` on `PATH.lock` (created `0600` if missing, never through a
 /// symbolic link), waiting for a daemon that holds it, so two daemons starting at once cannot
 /// unlink each other's fresh socket. Released when the returned file is dropped.
+///
+/// The lock is on the file `PATH.lock` names when the lock is taken: a lock won on a file that
+/// was unlinked (or replaced) meanwhile is dropped and taken again on the new one, which is what
+/// lets [`remove_lock_file`] unlink it on a clean stop without two daemons each holding "the" lock.
 pub(super) fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
-    use std::os::unix::fs::OpenOptionsExt;
+    loop {
+        if let Some(f) = lock_once(path, true)? {
+            return Ok(f);
+        }
+    }
+}
+
+/// One try at [`lock_bind`]: `Some` with the lock on the file `PATH.lock` names now; `None` when
+/// the file was unlinked or replaced while this waited (try again), or, with `wait` false, when
+/// another holds the lock.
+fn lock_once(path: &Path, wait: bool) -> Result<Option<std::fs::File>, Error> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let lp = lock_path(path);
     let f = std::fs::OpenOptions::new()
         .read(true)
@@ -103,17 +118,39 @@ pub(super) fn lock_bind(path: &Path) -> Result<std::fs::File, Error> {
         .open(&lp)
         .map_err(|source| Error::Io { what: "opening the socket's lock file", path: lp.clone(), source })?;
     if crate::seeded::seeded("bind-unlocked") {
-        return Ok(f);
+        return Ok(Some(f));
     }
+    let op = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
     loop {
-        // SAFETY: flock on a file descriptor we own; it blocks until the lock is ours.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(f);
+        // SAFETY: flock on a file descriptor we own; with LOCK_EX alone it blocks until the lock
+        // is ours.
+        if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+            break;
         }
         let source = std::io::Error::last_os_error();
-        if source.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::Io { what: "locking", path: lp, source });
+        match source.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock if !wait => return Ok(None),
+            _ => return Err(Error::Io { what: "locking", path: lp, source }),
         }
+    }
+    // Still the file the path names? (A clean stop may have unlinked it while we waited.)
+    let held = f.metadata().map_err(|source| Error::Io { what: "reading the lock file", path: lp.clone(), source })?;
+    match std::fs::symlink_metadata(&lp) {
+        Ok(now) if (now.dev(), now.ino()) == (held.dev(), held.ino()) => Ok(Some(f)),
+        _ => Ok(None),
+    }
+}
+
+/// On a clean stop: unlinks `PATH.lock` if this process can take its lock at once, so no daemon
+/// is binding `path` now. Safe because a lock holder checks, once it holds the lock, that the
+/// path still names its file ([`lock_bind`]): a daemon that opened the old file waits, then
+/// finds it unlinked and locks a new one, so two daemons never both hold the bind lock. When
+/// another daemon holds it (binding the path after us), the file is left to it. True if removed.
+pub(super) fn remove_lock_file(path: &Path) -> bool {
+    match lock_once(path, false) {
+        Ok(Some(_held)) => std::fs::remove_file(lock_path(path)).is_ok(),
+        _ => false,
     }
 }
 
@@ -141,4 +178,40 @@ pub(super) fn bind_under_private_umask(path: &Path) -> Result<UnixListener, Erro
         unsafe { libc::umask(old) };
     }
     bound.map_err(|source| Error::Io { what: "binding the socket", path: path.to_path_buf(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn ino(f: &std::fs::File) -> u64 {
+        f.metadata().unwrap().ino()
+    }
+
+    #[test]
+    fn the_lock_file_is_removed_only_when_free_and_a_waiter_relocks_the_new_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("d.sock");
+        let lp = lock_path(&sock);
+        let held = lock_bind(&sock).unwrap();
+        assert!(!remove_lock_file(&sock), "another holds the lock: the file stays");
+        assert!(lp.exists());
+        // A daemon starting now opens the current file and waits for its lock.
+        let waiter = std::thread::spawn({
+            let sock = sock.clone();
+            move || lock_bind(&sock).unwrap()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // The holder stops cleanly: it unlinks the file it holds, then lets go.
+        std::fs::remove_file(&lp).unwrap();
+        drop(held);
+        let won = waiter.join().unwrap();
+        let now = std::fs::symlink_metadata(&lp).expect("the waiter made a new lock file");
+        assert_eq!(ino(&won), now.ino(), "the waiter holds the file the path names, not the unlinked one");
+        assert!(!remove_lock_file(&sock));
+        drop(won);
+        assert!(remove_lock_file(&sock), "free: removed");
+        assert!(!lp.exists());
+    }
 }

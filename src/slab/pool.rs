@@ -492,7 +492,25 @@ fn check_backable(data: u64, backing: Backing, config: &PoolConfig) -> Result<()
                     what: "available memory (MemAvailable), which a prefaulted or locked pool takes at start",
                 });
             }
+            check_headroom(bytes, avail, meminfo_bytes("MemTotal"))?;
         }
+    }
+    Ok(())
+}
+
+/// The least `MemAvailable` a prefaulted or locked pool must leave: max(1 GiB, 5% of `MemTotal`
+/// (`total`; 1 GiB when unknown)). Such a pool takes its memory at start; what is left is all the
+/// engines, the kernel's caches and the daemon itself have before the OOM killer steps in.
+pub(crate) fn headroom(total: Option<u64>) -> u64 {
+    (total.unwrap_or(0) / 20).max(1 << 30)
+}
+
+/// Refuses ([`PoolError::NoHeadroom`]) a prefaulted or locked pool of `bytes` that would leave less
+/// than [`headroom`] of `available` (`MemAvailable`) on a machine of `total` (`MemTotal`).
+fn check_headroom(bytes: u64, available: u64, total: Option<u64>) -> Result<(), PoolError> {
+    let headroom = headroom(total);
+    if available.saturating_sub(bytes) < headroom {
+        return Err(PoolError::NoHeadroom { bytes, available, headroom });
     }
     Ok(())
 }
@@ -790,6 +808,32 @@ pub(crate) mod tests {
 
     fn plain(bytes: u64) -> PoolConfig {
         PoolConfig { bytes, backing: BackingChoice::Plain, ..Default::default() }
+    }
+
+    #[test]
+    fn a_prefaulted_pool_leaves_max_of_1_gib_and_5_percent_of_memtotal_available() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(headroom(None), GIB, "MemTotal unknown: 1 GiB");
+        assert_eq!(headroom(Some(16 * GIB)), GIB, "5% of 16 GiB is under 1 GiB");
+        assert_eq!(headroom(Some(200 * GIB)), 10 * GIB, "5% of 200 GiB");
+        // The report: --pool 22GiB --prefault with 22.1 GiB available on a 24 GiB machine.
+        let avail = 22 * GIB + GIB / 10;
+        let e = check_headroom(22 * GIB, avail, Some(24 * GIB)).unwrap_err();
+        assert!(
+            matches!(e, PoolError::NoHeadroom { bytes, available, headroom } if (bytes, available, headroom) == (22 * GIB, avail, 24 * GIB / 20)),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        for want in ["22.00 GiB", "would leave 0.10 GiB of the 22.10 GiB", "1.20 GiB headroom", "at most 20.90 GiB"] {
+            assert!(msg.contains(want), "`{msg}` lacks `{want}`");
+        }
+        // Exactly the headroom left passes; a byte more does not.
+        assert!(check_headroom(21 * GIB + GIB / 10, avail, Some(16 * GIB)).is_ok());
+        assert!(check_headroom(21 * GIB + GIB / 10 + 1, avail, Some(16 * GIB)).is_err());
+        // A pool larger than what is available leaves nothing (no underflow).
+        assert!(check_headroom(30 * GIB, avail, Some(200 * GIB)).is_err());
+        assert!(check_headroom(180 * GIB, 200 * GIB, Some(200 * GIB)).is_ok(), "10 GiB left of 200: enough");
+        assert!(check_headroom(191 * GIB, 200 * GIB, Some(200 * GIB)).is_err(), "9 GiB left of 200: not");
     }
 
     fn meminfo(field: &str) -> u64 {

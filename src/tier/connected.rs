@@ -70,6 +70,11 @@ impl ConnectedTier {
     pub(super) fn stats(&self) -> Result<TierStats, TierError> {
         self.conn.stats().map(TierStats::from)
     }
+
+    /// [`HostTier::try_ssd_stats`]: the daemon's SSD tier's figures (`None` without one).
+    pub(super) fn ssd_stats(&self) -> Result<Option<crate::SsdStats>, TierError> {
+        self.conn.ssd_stats()
+    }
 }
 
 impl std::fmt::Debug for ConnectedTier {

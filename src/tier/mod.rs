@@ -244,12 +244,21 @@ impl HostTier {
         HostTier { flavor: Flavor::InProcess(TierHandle::new(core)) }
     }
 
-    /// What the SSD tier holds and has done, or `None` without one (and for a connected tier,
-    /// whose daemon's SSD tier is its own).
+    /// What the SSD tier holds and has done, or `None` without one. A connected tier asks its
+    /// daemon for the daemon's SSD tier's figures (`None` also when the daemon cannot answer: see
+    /// [`HostTier::try_ssd_stats`]).
     pub fn ssd_stats(&self) -> Option<ssd::SsdStats> {
+        self.try_ssd_stats().ok().flatten()
+    }
+
+    /// [`HostTier::ssd_stats`], with a connected tier's failure to reach its daemon as an error.
+    ///
+    /// # Errors
+    /// A connected tier's transport or protocol errors.
+    pub fn try_ssd_stats(&self) -> Result<Option<ssd::SsdStats>, TierError> {
         match_flavor!(&self.flavor,
-            Flavor::InProcess(core) => ssd::SsdTier::of(core).map(|s| s.stats()),
-            Flavor::Connected(_) => None,
+            Flavor::InProcess(core) => Ok(ssd::SsdTier::of(core).map(|s| s.stats())),
+            Flavor::Connected(d) => d.ssd_stats(),
         )
     }
 

@@ -121,8 +121,10 @@ impl SsdConfig {
 }
 
 /// What an SSD tier holds and has done ([`crate::HostTier::ssd_stats`]). Counts are blocks unless
-/// named bytes.
+/// named bytes. It travels on the daemon's wire as it is ([`crate::remote::proto::Reply::SsdStats`]):
+/// a change to its fields is a protocol change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct SsdStats {
     /// Disk slots over every file.
