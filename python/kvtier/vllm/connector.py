@@ -10,6 +10,8 @@ serves on a private socket for its own scheduler and other workers.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -81,33 +83,44 @@ def engine_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
             "sliding-window or state layers beside full attention)"
         )
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size != 1:
-        raise ConfigError(f"kvtier's vLLM connector does not support pipeline parallelism yet (size {pc.pipeline_parallel_size})")
+    for what, size in (
+        ("pipeline parallelism", pc.pipeline_parallel_size),
+        ("decode context parallelism", getattr(pc, "decode_context_parallel_size", 1)),
+        ("prefill context parallelism", getattr(pc, "prefill_context_parallel_size", 1)),
+    ):
+        if size != 1:
+            raise ConfigError(f"kvtier's vLLM connector does not support {what} yet (size {size})")
     spec = groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    # Only full attention keeps every block of a prefix: a sliding window's or a state layer's
+    # "blocks" are not a prefix's KV (vLLM frees them or holds per-request state).
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ConfigError(
+            f"kvtier's vLLM connector supports full attention and MLA KV caches, not {type(spec).__name__}"
+        )
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    try:
-        from vllm.platforms import current_platform
+    from vllm.platforms import current_platform
 
-        platform = str(current_platform.device_type)
-    except Exception:  # noqa: BLE001 - a platform vLLM cannot name still has a layout below
-        platform = "unknown"
-    try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-        layout = str(get_kv_cache_layout())
-    except Exception:  # noqa: BLE001
-        layout = "default"
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
+    if layout is None:
+        raise ConfigError("vLLM resolved no KV cache layout (kv_cache_layout) before the connector started")
+    hf = getattr(mc, "hf_config", None)
+    hf_json = hf.to_json_string(use_diff=False) if hf is not None and hasattr(hf, "to_json_string") else repr(hf)
     return {
         "model": str(mc.model),
         "revision": str(getattr(mc, "revision", None)),
+        "hf_config": hashlib.sha256(hf_json.encode()).hexdigest(),
+        "quantization": str(getattr(mc, "quantization", None)),
         "dtype": str(mc.dtype),
         "cache_dtype": str(cc.cache_dtype),
+        "kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
         "block_size": int(spec.block_size),
         "spec": type(spec).__name__,
         "page_bytes": int(spec.page_size_bytes),
         "layers": len(groups[0].layer_names),
-        "platform": platform,
-        "layout": layout,
+        "platform": str(current_platform.device_type),
+        "layout": str(layout),
     }
 
 
@@ -120,18 +133,21 @@ def _socket_path(config: ConnectorConfig, vllm_config: "VllmConfig") -> str:
 
 
 def _salt(request: "Request") -> bytes:
-    parts = []
+    """The request's LoRA adapter and ``cache_salt``, unambiguously encoded (empty for none)."""
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
     salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(f"salt:{salt}")
-    return "|".join(parts).encode()
+    if lora is None and not salt:
+        return b""
+    parts = {"salt": salt}
+    if lora is not None:
+        parts["lora"] = [lora.lora_name, lora.lora_int_id, str(getattr(lora, "lora_path", ""))]
+    return json.dumps(parts, sort_keys=True).encode()
 
 
-def _multimodal(request: "Request") -> bool:
-    return bool(getattr(request, "mm_features", None))
+def _uncacheable(request: "Request") -> bool:
+    """A request whose blocks depend on more than its token ids: multimodal inputs, or prompt
+    embeddings (vLLM's token ids are placeholders there). Neither restored nor saved."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -145,6 +161,18 @@ class KvtierConnector(KVConnectorBase_V1):
     see :class:`~kvtier.vllm.config.ConnectorConfig`. vLLM's ``kv_load_failure_policy`` is set to
     ``recompute``: a block the tier cannot restore is computed again, never a failed request.
     """
+
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource as _Source
+
+        _cache_hit_source = _Source.HOST
+    except ImportError:  # a vLLM without per-source hit metrics
+        pass
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a save is best effort (a dropped one is a future miss), even for a producer."""
+        return False
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -239,7 +267,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         assert self._planner is not None
         n = self._planner.match(
-            request.request_id, request.all_token_ids, num_computed_tokens, _salt(request), _multimodal(request)
+            request.request_id, request.all_token_ids, num_computed_tokens, _salt(request), _uncacheable(request)
         )
         return n, n > 0 and self._config.load_async
 
@@ -269,10 +297,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         assert self._planner is not None
+        if self._planner.loading(request.request_id):
+            # Aborted while its restore is in flight: vLLM frees the blocks when the restore
+            # reports (finished_recving); a save now would read blocks still being written.
+            self._announce.pop(request.request_id, None)
+            self._planner.forget(request.request_id)
+            return False, None
         # Tokens a step still in flight will compute have no KV yet (vLLM's async scheduling).
         computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
         n = self._planner.finished(
-            request.request_id, request.all_token_ids, computed, block_ids, _salt(request), _multimodal(request)
+            request.request_id, request.all_token_ids, computed, block_ids, _salt(request), _uncacheable(request)
         )
         if n:
             hashes = list(getattr(request, "block_hashes", ())[:n])

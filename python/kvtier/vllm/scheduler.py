@@ -113,6 +113,9 @@ class SchedulerPlanner:
             return
         hit.keys = hit.keys[:n]
         self._plan.loads.append(LoadSpec(req_id, hit.keys, list(block_ids[hit.start : hit.start + n])))
+        old = self._loading.pop(req_id, None)
+        if old is not None:
+            _release(old.leases)
         self._loading[req_id] = hit
         self.stats["load_orders"] += 1
 
@@ -128,6 +131,8 @@ class SchedulerPlanner:
         if not self.config.save or multimodal:
             return 0
         n = min(num_computed // self.block_size, len(block_ids), max(0, len(token_ids)) // self.block_size)
+        # vLLM's null block (id 0) stands for a block it no longer holds: save only before it.
+        n = next((i for i, b in enumerate(block_ids[:n]) if b == 0), n)
         if n == 0 or self.link.get() is None:
             return 0
         keys = keys or RequestKeys(self.base, self.block_size, salt)
@@ -144,10 +149,15 @@ class SchedulerPlanner:
         """This step's orders (and the end of any lease held past ``lease_ttl_s``)."""
         plan, self._plan = self._plan, StepPlan()
         now = time.monotonic()
-        for req_id, hit in list(self._loading.items()):
-            if now - hit.since > self.config.lease_ttl_s:
-                _release(self._loading.pop(req_id).leases)
+        for table in (self._hits, self._loading):
+            for req_id, hit in list(table.items()):
+                if now - hit.since > self.config.lease_ttl_s:
+                    _release(table.pop(req_id).leases)
         return plan
+
+    def loading(self, req_id: str) -> bool:
+        """A restore of this request was ordered and is not reported over."""
+        return req_id in self._loading
 
     def loaded(self, req_ids: Set[str]) -> None:
         """The workers' restores of these requests are over: their leases go."""

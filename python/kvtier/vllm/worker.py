@@ -24,7 +24,7 @@ from .._tensors import describe
 from ..errors import BackendMismatchError, ConfigError, GeometryError, KvtierError
 from .config import ConnectorConfig
 from .keys import shard_namespace
-from .layout import ArenaSpec, arenas_of, byte_views, layer_order
+from .layout import ArenaSpec, UnsupportedLayoutError, arenas_of, byte_views, layer_order
 from .link import PoolLink
 from ._seeded import seeded
 from .plan import LoadSpec, SaveSpec, StepPlan
@@ -80,7 +80,7 @@ class WorkerTransfers:
         self._loads: Dict[str, _Load] = {}  # async restores in flight
         self._sync: List[_Load] = []  # this step's sync restores, until waited for
         self._saves: Dict[str, Any] = {}  # req_id -> (SaveTicket, blocks), or None when nothing copies
-        self._finished: Set[str] = set()  # req ids vLLM has said finished
+        self._finished: Set[str] = set()  # req ids vLLM has said finished, whose save may still come
         self._errors: Set[int] = set()
         self._loaded: Set[str] = set()  # sync restores done this step (worker meta)
         self._stored: Dict[str, int] = {}  # req_id -> leading blocks in the pool after its save
@@ -106,6 +106,8 @@ class WorkerTransfers:
         if len(devices) != 1:
             raise ConfigError(f"vLLM's KV tensors are on several devices: {sorted(devices)}")
         kind, index = devices.pop()
+        if kind not in ("cpu", "cuda"):
+            raise UnsupportedLayoutError(f"vLLM's KV tensors are on a {kind} device; kvtier moves CPU and CUDA memory")
         self.device = index if kind == "cuda" else None
         if kind == "cuda" and index is None:
             raise ConfigError("a CUDA KV tensor without a device index")
@@ -225,7 +227,10 @@ class WorkerTransfers:
         """(requests whose saves are over, requests whose async restores are over), each
         reported once. A save is over when its copy landed or failed; a request is reported only
         once vLLM named it finished (this call or an earlier one)."""
-        self._finished.update(r for r in finished_req_ids if r in self._saves)
+        # vLLM may name a request finished before its save is registered (speculative decoding
+        # finalizes after get_finished): keep the name one more call, then forget it.
+        stale = self._finished - set(self._saves)
+        self._finished = (self._finished - stale) | set(finished_req_ids)
         sending = set()
         for req_id in list(self._saves):
             if req_id not in self._finished:
@@ -240,6 +245,7 @@ class WorkerTransfers:
                     ticket.wait(0)
                     stored = blocks - ticket.dropped
                 except KvtierError as e:
+                    self.link.failed(e)
                     self.stats["save_errors"] += 1
                     log.debug("kvtier: save of %s failed: %s", req_id, e)
             self._stored[req_id] = stored
@@ -260,7 +266,6 @@ class WorkerTransfers:
                     self._fail(blocks, str(e))
             del self._loads[req_id]
             recving.add(req_id)
-        self._finished -= recving
         return sending, recving
 
     def take_errors(self) -> Set[int]:
