@@ -184,6 +184,10 @@ fn nothing_left_over(tier: &HostTier, k: &[ContentKey]) {
     assert_eq!((a.free + a.ready) as u64, tier.capacity() as u64, "{a:?}");
 }
 
+/// Threads the daemon may start on its own schedule while a metrics case runs (a CI run saw 3
+/// become 4 under 500 idle connections): far below one a connection.
+const SPARE_THREADS: u64 = 2;
+
 #[test]
 fn garbage_truncated_and_out_of_order_frames_get_typed_answers() {
     let d = Daemon::start(64);
@@ -686,7 +690,7 @@ fn tcp_closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
 /// The daemon's threads and memory are back near `(threads, rss)` (a correct engine's and the
 /// observer's connections aside): at most 2 threads and 32 MiB more.
 fn back_to(d: &Daemon, (threads, rss): (u64, u64)) {
-    soon("the daemon's threads are back to what they were", || daemon_threads(d) <= threads + 2);
+    soon("the daemon's threads are back to what they were", || daemon_threads(d) <= threads + SPARE_THREADS);
     let grown = d.rss_bytes().saturating_sub(rss);
     assert!(grown < 32 << 20, "the daemon stayed {grown} B larger");
 }
@@ -706,7 +710,11 @@ fn half_requests_to_the_metrics_port_hold_no_thread_and_are_closed_at_the_timeou
         })
         .collect();
     healthz_answers(&addr, "8 half requests were open");
-    assert!(daemon_threads(&d) <= before.0, "8 half requests took {} threads", daemon_threads(&d) - before.0);
+    assert!(
+        daemon_threads(&d) <= before.0 + SPARE_THREADS,
+        "8 half requests took {} threads",
+        daemon_threads(&d).saturating_sub(before.0)
+    );
     engine_is_served(&d.socket, 0..8);
     for s in &mut half {
         assert!(tcp_closed_within(s, Duration::from_secs(10)), "a half request was not closed at the 1 s timeout");
@@ -735,8 +743,14 @@ fn many_idle_connections_to_the_metrics_port_hold_one_thread_and_at_most_the_bou
     for i in 0..500 {
         idle.push(std::net::TcpStream::connect(&addr).unwrap_or_else(|e| panic!("connection {i}: {e}")));
     }
+    // The daemon may start a thread of its own meanwhile (its reaper, a runtime worker): the
+    // bound is a constant, not one thread a connection (500 here).
     let threads = daemon_threads(&d);
-    assert!(threads <= before.0, "500 idle connections took the daemon from {} to {threads} threads", before.0);
+    assert!(
+        threads <= before.0 + SPARE_THREADS,
+        "500 idle connections took the daemon from {} to {threads} threads",
+        before.0
+    );
     soon("the daemon holds at most 16 metrics connections", || daemon_fds(&d) <= fds + 16 + 2);
     healthz_answers(&addr, "500 idle connections were open");
     assert!(daemon_fds(&d) <= fds + 16 + 2, "the daemon holds {} sockets more than before", daemon_fds(&d) - fds);
