@@ -2,7 +2,7 @@
 # kvtier's vLLM connector against a real vLLM engine: vLLM's CPU build (ci/vllm-env.sh) in a
 # virtual environment under target/, the kvtier wheel (built here unless WHEEL names one), a
 # kvtierd for the tests that share a daemon (built here with the `nixl` feature, for the
-# prefill/decode test over peers), then python/tests/vllm with KVTIER_REQUIRE_VLLM=1 (a test that
+# prefill/decode test over peers), then python/tests/vllm_engine with KVTIER_REQUIRE_VLLM=1 (a test that
 # cannot run fails, never skips). Then the connector's seeded bugs: one more wheel built with
 # them compiled in (KVTIER_PY_SEEDED_BUGS=1), each planted by KVTIER_PY_SEEDED_BUG=NAME, must make
 # its test fail with the expected text (ci/seeded-names.sh checks the names against
@@ -41,12 +41,12 @@ step "kvtierd (feature nixl) for the tests that share a daemon"
 cargo build --release -p kvtierd --features nixl
 export KVTIERD_BIN=$target/release/kvtierd
 
-step "pytest python/tests/vllm (a real vLLM engine on the CPU)"
+step "pytest python/tests/vllm_engine (a real vLLM engine on the CPU)"
 cd "$repo"
-KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider -rA python/tests/vllm python/tests/test_vllm_worker.py
+KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider -rA python/tests/vllm_engine python/tests/test_vllm_worker.py
 
 step "the connector's seeded bugs: each makes its engine test fail"
-# bug | test (python/tests/vllm/...) | expected text in the failure
+# bug | test (python/tests/vllm_engine/...) | expected text in the failure
 bites_table=(
     "vllm-restore-drops-last|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
     "vllm-save-keys-shifted|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
@@ -58,7 +58,7 @@ failed=0
 for row in "${bites_table[@]}"; do
     IFS='|' read -r bug test expect <<<"$row"
     step "seeded bug $bug: $test must fail with \"$expect\""
-    if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider "python/tests/vllm/$test" >"$target/vllm-bite.log" 2>&1; then
+    if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider "python/tests/vllm_engine/$test" >"$target/vllm-bite.log" 2>&1; then
         echo "FAIL: seeded bug $bug did NOT make $test fail"
         failed=1
     elif ! grep -qF -- "$expect" "$target/vllm-bite.log"; then

@@ -16,11 +16,13 @@ from support import Daemon, run_engine
 
 
 def vllm_available() -> bool:
+    """A real vLLM imports (a directory named ``vllm`` on the path would import as an empty
+    namespace package: it has no ``__file__``)."""
     try:
-        import vllm  # noqa: F401
+        import vllm
     except Exception:  # noqa: BLE001 - any import failure means no engine here
         return False
-    return True
+    return getattr(vllm, "__file__", None) is not None
 
 
 if not vllm_available():
