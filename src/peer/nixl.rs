@@ -423,13 +423,6 @@ impl PeerTransport for NixlTransport {
             match agent.get_xfer_status(&request) {
                 Ok(XferStatus::Success) => return Ok(()),
                 Ok(XferStatus::InProgress) if Instant::now() >= deadline => {
-                    // Seeded bug (tests only): `nixl-deadline-releases-at-once` releases the
-                    // request at the deadline and says the transfer is over (the old behaviour).
-                    if crate::seeded::seeded("nixl-deadline-releases-at-once") {
-                        drop(request);
-                        drop(done);
-                        return Err(TransportError::Deadline);
-                    }
                     // Not released here: a release asks UCX to cancel, which is not synchronous.
                     // The drain releases it once NIXL says it is over, then drops `done`.
                     drain(&self.shared, request, p.agent.clone(), done);
