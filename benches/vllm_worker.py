@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from engine_paths import time_contiguous  # benches/engine_paths.py: the contiguous ceiling
 from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.keys import RequestKeys, base_namespace
 from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
@@ -87,24 +88,12 @@ def run_layout(name, block_size, make, blocks, iters, rng):
             got = [block_view(t, b) for t in layers.values() for b in dst]
             assert all(torch.equal(a, b) for a, b in zip(want, got)), f"{name}: restored bytes differ at {n} blocks"
         # the ceiling: one contiguous copy of the same bytes each way
-        host = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(n * block_bytes, dtype=torch.uint8, device="cuda")
-        d2h, h2d = [], []
-        for _ in range(iters + 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            host.copy_(dev, non_blocking=True)
-            torch.cuda.synchronize()
-            d2h.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            h2d.append(time.perf_counter() - t0)
+        contig_d2h_us, contig_h2d_us = time_contiguous(block_bytes, n, iters)
         size = n * block_bytes
         r = {
             "layout": name, "blocks": n, "bytes": size,
             "save_us": median_s(save_s[2:]) * 1e6, "restore_us": median_s(load_s[2:]) * 1e6,
-            "contig_d2h_us": median_s(d2h[2:]) * 1e6, "contig_h2d_us": median_s(h2d[2:]) * 1e6,
+            "contig_d2h_us": contig_d2h_us, "contig_h2d_us": contig_h2d_us,
         }
         r["save_gbs"] = size / r["save_us"] / 1e3
         r["restore_gbs"] = size / r["restore_us"] / 1e3

@@ -10,6 +10,7 @@ serves on a private socket for its own scheduler and other workers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -179,9 +180,9 @@ class KvtierConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         if ktc.kv_role == "kv_producer":
-            config = _replace(config, load=False)
+            config = dataclasses.replace(config, load=False)
         elif ktc.kv_role == "kv_consumer":
-            config = _replace(config, save=False)
+            config = dataclasses.replace(config, save=False)
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             log.info("kvtier: kv_load_failure_policy set to 'recompute' (a block the tier cannot restore is recomputed)")
             ktc.kv_load_failure_policy = "recompute"
@@ -345,9 +346,3 @@ class KvtierConnector(KVConnectorBase_V1):
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the pool is shared and outlives
         this engine, so nothing is dropped; True."""
         return True
-
-
-def _replace(config: ConnectorConfig, **changes: Any) -> ConnectorConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
