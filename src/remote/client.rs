@@ -279,7 +279,7 @@ impl Conn {
     }
 
     /// The daemon's SSD tier's counters (`None` without one).
-    pub(crate) fn ssd_stats(&self) -> Result<Option<crate::SsdStats>, TierError> {
+    pub(crate) fn ssd_stats(&self) -> Result<Option<proto::WireSsdStats>, TierError> {
         match self.call(&Request::SsdStats)? {
             Reply::SsdStats(s) => Ok(s),
             r => Err(unexpected(&r)),

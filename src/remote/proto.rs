@@ -15,7 +15,7 @@
 //! After the hello every [`Request`] gets exactly one [`Reply`], in order, except the one-way
 //! messages ([`Request::is_one_way`]), which get none. Everything is batched: one round trip per
 //! query or save batch, never per page. Bump [`PROTOCOL_VERSION`] with any change to these types
-//! (or to [`WireStats`], or to [`crate::SsdStats`], which travels as it is).
+//! (or to [`WireStats`] and [`WireSsdStats`]).
 
 use crate::error::TierError;
 use crate::key::{ContentKey, Namespace};
@@ -363,6 +363,30 @@ pub struct WireStats {
     pub quarantined_pins: u64,
 }
 
+/// [`crate::SsdStats`] on the wire, field for field (the conversions live beside the client's
+/// other wire types, in `tier::connected`, so this module names nothing of the tier).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(missing_docs)]
+pub struct WireSsdStats {
+    pub capacity: u64,
+    pub blocks: u64,
+    pub recovered_blocks: u64,
+    pub recovered_torn: u64,
+    pub recovered_foreign: u64,
+    pub demoted_blocks: u64,
+    pub bytes_demoted: u64,
+    pub demotions_skipped: u64,
+    pub demotions_dropped: u64,
+    pub demotion_failures: u64,
+    pub demotions_pending: u64,
+    pub promoted_blocks: u64,
+    pub bytes_promoted: u64,
+    pub promotion_failures: u64,
+    pub disk_evictions: u64,
+    pub io_direct: u64,
+    pub io_buffered: u64,
+}
+
 /// [`crate::ClientStats`] on the wire, field for field: one client process's sessions.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[allow(missing_docs)]
@@ -563,7 +587,7 @@ pub enum Reply {
     Clients(Vec<WireClient>),
     /// The SSD tier's counters, `None` when the daemon has no SSD tier (fixed-size: decoding it
     /// allocates nothing). Added in version 7.
-    SsdStats(Option<crate::SsdStats>),
+    SsdStats(Option<WireSsdStats>),
 }
 
 /// Encodes `msg` as one frame (length prefix and payload) into `buf` (cleared first).

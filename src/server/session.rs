@@ -563,7 +563,7 @@ impl Session {
             Request::ExpireLeases => Reply::Count(self.shared.tier.expire_leases() as u64),
             Request::Stats => Reply::Stats(self.shared.tier.stats().into()),
             Request::Clients => Reply::Clients(self.shared.clients.rows(self.client_id)),
-            Request::SsdStats => Reply::SsdStats(self.shared.tier.ssd_stats()),
+            Request::SsdStats => Reply::SsdStats(self.shared.tier.ssd_stats().map(Into::into)),
             Request::Audit { keys } => {
                 self.check_keys(keys.len())?;
                 Reply::Audit(core.audit(&keys).map(|a| WireAudit {

@@ -19,7 +19,9 @@ use crate::geometry::Geometry;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
-use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireClient, WireStats};
+use crate::remote::proto::{
+    Outcome, Request, WireAudit, WireBlock, WireClient, WireSsdStats, WireStats,
+};
 use crate::remote::ClientStats;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotId;
@@ -73,7 +75,7 @@ impl ConnectedTier {
 
     /// [`HostTier::try_ssd_stats`]: the daemon's SSD tier's figures (`None` without one).
     pub(super) fn ssd_stats(&self) -> Result<Option<crate::SsdStats>, TierError> {
-        self.conn.ssd_stats()
+        self.conn.ssd_stats().map(|s| s.map(crate::SsdStats::from))
     }
 }
 
@@ -506,6 +508,54 @@ impl From<WireStats> for TierStats {
             capacity: w.capacity,
             index_entries: w.index_entries,
             quarantined_pins: w.quarantined_pins,
+        }
+    }
+}
+
+impl From<crate::SsdStats> for WireSsdStats {
+    fn from(s: crate::SsdStats) -> Self {
+        WireSsdStats {
+            capacity: s.capacity,
+            blocks: s.blocks,
+            recovered_blocks: s.recovered_blocks,
+            recovered_torn: s.recovered_torn,
+            recovered_foreign: s.recovered_foreign,
+            demoted_blocks: s.demoted_blocks,
+            bytes_demoted: s.bytes_demoted,
+            demotions_skipped: s.demotions_skipped,
+            demotions_dropped: s.demotions_dropped,
+            demotion_failures: s.demotion_failures,
+            demotions_pending: s.demotions_pending,
+            promoted_blocks: s.promoted_blocks,
+            bytes_promoted: s.bytes_promoted,
+            promotion_failures: s.promotion_failures,
+            disk_evictions: s.disk_evictions,
+            io_direct: s.io_direct,
+            io_buffered: s.io_buffered,
+        }
+    }
+}
+
+impl From<WireSsdStats> for crate::SsdStats {
+    fn from(w: WireSsdStats) -> Self {
+        crate::SsdStats {
+            capacity: w.capacity,
+            blocks: w.blocks,
+            recovered_blocks: w.recovered_blocks,
+            recovered_torn: w.recovered_torn,
+            recovered_foreign: w.recovered_foreign,
+            demoted_blocks: w.demoted_blocks,
+            bytes_demoted: w.bytes_demoted,
+            demotions_skipped: w.demotions_skipped,
+            demotions_dropped: w.demotions_dropped,
+            demotion_failures: w.demotion_failures,
+            demotions_pending: w.demotions_pending,
+            promoted_blocks: w.promoted_blocks,
+            bytes_promoted: w.bytes_promoted,
+            promotion_failures: w.promotion_failures,
+            disk_evictions: w.disk_evictions,
+            io_direct: w.io_direct,
+            io_buffered: w.io_buffered,
         }
     }
 }

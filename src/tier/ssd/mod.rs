@@ -121,8 +121,8 @@ impl SsdConfig {
 }
 
 /// What an SSD tier holds and has done ([`crate::HostTier::ssd_stats`]). Counts are blocks unless
-/// named bytes. It travels on the daemon's wire as it is (the `SsdStats` reply of the daemon protocol):
-/// a change to its fields is a protocol change.
+/// named bytes. It travels on the daemon's wire field for field (`WireSsdStats`, the `SsdStats`
+/// reply of the daemon protocol): a change to its fields is a protocol change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
