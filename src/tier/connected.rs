@@ -19,9 +19,7 @@ use crate::geometry::Geometry;
 use crate::index::SlotRef;
 use crate::key::ContentKey;
 use crate::remote::client::{self, Conn, ConnectOptions, LeaseToken, RemoteLease};
-use crate::remote::proto::{
-    Outcome, Request, WireAudit, WireBlock, WireClient, WireSsdStats, WireStats,
-};
+use crate::remote::proto::{Outcome, Request, WireAudit, WireBlock, WireClient, WireSsdStats, WireStats};
 use crate::remote::ClientStats;
 use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotId;
