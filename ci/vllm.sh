@@ -43,13 +43,14 @@ export KVTIERD_BIN=$target/release/kvtierd
 
 step "pytest python/tests/vllm_engine (a real vLLM engine on the CPU)"
 cd "$repo"
-KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider -rA python/tests/vllm_engine python/tests/test_vllm_worker.py
+KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider -rA python/tests/vllm_engine python/tests/test_vllm_worker.py python/tests/test_vllm_scheduler.py
 
-step "the connector's seeded bugs: each makes its engine test fail"
-# bug | test (python/tests/vllm_engine/...) | expected text in the failure
+step "the connector's seeded bugs: each makes its test fail"
+# bug | test (under python/tests/) | expected text in the failure
 bites_table=(
-    "vllm-restore-drops-last|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
-    "vllm-save-keys-shifted|test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
+    "vllm-restore-drops-last|vllm_engine/test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
+    "vllm-save-keys-shifted|vllm_engine/test_vllm_engine.py::test_a_prefix_comes_back_from_the_pool_with_the_same_tokens|AssertionError: assert {'tokens'"
+    "vllm-answer-reused-across-ranges|test_vllm_scheduler.py::test_an_answer_stands_while_its_request_waits_and_not_longer|AssertionError: assert 80 == (3 * 16)"
 )
 KVTIER_PY_SEEDED_BUGS=1 "$maturin" build --release -m python/Cargo.toml -o "$target/vllm-bite-wheel" >"$target/vllm-bite-build.log" 2>&1 \
     || { tail -20 "$target/vllm-bite-build.log"; echo "FAIL: the seeded wheel does not build"; exit 1; }
@@ -58,7 +59,7 @@ failed=0
 for row in "${bites_table[@]}"; do
     IFS='|' read -r bug test expect <<<"$row"
     step "seeded bug $bug: $test must fail with \"$expect\""
-    if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider "python/tests/vllm_engine/$test" >"$target/vllm-bite.log" 2>&1; then
+    if KVTIER_PY_SEEDED_BUG="$bug" KVTIER_REQUIRE_VLLM=1 "$py" -m pytest -q -p no:cacheprovider "python/tests/$test" >"$target/vllm-bite.log" 2>&1; then
         echo "FAIL: seeded bug $bug did NOT make $test fail"
         failed=1
     elif ! grep -qF -- "$expect" "$target/vllm-bite.log"; then

@@ -6,6 +6,7 @@ Every key is optional::
      "pool": "8GiB",                         # in-process pool size (bytes or a size string)
      "policy": "adaptive-lfu",               # in-process pool's eviction policy
      "load": "sync",                         # "sync" (in the step that needs it) or "async"
+     "layerwise": True,                      # sync restores: the forward waits layer by layer
      "lease_ttl_s": 30.0,                    # a scheduler lease's longest hold
      "reconnect_s": 1.0,                     # how often a lost daemon is tried again
      "save": True, "load_enabled": True}     # turn either direction off
@@ -79,8 +80,9 @@ class ConnectorConfig:
     reconnect_s: float
     save: bool
     load: bool
+    layerwise: bool = True
 
-    KEYS = ("socket", "pool", "policy", "load", "lease_ttl_s", "reconnect_s", "save", "load_enabled")
+    KEYS = ("socket", "pool", "policy", "load", "layerwise", "lease_ttl_s", "reconnect_s", "save", "load_enabled")
 
     @staticmethod
     def from_extra(extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -117,4 +119,5 @@ class ConnectorConfig:
             reconnect_s=_seconds(extra, "reconnect_s", 1.0),
             save=_flag(extra, "save", True),
             load=_flag(extra, "load_enabled", True),
+            layerwise=_flag(extra, "layerwise", True),
         )

@@ -224,11 +224,14 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierConnectorMetadata)
         stream = self._stream()
         self._worker.start(meta.plan, stream)
-        self._worker.wait_loads(stream)
+        if not self._config.layerwise:
+            self._worker.wait_loads(stream)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # A sync restore is ordered before the forward in start_load_kv (a stream wait on CUDA).
-        return
+        # Layer-wise (the default): the forward waits for this layer's restored pages only (a
+        # stream wait on CUDA); wait_for_save, after the forward, settles the rest.
+        if self._worker is not None and self._config.layerwise:
+            self._worker.wait_layer(layer_name, self._stream())
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Blocks are saved whole when their request ends (wait_for_save), not layer by layer.
@@ -239,6 +242,10 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        if self._config.layerwise:
+            # The step's restores: every layer was waited for in the forward; this reports
+            # failures (for get_block_ids_with_load_errors) and the requests restored.
+            self._worker.wait_loads(self._stream())
         self._worker.save(meta.plan, self._stream())
 
     def get_finished(self, finished_req_ids: Set[str]):

@@ -27,7 +27,12 @@ from .link import PoolLink
 from ._seeded import seeded
 from .plan import LoadSpec, SaveSpec, StepPlan
 
-__all__ = ["SchedulerPlanner"]
+__all__ = ["SchedulerPlanner", "MISS_HOLD_S"]
+
+#: How long a miss answered for a waiting request stands (seconds): vLLM asks again every step
+#: for a request it cannot admit yet, and a waiting request's blocks saved meanwhile by another
+#: engine are found at most this late (the tier is a cache: a late hit is only a lost hit).
+MISS_HOLD_S = 0.5
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -38,6 +43,7 @@ class _Hit:
     start: int  # first block to load (vLLM's own prefix cache holds the blocks before it)
     keys: List[bytes]  # base keys of the blocks to load
     since: float
+    end: int = 0  # the block the query stopped before (the request's last token's block)
 
 
 class SchedulerPlanner:
@@ -52,10 +58,13 @@ class SchedulerPlanner:
         self.link = PoolLink(f"the pool at {socket}", lambda: _kvtier.connect(socket), config.reconnect_s)
         self._keys: Dict[str, RequestKeys] = {}
         self._hits: Dict[str, _Hit] = {}  # answered, not yet allocated
+        self._misses: Dict[str, Tuple[int, int, float]] = {}  # answered 0: (start, end, when)
         self._loading: Dict[str, _Hit] = {}  # restore ordered, not yet reported over
         self._plan = StepPlan()
         self._saving: Set[str] = set()
-        self.stats = {"queries": 0, "hit_blocks": 0, "load_orders": 0, "save_orders": 0, "saved_requests": 0}
+        self.stats = {
+            "queries": 0, "answers_reused": 0, "hit_blocks": 0, "load_orders": 0, "save_orders": 0, "saved_requests": 0,
+        }
 
     def _request_keys(self, req_id: str, salt: bytes) -> RequestKeys:
         keys = self._keys.get(req_id)
@@ -69,12 +78,31 @@ class SchedulerPlanner:
         """Tokens past ``num_computed`` (a whole number of blocks: vLLM's own prefix hit) that
         the pool can restore for this request: the longest run of blocks every shard holds,
         never the request's last token. Pins them until :meth:`allocated` (or the lease's TTL).
-        Side-effect free towards vLLM: called again, it answers again."""
+        Side-effect free towards vLLM: called again, it answers again.
+
+        vLLM asks again every step for a request it could not admit (no free blocks): while the
+        pins of the last answer are held (younger than ``lease_ttl_s``) and the request's range
+        is unchanged, that answer stands and the pool is not asked again (no round trip, no
+        re-pinning); the hit is still pinned, so it is still true."""
+        bs = self.block_size
+        start, end = num_computed // bs, (len(token_ids) - 1) // bs
+        held = self._hits.get(req_id)
+        if (
+            held is not None
+            and self.config.load
+            and not multimodal
+            and ((held.start, held.end) == (start, end) or seeded("vllm-answer-reused-across-ranges"))
+            and time.monotonic() - held.since <= self.config.lease_ttl_s / 2
+        ):
+            self.stats["answers_reused"] += 1
+            return len(held.keys) * bs
+        missed = self._misses.get(req_id)
+        if missed is not None and missed[:2] == (start, end) and time.monotonic() - missed[2] <= MISS_HOLD_S:
+            self.stats["answers_reused"] += 1
+            return 0
         self._release_hit(req_id)
         if not self.config.load or multimodal:
             return 0
-        bs = self.block_size
-        start, end = num_computed // bs, (len(token_ids) - 1) // bs
         if end <= start:
             return 0
         tier = self.link.get()
@@ -96,14 +124,17 @@ class SchedulerPlanner:
         self.stats["queries"] += 1
         if n == 0:
             _release(leases)
+            self._misses[req_id] = (start, end, time.monotonic())
             return 0
-        self._hits[req_id] = _Hit(leases, start, keys[:n], time.monotonic())
+        self._misses.pop(req_id, None)
+        self._hits[req_id] = _Hit(leases, start, keys[:n], time.monotonic(), end)
         self.stats["hit_blocks"] += n
         return n * bs
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) and will take
         ``num_external`` tokens from the tier: order their restore."""
+        self._misses.pop(req_id, None)
         hit = self._hits.pop(req_id, None)
         if hit is None:
             return
@@ -178,6 +209,7 @@ class SchedulerPlanner:
         self._keys.pop(req_id, None)
 
     def _release_hit(self, req_id: str) -> None:
+        self._misses.pop(req_id, None)
         hit = self._hits.pop(req_id, None)
         if hit is not None:
             _release(hit.leases)
@@ -186,6 +218,7 @@ class SchedulerPlanner:
         for hit in list(self._hits.values()) + list(self._loading.values()):
             _release(hit.leases)
         self._hits.clear()
+        self._misses.clear()
         self._loading.clear()
         self.link.close()
 

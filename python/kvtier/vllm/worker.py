@@ -38,7 +38,8 @@ log = logging.getLogger("kvtier.vllm")
 class _Load:
     req_id: str
     block_ids: List[int]
-    handle: Optional[Any]
+    handle: Optional[Any]  # (CopyHandle, the block ids it restores), None when nothing copies
+    waited: int = -1  # the highest layer the forward has waited for (layer-wise restores)
 
 
 def daemon_command(geometry: Any, pool: str = "8GiB") -> str:
@@ -87,7 +88,12 @@ class WorkerTransfers:
         # Fault injection for the connector's own tests: `restore-fails` reports every restored
         # block as failed after its copy (vLLM must recompute them and give the same tokens).
         self._fault = os.environ.get("KVTIER_VLLM_FAULT", "")
-        self.stats = {"restored_blocks": 0, "saved_blocks": 0, "load_errors": 0, "save_errors": 0}
+        self._layer_of: Dict[str, int] = {}  # vLLM layer name -> the geometry's layer index
+        self._groups = 0  # layer groups of a layer-wise restore (one per layer); 0: whole blocks
+        self.stats = {
+            "restored_blocks": 0, "saved_blocks": 0, "load_errors": 0, "save_errors": 0,
+            "layer_waits": 0, "layers_unwaited": 0,
+        }
 
     # ---- registration ----
 
@@ -116,6 +122,8 @@ class WorkerTransfers:
         arena_names = [f"L{s.layer}" + (f".{k}" if len(by_layer[n]) > 1 else "") for n in names for k, s in enumerate(by_layer[n])]
         g = _kvtier.Geometry.from_tensors(self._views, model="vllm", page_tokens=self.block_size, names=arena_names, layout="pages")
         self.geometry = g.with_layers([s.layer for s in specs])
+        self._layer_of = {n: by_layer[n][0].layer for n in names}
+        self._groups = len(set(self._layer_of.values())) if self.config.layerwise else 0
         log.info("kvtier: %d arenas, %d B a block; a kvtierd for this layout: %s", len(specs), self.geometry.block_bytes,
                  daemon_command(self.geometry))
         if self.serve:
@@ -150,16 +158,43 @@ class WorkerTransfers:
 
     def start(self, plan: StepPlan, stream: Any = None) -> None:
         """Starts the plan's restores (``stream``: the CUDA stream the forward runs on, whose
-        queued work the restores wait for; None on a CPU). Sync restores are waited for in
-        :meth:`wait_loads`; async ones are polled by :meth:`finished`."""
+        queued work the restores wait for; None on a CPU). Sync restores move layer by layer
+        (one group per layer, unless ``layerwise`` is off): the forward waits for each layer's
+        pages in :meth:`wait_layer` before that layer's attention, so later layers cross the
+        link under the compute of earlier ones; :meth:`wait_loads` then waits for whatever is
+        left and reports the step's failures. Async restores move whole and are polled by
+        :meth:`finished`."""
         for spec in plan.loads:
-            load = _Load(spec.req_id, list(spec.block_ids), self._restore(spec, stream))
+            layerwise = self._groups > 0 and not self.config.load_async
+            load = _Load(spec.req_id, list(spec.block_ids), self._restore(spec, stream, layerwise))
             if self.config.load_async:
                 self._loads[spec.req_id] = load
             else:
                 self._sync.append(load)
 
-    def _restore(self, spec: LoadSpec, stream: Any) -> Optional[Any]:
+    def wait_layer(self, layer_name: str, stream: Any = None) -> None:
+        """Makes this step's sync restores of layer ``layer_name`` (vLLM's layer name) visible
+        to the forward: on a CUDA rank ``stream`` waits for that layer's pages (no host sync),
+        on a CPU rank this thread does. A name that is not one of the registered KV layers is
+        ignored. A failed copy is reported for vLLM to recompute (its blocks' tokens of this
+        step are thrown away by vLLM), never raised."""
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for load in self._sync:
+            if load.handle is None or load.waited >= layer:
+                continue
+            handle, blocks = load.handle
+            load.waited = layer
+            try:
+                # On a host rank the stream argument is unused and the thread waits.
+                handle.wait_layer(layer, stream if stream is not None and self.device is not None else 0)
+                self.stats["layer_waits"] += 1
+            except KvtierError as e:
+                self._fail(blocks, str(e))
+                load.handle = None
+
+    def _restore(self, spec: LoadSpec, stream: Any, layerwise: bool = False) -> Optional[Any]:
         pool = self.link.get() if self.link else None
         if pool is None or not self.config.load:
             self._fail(spec.block_ids, "no pool")
@@ -177,7 +212,10 @@ class WorkerTransfers:
                 # Seeded bug (tests only): the last block of a hit is never restored, unreported.
                 if seeded("vllm-restore-drops-last") and n > 1:
                     pages = pages[:-1]
-                handle = rank.restore(lease, pages, after_stream=stream)
+                if layerwise:
+                    handle = rank.restore_layers(lease, pages, self._groups, after_stream=stream)
+                else:
+                    handle = rank.restore(lease, pages, after_stream=stream)
             self.stats["restored_blocks"] += n
             return (handle, spec.block_ids[:n])
         except KvtierError as e:
@@ -187,10 +225,18 @@ class WorkerTransfers:
 
     def wait_loads(self, stream: Any = None) -> None:
         """Makes this step's sync restores visible to the forward: on a CUDA rank the stream
-        waits for them (no host sync); on a CPU rank this thread does."""
+        waits for them (no host sync); on a CPU rank this thread does. Called after the forward
+        of a layer-wise step, it finds every layer waited for; a layer-wise restore that reaches
+        it with layers the forward never waited for is counted in ``layers_unwaited`` (and logged
+        once): the engine did not call ``wait_for_layer_load`` for them."""
         for load in self._sync:
             if load.handle is not None:
                 handle, blocks = load.handle
+                if self._groups and load.waited < self._groups - 1:
+                    missed = self._groups - 1 - load.waited
+                    if not self.stats["layers_unwaited"]:
+                        log.warning("kvtier: the forward read %d layer(s) of a restore without waiting for them", missed)
+                    self.stats["layers_unwaited"] += missed
                 try:
                     if stream is not None and self.device is not None:
                         handle.stream_wait(stream)

@@ -146,6 +146,9 @@ def scenario_roundtrip(args):
     settle(llm)
     planner = scheduler_connector(llm)._planner
     out["planner"] = dict(planner.stats)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    out["worker"] = dict(get_kv_transfer_group()._worker.stats)
     out["perturbed_blocks"] = perturb(llm, p["A"])
     settle(llm)
     zero_kv()

@@ -11,6 +11,7 @@ import kvtier
 from support import Daemon, run_engine
 
 BLOCK = 32
+LAYERS = 2  # the test model's decoder layers (engine.py's tiny Llama)
 
 
 def test_a_prefix_comes_back_from_the_pool_with_the_same_tokens(model_dir, reference):
@@ -23,6 +24,10 @@ def test_a_prefix_comes_back_from_the_pool_with_the_same_tokens(model_dir, refer
     assert r["B"] == {"tokens": reference["B"]["tokens"], "cached": 4 * BLOCK}
     assert r["C"] == {"tokens": reference["C"]["tokens"], "cached": 0}
     assert r["planner"]["load_orders"] == 2 and r["planner"]["saved_requests"] >= 3
+    # Layer-wise restores: the forward waited for each of the model's layers before its
+    # attention (vLLM calls wait_for_layer_load), never reading a layer it had not waited for.
+    assert r["worker"]["restored_blocks"] == 10
+    assert r["worker"]["layer_waits"] == 2 * LAYERS and r["worker"]["layers_unwaited"] == 0
     # Control: noise written into the pool's blocks of A changes A's tokens (the KV is used).
     assert r["perturbed_blocks"] == 6
     assert r["perturbed_A"]["cached"] == 6 * BLOCK
