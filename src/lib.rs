@@ -125,6 +125,7 @@ pub use slab::{
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
 pub use source::BlockSource;
+pub use tier::events::{EventMedium, TierEvent};
 pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};

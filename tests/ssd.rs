@@ -294,3 +294,60 @@ fn files_of_another_namespace_or_bad_options_are_refused_with_typed_errors() {
     let tier = tier_over(&path, 4, 4, 2);
     assert_eq!(tier.ssd_stats().unwrap().capacity, 4);
 }
+
+#[test]
+fn the_event_log_follows_every_block_stored_and_evicted_on_the_host_and_on_disk() {
+    use kvtier::{EventMedium::*, TierEvent};
+    let dir = tmpdir();
+    // 4 host slots over 2 disk slots, every block demoted at its first use.
+    let tier = HostTier::new(
+        tier_config(4, PolicyKind::Lru)
+            .with_chain_aware(false)
+            .with_ssd(SsdConfig::new(ssd_path(&dir), file_bytes(2)).with_admit_uses(1))
+            .with_events(64),
+    )
+    .unwrap();
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..5);
+    let _ = save_filled(&rank, &a, &k[..2], &[0, 1]);
+    tier.flush_demotions();
+    let mut events = Vec::new();
+    assert_eq!(tier.take_events(&mut events), 0, "nothing lost");
+    let stored = |k: &kvtier::ContentKey, medium| TierEvent::Stored { key: *k, medium };
+    let removed = |k: &kvtier::ContentKey, medium| TierEvent::Removed { key: *k, medium };
+    assert_eq!(events, [stored(&k[0], Host), stored(&k[1], Host), stored(&k[0], Disk), stored(&k[1], Disk)]);
+    // Two more blocks demoted: the disk evicts the two oldest; then the host evicts all four.
+    events.clear();
+    let _ = save_filled(&rank, &a, &k[2..4], &[2, 3]);
+    tier.flush_demotions();
+    assert_eq!(tier.evict(4), 4);
+    tier.take_events(&mut events);
+    let (host, disk): (Vec<&TierEvent>, Vec<&TierEvent>) = events
+        .iter()
+        .partition(|e| matches!(e, TierEvent::Stored { medium: Host, .. } | TierEvent::Removed { medium: Host, .. }));
+    assert_eq!(host[..2], [&stored(&k[2], Host), &stored(&k[3], Host)]);
+    let mut host_removed: Vec<_> = host[2..].iter().map(|e| **e).collect();
+    host_removed.sort_by_key(|e| format!("{e:?}"));
+    let mut want: Vec<_> = k[..4].iter().map(|k| removed(k, Host)).collect();
+    want.sort_by_key(|e| format!("{e:?}"));
+    assert_eq!(host_removed, want, "every host eviction is announced");
+    let mut disk: Vec<_> = disk.into_iter().copied().collect();
+    disk.sort_by_key(|e| format!("{e:?}"));
+    let mut want = vec![stored(&k[2], Disk), stored(&k[3], Disk), removed(&k[0], Disk), removed(&k[1], Disk)];
+    want.sort_by_key(|e| format!("{e:?}"));
+    assert_eq!(disk, want, "the disk's stores and evictions are announced");
+    // A full log drops and counts; a tier without one records nothing.
+    let small = HostTier::new(tier_config(4, PolicyKind::Lru).with_events(1)).unwrap();
+    let rank = small.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&small, 0..3);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2]);
+    events.clear();
+    assert_eq!(small.take_events(&mut events), 2, "two of three stores dropped");
+    assert_eq!(events, [stored(&k[0], Host)]);
+    let none = HostTier::new(tier_config(4, PolicyKind::Lru)).unwrap();
+    let rank = none.attach(a.backend().unwrap()).unwrap();
+    let _ = save_filled(&rank, &a, &keys(&none, 0..2), &[0, 1]);
+    events.clear();
+    assert_eq!((none.take_events(&mut events), events.len()), (0, 0));
+}

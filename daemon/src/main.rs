@@ -2,6 +2,7 @@
 //! that connects to its Unix socket (`kvtier::HostTier::connect`). See `docs/design.md` ("The tier
 //! daemon") for the protocol and what happens when an engine dies.
 
+mod events;
 mod http;
 mod seeded;
 
@@ -163,6 +164,25 @@ struct Args {
     #[arg(long, value_name = "SECONDS", default_value_t = http::HttpLimits::default().timeout.as_secs_f64(),
           requires = "metrics")]
     metrics_timeout: f64,
+    /// Publish the pool's KV events (every block stored and evicted, host and SSD tier) to routers
+    /// on a ZeroMQ PUB socket at ENDPOINT (tcp://HOST:PORT or HOST:PORT; port 0 picks a free one,
+    /// printed at start), in vLLM's KVEventBatch format: what vLLM's --kv-events-config
+    /// subscribers read. Loopback only unless --kv-events-public.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events: Option<String>,
+    /// The topic of every KV event message (subscribers filter on its prefix; vLLM's default is
+    /// empty).
+    #[arg(long, value_name = "TOPIC", default_value = "", requires = "kv_events")]
+    kv_events_topic: String,
+    /// Subscribers the KV event socket serves at once; one more is closed at once. Each holds at
+    /// most 8 MiB of unsent events (past it, it misses batches; missing them for 30 s
+    /// disconnects it).
+    #[arg(long, value_name = "N", default_value_t = events::EventLimits::default().subscribers, requires = "kv_events")]
+    kv_events_subscribers: usize,
+    /// Let --kv-events listen on a non-loopback address: anyone who reaches it learns which blocks
+    /// the pool holds (content keys, not tokens); ZeroMQ's NULL mechanism authenticates no one.
+    #[arg(long, requires = "kv_events")]
+    kv_events_public: bool,
     /// Serve this pool's blocks to other kvtier instances (peers, e.g. decode engines fetching a
     /// prefill's blocks) at ADDR (host:port; port 0 picks a free one, printed at start): the peer
     /// control protocol over TCP, the bytes read one-sided from the pool through NIXL, whose
@@ -344,6 +364,13 @@ fn config(a: &Args) -> Result<TierConfig, String> {
         let ttl =
             Duration::try_from_secs_f64(ttl).map_err(|_| format!("--lease-ttl {ttl}: not a number of seconds"))?;
         cfg = cfg.with_lease_ttl(ttl);
+    }
+    if let Some(endpoint) = &a.kv_events {
+        events::parse_endpoint(endpoint, a.kv_events_public).map_err(|e| format!("--kv-events {endpoint}: {e}"))?;
+        if a.kv_events_subscribers == 0 {
+            return Err("--kv-events-subscribers must be above zero".into());
+        }
+        cfg = cfg.with_events(events::EVENT_LOG_CAPACITY);
     }
     Ok(cfg)
 }
@@ -631,6 +658,21 @@ fn main() {
             args.peer_timeout_ms
         );
     }
+    let kv_events = match &args.kv_events {
+        None => None,
+        Some(endpoint) => {
+            // Checked with the configuration already: only the bind can fail here.
+            let bound = events::parse_endpoint(endpoint, args.kv_events_public)
+                .and_then(|addr| events::bind(addr).map_err(|e| format!("binding {addr}: {e}")));
+            match bound.and_then(|l| Ok((l.local_addr().map_err(|e| e.to_string())?, l))) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    eprintln!("kvtierd: --kv-events {endpoint}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    };
     let metrics = match &args.metrics {
         None => None,
         Some(addr) => match metrics_endpoint(addr, &args, &server, |_registry| {
@@ -667,7 +709,6 @@ fn main() {
         },
         t.policy_name()
     );
-    #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut at = match &metrics {
         Some(m) => {
             // In the log too, not only on stdout: a daemon run by a service manager logs stderr.
@@ -676,6 +717,10 @@ fn main() {
         }
         None => String::new(),
     };
+    if let Some((addr, _)) = &kv_events {
+        tracing::info!("publishing KV events at tcp://{addr} (topic {:?})", args.kv_events_topic);
+        at.push_str(&format!(", KV events at tcp://{addr}"));
+    }
     #[cfg(feature = "nixl")]
     if let Some(p) = &peers {
         tracing::info!("serving peers at {} (NIXL)", p.local_addr());
@@ -740,6 +785,14 @@ fn main() {
             .name("kvtierd-metrics".into())
             .spawn(move || http::run(m.listener, m.endpoint, m.limits))
             .expect("spawning the metrics thread");
+    }
+    if let Some((_, listener)) = kv_events {
+        let (tier, topic) = (tier.clone(), args.kv_events_topic.clone());
+        let limits = events::EventLimits { subscribers: args.kv_events_subscribers, ..Default::default() };
+        std::thread::Builder::new()
+            .name("kvtierd-events".into())
+            .spawn(move || events::run(listener, tier, topic, limits))
+            .expect("spawning the KV event thread");
     }
     let sig = stop.wait();
     let _ = std::fs::remove_file(&path);

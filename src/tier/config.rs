@@ -49,6 +49,12 @@ pub struct TierConfig {
     /// 64-request queue, protection raises the default policy's page hit ratio up to 3.8x at
     /// 1,244 GLM-5.2 slots (0.042 to 0.159 on long agentic sessions) and never lowers it.
     pub protect_hinted: bool,
+    /// The event log's capacity in events (default: none, no log). With a log the tier records
+    /// every block it stores and evicts, on the host and on its SSD tier, for an owner that
+    /// announces them ([`crate::HostTier::take_events`]; `docs/vllm.md`, KV events). An owner
+    /// that drains it every few milliseconds needs room for the blocks a burst saves and
+    /// evicts in that time; past the capacity, events are dropped and counted.
+    pub events: Option<usize>,
 }
 
 impl TierConfig {
@@ -64,6 +70,7 @@ impl TierConfig {
             lease_ttl: None,
             ssd: None,
             protect_hinted: true,
+            events: None,
         }
     }
 
@@ -106,6 +113,12 @@ impl TierConfig {
     /// Turns queue-protecting admission on or off (see [`TierConfig::protect_hinted`]).
     pub fn with_protect_hinted(mut self, on: bool) -> Self {
         self.protect_hinted = on;
+        self
+    }
+
+    /// Enables the event log with room for `capacity` events (see [`TierConfig::events`]).
+    pub fn with_events(mut self, capacity: usize) -> Self {
+        self.events = Some(capacity);
         self
     }
 

@@ -8,6 +8,7 @@
 
 use super::chain::{Chains, CHAIN_CLASSES};
 use super::cold::{ColdMarks, ColdOutcome, EvictionLog};
+use super::events::{EventLog, EventMedium, TierEvent};
 use super::expiry::LeaseClock;
 use super::hints::{HintId, Hints};
 use super::saving::SavingKeys;
@@ -106,6 +107,8 @@ pub struct Core {
     cold: Option<ColdMarks>,
     /// The keys of evicted blocks, for an owner that follows them ([`super::cold`]).
     evicted: Option<EvictionLog>,
+    /// What the tier stored and removed, for an owner that announces it ([`super::events`]).
+    events: Option<EventLog>,
 }
 
 impl Core {
@@ -142,6 +145,7 @@ impl Core {
             ssd: None,
             cold: None,
             evicted: None,
+            events: None,
             geometry,
             pool,
         })
@@ -178,6 +182,26 @@ impl Core {
     pub fn with_cold_marks(mut self) -> Self {
         self.cold = Some(ColdMarks::new(self.pool.capacity()));
         self
+    }
+
+    /// Enables the event log with room for `capacity` events ([`Core::take_events`]; off after
+    /// [`Core::new`]).
+    pub fn with_event_log(mut self, capacity: usize) -> Self {
+        self.events = Some(EventLog::new(capacity));
+        self
+    }
+
+    /// Moves the events recorded since the last call to `out`, oldest first (nothing without the
+    /// event log); returns how many events the log has dropped so far because it was full.
+    pub fn take_events(&self, out: &mut Vec<TierEvent>) -> u64 {
+        self.events.as_ref().map_or(0, |log| log.take(out))
+    }
+
+    /// Records `event` in the event log, if the tier has one.
+    pub(crate) fn record(&self, event: TierEvent) {
+        if let Some(log) = &self.events {
+            log.push(event);
+        }
     }
 
     /// Enables the eviction log, holding up to twice the pool's slots and 64 keys
@@ -252,6 +276,7 @@ impl Core {
         if let Some(log) = &self.evicted {
             log.push(*key);
         }
+        self.record(TierEvent::Removed { key: *key, medium: EventMedium::Host });
     }
 
     /// The SSD tier under the pool, if any.
@@ -470,6 +495,8 @@ impl Core {
         let parent = self.chains.parent(self.control(), r.slot);
         self.policy
             .on_insert(r.slot, InsertInfo::new(r.key.hash64(), known(depth)).resumed_at(known(resumed)).parent(parent));
+        // Before `READY`: the block's removal, which needs it ready, is recorded after this.
+        self.record(TierEvent::Stored { key: r.key, medium: EventMedium::Host });
         if pinned {
             add(&self.counters.pinned_slots, 1);
             self.control().commit_pinned(r.slot, r.generation);

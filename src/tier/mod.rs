@@ -50,6 +50,7 @@ mod config;
 #[cfg(all(feature = "remote", not(loom)))]
 pub(crate) mod connected;
 pub(crate) mod core;
+pub(crate) mod events;
 pub(crate) mod evictor;
 pub(crate) mod expiry;
 pub(crate) mod handle;
@@ -76,6 +77,7 @@ use crate::key::{ContentKey, Namespace};
 use crate::slab::pool::HostPool;
 use crate::slab::slot::SlotState;
 use crate::sync::Arc;
+use crate::tier::events::TierEvent;
 use crate::tier::lease::Lease;
 
 /// Where a tier lives, the one switch between the two flavours of [`HostTier`] (its ranks and
@@ -226,6 +228,9 @@ impl HostTier {
         let mut core = Core::new(config.geometry, pool, config.policy, config.index_capacity, config.lease_ttl)?
             .with_chain_aware(config.chain_aware)
             .with_protect_hinted(config.protect_hinted);
+        if let Some(capacity) = config.events {
+            core = core.with_event_log(capacity);
+        }
         if let Some(ssd) = ssd {
             core = core.with_ssd(Box::new(ssd));
         }
@@ -259,6 +264,18 @@ impl HostTier {
         match_flavor!(&self.flavor,
             Flavor::InProcess(core) => Ok(ssd::SsdTier::of(core).map(|s| s.stats())),
             Flavor::Connected(d) => d.ssd_stats(),
+        )
+    }
+
+    /// Moves the events recorded since the last call to `out`, oldest first: every block the tier
+    /// stored or evicted, on the host and on its SSD tier ([`TierEvent`]); returns how many
+    /// events the log has dropped so far because it was full. Nothing is recorded without
+    /// [`TierConfig::events`], and a connected tier records nothing (its daemon publishes its
+    /// own: `kvtierd --kv-events`).
+    pub fn take_events(&self, out: &mut Vec<TierEvent>) -> u64 {
+        match_flavor!(&self.flavor,
+            Flavor::InProcess(core) => core.take_events(out),
+            Flavor::Connected(_) => 0,
         )
     }
 

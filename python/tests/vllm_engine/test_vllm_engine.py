@@ -159,3 +159,54 @@ def test_kv_events_announce_the_pools_blocks_in_vllms_format(model_dir, referenc
     assert cpu[0]["blocks"] == 6 and cpu[0]["tokens"] == r["prompt_A"][: 6 * BLOCK]
     gpu_hashes = {h for e in gpu for h in e["hashes"]}
     assert set(cpu[0]["hashes"]) <= gpu_hashes
+
+
+def test_the_daemons_kv_events_announce_its_pool_to_a_vllm_subscriber(model_dir, reference, sock_dir):
+    # kvtierd --kv-events: what the pool stores and evicts, whichever engine saved it, decoded by a
+    # ZMQ subscriber with vLLM's own KVEventBatch; the announced hashes are the pool's keys.
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    port = free_port()
+    d = Daemon(sock_dir, extra=["--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kvtier"])
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kvtier")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    batches = []
+
+    def drain(until, timeout=30.0):
+        deadline = time.time() + timeout
+        while not until() and time.time() < deadline:
+            if sub.poll(100):
+                topic, seq, payload = sub.recv_multipart()
+                batches.append((topic, int.from_bytes(seq, "big"), decoder.decode(payload)))
+
+    def hashes(kind, medium):
+        return [h for _, _, b in batches for e in b.events if isinstance(e, kind) and e.medium == medium
+                for h in e.block_hashes]
+
+    try:
+        time.sleep(0.5)  # the subscription reaches the daemon before the engine saves anything
+        r = run_engine("client", {"model": model_dir, "socket": d.socket, "steps": [["run", "A"], ["settle"]]})
+        assert r["runs"][0]["tokens"] == reference["A"]["tokens"]
+        tier = kvtier.connect(d.socket)
+        drain(lambda: len(hashes(BlockStored, "CPU")) >= 6)
+        stored = hashes(BlockStored, "CPU")
+        # A's 6 full blocks, each announced once, under the keys the pool serves them by.
+        assert len(stored) == len(set(stored)) == 6 == tier.stats()["ready_slots"]
+        assert all(isinstance(h, bytes) and len(h) == 16 for h in stored)
+        with tier.query(stored) as lease:
+            assert len(lease) == 6
+        assert all(e.block_size == BLOCK for _, _, b in batches for e in b.events if isinstance(e, BlockStored))
+        assert tier.evict(tier.capacity) == 6
+        drain(lambda: len(hashes(BlockRemoved, "CPU")) >= 6)
+        assert sorted(hashes(BlockRemoved, "CPU")) == sorted(stored), "every eviction is announced"
+        assert [t for t, _, _ in batches] == [b"kvtier"] * len(batches)
+        assert [s for _, s, _ in batches] == list(range(len(batches))), "sequence numbers from 0, no gap"
+    finally:
+        sub.close(linger=0)
+        d.stop()

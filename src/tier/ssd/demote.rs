@@ -8,6 +8,7 @@
 
 use super::{bump, lock, pin_for_demotion, DemotionQueue, Job, SsdTier};
 use crate::tier::core::Core;
+use crate::tier::events::{EventMedium, TierEvent};
 use std::sync::{Arc, Weak};
 
 /// Starts the demotion thread of `core`'s SSD tier (none without one).
@@ -74,6 +75,7 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
     };
     if let Some(old) = evicted {
         bump(&ssd.counters.disk_evictions, 1);
+        core.record(TierEvent::Removed { key: old, medium: EventMedium::Disk });
         ssd.forget_clean(core, &old);
     }
     let (file, local) = ssd.locate(disk.slot);
@@ -86,6 +88,7 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
     match file.write(local, key, disk.file_generation, payload) {
         Ok(()) => {
             if ssd.slots.commit(disk, key) {
+                core.record(TierEvent::Stored { key, medium: EventMedium::Disk });
                 ssd.mark_clean(slot, generation);
                 // Clean blocks go before dirty ones: the policy re-places it.
                 core.policy.on_reclass(slot);
