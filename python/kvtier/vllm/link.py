@@ -4,9 +4,10 @@ The tier is a cache: a daemon that is not running yet, dies or restarts must nev
 and must never hold the engine's scheduler or a worker's step for long. :class:`PoolLink` opens
 the pool on first use (on the caller's thread: an engine starting next to its daemon finds it at
 once), drops it on any :class:`DisconnectedError`, and tries again at most every ``reconnect_s``
-seconds on a thread of its own; the caller waits for that attempt at most ``wait_s`` seconds
-(a daemon that accepts the connection but does not answer, stopped or overloaded, costs the caller
-that much once per ``reconnect_s``, never the connection's own timeout). In between, callers see
+seconds on a thread of its own; the call that starts an attempt waits for it at most ``wait_s``
+seconds, and calls while it is still connecting do not wait (a daemon that accepts the connection
+but does not answer, stopped or overloaded, costs the caller ``wait_s`` once per ``reconnect_s``,
+never the connection's own timeout). In between, callers see
 ``None`` and go on without the tier (a miss, a save skipped).
 """
 
@@ -50,8 +51,8 @@ class PoolLink:
     def get(self) -> Optional[Any]:
         if self._value is not None:
             return self._value
-        if self._attempt is not None:
-            return self._collect(self._attempt.wait(self._wait_s))
+        if self._attempt is not None:  # still connecting: a look, no wait
+            return self._collect(self._attempt.wait(0))
         now = time.monotonic()
         if now < self._next_try:
             return None
