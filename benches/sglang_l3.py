@@ -11,7 +11,7 @@ The host pool is laid out as SGLang's ``MHATokenToKVPoolHost`` with ``page_first
 (``[2, pages, layers, page_size, heads, head_dim]``), Llama-3-8B's shape by default: 32 layers,
 8 KV heads of 128, bf16, 16-token pages: 2 MiB a page. No SGLang needed.
 
-Usage: python benches/sglang_l3.py [--pages 160] [--iters 20] [--batches 1,8,32,128] [--quick]
+Usage: python benches/sglang_l3.py [--pages 256] [--iters 20] [--batches 1,8,32,128] [--quick]
 Prints one JSON object (``rows``: per batch size, GB/s of each path; GB = 10^9 B) and a table.
 """
 
@@ -32,7 +32,7 @@ from kvtier.sglang import KvtierStore
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pages", type=int, default=160, help="pages in SGLang's host pool (default 160)")
+    ap.add_argument("--pages", type=int, default=256, help="pages in SGLang's host pool (default 256)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per batch size and path (default 20)")
     ap.add_argument("--batches", default="1,8,32,128", help="pages per call (HiCache sends at most 128)")
     ap.add_argument("--layers", type=int, default=32)
@@ -53,7 +53,7 @@ def main() -> None:
     page_bytes = kv[:, 0].numel() * kv.element_size()
     cfg = types.SimpleNamespace(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        model_name="bench", extra_config={"pool": 2 * a.pages * (page_bytes + 4096), "policy": "lru"})
+        model_name="bench", extra_config={"pool": 2 * max(batches) * (page_bytes + 4096), "policy": "lru"})
     store = KvtierStore(cfg, {})
     store.register_mem_pool_host(pool)
     flat = kv.view(2, a.pages, -1)
