@@ -4,8 +4,9 @@ host pool and the kvtier pool, against a plain torch copy of the same bytes.
 HiCache keeps its own host pool (a CPU tensor); an L3 backend moves pages between that tensor and
 its store. For kvtier that is one memcpy a page each way (``KvtierStore.batch_set_v1`` into pool
 slots, ``batch_get_v1`` back out), plus the key lookup and the lease. The baseline is the cheapest
-way torch moves the same pages: one ``index_select`` (backup) / ``index_copy_`` (restore) between
-the host pool and a contiguous tensor of as many pages.
+way torch moves the same pages: a ``copy_`` of each page's K and V runs between the host pool and
+a contiguous tensor of as many pages (``torch gather`` for a backup, ``torch scatter`` for a
+restore; ``index_copy_`` was slower).
 
 The host pool is laid out as SGLang's ``MHATokenToKVPoolHost`` with ``page_first_direct``
 (``[2, pages, layers, page_size, heads, head_dim]``), Llama-3-8B's shape by default: 32 layers,
@@ -73,7 +74,6 @@ def main() -> None:
     for b in batches:
         src, dst = list(range(b)), list(range(a.pages - b, a.pages))
         staged = torch.empty((2, b, flat.shape[2]), dtype=kv.dtype)
-        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
         times = {"kvtier_set": [], "kvtier_get": [], "torch_gather": [], "torch_scatter": []}
         for it in range(a.iters + 1):
             keys = [f"{serial}-{i}" for i in range(b)]  # new keys: every set really copies
@@ -83,9 +83,11 @@ def main() -> None:
             t1 = time.perf_counter()
             got = store.batch_get_v1(keys, idx(dst))
             t2 = time.perf_counter()
-            torch.index_select(flat, 1, src_t, out=staged)
+            for j, p in enumerate(src):
+                staged[:, j].copy_(flat[:, p])
             t3 = time.perf_counter()
-            flat.index_copy_(1, dst_t, staged)
+            for j, p in enumerate(dst):
+                flat[:, p].copy_(staged[:, j])
             t4 = time.perf_counter()
             assert all(ok) and all(got), (ok, got)
             if it == 0:  # warm-up; check the bytes once
