@@ -4,15 +4,15 @@ host pool and the kvtier pool, against a plain torch copy of the same bytes.
 HiCache keeps its own host pool (a CPU tensor); an L3 backend moves pages between that tensor and
 its store. For kvtier that is one memcpy a page each way (``KvtierStore.batch_set_v1`` into pool
 slots, ``batch_get_v1`` back out), plus the key lookup and the lease. The baseline is the cheapest
-way torch moves the same pages: a ``copy_`` of each page's K and V runs between the host pool and
-a contiguous tensor of as many pages (``torch gather`` for a backup, ``torch scatter`` for a
-restore; ``index_copy_`` was slower).
+way torch moves the same pages: a ``copy_`` of each page's K run and V run between the host pool
+and a contiguous tensor of as many pages (``torch gather`` for a backup, ``torch scatter`` for a
+restore; ``index_select`` / ``index_copy_`` were slower), on one torch thread by default.
 
 The host pool is laid out as SGLang's ``MHATokenToKVPoolHost`` with ``page_first_direct``
 (``[2, pages, layers, page_size, heads, head_dim]``), Llama-3-8B's shape by default: 32 layers,
 8 KV heads of 128, bf16, 16-token pages: 2 MiB a page. No SGLang needed.
 
-Usage: python benches/sglang_l3.py [--pages 256] [--iters 20] [--batches 1,8,32,128] [--quick]
+Usage: python benches/sglang_l3.py [--pages 256] [--iters 20] [--batches 1,8,32,128] [--torch-threads 1] [--quick]
 Prints one JSON object (``rows``: per batch size, GB/s of each path; GB = 10^9 B) and a table.
 """
 
@@ -40,11 +40,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16, help="tokens a page")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's intra-op threads (default 1, as kvtier's one copy thread a rank; on a shared "
+                         "2-core machine 2 threads ran torch's copies 6x slower)")
     ap.add_argument("--quick", action="store_true", help="a smoke pass: 2 layers, 16 pages, 3 iterations")
     a = ap.parse_args()
     if a.quick:
         a.layers, a.pages, a.iters, a.batches = 2, 16, 3, "1,4"
     batches = [int(b) for b in a.batches.split(",")]
+    torch.set_num_threads(a.torch_threads)
     if max(batches) * 2 > a.pages:
         ap.error(f"--pages {a.pages} must hold twice the largest batch ({max(batches)})")
 
@@ -84,10 +88,12 @@ def main() -> None:
             got = store.batch_get_v1(keys, idx(dst))
             t2 = time.perf_counter()
             for j, p in enumerate(src):
-                staged[:, j].copy_(flat[:, p])
+                staged[0, j].copy_(flat[0, p])
+                staged[1, j].copy_(flat[1, p])
             t3 = time.perf_counter()
             for j, p in enumerate(dst):
-                flat[:, p].copy_(staged[:, j])
+                flat[0, p].copy_(staged[0, j])
+                flat[1, p].copy_(staged[1, j])
             t4 = time.perf_counter()
             assert all(ok) and all(got), (ok, got)
             if it == 0:  # warm-up; check the bytes once
