@@ -327,7 +327,9 @@ class KvtierStore(_Base):  # type: ignore[misc,valid-type]
                     n = self._restore(tier, staging, chunk, list(range(len(chunk))))
                     for j in range(n):
                         d = dsts[start + j]
-                        d.view(-1).view(torch.uint8).copy_(self._staging[j]) if d.is_contiguous() else \
+                        if d.is_contiguous():
+                            d.view(-1).view(torch.uint8).copy_(self._staging[j])
+                        else:
                             d.copy_(self._staging[j].view(d.dtype).view(d.shape))
                         out[start + j] = d
                     if n < len(chunk):
