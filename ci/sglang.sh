@@ -12,9 +12,10 @@
 # What does not run here: an SGLang engine (its model runner needs sglang-kernel's CUDA ops).
 # About 1.5 min on 2 cores when the wheels and vLLM's environment exist (ci/python.sh, ci/vllm.sh).
 #
-# Usage: ci/sglang.sh   Environment: CARGO_TARGET_DIR (cargo's), WHEEL (a built kvtier wheel; default
-# target/wheels/kvtier-*.whl from ci/python.sh, else built here), BITE_WHEEL (a seeded one; default
-# target/vllm-bite-wheel/kvtier-*.whl from ci/vllm.sh, else built here).
+# Usage: ci/sglang.sh   Environment: CARGO_TARGET_DIR (cargo's; ci/vllm.sh's, to reuse its venv and
+# seeded wheel), WHEEL (a built kvtier wheel; default target/wheels/kvtier-*.whl, where ci/python.sh
+# leaves it, else built here), BITE_WHEEL (a seeded one; default $CARGO_TARGET_DIR/vllm-bite-wheel/
+# from ci/vllm.sh, else built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -50,7 +51,7 @@ maturin_build() { # OUT [env...]
 }
 
 step "the kvtier wheel"
-wheel=${WHEEL:-$(ls "$target"/wheels/kvtier-*.whl 2>/dev/null | head -1 || true)}
+wheel=${WHEEL:-$(ls "$repo"/target/wheels/kvtier-*.whl 2>/dev/null | head -1 || true)}
 if [[ -z $wheel ]]; then
     maturin_build "$target/sglang-wheel"
     wheel=$(ls "$target"/sglang-wheel/kvtier-*.whl)
