@@ -119,6 +119,23 @@ def assert_same_pages(src_pool, src_pages, dst_pool, dst_pages):
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_kvtier_block_is_the_runs_sglangs_zero_copy_backends_move(layout, mla):
+    """Each page's arena runs (address, bytes) are exactly the buffers SGLang's own
+    ``get_page_buffer_meta`` hands its zero-copy backends (Mooncake, NIXL) for that page."""
+    pool = host_pool(layout, mla)
+    a = host_arenas(pool)
+    pages = [2, 5, TOKENS // PS - 1]
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices(pages))
+    ours = []
+    for p in pages:
+        for v in a.views:
+            stride = v.stride(0) * v.element_size() * (PS if a.layout == "tokens" else 1)
+            ours.append((v.data_ptr() + p * stride, a.block_bytes // len(a.views)))
+    assert sorted(zip(ptrs, sizes)) == sorted(ours)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_sglangs_controller_backs_up_and_prefetches_pages_through_kvtier(layout, mla):
     pool = host_pool(layout, mla)
     fill(pool, 7)
