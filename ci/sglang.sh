@@ -9,7 +9,7 @@
 # Then the backend's seeded bugs: each, planted in a wheel built with KVTIER_PY_SEEDED_BUGS=1
 # (ci/vllm.sh's, when it built one), must make its test fail with the expected text
 # (ci/seeded-names.sh checks the names against python/kvtier/).
-# What does not run here: an SGLang engine (its model runner needs sglang-kernel's CUDA ops).
+# What does not run here: an SGLang engine (CUDA builds on a GPU; on a CPU, sgl-kernel's CPU ops, not on PyPI).
 # About 1.5 min on 2 cores when the wheels and vLLM's environment exist (ci/python.sh, ci/vllm.sh).
 #
 # Usage: ci/sglang.sh   Environment: CARGO_TARGET_DIR (cargo's; ci/vllm.sh's, to reuse its venv and

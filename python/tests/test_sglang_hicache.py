@@ -7,9 +7,10 @@ L3 functions (``HiCacheController._page_set_zero_copy``, ``_page_get_zero_copy``
 Two SGLang processes share one daemon's pool. Every byte is checked through SGLang's
 ``get_data_page``.
 
-What this does not run: an SGLang engine. sglang 0.5.23's model runner needs sgl-kernel's CUDA
-ops, so no model runs on a CPU-only machine; the HiCache storage layer itself is plain Python and
-torch, and runs here whole.
+What this does not run: an SGLang engine. sglang 0.5.23's model code needs CUDA builds on a GPU,
+and on a CPU the CPU operators of an sgl-kernel built for it (``torch.ops.sgl_kernel.rmsnorm_cpu``
+...), which PyPI does not ship; the HiCache storage layer itself is plain Python and torch, and
+runs here whole.
 
 Without SGLang these tests skip (reason shown with ``-rs``); with ``KVTIER_REQUIRE_SGLANG=1``
 (ci/sglang.sh) a missing SGLang fails instead.
