@@ -226,7 +226,7 @@ def test_a_full_pool_stores_the_leading_pages_and_says_which():
 
 def test_settings_are_checked_when_sglang_makes_the_backend():
     ok = StoreConfig.from_extra({"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore",
-                                 "interface_v1": 1, "pool": "1GiB", "ssd_path": "/tmp/x.ssd", "ssd_bytes": "2GiB"})
+                                 "interface_v1": 1, "prefetch_threshold": 256, "pool": "1GiB", "ssd_path": "/tmp/x.ssd", "ssd_bytes": "2GiB"})
     assert ok.pool_bytes == 1 << 30 and ok.ssd == ("/tmp/x.ssd", 2 << 30) and ok.socket is None
     for bad, text in (({"pool_size": 1}, "unknown"), ({"socket": "/s", "pool": "1GiB"}, "daemon's own options"),
                       ({"ssd_path": "/x"}, "go together"), ({"peers": "a:1"}, "list of 'host:port'"),

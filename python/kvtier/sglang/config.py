@@ -2,7 +2,9 @@
 when SGLang makes the backend.
 
 SGLang's own keys of that dict (``backend_name``, ``module_path``, ``class_name``,
-``interface_v1``, ``tp_lcm_size``) are read by SGLang and ignored here. Every kvtier key is
+``interface_v1``, ``tp_lcm_size``, ``prefetch_threshold``, ``prefetch_timeout_base``,
+``prefetch_timeout_per_ki_token``, ``hicache_storage_pass_prefix_keys``) are read by SGLang and
+ignored here. Every kvtier key is
 optional::
 
     {"socket": "/run/kvtierd/kvtierd.sock",   # share a running kvtierd's pool (else: in-process)
@@ -31,8 +33,10 @@ from ..vllm.config import parse_size
 
 __all__ = ["StoreConfig", "SGLANG_KEYS"]
 
-#: Keys of the extra-config dict that SGLang itself reads (the dynamic loader's and HiCache's).
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
+#: Keys of the extra-config dict that SGLang itself reads (the dynamic loader's and HiCache's; some
+#: paths of SGLang remove theirs before the backend sees the dict, others leave them).
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
 
 _WHAT = "hicache-storage-backend-extra-config"
 
