@@ -258,3 +258,39 @@ def test_evicted_pages_come_back_from_the_ssd_tier(tmp_path):
     assert s.batch_get_v1(keys[:2], indices([12, 13])) == [True, True]
     assert_pages(pool, [12, 13], saved[:2])
     assert s._tier.ssd_stats()["promoted_blocks"] >= 2
+
+
+def test_the_backup_and_prefetch_threads_call_at_once():
+    """HiCache backs up on one thread and prefetches on another, into other host pages."""
+    import threading
+
+    pool = FakeHostPool("page_first")
+    pool.fill(10)
+    s = store(pool, {"pool": "8MiB"})
+    saved = {p: pool.get_data_page(p * PS).clone() for p in range(4)}
+    assert s.batch_set_v1([f"base{p}" for p in range(4)], indices(range(4))) == [True] * 4
+    errors = []
+
+    def backup():
+        try:
+            for i in range(60):
+                assert s.batch_set_v1([f"b{i}-{p}" for p in range(4)], indices(range(4))) == [True] * 4
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def prefetch():
+        try:
+            for i in range(60):
+                dst = [8 + (i % 2) * 4 + k for k in range(4)]
+                assert s.batch_get_v1([f"base{p}" for p in range(4)], indices(dst)) == [True] * 4
+                assert_pages(pool, dst, [saved[p] for p in range(4)])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert s.stats["errors"] == 0 and s.stats["hit_pages"] == 240
