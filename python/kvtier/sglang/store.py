@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _kvtier
 from ..errors import BackendMismatchError, ConfigError, DisconnectedError, GeometryError, KvtierError
-from ..vllm.link import PoolLink
 from ..vllm.worker import daemon_command
 from ._seeded import seeded
 from .config import StoreConfig
@@ -83,7 +83,7 @@ class KvtierStore(_Base):  # type: ignore[misc,valid-type]
         self.arenas: Optional[HostArenas] = None
         self.geometry: Optional[Any] = None
         self.ns: Optional[Any] = None
-        self.link: Optional[PoolLink] = None
+        self.link: Optional[_Link] = None
         self._tier: Optional[Any] = None  # the in-process pool
         self._staging: Optional[Any] = None
         self._staging_views: List[Any] = []
@@ -124,17 +124,11 @@ class KvtierStore(_Base):  # type: ignore[misc,valid-type]
             self._tier = _kvtier.Tier(self.geometry, c.pool_bytes, c.policy, **opts)
             log.info("kvtier: an in-process pool of %d blocks (%d B a page) under SGLang's host pool (%s, %d arenas)",
                      self._tier.capacity, arenas.block_bytes, arenas.pool_layout, len(arenas.views))
-            self.link = PoolLink("the in-process pool", lambda: self._attach(self._tier), 1.0)
+            self.link = _Link("the in-process pool", lambda: self._attach(self._tier))
         else:
-            self.link = PoolLink(f"the pool at {c.socket}", lambda: self._attach(_kvtier.connect(c.socket)), 1.0)
+            self.link = _Link(f"the pool at {c.socket}", lambda: self._attach(_kvtier.connect(c.socket)))
         log.info("kvtier: a kvtierd for this host pool: %s", daemon_command(self.geometry))
-        # A layout mismatch fails here, at SGLang's start; a daemon not (yet) running does not: the
-        # calls raise DisconnectedError until it is, and the link connects then.
-        try:
-            self.link._value = self.link._open()
-            self.link.opened += 1
-        except DisconnectedError as e:
-            log.warning("kvtier: %s; HiCache L3 misses until kvtierd listens there", e)
+        self.link.prime()
 
     def _attach(self, tier: Any) -> Any:
         a = self.arenas
@@ -368,6 +362,72 @@ class KvtierStore(_Base):  # type: ignore[misc,valid-type]
         if self._tier is not None:
             self._tier.shutdown()
             self._tier = None
+
+
+class _Link:
+    """The pool handle ``(tier, rank, staging rank)``, opened again after a lost daemon.
+
+    HiCache calls the backend from its prefetch and backup threads at once, so every method takes
+    a lock. ``prime()`` opens the pool at registration: a layout that does not fit raises there (at
+    SGLang's start); a daemon not (yet) listening does not, and ``get()`` tries again at most every
+    ``retry_s`` seconds, returning None in between (the calls then raise ``DisconnectedError``)."""
+
+    def __init__(self, what: str, open: Any, retry_s: float = 1.0):
+        self._what = what
+        self._open = open
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._value: Optional[Any] = None
+        self._next_try = 0.0
+        self._warned = False
+        #: Times the pool was opened and lost.
+        self.opened = 0
+        self.lost = 0
+
+    def prime(self) -> None:
+        with self._lock:
+            try:
+                self._value = self._open()
+                self.opened += 1
+            except DisconnectedError as e:
+                log.warning("kvtier: %s; HiCache L3 misses until kvtierd listens there", e)
+                self._warned = True
+                self._next_try = time.monotonic() + self._retry_s
+
+    def get(self) -> Optional[Any]:
+        with self._lock:
+            if self._value is not None:
+                return self._value
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            self._next_try = now + self._retry_s
+            try:
+                self._value = self._open()
+            except KvtierError as e:
+                if not self._warned:
+                    log.warning("kvtier: %s unavailable, HiCache L3 misses until it is: %s", self._what, e)
+                    self._warned = True
+                return None
+            self.opened += 1
+            if self._warned:
+                log.warning("kvtier: %s available again", self._what)
+                self._warned = False
+            return self._value
+
+    def failed(self, error: BaseException) -> None:
+        """A lost daemon drops the handle (opened again later); any other error leaves it."""
+        with self._lock:
+            if isinstance(error, DisconnectedError) and self._value is not None:
+                log.warning("kvtier: lost %s: %s", self._what, error)
+                self._value = None
+                self.lost += 1
+                self._warned = True
+                self._next_try = time.monotonic() + self._retry_s
+
+    def close(self) -> None:
+        with self._lock:
+            self._value = None
 
 
 def _kvtier_disconnected(message: str) -> KvtierError:
