@@ -5,8 +5,8 @@
 #   (ci/bites.txt with its GPU-only rows, ci/loom.sh's `bites`, ci/proptest.sh's `bites_bugs`,
 #   ci/sanitize.sh's `bites`), and each bug of those tables is a `seeded("NAME")` there.
 # - the Python binding: the same between python/src/ and ci/python.sh's `bites_table`.
-# - the vLLM connector: the same between python/kvtier/ (`seeded("NAME")` in Python) and
-#   ci/vllm.sh's `bites_table`.
+# - the vLLM connector and the SGLang backend: the same between python/kvtier/ (`seeded("NAME")` in
+#   Python) and the `bites_table` of ci/vllm.sh and ci/sglang.sh.
 # A bug in no table is never shown to bite; a table's bug with no branch would "bite" nothing (its
 # test would pass and the bite fail, but under a misleading message). Exits 1 on any mismatch.
 #
@@ -98,6 +98,7 @@ check("src/, cli/src/ and daemon/src/", source_names("src", "cli/src", "daemon/s
       merge(bites_txt("ci/bites.txt"), array_rows("ci/loom.sh", "bites"), array_rows("ci/proptest.sh", "bites_bugs"),
             appended_rows("ci/sanitize.sh", "bites")))
 check("python/src/", source_names("python/src"), array_rows("ci/python.sh", "bites_table"))
-check("python/kvtier/", python_names("python/kvtier"), array_rows("ci/vllm.sh", "bites_table"))
+check("python/kvtier/", python_names("python/kvtier"),
+      merge(array_rows("ci/vllm.sh", "bites_table"), array_rows("ci/sglang.sh", "bites_table")))
 sys.exit(fail)
 PY
