@@ -202,20 +202,23 @@ class WorkerTransfers:
         tier, rank = pool
         try:
             keys = self.shard.keys(spec.keys)
-            with tier.query(keys) as lease:
-                n = len(lease)
-                if n < len(keys):
-                    self._fail(spec.block_ids[n:], f"{len(keys) - n} of {len(keys)} blocks no longer in the pool")
-                if n == 0:
-                    return None
-                pages = spec.block_ids[:n]
-                # Seeded bug (tests only): the last block of a hit is never restored, unreported.
-                if seeded("vllm-restore-drops-last") and n > 1:
-                    pages = pages[:-1]
-                if layerwise:
-                    handle = rank.restore_layers(lease, pages, self._groups, after_stream=stream)
-                else:
-                    handle = rank.restore(lease, pages, after_stream=stream)
+            # The lease's one use goes to the restore, which keeps its own pins; the lease is then
+            # dropped, not released: on a daemon that is a one-way message, not a round trip.
+            lease = tier.query(keys)
+            n = len(lease)
+            if n < len(keys):
+                self._fail(spec.block_ids[n:], f"{len(keys) - n} of {len(keys)} blocks no longer in the pool")
+            if n == 0:
+                return None
+            pages = spec.block_ids[:n]
+            # Seeded bug (tests only): the last block of a hit is never restored, unreported.
+            if seeded("vllm-restore-drops-last") and n > 1:
+                pages = pages[:-1]
+            if layerwise:
+                handle = rank.restore_layers(lease, pages, self._groups, after_stream=stream)
+            else:
+                handle = rank.restore(lease, pages, after_stream=stream)
+            del lease
             self.stats["restored_blocks"] += n
             return (handle, spec.block_ids[:n])
         except KvtierError as e:
