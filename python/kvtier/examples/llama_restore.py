@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -680,8 +681,22 @@ def cuda_options_from(p: argparse.ArgumentParser, opts: List[str]) -> dict:
     return cuda_options
 
 
+NO_GPU = "n/a (no GPU)"
+NO_TORCH = "n/a (--no-torch-baselines)"
+
+
+def _cell(x: float, spec: str = ".1f", unit: str = "", na: str = "n/a") -> str:
+    """One table cell: ``x`` formatted with ``spec`` and ``unit``, or ``na`` (why there is no
+    figure) where it was not measured (NaN): a cell never reads ``nan``."""
+    if x is None or math.isnan(x):
+        return na
+    return f"{x:{spec}}{unit}"
+
+
 def markdown(results: List[dict]) -> str:
-    """The results as a markdown table (times in ms, rates in GB/s)."""
+    """The results as a markdown table (times in ms, rates in GB/s). A figure that was not measured
+    says why: ``n/a (no GPU)`` (the copy beside the suffix and the layer waits need CUDA streams
+    and events), ``n/a (--no-torch-baselines)``."""
     head = (
         "| prefix tokens | TTFT cold | TTFT warm (kvtier) | TTFT warm (torch per-page) | TTFT warm (torch staging) "
         "| suffix alone | suffix + bytes / contiguous rate | restore kvtier GB/s | torch per-page GB/s "
@@ -693,10 +708,12 @@ def markdown(results: List[dict]) -> str:
         t, g = r["ttft_ms"], r["restore_gbps"]
         ok = all(r["checks"].values())
         rows.append(
-            f"| {r['prefix_tokens']:,} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms | {t['warm_torch_per_page']:.1f} ms "
-            f"| {t['warm_torch_staged']:.1f} ms | {t['suffix_alone']:.1f} ms "
-            f"| {t['model_suffix_plus_contiguous_restore']:.1f} ms | {g['kvtier']:.1f} | {g['torch_per_page']:.1f} "
-            f"| {g['torch_staged']:.1f} | {g['contiguous_copy']:.1f} | {'pass' if ok else 'FAIL'} |"
+            f"| {r['prefix_tokens']:,} | {_cell(t['cold'], unit=' ms')} | {_cell(t['warm_kvtier'], unit=' ms')} "
+            f"| {_cell(t['warm_torch_per_page'], unit=' ms', na=NO_TORCH)} "
+            f"| {_cell(t['warm_torch_staged'], unit=' ms', na=NO_TORCH)} | {_cell(t['suffix_alone'], unit=' ms')} "
+            f"| {_cell(t['model_suffix_plus_contiguous_restore'], unit=' ms')} | {_cell(g['kvtier'])} "
+            f"| {_cell(g['torch_per_page'], na=NO_TORCH)} | {_cell(g['torch_staged'], na=NO_TORCH)} "
+            f"| {_cell(g['contiguous_copy'])} | {'pass' if ok else 'FAIL'} |"
         )
     layers_head = (
         "\n| prefix tokens | suffix tokens | TTFT cold | TTFT warm (whole block) | TTFT warm (layer-wise) "
@@ -709,15 +726,20 @@ def markdown(results: List[dict]) -> str:
     lrows = []
     for r in results:
         t, g = r["ttft_ms"], r["restore_gbps"]
+        bound = t["model_max_suffix_contiguous_restore"]
+        waits = r["layer_wait_ms"]
         lrows.append(
-            f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms "
-            f"| {t['warm_kvtier_layers']:.1f} ms | {t['suffix_alone']:.1f} ms | {t['model_max_suffix_contiguous_restore']:.1f} ms "
-            f"| {t['warm_kvtier_layers'] / t['model_max_suffix_contiguous_restore']:.3f} "
-            f"| {t['suffix_beside_copy']:.1f} ms | {t['suffix_beside_copy'] / t['model_max_suffix_contiguous_restore']:.3f} "
-            f"| {g['kvtier']:.1f} "
-            f"| {g['kvtier_layers']:.1f} | {g['contiguous_copy']:.1f} "
-            f"| {r['whole_submit_ms']:.1f} / {r['layers_submit_ms']:.1f} "
-            f"| {r['layer_wait_ms']['first']:.1f} / {r['layer_wait_ms']['total']:.1f} |"
+            f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {_cell(t['cold'], unit=' ms')} "
+            f"| {_cell(t['warm_kvtier'], unit=' ms')} "
+            f"| {_cell(t['warm_kvtier_layers'], unit=' ms')} | {_cell(t['suffix_alone'], unit=' ms')} "
+            f"| {_cell(bound, unit=' ms')} "
+            f"| {_cell(t['warm_kvtier_layers'] / bound, '.3f')} "
+            f"| {_cell(t['suffix_beside_copy'], unit=' ms', na=NO_GPU)} "
+            f"| {_cell(t['suffix_beside_copy'] / bound, '.3f', na=NO_GPU)} "
+            f"| {_cell(g['kvtier'])} "
+            f"| {_cell(g['kvtier_layers'])} | {_cell(g['contiguous_copy'])} "
+            f"| {_cell(r['whole_submit_ms'])} / {_cell(r['layers_submit_ms'])} "
+            f"| {_cell(waits['first'], na=NO_GPU)} / {_cell(waits['total'], na=NO_GPU)} |"
         )
     saves = [r for r in results if r.get("save_ms")]
     save_table = ""
@@ -729,8 +751,10 @@ def markdown(results: List[dict]) -> str:
         for r in saves:
             m = r["save_ms"]
             save_table += (
-                f"| {r['prefix_tokens']:,} | {m['prefill_alone']:.1f} ms | {m['prefill_then_whole_save_end']:.1f} ms "
-                f"| {m['prefill_with_layer_save_end']:.1f} ms | {m['layer_save_end_over_prefill']:.3f} |\n"
+                f"| {r['prefix_tokens']:,} | {_cell(m['prefill_alone'], unit=' ms')} "
+                f"| {_cell(m['prefill_then_whole_save_end'], unit=' ms')} "
+                f"| {_cell(m['prefill_with_layer_save_end'], unit=' ms')} "
+                f"| {_cell(m['layer_save_end_over_prefill'], '.3f')} |\n"
             )
     ssd = [r for r in results if "ssd_whole_prefix_promoted" in r["checks"]]
     ssd_table = ""
@@ -743,8 +767,9 @@ def markdown(results: List[dict]) -> str:
             t = r["ttft_ms"]
             ok = all(v for k, v in r["checks"].items() if k.startswith("ssd_"))
             ssd_table += (
-                f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {t['cold']:.1f} ms | {t['warm_kvtier']:.1f} ms "
-                f"| {t['warm_ssd']:.1f} ms | {'pass' if ok else 'FAIL'} |\n"
+                f"| {r['prefix_tokens']:,} | {r['suffix_tokens']} | {_cell(t['cold'], unit=' ms')} "
+                f"| {_cell(t['warm_kvtier'], unit=' ms')} | {_cell(t['warm_ssd'], unit=' ms')} "
+                f"| {'pass' if ok else 'FAIL'} |\n"
             )
     return head + "\n".join(rows) + "\n" + layers_head + "\n".join(lrows) + "\n" + save_table + ssd_table
 
