@@ -106,8 +106,8 @@ pub struct SimConfig {
     /// variant also runs over each host pool size with each of these under it
     /// ([`two_level::run_two_level`]). Empty: host pool only.
     pub ssd: Vec<String>,
-    /// Uses that admit a block to the SSD tier (at least 1; 2 by default).
-    pub ssd_admit: u32,
+    /// SSD admissions to run each two-level case with (`auto` by default).
+    pub ssd_admit: Vec<kvtier::SsdAdmit>,
 }
 
 impl Default for SimConfig {
@@ -124,7 +124,7 @@ impl Default for SimConfig {
             optimum: true,
             foresight: Vec::new(),
             ssd: Vec::new(),
-            ssd_admit: 2,
+            ssd_admit: vec![kvtier::SsdAdmit::Auto],
         }
     }
 }
@@ -152,11 +152,12 @@ impl SimConfig {
         v
     }
 
-    /// Requests the policy runs of [`run`] replay in all (`variants x pools x (1 + ssd sizes) x
-    /// requests`): the
+    /// Requests the policy runs of [`run`] replay in all (`variants x pools x (1 + ssd sizes x
+    /// admissions) x requests`): the
     /// length of a progress bar fed by `run`'s `progress`.
     pub fn steps(&self, requests: usize) -> u64 {
-        (self.variants().len() * self.pools.len() * (1 + self.ssd.len())) as u64 * requests as u64
+        (self.variants().len() * self.pools.len() * (1 + self.ssd.len() * self.ssd_admit.len())) as u64
+            * requests as u64
     }
 }
 
@@ -256,8 +257,8 @@ pub struct SimReport {
     pub runs: Vec<PolicyRun>,
     /// SSD tier sizes: (label as given, disk slots); empty without `--ssd`.
     pub ssd_sizes: Vec<(String, u32)>,
-    /// Uses that admit a block to the SSD tier.
-    pub ssd_admit: u32,
+    /// SSD admissions run (`"1"`, `"2"`, `"auto"`).
+    pub ssd_admit: Vec<String>,
     /// Every variant x host pool size x SSD size (empty without `--ssd`).
     pub two_level: Vec<two_level::TwoLevelRun>,
     /// Page hit ratio of an unbounded cache ([`two_level::unbounded`]).
@@ -578,16 +579,18 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         .iter()
         .map(|s| parse_disk_slots(s, &geometry).map(|n| (s.trim().to_string(), n)))
         .collect::<Result<_, _>>()?;
-    if !ssd_sizes.is_empty() && config.ssd_admit == 0 {
-        return Err(Error::Config("--ssd-admit is a number of uses, at least 1".into()));
+    if !ssd_sizes.is_empty() && (config.ssd_admit.is_empty() || config.ssd_admit.contains(&kvtier::SsdAdmit::Uses(0))) {
+        return Err(Error::Config("--ssd-admit is `auto` or a number of uses, at least 1".into()));
     }
     let mut runs = Vec::new();
     let mut two = Vec::new();
     for v in config.variants() {
         for (_, slots) in &sizes {
             runs.push(run_policy(&keys, v, *slots, &geometry, progress)?);
-            for (_, ssd) in &ssd_sizes {
-                two.push(two_level::run_two_level(&keys, v, *slots, *ssd, config.ssd_admit, &geometry, progress)?);
+            for &admit in &config.ssd_admit {
+                for (_, ssd) in &ssd_sizes {
+                    two.push(two_level::run_two_level(&keys, v, *slots, *ssd, admit, &geometry, progress)?);
+                }
             }
         }
     }
@@ -618,7 +621,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         sizes,
         runs,
         ssd_sizes,
-        ssd_admit: config.ssd_admit,
+        ssd_admit: config.ssd_admit.iter().map(|a| a.to_string()).collect(),
         two_level: two,
         unbounded_hit_ratio: ratio(two_level::unbounded(&keys), total),
         peak_rss_kib: peak_rss_kib(),
@@ -719,30 +722,34 @@ impl SimReport {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "\ntwo-level page hit ratio: host pool + SSD tier = host share + SSD share (admitted after {} uses); \
-             unbounded cache {:.4}",
-            self.ssd_admit, self.unbounded_hit_ratio
+            "\ntwo-level page hit ratio: host pool + SSD tier = host share + SSD share (SSD admission after \
+             N uses, or auto); unbounded cache {:.4}",
+            self.unbounded_hit_ratio
         );
-        let _ = write!(s, "{:<w$} {:>18} {:>12}", "policy", "host pool", "host only");
+        let _ = write!(s, "{:<w$} {:>6} {:>18} {:>12}", "policy", "admit", "host pool", "host only");
         for (label, slots) in &self.ssd_sizes {
             let _ = write!(s, " {:>26}", format!("+ SSD {label} ({slots})"));
         }
         let _ = writeln!(s);
         for p in self.policies().into_iter().filter(|p| !PolicyRun::is_offline(p)) {
             for (label, slots) in &self.sizes {
-                let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
-                let _ = write!(s, "{p:<w$} {:>18} {alone:>12}", format!("{label} ({slots})"));
-                for (_, ssd) in &self.ssd_sizes {
-                    let v = self
-                        .two_level
-                        .iter()
-                        .find(|r| r.policy == p && r.host_slots == *slots && r.ssd_slots == *ssd)
-                        .map_or("-".into(), |r| {
-                            format!("{:.4} = {:.4} + {:.4}", r.hit_ratio, r.host_hit_ratio, r.ssd_hit_ratio)
-                        });
-                    let _ = write!(s, " {v:>26}");
+                for admit in &self.ssd_admit {
+                    let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
+                    let _ = write!(s, "{p:<w$} {admit:>6} {:>18} {alone:>12}", format!("{label} ({slots})"));
+                    for (_, ssd) in &self.ssd_sizes {
+                        let v = self
+                            .two_level
+                            .iter()
+                            .find(|r| {
+                                r.policy == p && r.host_slots == *slots && r.ssd_slots == *ssd && r.admit == *admit
+                            })
+                            .map_or("-".into(), |r| {
+                                format!("{:.4} = {:.4} + {:.4}", r.hit_ratio, r.host_hit_ratio, r.ssd_hit_ratio)
+                            });
+                        let _ = write!(s, " {v:>26}");
+                    }
+                    let _ = writeln!(s);
                 }
-                let _ = writeln!(s);
             }
         }
         s
