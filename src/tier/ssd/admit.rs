@@ -81,9 +81,9 @@ impl std::str::FromStr for SsdAdmit {
 }
 
 /// Ghost hits per eviction of a window above which [`SsdAdmit::Auto`] admits after 2 uses.
-pub const AUTO_TIGHTEN: f64 = 0.6;
+pub(crate) const AUTO_TIGHTEN: f64 = 0.6;
 /// Ghost hits per eviction of a window below which [`SsdAdmit::Auto`] admits after 1 use again.
-pub const AUTO_RELAX: f64 = 0.3;
+pub(crate) const AUTO_RELAX: f64 = 0.3;
 
 /// The admission state of one SSD tier: the rule, the current threshold and, for
 /// [`SsdAdmit::Auto`], the ghost table and the window's counts (module docs).

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! - **Demotion** is write-back off the save path: a block whose use count (its save, then one per
-//!   query that leases it) reaches the admission threshold ([`SsdConfig::admit`], [`admit`]) is queued; one thread per tier pins
+//!   query that leases it) reaches the admission threshold ([`SsdConfig::admit`]) is queued; one thread per tier pins
 //!   the host slot, writes it to a disk slot ([`crate::disk`]: payload and checksummed trailer)
 //!   and marks the host copy **clean**. A save never waits for it: a full queue drops the
 //!   demotion (counted in [`SsdStats::demotions_dropped`]). Host eviction takes clean blocks
@@ -35,14 +35,14 @@
 //!   demotion thread is stopped and joined before the drop returns; a tier whose configuration
 //!   was refused after its files were made removes them.
 
-pub mod admit;
+pub(crate) mod admit;
 #[cfg(not(loom))]
 pub(crate) mod demote;
 pub(crate) mod directory;
 pub use directory::{DiskRef, DiskSlots, Recovered};
 pub use promote::reserve_promotion;
 #[cfg(not(loom))]
-pub mod model;
+pub(crate) mod model;
 pub(crate) mod promote;
 
 use crate::disk::{DiskError, DiskFile, DiskFileConfig, IoPreference, ScanReport};
@@ -78,7 +78,7 @@ pub struct SsdConfig {
     /// Which host blocks are demoted: at a fixed use ([`SsdAdmit::Uses`]: its save is the first
     /// use, each query that leases it one more; 1 demotes every saved block, 2 never writes a
     /// block seen once, which spares the drive's endurance), or after 1 or 2 uses decided online
-    /// from the drive's ghost hits ([`SsdAdmit::Auto`], see [`admit`]). Default: `Auto`.
+    /// from the drive's ghost hits ([`SsdAdmit::Auto`]). Default: `Auto`.
     pub admit: SsdAdmit,
     /// Whether the files use `O_DIRECT` (default: where the filesystem takes it).
     pub io: IoPreference,
