@@ -306,4 +306,41 @@ mod tests {
         assert_eq!(a.on_save(&key(7)), 2, "the same key saved again is on its second use");
         assert_eq!(a.on_save(&key(8)), 1);
     }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any sequence of evictions and saves on a 1,024-slot drive (windows of 64): `auto`'s
+        /// threshold is 1 or 2, a window closes every 64 evictions, a drive whose evicted keys
+        /// never come back stays at 1, and a fixed rule never moves nor counts a save as more
+        /// than one use.
+        #[test]
+        #[cfg_attr(miri, ignore = "proptest's runner takes minutes per case under Miri")]
+        fn auto_stays_within_one_and_two_and_moves_only_on_ghost_hits(
+            ops in proptest::collection::vec((any::<bool>(), 0u64..512), 1..2000),
+            disjoint in any::<bool>(),
+        ) {
+            let auto = Admission::new(SsdAdmit::Auto, 1024);
+            let fixed = Admission::new(SsdAdmit::Uses(3), 1024);
+            let mut evictions = 0u64;
+            for (evict, i) in ops {
+                // With `disjoint`, saved keys are never evicted ones.
+                let k = if evict || !disjoint { key(i) } else { key(i + 1_000_000) };
+                if evict {
+                    auto.on_eviction(&k);
+                    fixed.on_eviction(&k);
+                    evictions += 1;
+                } else {
+                    prop_assert!((1..=2).contains(&auto.on_save(&k)));
+                    prop_assert_eq!(fixed.on_save(&k), 1);
+                }
+                prop_assert!((1..=2).contains(&auto.threshold()));
+                prop_assert_eq!(fixed.threshold(), 3);
+                prop_assert_eq!(auto.windows().0, evictions / 64);
+                if disjoint {
+                    prop_assert_eq!((auto.threshold(), auto.windows().1), (1, 0));
+                }
+            }
+        }
+    }
 }
