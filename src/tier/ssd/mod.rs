@@ -252,6 +252,7 @@ pub fn pin_for_demotion<'a>(core: &'a Core, job: &Job) -> Option<HostPin<'a>> {
 
 /// Takes a disk slot of `slots` for the block of `key` ([`DiskSlots::take`]) and tells `admission`
 /// of the block evicted for it, if any: the demotion thread's step, and [`model::SsdModel`]'s.
+#[cfg_attr(loom, allow(dead_code))]
 pub(crate) fn take_disk_slot(
     slots: &DiskSlots,
     admission: &Admission,
