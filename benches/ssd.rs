@@ -51,7 +51,8 @@ impl Setup {
         let path = dir.join("ssd-bench.kvtier");
         let _ = std::fs::remove_file(&path);
         let g = Geometry::preset("glm52", 64).expect("the glm52 preset");
-        let ssd = SsdConfig::new(&path, 4096 + DISK_SLOTS * g.disk_slot_bytes()).with_read_depth(8);
+        // Admission after 2 uses: the query that follows the saves is the admitting use measured.
+        let ssd = SsdConfig::new(&path, 4096 + DISK_SLOTS * g.disk_slot_bytes()).with_read_depth(8).with_admit_uses(2);
         let tier = HostTier::new(
             TierConfig::new(g.clone(), HOST_SLOTS * g.slot_bytes()).with_backing(BackingChoice::Plain).with_ssd(ssd),
         )

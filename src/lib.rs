@@ -128,6 +128,9 @@ pub use source::BlockSource;
 pub use tier::events::{EventMedium, TierEvent};
 pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
+pub use tier::ssd::admit::{Admission, BadSsdAdmit, SsdAdmit};
+#[cfg(not(loom))]
+pub use tier::ssd::model::{Demotion, SsdModel};
 pub use tier::ssd::{SsdConfig, SsdFile, SsdStats};
 pub use tier::{
     AuditReport, EvictionLockStats, Fit, HintId, HostTier, Rank, RankLoad, SaveOptions, SaveTicket, TierConfig,

@@ -351,3 +351,25 @@ fn the_event_log_follows_every_block_stored_and_evicted_on_the_host_and_on_disk(
     events.clear();
     assert_eq!((none.take_events(&mut events), events.len()), (0, 0));
 }
+
+/// `SsdAdmit::Auto` on a drive that has not evicted admits after 1 use: the save itself queues
+/// the block, as `with_admit_uses(1)` does, and a bad admission text is a typed error.
+#[test]
+fn an_auto_admission_writes_saved_blocks_while_the_drive_has_room() {
+    let dir = tmpdir();
+    let tier = HostTier::new(
+        tier_config(8, PolicyKind::Lru)
+            .with_chain_aware(false)
+            .with_ssd(SsdConfig::new(ssd_path(&dir), file_bytes(8)).with_admit(kvtier::SsdAdmit::Auto)),
+    )
+    .unwrap();
+    let a = arenas();
+    let rank = tier.attach(a.backend().unwrap()).unwrap();
+    let k = keys(&tier, 0..3);
+    let _ = save_filled(&rank, &a, &k, &[0, 1, 2]);
+    tier.flush_demotions();
+    let s = tier.ssd_stats().unwrap();
+    assert_eq!((s.demoted_blocks, s.blocks), (3, 3), "auto admits every saved block while the drive has room");
+    let e = "0".parse::<kvtier::SsdAdmit>().unwrap_err();
+    assert!(e.to_string().contains("neither `auto` nor a number of uses"), "{e}");
+}

@@ -151,10 +151,11 @@ struct ReplayArgs {
     /// adds the SSD tier's figures and splits the hits into host and promoted pages.
     #[arg(long, value_name = "PATH:SIZE", value_parser = parse_ssd_file, conflicts_with = "lookahead")]
     ssd: Vec<kvtier::SsdFile>,
-    /// Uses that admit a block to the SSD tier: its save is the first, each query that leases it
-    /// one more (1 writes every saved block to the drive).
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
-    ssd_admit: u32,
+    /// How blocks are admitted to the SSD tier: `N` uses (its save is the first, each query that
+    /// leases it one more; 1 writes every saved block to the drive), or `auto` (after 1 or 2
+    /// uses, decided online from the drive's ghost hits; the default).
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = |s: &str| s.parse::<kvtier::SsdAdmit>())]
+    ssd_admit: kvtier::SsdAdmit,
 }
 
 #[derive(clap::Args)]
@@ -210,10 +211,11 @@ struct SimulateArgs {
     /// the two-level page hit ratios (host share + SSD share) and an unbounded cache's.
     #[arg(long, value_delimiter = ',')]
     ssd: Vec<String>,
-    /// Uses that admit a block to the SSD tier (a block used fewer times is never written to the
-    /// drive).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
-    ssd_admit: u32,
+    /// SSD admissions to run, comma-separated: `N` uses (a block used fewer times while on the
+    /// host is never written to the drive) or `auto` (1 or 2, decided online from the drive's
+    /// ghost hits; the default). Each variant runs over each SSD size with each.
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_delimiter = ',', value_parser = |s: &str| s.parse::<kvtier::SsdAdmit>())]
+    ssd_admit: Vec<kvtier::SsdAdmit>,
 }
 
 #[derive(Copy, Clone, ValueEnum)]
@@ -328,11 +330,11 @@ fn progress_every(secs: f64) -> Result<std::time::Duration, Error> {
 }
 
 /// The SSD tier of `--ssd` files and `--ssd-admit` (none without a file).
-fn ssd_config(files: &[kvtier::SsdFile], admit: u32) -> Option<kvtier::SsdConfig> {
+fn ssd_config(files: &[kvtier::SsdFile], admit: kvtier::SsdAdmit) -> Option<kvtier::SsdConfig> {
     let (first, rest) = files.split_first()?;
     let config =
         rest.iter().fold(kvtier::SsdConfig::new(&first.path, first.bytes), |c, f| c.with_file(&f.path, f.bytes));
-    Some(config.with_admit_uses(admit))
+    Some(config.with_admit(admit))
 }
 
 fn replay(args: ReplayArgs, every: std::time::Duration) -> Result<(), Error> {

@@ -205,8 +205,9 @@ pub struct ReplayReport {
 pub struct SsdReport {
     /// Slot files (drives).
     pub files: usize,
-    /// Uses that admit a block to the drive.
-    pub admit_uses: u32,
+    /// How blocks are admitted to the drive: the number of uses (`"2"`), or `"auto"`
+    /// ([`kvtier::SsdAdmit`]).
+    pub admit: String,
     /// Disk slots over every file.
     pub capacity_blocks: u64,
     /// Bytes of one disk slot (the block and its trailer, rounded up to 4 KiB).
@@ -254,7 +255,7 @@ impl SsdReport {
         let host = if crate::seeded::seeded("replay-promoted-as-host-hits") { hits } else { hits - promoted };
         SsdReport {
             files: config.files.len(),
-            admit_uses: config.admit_uses,
+            admit: config.admit.to_string(),
             capacity_blocks: s.capacity,
             disk_slot_bytes,
             host_hit_pages: host,
@@ -284,13 +285,13 @@ impl SsdReport {
             (
                 "SSD tier",
                 format!(
-                    "{} disk slots of {} B ({:.2} GB), {} file{}, admitted at {} uses",
+                    "{} disk slots of {} B ({:.2} GB), {} file{}, admitted after {} uses",
                     self.capacity_blocks,
                     self.disk_slot_bytes,
                     gb(self.capacity_blocks * self.disk_slot_bytes),
                     self.files,
                     if self.files == 1 { "" } else { "s" },
-                    self.admit_uses
+                    self.admit
                 ),
             ),
             ("hit split", format!("{} host pages, {} promoted from the SSD", self.host_hit_pages, self.promoted_pages)),

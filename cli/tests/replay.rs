@@ -264,7 +264,7 @@ fn a_replay_over_an_ssd_tier_serves_the_blocks_its_pool_evicted() {
     let r = replay_blocks(&reqs, 16, ssd("a.kvtier"));
     let s = r.ssd.clone().expect("the SSD tier's figures");
     assert_eq!(std::fs::metadata(dir.path().join("a.kvtier")).unwrap().len(), bytes);
-    assert_eq!((s.files, s.admit_uses, s.capacity_blocks, s.disk_slot_bytes), (1, 1, distinct, 4096));
+    assert_eq!((s.files, s.admit.as_str(), s.capacity_blocks, s.disk_slot_bytes), (1, "1", distinct, 4096));
     assert_eq!(s.host_hit_pages + s.promoted_pages, r.hit_pages, "every hit is a host hit or a promoted one");
     assert_eq!(s.promoted_pages, s.promoted_blocks, "the leases' promoted blocks are the drive's reads");
     assert!(s.promoted_pages > 0, "the pool evicts blocks that later requests reuse");
@@ -553,7 +553,7 @@ fn cli_replay_over_an_ssd_tier_reports_the_hit_split_and_the_drive() {
     let flag = format!("{}:{bytes}", file.display());
     let pool = (2 * g.slot_bytes()).to_string();
     let args = ["replay", trace.to_str().unwrap(), "--geometry", "deepseek-v3", "--pool", &pool, "--backend", "host"];
-    let args = [&args[..], &["--backing", "plain", "--ssd", &flag]].concat();
+    let args = [&args[..], &["--backing", "plain", "--ssd", &flag, "--ssd-admit", "2"]].concat();
     let run = |extra: &[&str]| {
         let out = kvtier(&[&args[..], extra].concat());
         assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
@@ -564,10 +564,8 @@ fn cli_replay_over_an_ssd_tier_reports_the_hit_split_and_the_drive() {
     assert_eq!((v["requests"].as_u64(), v["pages"].as_u64(), v["hit_pages"].as_u64()), (Some(5), Some(10), Some(4)));
     let s = &v["ssd"];
     let n = |k: &str| s[k].as_u64().unwrap_or_else(|| panic!("no ssd.{k} in {s}"));
-    assert_eq!(
-        (n("files"), n("admit_uses"), n("capacity_blocks"), n("disk_slot_bytes")),
-        (1, 2, 2, g.disk_slot_bytes())
-    );
+    assert_eq!((n("files"), n("capacity_blocks"), n("disk_slot_bytes")), (1, 2, g.disk_slot_bytes()));
+    assert_eq!(s["admit"], "2");
     assert_eq!(
         (n("host_hit_pages"), n("promoted_pages")),
         (2, 2),
@@ -588,8 +586,10 @@ fn cli_replay_over_an_ssd_tier_reports_the_hit_split_and_the_drive() {
     ] {
         assert!(text.contains(want), "`{want}` not in:\n{text}");
     }
-    let tier_row =
-        format!("SSD tier         2 disk slots of {} B (0.01 GB), 1 file, admitted at 2 uses\n", g.disk_slot_bytes());
+    let tier_row = format!(
+        "SSD tier         2 disk slots of {} B (0.01 GB), 1 file, admitted after 2 uses\n",
+        g.disk_slot_bytes()
+    );
     assert!(text.contains(&tier_row), "`{tier_row}` not in:\n{text}");
     let rows = ["SSD promoted     4 blocks", "SSD transfers    "];
     assert!(rows.iter().all(|r| text.contains(r)), "{text}");
@@ -618,7 +618,11 @@ fn cli_errors_are_clear_and_exit_non_zero() {
         (vec!["replay", trace, "--backend", "gpu"], 2, "unknown backend `gpu` (known: auto, host, cuda)"),
         (vec!["replay", trace, "--ssd", "drive.kvtier"], 2, "`drive.kvtier` is not PATH:SIZE"),
         (vec!["replay", trace, "--ssd", "drive.kvtier:2tb"], 2, "did you mean 2TB"),
-        (vec!["replay", trace, "--ssd", "x:1GiB", "--ssd-admit", "0"], 2, "invalid value '0' for '--ssd-admit <N>'"),
+        (
+            vec!["replay", trace, "--ssd", "x:1GiB", "--ssd-admit", "0"],
+            2,
+            "SSD admission `0` is neither `auto` nor a number of uses",
+        ),
         (vec!["replay", trace, "--ssd", "x:1GiB", "--lookahead", "2"], 2, "cannot be used with"),
         (vec!["replay", trace, "--geometry", "deepseek-v3", "--pool", "64MiB", "--ssd", &small], 1, "hold no block of"),
     ];

@@ -4,7 +4,7 @@
 
 mod support;
 
-use kvtier::{ContentKey, Geometry, PolicyKind};
+use kvtier::{ContentKey, Geometry, PolicyKind, SsdAdmit};
 use kvtier_cli::simulate::foresight::foresight_hits;
 use kvtier_cli::simulate::two_level::{run_two_level, unbounded};
 use kvtier_cli::simulate::{belady, belady_ids, page_keys, run_policy, Variant};
@@ -170,28 +170,53 @@ fn foresight_of_the_whole_trace_is_the_optimum() {
 
 #[test]
 fn two_levels_are_exact_on_a_tiny_trace() {
-    // Blocks of 2 full pages, requests for blocks 1, 2, 1, 3, 1, 2; LRU on both levels.
+    // Blocks of 2 full pages, requests for blocks 1, 2, 1, 3, 1, 2; LRU on the host, the drive's
+    // own recency order under it.
     let g = glm52();
     let keys = one_block_requests(&g, &[1, 2, 1, 3, 1, 2]);
     let lru = Variant::plain(PolicyKind::Lru);
     // An unbounded cache hits requests 3, 5 and 6.
     assert_eq!(unbounded(&keys), 6);
     // Host pool of 2 slots (one block): no host hit at all (see optimum_is_exact_on_a_tiny_trace).
-    // Admitted after 2 uses: block 1 goes to the SSD at request 3, and is found there at request
-    // 5; block 2 reaches 2 uses only at request 6, after its query.
-    let r = run_two_level(&keys, lru, 2, 8, 2, &g, &|_| {}).unwrap();
-    assert_eq!((r.host_hit_pages, r.ssd_hit_pages, r.demoted_pages), (0, 2, 4));
+    // Admitted after 2 uses, counted per stay on the host as the tier counts them: no block is
+    // ever leased from the host, so none reaches 2 uses and nothing is written.
+    let r = run_two_level(&keys, lru, 2, 8, SsdAdmit::Uses(2), &g, &|_| {}).unwrap();
+    assert_eq!((r.host_hit_pages, r.ssd_hit_pages, r.demoted_pages), (0, 0, 0));
     assert_eq!(r.ssd_evictions, 0);
     // Admitted at the first use, on an SSD of 2 blocks (4 slots): requests 3 and 5 hit block 1 on
     // the SSD (each hit refreshes it); block 3's demotion at request 4 evicts block 2, so request 6
     // misses, and its demotion evicts block 3.
-    let r = run_two_level(&keys, lru, 2, 4, 1, &g, &|_| {}).unwrap();
+    let r = run_two_level(&keys, lru, 2, 4, SsdAdmit::Uses(1), &g, &|_| {}).unwrap();
     assert_eq!((r.host_hit_pages, r.ssd_hit_pages, r.demoted_pages), (0, 4, 8));
     assert_eq!(r.ssd_evictions, 4);
-    // An SSD of 3 blocks holds everything: the two levels reach the unbounded cache.
-    let r = run_two_level(&keys, lru, 2, 6, 1, &g, &|_| {}).unwrap();
-    assert_eq!(r.host_hit_pages + r.ssd_hit_pages, 6);
-    assert!(run_two_level(&keys, lru, 2, 6, 0, &g, &|_| {}).is_err(), "an admission after 0 uses is refused");
+    // An SSD of 3 blocks holds everything: the two levels reach the unbounded cache; so does
+    // `auto`, which admits after 1 use on a drive that never evicts.
+    for admit in [SsdAdmit::Uses(1), SsdAdmit::Auto] {
+        let r = run_two_level(&keys, lru, 2, 6, admit, &g, &|_| {}).unwrap();
+        assert_eq!((r.host_hit_pages + r.ssd_hit_pages, r.demoted_pages, r.ssd_evictions), (6, 6, 0), "{admit}");
+    }
+    assert!(
+        run_two_level(&keys, lru, 2, 6, SsdAdmit::Uses(0), &g, &|_| {}).is_err(),
+        "an admission after 0 uses is refused"
+    );
+}
+
+/// Issue 49: under prefix-tinylfu the drive refused (`ssd_dropped_pages`) every block's first
+/// demotion and never evicted, because the simulation managed the drive with the host's policy,
+/// doorkeeper included. The tier's drive has its own recency order and no doorkeeper: whatever
+/// the host policy, a drive larger than the trace drops nothing, evicts nothing, and holds every
+/// block the host saved once admission after 1 use wrote it.
+#[test]
+fn the_drive_keeps_its_own_order_whatever_the_host_policy() {
+    let g = glm52();
+    let keys = page_keys(&synthetic(7, 250, 10), &g).unwrap();
+    for &policy in PolicyKind::ALL {
+        let r = run_two_level(&keys, Variant::new(policy, true, 0), 24, 4096, SsdAdmit::Uses(1), &g, &|_| {}).unwrap();
+        let p = policy.name();
+        assert_eq!(r.ssd_dropped_pages, 0, "{p}: the drive refused demotions");
+        assert_eq!(r.ssd_evictions, 0, "{p}: a drive larger than the trace evicted");
+        assert!(r.ssd_hit_pages > 0, "{p}: the drive served nothing");
+    }
 }
 
 #[test]
@@ -207,14 +232,16 @@ fn the_ssd_only_adds_hits_under_the_host_pools() {
                 let v = Variant::new(policy, chain, lookahead);
                 let host = run_policy(&keys, v, 24, &g, &|_| {}).unwrap();
                 for ssd in [16u32, 64, 4096] {
-                    let r = run_two_level(&keys, v, 24, ssd, 2, &g, &|_| {}).unwrap();
-                    let l = v.label();
-                    assert_eq!(r.host_hit_pages, host.hit_pages, "{l}, seed {seed}, SSD {ssd}: host share");
-                    let both = r.host_hit_pages + r.ssd_hit_pages;
-                    let lo = host.hit_pages;
-                    assert!(both >= lo && both <= all, "{l}, seed {seed}, SSD {ssd}: {both} not in {lo}..={all}");
-                    if ssd == 4096 {
-                        assert!(r.ssd_hit_pages > 0, "{l}, seed {seed}: an SSD larger than the trace finds pages");
+                    for admit in [SsdAdmit::Uses(1), SsdAdmit::Uses(2), SsdAdmit::Auto] {
+                        let r = run_two_level(&keys, v, 24, ssd, admit, &g, &|_| {}).unwrap();
+                        let l = format!("{} admit {admit}", v.label());
+                        assert_eq!(r.host_hit_pages, host.hit_pages, "{l}, seed {seed}, SSD {ssd}: host share");
+                        let both = r.host_hit_pages + r.ssd_hit_pages;
+                        let lo = host.hit_pages;
+                        assert!(both >= lo && both <= all, "{l}, seed {seed}, SSD {ssd}: {both} not in {lo}..={all}");
+                        if ssd == 4096 && admit != SsdAdmit::Uses(2) {
+                            assert!(r.ssd_hit_pages > 0, "{l}, seed {seed}: an SSD larger than the trace finds pages");
+                        }
                     }
                 }
             }
@@ -466,11 +493,11 @@ fn cli_simulates_an_ssd_tier_under_the_pool() {
             .output()
             .unwrap()
     };
-    let out = run(&["--json"]);
+    let out = run(&["--json", "--ssd-admit", "1"]);
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["ssd_sizes"], serde_json::json!([["600slots", 600], ["2TiB", 636857]]));
-    assert_eq!(v["ssd_admit"], 2);
+    assert_eq!(v["ssd_admit"], serde_json::json!(["1"]));
     let host = v["runs"][0]["hit_pages"].as_u64().unwrap();
     let two = v["two_level"].as_array().unwrap();
     assert_eq!(two.len(), 2);
@@ -495,4 +522,8 @@ fn cli_simulates_an_ssd_tier_under_the_pool() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {err}");
     assert!(err.contains("SSD size `3MB` is 0 disk slots of 3452928 B"), "{err}");
+    let out = run(&["--ssd-admit", "1,often"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(err.contains("SSD admission `often` is neither `auto` nor a number of uses of at least 1"), "{err}");
 }

@@ -138,10 +138,11 @@ struct Args {
     /// restart. Evicted blocks the drive holds come back into the pool when a query reaches them.
     #[arg(long, value_name = "PATH:SIZE")]
     ssd: Vec<String>,
-    /// Uses that admit a block to the SSD tier: its save is the first, each query that leases it one
-    /// more (1 writes every saved block to the drive).
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    ssd_admit: u32,
+    /// How blocks are admitted to the SSD tier: `N` uses (its save is the first, each query that
+    /// leases it one more; 1 writes every saved block to the drive), or `auto` (after 1 or 2 uses,
+    /// decided online from the drive's ghost hits; the default).
+    #[arg(long, value_name = "N|auto", default_value = "auto")]
+    ssd_admit: String,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
     /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
     /// Anyone who can reach ADDR can read them: keep it on loopback or a private network. One thread
@@ -378,9 +379,10 @@ fn config(a: &Args) -> Result<TierConfig, String> {
 /// The SSD tier of `--ssd` and `--ssd-admit` for blocks of `g` (none without `--ssd`), every file
 /// checked to hold at least one block before any is created.
 fn ssd_config(a: &Args, g: &Geometry) -> Result<Option<SsdConfig>, String> {
-    if a.ssd_admit == 0 {
+    if a.ssd_admit.trim() == "0" {
         return Err("--ssd-admit 0: a block needs at least one use (its save) to be admitted".into());
     }
+    let admit: kvtier::SsdAdmit = a.ssd_admit.parse().map_err(|e: kvtier::BadSsdAdmit| format!("--ssd-admit: {e}"))?;
     let mut config: Option<SsdConfig> = None;
     for s in &a.ssd {
         let f = kvtier::parse_ssd_file(s).map_err(|e| format!("--ssd {s}: {e}"))?;
@@ -397,7 +399,7 @@ fn ssd_config(a: &Args, g: &Geometry) -> Result<Option<SsdConfig>, String> {
             Some(c) => c.with_file(f.path, f.bytes),
         });
     }
-    Ok(config.map(|c| c.with_admit_uses(a.ssd_admit)))
+    Ok(config.map(|c| c.with_admit(admit)))
 }
 
 fn seconds(flag: &str, s: f64) -> Result<Duration, String> {
@@ -733,7 +735,7 @@ fn main() {
     let ssd = match t.ssd_stats() {
         Some(s) => {
             tracing::info!(
-                "SSD tier: {} files, {} disk slots of {} B, admitted at {} uses; {} blocks found again ({} torn, \
+                "SSD tier: {} files, {} disk slots of {} B, admitted after {} uses; {} blocks found again ({} torn, \
                  {} foreign slots freed)",
                 args.ssd.len(),
                 s.capacity,

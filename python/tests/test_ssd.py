@@ -96,8 +96,8 @@ def test_evicted_blocks_come_back_from_the_ssd_in_one_lease_over_both_tiers(geom
 
 
 def test_a_block_is_demoted_at_its_admitting_use_and_not_before(geometry, arrays, tmp_path):
-    # The default admits a block at its second use: its save, then one query that leases it.
-    tier = ssd_tier(geometry, tmp_path / "tier.kvtier", host=8, disk=8)
+    # Admission after 2 uses: its save, then one query that leases it.
+    tier = ssd_tier(geometry, tmp_path / "tier.kvtier", host=8, disk=8, ssd_admit_uses=2)
     with tier.attach_host(arrays) as rank:
         keys = tier.namespace.keys([b"b0", b"b1", b"b2"])
         assert rank.save(keys, [1, 2, 3]).wait() is True

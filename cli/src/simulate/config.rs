@@ -76,8 +76,8 @@ pub struct SimConfig {
     /// variant also runs over each host pool size with each of these under it
     /// ([`two_level::run_two_level`](super::two_level::run_two_level)). Empty: host pool only.
     pub ssd: Vec<String>,
-    /// Uses that admit a block to the SSD tier (at least 1; 2 by default).
-    pub ssd_admit: u32,
+    /// SSD admissions to run each two-level case with (`auto` by default).
+    pub ssd_admit: Vec<kvtier::SsdAdmit>,
 }
 
 impl Default for SimConfig {
@@ -94,7 +94,7 @@ impl Default for SimConfig {
             optimum: true,
             foresight: Vec::new(),
             ssd: Vec::new(),
-            ssd_admit: 2,
+            ssd_admit: vec![kvtier::SsdAdmit::Auto],
         }
     }
 }
@@ -122,10 +122,11 @@ impl SimConfig {
         v
     }
 
-    /// Requests the policy runs of [`run`](super::run) replay in all (`variants x pools x (1 + ssd sizes) x
-    /// requests`): the
+    /// Requests the policy runs of [`run`](super::run) replay in all (`variants x pools x (1 + ssd sizes x
+    /// admissions) x requests`): the
     /// length of a progress bar fed by `run`'s `progress`.
     pub fn steps(&self, requests: usize) -> u64 {
-        (self.variants().len() * self.pools.len() * (1 + self.ssd.len())) as u64 * requests as u64
+        (self.variants().len() * self.pools.len() * (1 + self.ssd.len() * self.ssd_admit.len())) as u64
+            * requests as u64
     }
 }

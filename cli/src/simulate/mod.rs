@@ -142,16 +142,18 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         .iter()
         .map(|s| parse_disk_slots(s, &geometry).map(|n| (s.trim().to_string(), n)))
         .collect::<Result<_, _>>()?;
-    if !ssd_sizes.is_empty() && config.ssd_admit == 0 {
-        return Err(Error::Config("--ssd-admit is a number of uses, at least 1".into()));
+    if !ssd_sizes.is_empty() && (config.ssd_admit.is_empty() || config.ssd_admit.contains(&kvtier::SsdAdmit::Uses(0))) {
+        return Err(Error::Config("--ssd-admit is `auto` or a number of uses, at least 1".into()));
     }
     let mut runs = Vec::new();
     let mut two = Vec::new();
     for v in config.variants() {
         for (_, slots) in &sizes {
             runs.push(run_policy(&keys, v, *slots, &geometry, progress)?);
-            for (_, ssd) in &ssd_sizes {
-                two.push(two_level::run_two_level(&keys, v, *slots, *ssd, config.ssd_admit, &geometry, progress)?);
+            for &admit in &config.ssd_admit {
+                for (_, ssd) in &ssd_sizes {
+                    two.push(two_level::run_two_level(&keys, v, *slots, *ssd, admit, &geometry, progress)?);
+                }
             }
         }
     }
@@ -182,7 +184,7 @@ pub fn run(trace: &str, reqs: &[TraceRequest], config: &SimConfig, progress: &dy
         sizes,
         runs,
         ssd_sizes,
-        ssd_admit: config.ssd_admit,
+        ssd_admit: config.ssd_admit.iter().map(|a| a.to_string()).collect(),
         two_level: two,
         unbounded_hit_ratio: ratio(two_level::unbounded(&keys), total),
         peak_rss_kib: peak_rss_kib(),

@@ -89,8 +89,8 @@ pub struct SimReport {
     pub runs: Vec<PolicyRun>,
     /// SSD tier sizes: (label as given, disk slots); empty without `--ssd`.
     pub ssd_sizes: Vec<(String, u32)>,
-    /// Uses that admit a block to the SSD tier.
-    pub ssd_admit: u32,
+    /// SSD admissions run (`"1"`, `"2"`, `"auto"`).
+    pub ssd_admit: Vec<String>,
     /// Every variant x host pool size x SSD size (empty without `--ssd`).
     pub two_level: Vec<two_level::TwoLevelRun>,
     /// Page hit ratio of an unbounded cache ([`two_level::unbounded`]).
@@ -193,30 +193,34 @@ impl SimReport {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "\ntwo-level page hit ratio: host pool + SSD tier = host share + SSD share (admitted after {} uses); \
-             unbounded cache {:.4}",
-            self.ssd_admit, self.unbounded_hit_ratio
+            "\ntwo-level page hit ratio: host pool + SSD tier = host share + SSD share (SSD admission after \
+             N uses, or auto); unbounded cache {:.4}",
+            self.unbounded_hit_ratio
         );
-        let _ = write!(s, "{:<w$} {:>18} {:>12}", "policy", "host pool", "host only");
+        let _ = write!(s, "{:<w$} {:>6} {:>18} {:>12}", "policy", "admit", "host pool", "host only");
         for (label, slots) in &self.ssd_sizes {
             let _ = write!(s, " {:>26}", format!("+ SSD {label} ({slots})"));
         }
         let _ = writeln!(s);
         for p in self.policies().into_iter().filter(|p| !PolicyRun::is_offline(p)) {
             for (label, slots) in &self.sizes {
-                let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
-                let _ = write!(s, "{p:<w$} {:>18} {alone:>12}", format!("{label} ({slots})"));
-                for (_, ssd) in &self.ssd_sizes {
-                    let v = self
-                        .two_level
-                        .iter()
-                        .find(|r| r.policy == p && r.host_slots == *slots && r.ssd_slots == *ssd)
-                        .map_or("-".into(), |r| {
-                            format!("{:.4} = {:.4} + {:.4}", r.hit_ratio, r.host_hit_ratio, r.ssd_hit_ratio)
-                        });
-                    let _ = write!(s, " {v:>26}");
+                for admit in &self.ssd_admit {
+                    let alone = self.get(p, *slots).map_or("-".into(), |r| format!("{:.4}", r.hit_ratio));
+                    let _ = write!(s, "{p:<w$} {admit:>6} {:>18} {alone:>12}", format!("{label} ({slots})"));
+                    for (_, ssd) in &self.ssd_sizes {
+                        let v = self
+                            .two_level
+                            .iter()
+                            .find(|r| {
+                                r.policy == p && r.host_slots == *slots && r.ssd_slots == *ssd && r.admit == *admit
+                            })
+                            .map_or("-".into(), |r| {
+                                format!("{:.4} = {:.4} + {:.4}", r.hit_ratio, r.host_hit_ratio, r.ssd_hit_ratio)
+                            });
+                        let _ = write!(s, " {v:>26}");
+                    }
+                    let _ = writeln!(s);
                 }
-                let _ = writeln!(s);
             }
         }
         s

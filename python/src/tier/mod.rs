@@ -89,7 +89,8 @@ fn passed(deadline: Option<Instant>) -> bool {
 ///   reopened and its blocks found again (`ssd_stats()["recovered_blocks"]`); it holds
 ///   `geometry.disk_slots(bytes)` blocks and takes `4096 + blocks * geometry.disk_slot_bytes`
 ///   bytes. Host blocks are written to it in the background once used `ssd_admit_uses` times
-///   (default 2: the save, then one query; 1 writes every saved block), and a query whose host
+///   (default: decided online, after 1 or 2 uses, from the drive's ghost hits; 1 writes every saved
+///   block; 2: the save, then one query), and a query whose host
 ///   prefix ends where the SSD tier holds the next blocks reads them back into host slots,
 ///   verified, in the same lease (`Lease.promoted`).
 /// - `ssd_io`: `direct` (`O_DIRECT` where the filesystem takes it, the default) or `buffered`.

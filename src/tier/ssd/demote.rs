@@ -68,7 +68,7 @@ pub(crate) fn demote(core: &Core, ssd: &SsdTier, job: Job) {
         bump(&ssd.counters.demotions_skipped, 1);
         return;
     };
-    let Some((disk, evicted)) = ssd.slots.take(&key) else {
+    let Some((disk, evicted)) = super::take_disk_slot(&ssd.slots, &ssd.admission, &key) else {
         // Every disk slot is being read or written: drop this demotion.
         bump(&ssd.counters.demotions_dropped, 1);
         return;

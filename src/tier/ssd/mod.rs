@@ -6,12 +6,12 @@
 //!   query ── host prefix (pins) ──> miss ──> disk prefix (disk pins) ──> read at depth into fresh
 //!                                                                        WRITING host slots, verify,
 //!                                                                        READY + the lease's pin
-//!   hit / commit ── use count reaches `admit_uses` ──> demotion queue ──> demotion thread: pin the
+//!   hit / commit ── use count reaches the admission ──> demotion queue ──> demotion thread: pin the
 //!                                                    host slot, write the disk slot, mark it clean
 //! ```
 //!
 //! - **Demotion** is write-back off the save path: a block whose use count (its save, then one per
-//!   query that leases it) reaches [`SsdConfig::admit_uses`] is queued; one thread per tier pins
+//!   query that leases it) reaches the admission threshold ([`SsdConfig::admit`]) is queued; one thread per tier pins
 //!   the host slot, writes it to a disk slot ([`crate::disk`]: payload and checksummed trailer)
 //!   and marks the host copy **clean**. A save never waits for it: a full queue drops the
 //!   demotion (counted in [`SsdStats::demotions_dropped`]). Host eviction takes clean blocks
@@ -35,11 +35,14 @@
 //!   demotion thread is stopped and joined before the drop returns; a tier whose configuration
 //!   was refused after its files were made removes them.
 
+pub(crate) mod admit;
 #[cfg(not(loom))]
 pub(crate) mod demote;
 pub(crate) mod directory;
 pub use directory::{DiskRef, DiskSlots, Recovered};
 pub use promote::reserve_promotion;
+#[cfg(not(loom))]
+pub(crate) mod model;
 pub(crate) mod promote;
 
 use crate::disk::{DiskError, DiskFile, DiskFileConfig, IoPreference, ScanReport};
@@ -48,6 +51,7 @@ use crate::key::ContentKey;
 use crate::slab::slot::SlotId;
 use crate::tier::core::{Core, LowerTier};
 use crate::tier::expiry::LeasedBlock;
+use admit::{Admission, SsdAdmit};
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -71,10 +75,11 @@ pub struct SsdFile {
 pub struct SsdConfig {
     /// The disk slot files, at least one (one per drive, to use several drives).
     pub files: Vec<SsdFile>,
-    /// Uses a host block needs before it is demoted: its save is the first use, each query that
-    /// leases it one more. Default 2 (a block seen once is never written to the drive, which
-    /// spares its endurance); 1 demotes every saved block.
-    pub admit_uses: u32,
+    /// Which host blocks are demoted: at a fixed use ([`SsdAdmit::Uses`]: its save is the first
+    /// use, each query that leases it one more; 1 demotes every saved block, 2 never writes a
+    /// block seen once, which spares the drive's endurance), or after 1 or 2 uses decided online
+    /// from the drive's ghost hits ([`SsdAdmit::Auto`]). Default: `Auto`.
+    pub admit: SsdAdmit,
     /// Whether the files use `O_DIRECT` (default: where the filesystem takes it).
     pub io: IoPreference,
     /// Reads in flight during a promotion (io_uring queue depth, or `pread` threads). Default 8.
@@ -88,7 +93,7 @@ impl SsdConfig {
     pub fn new(path: impl Into<PathBuf>, bytes: u64) -> Self {
         SsdConfig {
             files: vec![SsdFile { path: path.into(), bytes }],
-            admit_uses: 2,
+            admit: SsdAdmit::default(),
             io: IoPreference::Direct,
             read_depth: 8,
             queue_capacity: 4096,
@@ -101,9 +106,16 @@ impl SsdConfig {
         self
     }
 
-    /// Sets the uses a block needs before it is demoted (see [`SsdConfig::admit_uses`]).
+    /// Sets the uses a block needs before it is demoted ([`SsdAdmit::Uses`], see
+    /// [`SsdConfig::admit`]); 0 is refused when the tier is built.
     pub fn with_admit_uses(mut self, uses: u32) -> Self {
-        self.admit_uses = uses;
+        self.admit = SsdAdmit::Uses(uses);
+        self
+    }
+
+    /// Sets how blocks are admitted to the drive (see [`SsdConfig::admit`]).
+    pub fn with_admit(mut self, admit: SsdAdmit) -> Self {
+        self.admit = admit;
         self
     }
 
@@ -238,6 +250,21 @@ pub fn pin_for_demotion<'a>(core: &'a Core, job: &Job) -> Option<HostPin<'a>> {
     (core.slot_key(job.slot) == job.key).then_some(pin)
 }
 
+/// Takes a disk slot of `slots` for the block of `key` ([`DiskSlots::take`]) and tells `admission`
+/// of the block evicted for it, if any: the demotion thread's step, and [`model::SsdModel`]'s.
+#[cfg_attr(loom, allow(dead_code))]
+pub(crate) fn take_disk_slot(
+    slots: &DiskSlots,
+    admission: &Admission,
+    key: &ContentKey,
+) -> Option<(DiskRef, Option<ContentKey>)> {
+    let taken = slots.take(key)?;
+    if let Some(old) = &taken.1 {
+        admission.on_eviction(old);
+    }
+    Some(taken)
+}
+
 #[derive(Default)]
 pub(crate) struct QueueState {
     pub(crate) jobs: VecDeque<Job>,
@@ -264,7 +291,7 @@ pub(crate) struct SsdTier {
     /// The first global disk slot of each file.
     starts: Vec<u32>,
     pub(crate) slots: DiskSlots,
-    admit_uses: u32,
+    pub(crate) admission: Admission,
     read_depth: usize,
     queue_capacity: usize,
     payload_bytes: u64,
@@ -292,17 +319,17 @@ impl SsdTier {
     ///
     /// # Errors
     /// [`DiskError::BadConfig`] for no file, a file too small for one block, more than
-    /// `u32::MAX - 1` disk slots in all, `admit_uses`, `read_depth` or `queue_capacity` of 0 (or a
+    /// `u32::MAX - 1` disk slots in all, an admission after 0 uses, `read_depth` or `queue_capacity` of 0 (or a
     /// depth over 1,024); the errors of [`DiskFile::open_or_create`] (no space, a file of another
     /// geometry or namespace, not a kvtier file, I/O).
     pub(crate) fn open(config: &SsdConfig, geometry: &Geometry, host_slots: u32) -> Result<Self, DiskError> {
         if config.files.is_empty() {
             return Err(DiskError::BadConfig("an SSD tier needs at least one file".into()));
         }
-        if config.admit_uses == 0 || config.queue_capacity == 0 || !(1..=1024).contains(&config.read_depth) {
+        if config.admit == SsdAdmit::Uses(0) || config.queue_capacity == 0 || !(1..=1024).contains(&config.read_depth) {
             return Err(DiskError::BadConfig(format!(
                 "admit_uses ({}) and queue_capacity ({}) must be at least 1 and read_depth ({}) 1 to 1,024",
-                config.admit_uses, config.queue_capacity, config.read_depth
+                config.admit, config.queue_capacity, config.read_depth
             )));
         }
         let payload_bytes = geometry.slot_bytes();
@@ -381,7 +408,7 @@ impl SsdTier {
             files,
             starts,
             slots,
-            admit_uses: config.admit_uses,
+            admission: Admission::new(config.admit, total as u32),
             read_depth: config.read_depth,
             queue_capacity: config.queue_capacity,
             payload_bytes,
@@ -438,19 +465,26 @@ impl SsdTier {
         self.host_clean[slot.index()].store(0, Ordering::Release);
     }
 
-    /// A host block became `READY`: queued for demotion if one use admits it.
+    /// A host block became `READY` (a save, not a promotion): queued for demotion if its uses (1,
+    /// or 2 for a key the admission saw saved lately) admit it.
     pub(crate) fn on_commit(&self, slot: SlotId, generation: u64, key: ContentKey) {
-        if self.admit_uses <= 1 && !self.is_clean(slot, generation) {
+        let mut uses = 1;
+        if self.admission.on_save(&key) > 1 {
+            // A key the host saved lately is on its second use (the count of this stay follows).
+            uses = self.host_uses[slot.index()].fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        }
+        if self.admission.admits_save(uses) && !self.is_clean(slot, generation) {
             self.enqueue(Job { slot, generation, key });
         }
     }
 
     /// A query leased the host block: one more use; queued for demotion when the uses reach
-    /// [`SsdConfig::admit_uses`].
+    /// the admission threshold ([`SsdConfig::admit`]).
     pub(crate) fn on_hit(&self, slot: SlotId, generation: u64, key: ContentKey) {
         let uses = self.host_uses[slot.index()].fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        // Seeded bug (tests only): every use admits a block, not the `admit_uses`-th.
-        let admitted = if crate::seeded::seeded("ssd-admits-every-use") { uses >= 1 } else { uses == self.admit_uses };
+        // Seeded bug (tests only): every use admits a block, not the threshold-th.
+        let admitted =
+            if crate::seeded::seeded("ssd-admits-every-use") { uses >= 1 } else { self.admission.admits(uses) };
         if admitted && !self.is_clean(slot, generation) {
             self.enqueue(Job { slot, generation, key });
         }
