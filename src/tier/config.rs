@@ -31,8 +31,8 @@ pub struct TierConfig {
     /// when a save finds the pool short of slots and by [`crate::HostTier::expire_leases`];
     /// a restore from an expired lease fails with [`crate::TierError::LeaseExpired`].
     pub lease_ttl: Option<Duration>,
-    /// An SSD tier under the host pool (default: none). Host blocks used
-    /// [`crate::SsdConfig::admit_uses`] times are demoted to its files in the background, and a
+    /// An SSD tier under the host pool (default: none). Host blocks its admission takes
+    /// ([`crate::SsdConfig::admit`]) are demoted to its files in the background, and a
     /// query whose host prefix ends at a key the SSD tier holds continues it from there
     /// (promotion; see [`crate::HostTier::query`]). An in-process tier's own.
     pub ssd: Option<super::ssd::SsdConfig>,

@@ -21,7 +21,8 @@ pub enum Demotion {
 }
 
 /// An SSD tier of `capacity` disk slots without files: the tier's disk directory
-/// ([`crate::internals`]' `DiskSlots`: slot words, index, recency list) and its [`Admission`].
+/// (`DiskSlots`, reached through `kvtier::internals`: slot words, index, recency list) and its
+/// [`Admission`].
 /// Blocks have no bytes; a promotion is a hit.
 pub struct SsdModel {
     slots: DiskSlots,
