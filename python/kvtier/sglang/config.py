@@ -13,7 +13,7 @@ optional::
      "lease_ttl_s": 30.0,                     # a lease's longest hold (in-process pool)
      "ssd_path": "/nvme/kvtier.ssd",          # an SSD tier under the in-process pool ...
      "ssd_bytes": "64GiB",                    # ... of this many bytes
-     "ssd_admit_uses": 2,                     # a page goes to the SSD at its Nth use (save = 1)
+     "ssd_admit_uses": 2,                     # a page goes to the SSD at its Nth use (save = 1; default: auto)
      "peers": ["10.0.0.2:7400"],              # read misses from these instances' pools (NIXL)
      "peer_listen": "0.0.0.0:7400",           # serve this pool to peers
      "peer_secret_file": "/etc/kvtier/peer.secret",
