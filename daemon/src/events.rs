@@ -240,13 +240,22 @@ impl Subscriber {
     }
 }
 
-/// What the publisher has done (for the log at shutdown and for tests through the log lines).
+/// What the publisher has done, logged every [`SUMMARY_EVERY`] while it changes.
 #[derive(Default)]
 struct Counts {
     published: AtomicU64,
     refused: AtomicU64,
     missed: AtomicU64,
     dropped_by_log: AtomicU64,
+}
+
+/// How often the publisher's counts are logged (when they changed).
+const SUMMARY_EVERY: Duration = Duration::from_secs(60);
+
+impl Counts {
+    fn summary(&self) -> [u64; 4] {
+        [&self.published, &self.refused, &self.missed, &self.dropped_by_log].map(|c| c.load(Ordering::Relaxed))
+    }
 }
 
 /// Binds `addr` (before the daemon prints its start line, so a port 0 is known).
@@ -324,8 +333,18 @@ async fn publish(
     let mut lost_seen = 0;
     let mut tick = tokio::time::interval(limits.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut logged, mut logged_at) = (counts.summary(), Instant::now());
     loop {
         tick.tick().await;
+        if logged_at.elapsed() >= SUMMARY_EVERY && counts.summary() != logged {
+            let [published, refused, missed, dropped] = counts.summary();
+            tracing::info!(
+                "KV events so far: {published} batches published, {refused} subscribers refused (over \
+                 --kv-events-subscribers), {missed} batches missed by slow subscribers, {dropped} events dropped by \
+                 the pool's log"
+            );
+            (logged, logged_at) = (counts.summary(), Instant::now());
+        }
         events.clear();
         let lost = tier.take_events(&mut events);
         if lost > lost_seen {
