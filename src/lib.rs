@@ -67,6 +67,7 @@ mod metrics;
 mod peer;
 #[cfg(all(feature = "remote", not(loom)))]
 mod remote;
+mod secret;
 mod seeded;
 #[cfg(all(feature = "remote", not(loom)))]
 mod server;
@@ -116,6 +117,7 @@ pub use peer::{
 #[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use remote::{default_socket_path, ClientStats, ConnectOptions, LeaseToken};
+pub use secret::{read_secret_file, secrets_equal, SecretFileError, MIN_SECRET_BYTES};
 #[cfg(all(feature = "remote", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "remote")))]
 pub use server::{Limits, Server, ServerConfig};

@@ -24,9 +24,13 @@
 //! publishing side. vLLM's replay socket (a ROUTER that resends missed batches) is not served.
 //!
 //! **Who may listen.** A subscriber learns which blocks the pool holds and when (content keys, not
-//! tokens): the same membership a client of the daemon's socket can test. The socket listens on
-//! loopback unless `--kv-events-public` says otherwise; ZMTP's NULL mechanism authenticates no one.
-//! All of it runs on one thread (a tokio current-thread runtime).
+//! tokens): the same membership a client of the daemon's socket can test. With
+//! `--kv-events-secret-file` every subscriber proves the secret as its ZMTP PLAIN password (any
+//! user name; compared in constant time; a wrong one gets an `ERROR` command and the connection
+//! closes, before anything is sent); without it the socket speaks the NULL mechanism, which
+//! authenticates no one, and listens on loopback only. PLAIN sends the password as it is: across
+//! hosts, run it inside a private network or a tunnel. All of it runs on one thread (a tokio
+//! current-thread runtime).
 
 use crate::seeded::seeded;
 use kvtier::{EventMedium, HostTier, TierEvent};
@@ -81,11 +85,11 @@ pub(crate) const EVENTS_PER_BATCH: usize = 512;
 pub(crate) const EVENT_LOG_CAPACITY: usize = 1 << 16;
 
 /// The listening address of `--kv-events ENDPOINT`: `tcp://HOST:PORT` (vLLM's form; `*` is every
-/// address) or `HOST:PORT`. A non-loopback address needs `public`.
+/// address) or `HOST:PORT`. A non-loopback address needs a secret (`secret`).
 ///
 /// # Errors
-/// A message for an endpoint that is not TCP, does not parse, or is not loopback without `public`.
-pub(crate) fn parse_endpoint(endpoint: &str, public: bool) -> Result<SocketAddr, String> {
+/// A message for an endpoint that is not TCP, does not parse, or is not loopback without a secret.
+pub(crate) fn parse_endpoint(endpoint: &str, secret: bool) -> Result<SocketAddr, String> {
     let rest = match endpoint.split_once("://") {
         Some(("tcp", rest)) => rest,
         Some((scheme, _)) => return Err(format!("{scheme}:// endpoints are not served: give tcp://HOST:PORT")),
@@ -95,23 +99,47 @@ pub(crate) fn parse_endpoint(endpoint: &str, public: bool) -> Result<SocketAddr,
     let mut addrs =
         std::net::ToSocketAddrs::to_socket_addrs(&rest).map_err(|e| format!("not a HOST:PORT address ({e})"))?;
     let addr = addrs.next().ok_or("the address resolves to nothing")?;
-    if !addr.ip().is_loopback() && !public {
+    if !addr.ip().is_loopback() && !secret {
         return Err(format!(
-            "{addr} is not a loopback address: subscribers learn which blocks the pool holds, and ZeroMQ's NULL \
-             mechanism authenticates no one; add --kv-events-public to listen there anyway"
+            "{addr} is not a loopback address: subscribers learn which blocks the pool holds, and without a \
+             secret they prove nothing; give --kv-events-secret-file (subscribers send it as their ZeroMQ PLAIN \
+             password)"
         ));
     }
     Ok(addr)
 }
 
-/// The greeting of ZMTP 3.0, NULL mechanism, as a client would see a server's (RFC 23).
-fn greeting() -> [u8; 64] {
+/// The greeting of ZMTP 3.0 (RFC 23), the NULL mechanism or (`plain`) PLAIN as its server.
+fn greeting(plain: bool) -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xFF;
     g[9] = 0x7F;
     g[10] = 3; // version 3.0
-    g[12..16].copy_from_slice(b"NULL");
+    if plain {
+        g[12..17].copy_from_slice(b"PLAIN");
+        g[32] = 1; // as-server
+    } else {
+        g[12..16].copy_from_slice(b"NULL");
+    }
     g
+}
+
+/// A command frame of `name` and `body` (RFC 23: flags 0x04, a short size).
+fn command(name: &[u8], body: &[u8]) -> Vec<u8> {
+    let len = 1 + name.len() + body.len();
+    let mut f = vec![0x04, len as u8, name.len() as u8];
+    f.extend_from_slice(name);
+    f.extend_from_slice(body);
+    f
+}
+
+/// The password of a PLAIN `HELLO` command's body (after its name): a user name and a password,
+/// each a length byte and its bytes; None for a malformed one.
+fn plain_password(hello: &[u8]) -> Option<&[u8]> {
+    let (&ulen, rest) = hello.split_first()?;
+    let rest = rest.get(ulen as usize..)?;
+    let (&plen, rest) = rest.split_first()?;
+    (rest.len() == plen as usize).then_some(rest)
 }
 
 /// `READY` with `Socket-Type` `PUB`, as a command frame.
@@ -270,7 +298,13 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 
 /// Serves subscribers on `listener` and publishes `tier`'s events under `topic` until the process
 /// ends. Runs on the calling thread.
-pub(crate) fn run(listener: std::net::TcpListener, tier: HostTier, topic: String, limits: EventLimits) {
+pub(crate) fn run(
+    listener: std::net::TcpListener,
+    tier: HostTier,
+    topic: String,
+    secret: Option<Arc<[u8]>>,
+    limits: EventLimits,
+) {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -308,9 +342,9 @@ pub(crate) fn run(listener: std::net::TcpListener, tier: HostTier, topic: String
                 continue;
             }
             connected.fetch_add(1, Ordering::Relaxed);
-            let (subs, connected) = (subs.clone(), connected.clone());
+            let (subs, connected, secret) = (subs.clone(), connected.clone(), secret.clone());
             tokio::spawn(async move {
-                if let Err(e) = serve(stream, &subs, limits).await {
+                if let Err(e) = serve(stream, &subs, secret.as_deref(), limits).await {
                     tracing::debug!(%peer, "KV event subscriber gone: {e}");
                 }
                 connected.fetch_sub(1, Ordering::Relaxed);
@@ -375,21 +409,48 @@ async fn publish(
 
 /// One subscriber's connection: the handshake, then its queue written out while its
 /// subscriptions are read.
-async fn serve(stream: TcpStream, subs: &Arc<Mutex<Vec<Arc<Subscriber>>>>, limits: EventLimits) -> std::io::Result<()> {
+async fn serve(
+    stream: TcpStream,
+    subs: &Arc<Mutex<Vec<Arc<Subscriber>>>>,
+    secret: Option<&[u8]>,
+    limits: EventLimits,
+) -> std::io::Result<()> {
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
     let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "the ZMTP handshake took too long");
+    let invalid = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, why.to_string());
     tokio::time::timeout(limits.handshake, async {
-        wr.write_all(&greeting()).await?;
+        wr.write_all(&greeting(secret.is_some())).await?;
         let mut peer = [0u8; 64];
         rd.read_exact(&mut peer).await?;
-        if peer[0] != 0xFF || peer[9] != 0x7F || peer[10] < 3 || &peer[12..16] != b"NULL" {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "not a ZMTP 3 NULL greeting"));
+        let mechanism: &[u8] = if secret.is_some() { b"PLAIN\0" } else { b"NULL\0" };
+        if peer[0] != 0xFF || peer[9] != 0x7F || peer[10] < 3 || &peer[12..12 + mechanism.len()] != mechanism {
+            return Err(invalid("not a ZMTP 3 greeting of this socket's mechanism"));
         }
-        wr.write_all(&ready()).await?;
-        let (flags, body) = read_frame(&mut rd).await?;
-        if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "no READY command"));
+        if let Some(secret) = secret {
+            // PLAIN (RFC 24): HELLO (user name, password) -> WELCOME; then INITIATE -> READY.
+            let (flags, body) = read_frame(&mut rd).await?;
+            let password = body.strip_prefix(b"\x05HELLO").filter(|_| flags & 0x04 != 0).and_then(plain_password);
+            // (Seeded bug, tests only: `events-password-unchecked` takes any password.)
+            if !password.is_some_and(|p| kvtier::secrets_equal(p, secret) || seeded("events-password-unchecked")) {
+                let why = b"the KV event socket's secret (--kv-events-secret-file) was not given";
+                let mut body = vec![why.len() as u8];
+                body.extend_from_slice(why);
+                wr.write_all(&command(b"ERROR", &body)).await?;
+                return Err(invalid("a subscriber without the secret"));
+            }
+            wr.write_all(&command(b"WELCOME", b"")).await?;
+            let (flags, body) = read_frame(&mut rd).await?;
+            if flags & 0x04 == 0 || !body.starts_with(b"\x08INITIATE") {
+                return Err(invalid("no INITIATE command"));
+            }
+            wr.write_all(&ready()).await?;
+        } else {
+            wr.write_all(&ready()).await?;
+            let (flags, body) = read_frame(&mut rd).await?;
+            if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
+                return Err(invalid("no READY command"));
+            }
         }
         Ok(())
     })
@@ -489,7 +550,7 @@ mod tests {
     fn endpoints_are_tcp_and_loopback_unless_public() {
         assert_eq!(parse_endpoint("tcp://127.0.0.1:5557", false).unwrap(), "127.0.0.1:5557".parse().unwrap());
         assert_eq!(parse_endpoint("127.0.0.1:0", false).unwrap().port(), 0);
-        assert!(parse_endpoint("tcp://*:5557", false).unwrap_err().contains("--kv-events-public"));
+        assert!(parse_endpoint("tcp://*:5557", false).unwrap_err().contains("--kv-events-secret-file"));
         assert_eq!(parse_endpoint("tcp://*:5557", true).unwrap(), "0.0.0.0:5557".parse().unwrap());
         assert!(parse_endpoint("ipc:///tmp/x", false).unwrap_err().contains("tcp://HOST:PORT"));
         assert!(parse_endpoint("tcp://nowhere", false).is_err());

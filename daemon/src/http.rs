@@ -63,9 +63,23 @@ pub struct Endpoint {
     pub registry: Registry,
     /// What `/healthz` answers (sampled between requests too).
     pub health: PoolHealth,
+    /// The bearer token `/metrics` asks of every request (`--metrics-token-file`), or none.
+    pub token: Option<Vec<u8>>,
 }
 
 impl Endpoint {
+    /// Whether `req` may read `/metrics`: no token is asked, or its `Authorization` is `Bearer`
+    /// and the token (compared in constant time).
+    fn authorized<B>(&self, req: &Request<B>) -> bool {
+        let Some(token) = &self.token else { return true };
+        // (Seeded bug, tests only: `metrics-token-unchecked` lets every scrape in.)
+        if seeded("metrics-token-unchecked") {
+            return true;
+        }
+        let given = req.headers().get(hyper::header::AUTHORIZATION).map(|v| v.as_bytes());
+        given.and_then(|v| v.strip_prefix(b"Bearer ")).is_some_and(|t| kvtier::secrets_equal(t, token))
+    }
+
     /// The answer to one request (a panic while encoding is a 500, never the server's end).
     fn answer<B>(&self, req: &Request<B>) -> Response<Full<Bytes>> {
         let text = |status: u16, body: String, kind: &'static str| {
@@ -79,6 +93,13 @@ impl Endpoint {
             return text(405, "only GET and HEAD\n".into(), plain);
         }
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match req.uri().path() {
+            "/metrics" if !self.authorized(req) => {
+                let mut r =
+                    text(401, "/metrics needs the daemon's bearer token (--metrics-token-file)\n".into(), plain);
+                r.headers_mut()
+                    .insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+                r
+            }
             "/metrics" => {
                 let mut body = String::new();
                 match kvtier::prometheus_client::encoding::text::encode(&mut body, &self.registry) {

@@ -145,12 +145,18 @@ struct Args {
     ssd_admit: String,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text) and health at
     /// http://ADDR/healthz (e.g. 127.0.0.1:9464; port 0 picks a free one, printed at start).
-    /// Anyone who can reach ADDR can read them: keep it on loopback or a private network. One thread
-    /// serves every connection (HTTP/1.1, hyper), with --metrics-connections open at most and
-    /// --metrics-timeout on every read and write; no connection lives past 60 s, so no client
-    /// holds a thread or delays another's answer.
+    /// On a non-loopback address /metrics needs --metrics-token-file. One thread serves every
+    /// connection (HTTP/1.1, hyper), with --metrics-connections open at most and --metrics-timeout
+    /// on every read and write; no connection lives past 60 s, so no client holds a thread or
+    /// delays another's answer.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+    /// A file (mode 0600, at least 16 bytes) whose contents /metrics asks of every scrape as
+    /// `Authorization: Bearer CONTENTS` (Prometheus: `authorization: {credentials_file: PATH}`);
+    /// /healthz stays open (it tells healthy or not, nothing else). Needed with --metrics on an
+    /// address other than loopback.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    metrics_token_file: Option<PathBuf>,
     /// Seconds the pool may have no free or evictable slot (every slot pinned, being written or
     /// quarantined) before /healthz answers 503.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, requires = "metrics")]
@@ -168,7 +174,7 @@ struct Args {
     /// Publish the pool's KV events (every block stored and evicted, host and SSD tier) to routers
     /// on a ZeroMQ PUB socket at ENDPOINT (tcp://HOST:PORT or HOST:PORT; port 0 picks a free one,
     /// printed at start), in vLLM's KVEventBatch format: what vLLM's --kv-events-config
-    /// subscribers read. Loopback only unless --kv-events-public.
+    /// subscribers read. On an address other than loopback it needs --kv-events-secret-file.
     #[arg(long, value_name = "ENDPOINT")]
     kv_events: Option<String>,
     /// The topic of every KV event message (subscribers filter on its prefix; vLLM's default is
@@ -180,10 +186,12 @@ struct Args {
     /// disconnects it).
     #[arg(long, value_name = "N", default_value_t = events::EventLimits::default().subscribers, requires = "kv_events")]
     kv_events_subscribers: usize,
-    /// Let --kv-events listen on a non-loopback address: anyone who reaches it learns which blocks
-    /// the pool holds (content keys, not tokens); ZeroMQ's NULL mechanism authenticates no one.
-    #[arg(long, requires = "kv_events")]
-    kv_events_public: bool,
+    /// A file (mode 0600, at least 16 bytes) whose contents every KV event subscriber must give as
+    /// its ZeroMQ PLAIN password (pyzmq: `sock.plain_username = b"kvtier"`, `sock.plain_password =
+    /// CONTENTS`); without it the socket speaks ZeroMQ's NULL mechanism, which authenticates no
+    /// one, and listens on loopback only.
+    #[arg(long, value_name = "PATH", requires = "kv_events")]
+    kv_events_secret_file: Option<PathBuf>,
     /// Serve this pool's blocks to other kvtier instances (peers, e.g. decode engines fetching a
     /// prefill's blocks) at ADDR (host:port; port 0 picks a free one, printed at start): the peer
     /// control protocol over TCP, the bytes read one-sided from the pool through NIXL, whose
@@ -367,7 +375,8 @@ fn config(a: &Args) -> Result<TierConfig, String> {
         cfg = cfg.with_lease_ttl(ttl);
     }
     if let Some(endpoint) = &a.kv_events {
-        events::parse_endpoint(endpoint, a.kv_events_public).map_err(|e| format!("--kv-events {endpoint}: {e}"))?;
+        events::parse_endpoint(endpoint, a.kv_events_secret_file.is_some())
+            .map_err(|e| format!("--kv-events {endpoint}: {e}"))?;
         if a.kv_events_subscribers == 0 {
             return Err("--kv-events-subscribers must be above zero".into());
         }
@@ -476,15 +485,25 @@ fn metrics_endpoint(
     if timeout.is_zero() || a.metrics_connections == 0 {
         return Err("--metrics-timeout and --metrics-connections must be above zero".into());
     }
+    let token = match &a.metrics_token_file {
+        Some(path) => Some(kvtier::read_secret_file(path).map_err(|e| format!("--metrics-token-file {e}"))?),
+        None => None,
+    };
     let listener = std::net::TcpListener::bind(addr).map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    if !addr.ip().is_loopback() && token.is_none() {
+        return Err(format!(
+            "{addr} is not a loopback address: /metrics tells the pool's traffic to whoever asks; give \
+             --metrics-token-file (scrapes send it as `Authorization: Bearer TOKEN`)"
+        ));
+    }
     let mut registry = Registry::default();
     server.register_metrics(&mut registry);
     more(&mut registry);
     Ok(MetricsEndpoint {
         listener,
         addr,
-        endpoint: http::Endpoint { registry, health: PoolHealth::new(server.tier(), bound) },
+        endpoint: http::Endpoint { registry, health: PoolHealth::new(server.tier(), bound), token },
         limits: http::HttpLimits { connections: a.metrics_connections, timeout },
     })
 }
@@ -663,10 +682,20 @@ fn main() {
     let kv_events = match &args.kv_events {
         None => None,
         Some(endpoint) => {
-            // Checked with the configuration already: only the bind can fail here.
-            let bound = events::parse_endpoint(endpoint, args.kv_events_public)
+            // The endpoint was checked with the configuration already.
+            let secret = match &args.kv_events_secret_file {
+                Some(path) => match kvtier::read_secret_file(path) {
+                    Ok(s) => Some(std::sync::Arc::<[u8]>::from(s)),
+                    Err(e) => {
+                        eprintln!("kvtierd: --kv-events-secret-file {e}");
+                        std::process::exit(2);
+                    }
+                },
+                None => None,
+            };
+            let bound = events::parse_endpoint(endpoint, secret.is_some())
                 .and_then(|addr| events::bind(addr).map_err(|e| format!("binding {addr}: {e}")));
-            match bound.and_then(|l| Ok((l.local_addr().map_err(|e| e.to_string())?, l))) {
+            match bound.and_then(|l| Ok((l.local_addr().map_err(|e| e.to_string())?, l, secret))) {
                 Ok(l) => Some(l),
                 Err(e) => {
                     eprintln!("kvtierd: --kv-events {endpoint}: {e}");
@@ -719,8 +748,12 @@ fn main() {
         }
         None => String::new(),
     };
-    if let Some((addr, _)) = &kv_events {
-        tracing::info!("publishing KV events at tcp://{addr} (topic {:?})", args.kv_events_topic);
+    if let Some((addr, _, secret)) = &kv_events {
+        tracing::info!(
+            "publishing KV events at tcp://{addr} (topic {:?}, {})",
+            args.kv_events_topic,
+            if secret.is_some() { "subscribers prove the secret (ZMTP PLAIN)" } else { "loopback, no authentication" }
+        );
         at.push_str(&format!(", KV events at tcp://{addr}"));
     }
     #[cfg(feature = "nixl")]
@@ -788,12 +821,12 @@ fn main() {
             .spawn(move || http::run(m.listener, m.endpoint, m.limits))
             .expect("spawning the metrics thread");
     }
-    if let Some((_, listener)) = kv_events {
+    if let Some((_, listener, secret)) = kv_events {
         let (tier, topic) = (tier.clone(), args.kv_events_topic.clone());
         let limits = events::EventLimits { subscribers: args.kv_events_subscribers, ..Default::default() };
         std::thread::Builder::new()
             .name("kvtierd-events".into())
-            .spawn(move || events::run(listener, tier, topic, limits))
+            .spawn(move || events::run(listener, tier, topic, secret, limits))
             .expect("spawning the KV event thread");
     }
     let sig = stop.wait();

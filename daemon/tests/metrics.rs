@@ -191,3 +191,51 @@ fn healthz_turns_unhealthy_when_every_slot_stays_pinned_and_healthy_once_release
     eventually("/healthz answers 200 again once the lease is settled", || get(&addr, "/healthz").0 == 200);
     rank.shutdown(DEADLINE).unwrap();
 }
+
+/// A secret file (mode 0600) in a new directory: (the directory, the file's path, the secret).
+fn token_file() -> (tempfile::TempDir, String, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("metrics.token");
+    let token = "a-token-of-more-than-sixteen-bytes";
+    std::fs::write(&path, format!("{token}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    (dir, path.to_str().unwrap().to_string(), token.to_string())
+}
+
+/// `GET path` with `header` (a whole `Name: value` line, or none): the status code.
+fn status_with(addr: &str, path: &str, header: Option<&str>) -> u16 {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    let extra = header.map_or(String::new(), |h| format!("{h}\r\n"));
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Connection: close\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    raw.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("status in {raw:?}"))
+}
+
+#[test]
+fn with_a_token_file_metrics_asks_every_scrape_for_the_bearer_token_and_healthz_does_not() {
+    let (_dir, path, token) = token_file();
+    let d = Daemon::start_args(8, "lru", None, &["--metrics", "127.0.0.1:0", "--metrics-token-file", &path]);
+    let addr = metrics_addr(&d);
+    assert_eq!(status_with(&addr, "/metrics", None), 401, "a scrape without the token is refused");
+    assert_eq!(status_with(&addr, "/metrics", Some("Authorization: Bearer not-the-token-at-all")), 401);
+    assert_eq!(status_with(&addr, "/metrics", Some(&format!("Authorization: Basic {token}"))), 401);
+    assert_eq!(status_with(&addr, "/metrics", Some(&format!("Authorization: Bearer {token}"))), 200);
+    assert_eq!(status_with(&addr, "/healthz", None), 200, "health needs no token");
+}
+
+#[test]
+fn metrics_off_loopback_need_a_token_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(support::kvtierd_bin())
+        .args(["--model", "m", "--page-tokens", "16", "--arena", "kv:4096", "--pool", "1MiB", "--backing", "plain"])
+        .arg("--socket")
+        .arg(dir.path().join("kvtierd.sock"))
+        .args(["--metrics", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--metrics-token-file"), "{err}");
+}

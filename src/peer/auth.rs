@@ -28,8 +28,7 @@ use std::sync::Arc;
 /// Bytes of a handshake nonce and of a MAC.
 pub const NONCE_BYTES: usize = 32;
 
-/// Fewest bytes a secret may have (after a trailing newline is cut).
-pub(crate) const MIN_SECRET_BYTES: usize = 16;
+use crate::secret::MIN_SECRET_BYTES;
 
 /// The shared secret of a group of peers (`kvtierd --peer-secret-file`): every instance that serves
 /// or reads peers with it proves it in the hello. Cheap to clone. Its bytes are never printed
@@ -68,22 +67,9 @@ impl PeerSecret {
     /// [`PeerError::Secret`] naming the path: it cannot be read, is not a regular file, is open to
     /// its group or others, or holds too short a secret.
     pub fn from_file(path: impl AsRef<Path>) -> Result<PeerSecret, PeerError> {
-        use std::os::unix::fs::PermissionsExt;
-        let path = path.as_ref();
-        let bad = |why: String| PeerError::Secret(format!("peer secret file {}: {why}", path.display()));
-        let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-        if !meta.is_file() {
-            return Err(bad("not a regular file".into()));
-        }
-        let mode = meta.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(bad(format!("its mode {mode:04o} lets its group or others at it: chmod 600 it")));
-        }
-        let mut bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        while bytes.last().is_some_and(|b| b.is_ascii_whitespace()) {
-            bytes.pop();
-        }
-        PeerSecret::new(bytes).map_err(|e| bad(e.to_string()))
+        crate::secret::read_secret_file(path)
+            .map_err(|e| PeerError::Secret(format!("peer secret file {e}")))
+            .and_then(PeerSecret::new)
     }
 
     /// The key of the handshake's MACs: this secret's bytes, or none (the empty key) for an

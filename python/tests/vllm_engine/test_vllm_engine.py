@@ -210,3 +210,48 @@ def test_the_daemons_kv_events_announce_its_pool_to_a_vllm_subscriber(model_dir,
     finally:
         sub.close(linger=0)
         d.stop()
+
+
+def test_a_secret_kv_event_socket_serves_pyzmq_subscribers_that_give_it_only(sock_dir):
+    # --kv-events-secret-file: pyzmq's own PLAIN client against the daemon's socket (no engine).
+    import time
+
+    import msgspec
+    import numpy as np
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    secret = os.path.join(sock_dir, "events.secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(b"a-kv-event-secret-of-some-length\n")
+    port = free_port()
+    d = Daemon(sock_dir, extra=["--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-secret-file", secret])
+    ctx = zmq.Context.instance()
+
+    def subscriber(password):
+        s = ctx.socket(zmq.SUB)
+        s.plain_username, s.plain_password = b"kvtier", password
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(f"tcp://127.0.0.1:{port}")
+        return s
+
+    good, bad = subscriber(b"a-kv-event-secret-of-some-length"), subscriber(b"a-guess-that-is-not-the-secret")
+    try:
+        time.sleep(0.5)
+        tier = kvtier.connect(d.socket)
+        arrays = [np.random.default_rng(0).integers(0, 255, (4, a["bytes_per_page"]), dtype=np.uint8)
+                  for a in tier.geometry.arenas]
+        rank = tier.attach_host(arrays, layout="pages")
+        keys = [bytes([i]) * 16 for i in range(1, 4)]
+        rank.save(keys, [0, 1, 2]).wait()
+        assert good.poll(30_000), "the subscriber with the secret gets the batch"
+        _topic, seq, payload = good.recv_multipart()
+        batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+        stored = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert int.from_bytes(seq, "big") == 0 and sorted(stored) == sorted(keys)
+        assert not bad.poll(1_000), "the one without it gets nothing"
+        rank.close()
+    finally:
+        good.close(linger=0)
+        bad.close(linger=0)
+        d.stop()
