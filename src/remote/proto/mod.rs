@@ -35,7 +35,7 @@ pub use frame::{
 /// The first four bytes of a hello.
 pub const MAGIC: [u8; 4] = *b"KVTD";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest frame payload, in bytes (a 1M-key query is 16 MB).
 pub const MAX_FRAME: usize = 64 << 20;
 /// The most a frame reader grows its buffer ahead of the bytes that have arrived.
@@ -151,9 +151,9 @@ pub enum Request {
     },
     /// The restore's copy ended (or was never submitted): its pins go (are kept, for
     /// [`Outcome::Unknown`] and [`Outcome::SubmitPanicked`], until the process is gone); its use
-    /// is spent unless [`Outcome::NotSubmitted`] or [`Outcome::SubmitPanicked`]. One-way since
-    /// version 8: the restored bytes are in place whatever the daemon answers, so the copy's handle
-    /// completes without waiting a round trip; the connection's later requests are served after it.
+    /// is spent unless [`Outcome::NotSubmitted`] or [`Outcome::SubmitPanicked`]. -> [`Reply::Done`]:
+    /// the copy's handle completes once the daemon has counted the restore, so what any connection
+    /// reads of the tier afterwards includes it.
     FinishRestore {
         /// The restore.
         restore: u64,
@@ -206,7 +206,7 @@ pub enum Request {
 impl Request {
     /// True for messages that get no reply.
     pub fn is_one_way(&self) -> bool {
-        matches!(self, Request::DropLease { .. } | Request::RestoreSubmitted { .. } | Request::FinishRestore { .. })
+        matches!(self, Request::DropLease { .. } | Request::RestoreSubmitted { .. })
     }
 
     /// The request's name, for logs and [`WireError::Panicked`].
