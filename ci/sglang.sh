@@ -20,6 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 target=${CARGO_TARGET_DIR:-$repo/target}
+# Absolute: the tests run from inside it (so python/kvtier, the sources, shadow nothing).
+[[ $target = /* ]] || target=$repo/$target
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 step() { printf '\n--- %s (%s UTC)\n' "$1" "$(date -u +%T)"; }
 sglang_pins=(sglang==0.5.23 orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 torchvision==0.29.2 gguf==0.19.0 ninja==1.13.2)
