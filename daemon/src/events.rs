@@ -144,15 +144,7 @@ fn plain_password(hello: &[u8]) -> Option<&[u8]> {
 
 /// `READY` with `Socket-Type` `PUB`, as a command frame.
 fn ready() -> Vec<u8> {
-    let mut body = vec![5];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&3u32.to_be_bytes());
-    body.extend_from_slice(b"PUB");
-    let mut f = vec![0x04, body.len() as u8];
-    f.extend_from_slice(&body);
-    f
+    command(b"READY", b"\x0bSocket-Type\x00\x00\x00\x03PUB")
 }
 
 /// Appends one ZMTP frame of `body` (`more`: another frame of the message follows).

@@ -30,6 +30,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _kvtier
+from .._daemon import daemon_command
 from ..errors import BackendMismatchError, ConfigError, DisconnectedError, GeometryError, KvtierError
 from ._seeded import seeded
 from .config import StoreConfig
@@ -47,13 +48,6 @@ except Exception:  # noqa: BLE001 - SGLang absent or unimportable: the backend s
 __all__ = ["KvtierStore", "StoreError", "SGLANG", "daemon_command"]
 
 log = logging.getLogger("kvtier.sglang")
-
-
-def daemon_command(geometry: Any, pool: str = "8GiB") -> str:
-    """The ``kvtierd`` command line whose pool fits ``geometry``'s blocks (the backend logs it at
-    start, and puts it in the error when a daemon's layout does not fit the host pool)."""
-    arenas = " ".join(f"--arena {a['name']}:{a['bytes_per_page']}" for a in geometry.arenas)
-    return f"kvtierd --model {geometry.model} --page-tokens {geometry.page_tokens} {arenas} --pool {pool}"
 
 
 class StoreError(KvtierError):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .. import _kvtier
+from .._daemon import daemon_command
 from .._tensors import describe
 from ..errors import BackendMismatchError, ConfigError, GeometryError, KvtierError
 from .config import ConnectorConfig
@@ -41,12 +42,6 @@ class _Load:
     handle: Optional[Any]  # (CopyHandle, the block ids it restores), None when nothing copies
     waited: int = -1  # the highest layer the forward has waited for (layer-wise restores)
 
-
-def daemon_command(geometry: Any, pool: str = "8GiB") -> str:
-    """The ``kvtierd`` command line whose pool fits ``geometry``'s blocks (what the connector
-    prints when a daemon's layout does not match the engine's)."""
-    arenas = " ".join(f"--arena {a['name']}:{a['bytes_per_page']}" for a in geometry.arenas)
-    return f"kvtierd --model {geometry.model} --page-tokens {geometry.page_tokens} {arenas} --pool {pool}"
 
 
 class WorkerTransfers:
