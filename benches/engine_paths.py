@@ -3,7 +3,7 @@ into kvtier, and the same calls through a tier daemon, against one contiguous pi
 copy of the same bytes (the link's ceiling), and pegaflow where it is installed.
 
     python benches/engine_paths.py [--iters 30] [--blocks 1,8,43,128] [--kvtierd PATH] [--json OUT.json]
-                                   [--device cuda|cpu] [--layouts glm52,llama3-8b]
+                                   [--device cuda|cpu] [--layouts glm52,llama3-8b] [--pega-pool 8gb]
 
 Layouts: ``glm52`` (99 arenas, 3,452,160 B a block) and ``llama3-8b`` (64 arenas, 2,097,152 B),
 each arena a ``[pages, bytes_per_page]`` CUDA tensor, random scattered page ids. Contenders:
@@ -14,7 +14,14 @@ each arena a ``[pages, bytes_per_page]`` CUDA tensor, random scattered page ids.
 - ``kvtierd``: the same calls on ``kvtier.connect(socket)``: the daemon at ``--kvtierd PATH``
   (a built ``kvtierd``), else the same server run by ``kvtier.Tier(serve=...)`` in a child process
   (named ``kvtier-serve`` in the output);
-- ``pegaflow``: reported as missing unless its package imports (it is not driven here yet).
+- ``pegaflow``: where ``pegaflow`` (PyPI ``pegaflow-llm-cu13``) imports, its bundled gRPC server
+  (``pegaflow-server-py``, started here on a free local port with a pinned pool of ``--pega-pool``)
+  with the same arenas registered through CUDA IPC as one layer each, configured as its vLLM
+  connector configures it: ``transfer_backend="kernel"`` and ``page_first=True`` for the MLA
+  layout (GLM-5.2), ``"direct"`` and layer-first for the others. Save: one ``save`` RPC (its vLLM
+  connector frees the engine's blocks when it returns); restore: ``query_prefetch`` until ready (the lease), ``load``,
+  then spinning on the ``PyLoadState`` flag until it reports success. Not installed, or failing
+  to start, it is reported as missing with the reason.
 
 ``--device cpu`` runs the same calls on host tensors (``attach_host``; the "contiguous" copy is one
 ``torch`` copy of the batch's bytes between two host tensors): no link, so what it shows is the
@@ -36,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -125,6 +134,115 @@ def time_tier(tier, rank, arenas, n, iters, rng, what):
     return med_us(save[3:]), med_us(load[3:]), {k: round(med_us(v[3:]), 1) for k, v in parts.items()}
 
 
+class Pegaflow:
+    """pegaflow's bundled server and its gRPC client, driven through the calls its vLLM connector
+    makes (``register_context_batch``, ``save``, ``query_prefetch``, ``load`` with a
+    ``PyLoadState``). Raises ``RuntimeError`` with the reason when it cannot start."""
+
+    def __init__(self, pool):
+        import sysconfig
+
+        from pegaflow import _bin_utils
+        from pegaflow.pegaflow import EngineRpcClient
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = _bin_utils.binary_env()
+        env["PYTHONHOME"] = sys.base_prefix
+        env["PYO3_PYTHON"] = sys.executable
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir:
+            env["LD_LIBRARY_PATH"] = libdir + ":" + env.get("LD_LIBRARY_PATH", "")
+        self.log = tempfile.NamedTemporaryFile(prefix="pegaflow-server-", suffix=".log", delete=False)
+        binary = _bin_utils.find_binary("pegaflow-server-py")
+        self.proc = subprocess.Popen([binary, "--addr", f"127.0.0.1:{port}", "--pool-size", pool, "--devices", "0"],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp")
+        self.endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pegaflow-server-py exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                self.client = EngineRpcClient(self.endpoint)
+                if self.client.health()[0]:
+                    return
+            except Exception as e:  # noqa: BLE001 (the server is still starting)
+                last = e
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"pegaflow-server-py did not answer within 120 s ({last}): {self.tail()}")
+
+    def tail(self):
+        self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read()[-2000:].decode(errors="replace")
+
+    def register(self, instance, arenas, mla):
+        from pegaflow.ipc_wrapper import CudaIPCWrapper
+
+        self.instance, self.layers = instance, [f"layer.{i}" for i in range(len(arenas))]
+        ok, msg = self.client.register_context_batch(
+            instance, instance, 0, 0, 1, 1, 0, self.layers,
+            [pickle.dumps(CudaIPCWrapper(t)) for t in arenas],
+            [t.shape[0] for t in arenas], [t.stride(0) * t.element_size() for t in arenas],
+            [0] * len(arenas), [1] * len(arenas), "kernel" if mla else "direct", bool(mla))
+        if not ok:
+            raise RuntimeError(f"pegaflow register_context_batch: {msg}")
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def time_pegaflow(pf, arenas, n, iters, rng, what):
+    """Median microseconds (save, restore, {part: median}) through pegaflow, as ``time_tier``."""
+    from pegaflow.pegaflow import PyLoadState, QueryReady
+
+    save, load = [], []
+    parts = {"save_call": [], "query": [], "load_call": [], "load_wait": []}
+    for it in range(iters + 3):
+        src = rng.sample(range(PAGES), n)
+        hashes = [os.urandom(32) for _ in range(n)]
+        sync()
+        t0 = time.perf_counter()
+        ok, msg = pf.client.save(pf.instance, 0, 0, 0, [(name, src, hashes) for name in pf.layers])
+        t1 = time.perf_counter()
+        if not ok:
+            raise RuntimeError(f"{what}: pegaflow save: {msg}")
+        save.append(t1 - t0)
+        parts["save_call"].append(t1 - t0)
+        dst = rng.sample([p for p in range(PAGES) if p not in set(src)], n)
+        t0 = time.perf_counter()
+        deadline = t0 + 10
+        while True:
+            q = pf.client.query_prefetch(pf.instance, hashes, f"bench-{it}")
+            if isinstance(q, QueryReady) and q.num_hit_blocks == n:
+                break
+            if isinstance(q, QueryReady) and q.lease:
+                pf.client.release(q.lease)
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{what}: pegaflow holds {getattr(q, 'num_hit_blocks', 0)} of {n} saved blocks after 10 s")
+        t1 = time.perf_counter()
+        state = PyLoadState()
+        ok, msg = pf.client.load(pf.instance, 0, 0, state.shm_name(), [pf.layers], [(q.lease, [dst])])
+        t2 = time.perf_counter()
+        if not ok:
+            raise RuntimeError(f"{what}: pegaflow load: {msg}")
+        while not state.is_ready():
+            pass
+        t3 = time.perf_counter()
+        if state.get_state() != 1:
+            raise RuntimeError(f"{what}: pegaflow load failed (state {state.get_state()})")
+        load.append(t3 - t0)
+        parts["query"].append(t1 - t0)
+        parts["load_call"].append(t2 - t1)
+        parts["load_wait"].append(t3 - t2)
+        check(arenas, src, dst, what)
+    return med_us(save[3:]), med_us(load[3:]), {k: round(med_us(v[3:]), 1) for k, v in parts.items()}
+
+
 def start_server(g, pool_bytes, kvtierd, preset):
     path = os.path.join(tempfile.mkdtemp(prefix="kvep-", dir="/tmp"), "kvtierd.sock")
     if kvtierd:
@@ -153,6 +271,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--layouts", default="glm52,llama3-8b")
+    ap.add_argument("--pega-pool", default="8gb", help="pegaflow's pinned pool (its own size syntax)")
     a = ap.parse_args()
     global DEVICE
     DEVICE = a.device
@@ -161,14 +280,21 @@ def main():
     machine = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU ({os.cpu_count()} cores), host tensors"
     sizes = [int(x) for x in a.blocks.split(",")]
     rng = random.Random(0)
-    rows, missing = [], []
-    try:
-        import pegaflow  # noqa: F401
-
-        missing.append("pegaflow: installed, but this bench does not drive it yet")
-    except ImportError:
-        missing.append("pegaflow: not installed (pip install pegaflow-llm-cu13)")
-    print(f"{machine}; " + "; ".join(missing), flush=True)
+    rows, missing, pf = [], [], None
+    if DEVICE != "cuda":
+        missing.append("pegaflow: needs CUDA tensors (not run with --device cpu)")
+    else:
+        try:
+            import pegaflow
+        except ImportError:
+            missing.append("pegaflow: not installed (pip install pegaflow-llm-cu13)")
+        else:
+            try:
+                pf = Pegaflow(a.pega_pool)
+                print(f"pegaflow {pegaflow.__version__}: server at {pf.endpoint}, pool {a.pega_pool}", flush=True)
+            except Exception as e:  # noqa: BLE001 (a contender that fails is reported, not fatal)
+                missing.append(f"pegaflow: did not start: {type(e).__name__}: {e}")
+    print(f"{machine}; " + ("; ".join(missing) or "every contender present"), flush=True)
     for preset in a.layouts.split(","):
         g = kvtier.Geometry.preset(preset, PAGES)
         arenas = arenas_for(g)
@@ -179,11 +305,30 @@ def main():
         rank = attach(tier)
         proc, remote, server = start_server(g, pool, a.kvtierd, preset)
         rrank = attach(remote)
+        pega = None
+        if pf is not None:
+            try:
+                pf.register(f"kvtier-bench-{preset}", arenas, mla=preset == "glm52")
+                pega = pf
+            except Exception as e:  # noqa: BLE001
+                missing.append(f"pegaflow ({preset}): {type(e).__name__}: {e}")
+                print(missing[-1], flush=True)
         try:
             for n in sizes:
                 c_save, c_load = time_contiguous(g.block_bytes, n, a.iters)
-                for name, (t, r) in (("kvtier", (tier, rank)), (server, (remote, rrank))):
-                    s, l, parts = time_tier(t, r, arenas, n, a.iters, rng, f"{preset} {name} {n}")
+                contenders = [("kvtier", (tier, rank)), (server, (remote, rrank))] + ([("pegaflow", None)] if pega else [])
+                for name, tr in contenders:
+                    what = f"{preset} {name} {n}"
+                    if name == "pegaflow":
+                        try:
+                            s, l, parts = time_pegaflow(pega, arenas, n, a.iters, rng, what)
+                        except Exception as e:  # noqa: BLE001 (AssertionError: bytes differ)
+                            missing.append(f"pegaflow ({what}): {type(e).__name__}: {e}")
+                            print(missing[-1], flush=True)
+                            pega = None
+                            continue
+                    else:
+                        s, l, parts = time_tier(tr[0], tr[1], arenas, n, a.iters, rng, what)
                     row = {"layout": preset, "contender": name, "blocks": n, "bytes": n * g.block_bytes,
                            "save_us": s, "restore_us": l, "contig_save_us": c_save, "contig_restore_us": c_load,
                            "save_ratio": c_save / s, "restore_ratio": c_load / l, "parts_us": parts}
@@ -197,6 +342,11 @@ def main():
             rrank.close()
             rank.close()
             proc.kill()
+            if a.json:  # what has run so far, should a later layout fail
+                with open(a.json, "w") as f:
+                    json.dump({"device": machine, "missing": missing, "rows": rows}, f, indent=1)
+    if pf is not None:
+        pf.close()
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": machine, "missing": missing, "rows": rows}, f, indent=1)
