@@ -128,7 +128,7 @@ pub use slab::{
 };
 pub use source::BlockSource;
 pub use tier::events::{EventMedium, TierEvent};
-pub use tier::handle::CopyHandle;
+pub use tier::handle::{wait_spin, CopyHandle};
 pub use tier::lease::Lease;
 pub use tier::ssd::admit::{Admission, BadSsdAdmit, SsdAdmit};
 #[cfg(not(loom))]
