@@ -112,9 +112,9 @@ impl EvictionPolicy for TwoQ {
     }
     /// The `n` victims are for `n` new blocks, each of which, in a page-level 2Q, evicts from main
     /// while probation holds less than its target and from probation after: so as many victims
-    /// come from main as probation lacks of its target, and the rest from probation, first. In each call the other queue
-    /// is the fallback, so liveness is the victim order's. Chains ([`Ranking::chain`]) are not
-    /// used: 2Q ranks by its queues alone.
+    /// come from main as probation lacks of its target, and the rest from probation, first. In
+    /// each call the other queue is the fallback, so liveness is the victim order's. Chains
+    /// ([`Ranking::chain`]) are not used: 2Q ranks by its queues alone.
     fn select_ranked(&self, n: usize, ranking: &Ranking<'_>, out: &mut Vec<SlotId>) {
         let place = |s: usize| {
             let bucket = u8::from(self.probation.state(SlotId(s as u32)) == MAIN);
