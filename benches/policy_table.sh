@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The policy table: page hit ratios of the default policy against the contenders (plain LRU, 2Q,
-# LRU with queue-protecting admission) on every trace shape, at 1,244 to 9,952 GLM-5.2 slots,
-# without and with hints for a 64-request engine queue, with the offline optimum.
+# The policy table: page hit ratios of the default policy against the contenders (the simple
+# policies plain: LRU, CLOCK, SIEVE, S3-FIFO, 2Q with probation; and LRU with queue-protecting
+# admission) on every trace shape, at 1,244 to 9,952 GLM-5.2 slots, without and with hints for a
+# 64-request engine queue, with the offline optimum.
 #
 # Traces: the conversation trace's two halves by time (the first is what the policies were tuned
 # on; the second is held out), two traces fitted to it by `kvtier synth` (fitted; fast returns),
 # and four stated shapes from `kvtier synth --shape` (agentic, short, shared-prompt, bursty).
-# Each (trace, policy) is one `kvtier simulate --json` process (LRU and 2Q plain, the default
-# chain-aware; each without hints, with hints, and with hints and queue-protecting admission);
-# they run in parallel, one per CPU. `benches/policy_table.py` then prints the tables from the JSON reports.
+# Each (trace, policy) is one `kvtier simulate --json` process (the simple policies plain, the
+# default chain-aware; LRU and the default each without hints, with hints, and with hints and
+# queue-protecting admission; CLOCK, SIEVE, S3-FIFO and 2Q without hints); they run in parallel,
+# one per CPU. `benches/policy_table.py` then prints the tables from the JSON reports.
 #
 # Usage: benches/policy_table.sh [KVTIER_BINARY] [OUT_DIR] [--quick]
 #   KVTIER_BINARY: the `kvtier` command (default: built here with `cargo build --release -p kvtier-cli`).
@@ -58,10 +60,11 @@ jobs=()
 for t in "${traces[@]}"; do
     IFS='|' read -r name args <<<"$t"
     # The contenders plain, the default chain-aware (as the tier configures it).
-    for pc in lru:off 2q:off adaptive-lfu:on; do
-        p=${pc%:*} chain=${pc#*:} opt=--no-optimum
+    for pc in lru:off clock:off sieve:off s3fifo:off 2q:off adaptive-lfu:on; do
+        p=${pc%:*} chain=${pc#*:} opt=--no-optimum hints=""
         [[ $p == lru ]] && opt=""
-        jobs+=("$bin simulate $args ${limit[*]} --pool $pools --policies $p --chain $chain --lookahead 64 --protect $opt --json --progress-every 60 > $out/$name.$p.json 2> $out/$name.$p.log")
+        [[ $p == lru || $p == adaptive-lfu ]] && hints="--lookahead 64 --protect"
+        jobs+=("$bin simulate $args ${limit[*]} --pool $pools --policies $p --chain $chain $hints $opt --json --progress-every 60 > $out/$name.$p.json 2> $out/$name.$p.log")
     done
 done
 printf '%s\n' "${jobs[@]}" >"$out/commands.txt"

@@ -67,6 +67,7 @@ bites=(
     "evict-pinned|loom_ssd|pinned_disk_slot_is_never_rewritten|unpin of unpinned slot"
     "stale-generation|loom_evict|stale_lookup_after_reuse_fails|no longer holds key A"
     "plan-finishing-in-flight|loom_evict|plan_racing_an_eviction_being_finished|never in flight"
+    "probation-promotion-racy|loom_policy|probation_counts_survive_racing_hits_2q|make room for 9 pages"
     "refusal-under-shared-hold|loom_evict|a_save_beside_a_save_that_cannot_fit_is_not_refused|the save must get a slot"
     "escalation-keeps-claims|loom_evict|a_save_beside_a_save_that_cannot_fit_is_not_refused|the save must get a slot"
     "requeue-claimed-victim|loom_policy|acquire_races_a_query_pin_sieve|eviction policy contract broken: on_remove"

@@ -29,6 +29,7 @@ if [[ ${1:-} == bites ]]; then
         protect-hinted-ignored
         interior-withheld
         lone-selection-takes-one-shard
+        probation-room-ignores-free
     )
     if ! cargo test -p kvtier -q --test state_machine --no-run 2>/dev/null; then
         echo "FAIL: the state machine does not build with the seeded bugs"

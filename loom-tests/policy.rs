@@ -362,3 +362,41 @@ fn a_cancel_racing_the_drain_of_its_queued_mark_is_not_lost() {
         assert_eq!(out, vec![s], "a resident, unpinned slot was never offered again");
     });
 }
+
+/// Probationary admission's counts (`evict::probation`, kept by 2Q and the default): two hits on
+/// one block on probation race each other and the eviction of another block on probation. In every
+/// interleaving the promotion is counted once and the eviction once, so afterwards the policy's
+/// room is exact: with 10 slots (a target of 1), 3 resident blocks of which 2 on probation, a save
+/// places 7 free + 2 = 9 pages, the 9th (position 8) but not the 10th. Seeded bug
+/// `probation-promotion-racy` (a promotion by a load and a store, counted by both hits).
+fn probation_counts_survive_racing_hits(policy: PolicyKind) {
+    use kvtier::internals::{EvictionPolicy, InsertInfo};
+    model_long(move || {
+        let p: std::sync::Arc<Box<dyn EvictionPolicy>> = std::sync::Arc::new(policy.build(10));
+        for s in 0..4u32 {
+            p.on_insert(kvtier::SlotId::new(s), InsertInfo::new(100 + s as u64, Some(s)));
+        }
+        let mut out = vec![];
+        p.select_victims(1, &|s| s.index() == 3, &mut out);
+        assert_eq!(out, vec![kvtier::SlotId::new(3)]);
+        let (a, b) = (p.clone(), p.clone());
+        let ta = thread::spawn(move || a.on_hit(kvtier::SlotId::new(0)));
+        let tb = thread::spawn(move || b.on_hit(kvtier::SlotId::new(0)));
+        p.on_remove(kvtier::SlotId::new(3));
+        ta.join().unwrap();
+        tb.join().unwrap();
+        let page = |key: u64, pos: u32| InsertInfo::new(key, Some(pos)).resumed_at(Some(0));
+        assert!(p.admit(page(500, 8)), "7 free slots and 2 blocks on probation make room for 9 pages ({policy})");
+        assert!(!p.admit(page(501, 9)), "and not for 10 ({policy})");
+    });
+}
+
+#[test]
+fn probation_counts_survive_racing_hits_2q() {
+    probation_counts_survive_racing_hits(PolicyKind::TwoQ);
+}
+
+#[test]
+fn probation_counts_survive_racing_hits_adaptive_lfu() {
+    probation_counts_survive_racing_hits(PolicyKind::AdaptiveLfu);
+}

@@ -62,6 +62,7 @@ mod lru;
 mod minisim;
 mod order;
 mod prefix_lfu;
+mod probation;
 mod queue;
 mod residency;
 mod s3fifo;
@@ -260,17 +261,26 @@ pub struct InsertInfo {
     /// The resident block this one continues in its prompt (the chain link the tier recorded, see
     /// [`crate::TierConfig::chain_aware`]), if known when the block became ready.
     pub parent: Option<SlotId>,
+    /// For [`EvictionPolicy::admit`] only: how many keys of the save this block belongs to are
+    /// missing (the pages the save would place), if the tier counted them. `None` elsewhere.
+    pub save_missing: Option<u32>,
 }
 
 impl InsertInfo {
     /// Insert information for a block whose key hashes to `key_hash`, at prompt depth `depth`.
     pub fn new(key_hash: u64, depth: Option<u32>) -> Self {
-        InsertInfo { key_hash, depth, resumed_at: None, parent: None }
+        InsertInfo { key_hash, depth, resumed_at: None, parent: None, save_missing: None }
     }
 
     /// Sets [`InsertInfo::resumed_at`].
     pub fn resumed_at(mut self, depth: Option<u32>) -> Self {
         self.resumed_at = depth;
+        self
+    }
+
+    /// Sets [`InsertInfo::save_missing`].
+    pub fn save_missing(mut self, n: Option<u32>) -> Self {
+        self.save_missing = n;
         self
     }
 
@@ -308,9 +318,12 @@ pub enum PolicyKind {
     S3Fifo,
     /// 2Q (Johnson and Shasha, VLDB'94) as probationary admission: a new block enters a
     /// probationary FIFO; its second use (a hit there, or a save of a key evicted from probation,
-    /// which a ghost table of key hashes remembers) moves it to the main LRU. Victims come from
-    /// probation while it holds more than 10% of the pool, else from main. Blocks used once pass
-    /// through probation without flushing blocks used twice. Ignores chains.
+    /// which a ghost table of key hashes remembers) moves it to the main LRU. A new block evicts
+    /// from probation once probation holds 10% of the pool, else from main. A prefix save places
+    /// at most as many pages not in the ghost as the free slots plus probation's blocks (or its
+    /// 10%, if more); the rest are refused and go to the ghost: a request larger than the pool
+    /// keeps its head and passes through probation without flushing blocks used twice. Ignores
+    /// chains.
     TwoQ,
     /// Prefix-aware frequency-weighted recency: the score of a block is its last-touch tick plus
     /// `8 x capacity` ticks per reference its key has had (a 4-bit count-min history that survives
@@ -334,6 +347,12 @@ pub enum PolicyKind {
     /// policy starts as LRU and returns to it on workloads where frequency does not pay. Costs one
     /// try-lock and eight small-cache updates per reference of a sampled key (a reference that
     /// finds the mini caches busy is skipped, so a query never waits).
+    ///
+    /// With probationary admission: a block is on probation from its save until its first hit.
+    /// A prefix save whose missing pages are more than 3/4 of the pool places at most as many as
+    /// the free slots plus the blocks on probation (or 10% of the pool, if more); the rest are
+    /// refused (and counted in the history). A request larger than the pool keeps its head and
+    /// does not flush the blocks that were used again.
     ///
     /// The default: on every trace and pool size of the validation table (`docs/benchmarks.md`:
     /// both halves of the conversation trace, its sample, two synthetic workloads) it is never

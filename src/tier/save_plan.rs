@@ -151,8 +151,12 @@ impl Core {
         // first refusal on nothing is saved (a prefix hit cannot reach past the gap).
         if opts.fit == Fit::Prefix {
             let mut cut = None;
+            let missing = u32::try_from(plan.missing.len()).ok();
             for (j, &i) in plan.missing.iter().enumerate() {
-                let admitted = self.policy.admit(InsertInfo::new(keys[i].hash64(), opts.depth_of(i)));
+                let info = InsertInfo::new(keys[i].hash64(), opts.depth_of(i))
+                    .resumed_at(opts.prefix_depth)
+                    .save_missing(missing);
+                let admitted = self.policy.admit(info);
                 if !admitted && cut.is_none() {
                     cut = Some(j);
                 }

@@ -707,6 +707,52 @@ fn a_prefix_save_spares_the_queued_requests_blocks_when_protecting() {
     }
 }
 
+/// Probationary admission through the tier: a `Fit::Prefix` save of a request larger than the
+/// pool, into a pool whose blocks were used again, places only the room probation leaves (free
+/// slots plus the blocks on probation) with the default and with 2Q, so the blocks used again
+/// stay; with LRU it flushes them. The default places a save of 3/4 of the pool whole.
+#[test]
+fn a_request_larger_than_the_pool_keeps_the_blocks_used_again() {
+    use crate::PolicyKind;
+    for policy in [PolicyKind::AdaptiveLfu, PolicyKind::TwoQ, PolicyKind::Lru] {
+        let g = Geometry::new("tier-unit", 16, vec![ArenaSpec::packed("a", 256, 80)]).unwrap();
+        let cfg =
+            TierConfig::new(g.clone(), 20 * g.slot_bytes()).with_backing(BackingChoice::Plain).with_policy(policy);
+        let tier = HostTier::new(cfg).unwrap();
+        let arenas = std::sync::Arc::new(MemcpyArenas::new(&g).unwrap());
+        let rank = tier.attach(arenas.backend().unwrap()).unwrap();
+        let k = keys(&tier, 0..80);
+        for i in 0..20 {
+            save_ready(&tier, &arenas, &rank, &k[i..i + 1], &[i as u64]);
+        }
+        // Blocks 0..15 are used again; 15..20 stay on probation.
+        drop(tier.query(&k[..15]));
+        // A request of 30 new pages, larger than the pool.
+        let pages: Vec<u64> = (20..50).collect();
+        arenas.fill(&pages, &k[20..50]).unwrap();
+        let opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(0);
+        let t = rank.save_with(&k[20..50], &pages, WaitFor::Nothing, opts).unwrap();
+        t.handle.wait().unwrap();
+        let reused_left = k[..15].iter().filter(|x| tier.contains(x)).count();
+        if policy == PolicyKind::Lru {
+            assert_eq!((t.saving.len(), reused_left), (20, 0), "{policy}: the request flushes the pool");
+            continue;
+        }
+        assert_eq!((t.saving.len(), t.dropped), (5, 25), "{policy}: the room is the 5 blocks on probation");
+        assert_eq!(reused_left, 15, "{policy}: every block used again stays");
+        assert!(k[20..25].iter().all(|x| tier.contains(x)), "{policy}: the save keeps its head");
+        // A save of 15 new pages (3/4 of the pool): the default places it whole, 2Q only its room
+        // (the 5 pages it just saved are on probation).
+        let pages: Vec<u64> = (50..65).collect();
+        arenas.fill(&pages, &k[50..65]).unwrap();
+        let opts = SaveOptions::new().fit(Fit::Prefix).prefix_depth(0);
+        let t = rank.save_with(&k[50..65], &pages, WaitFor::Nothing, opts).unwrap();
+        t.handle.wait().unwrap();
+        let placed = if policy == PolicyKind::TwoQ { 5 } else { 15 };
+        assert_eq!(t.saving.len(), placed, "{policy}: a save of 3/4 of the pool");
+    }
+}
+
 /// The eviction lock's use is counted where the tier takes it for a selection: a save that fits
 /// in the free slots does not take it; a save that evicts and an asked-for eviction hold it once
 /// each, for a time no longer than the calls took. Seeded bugs `eviction-holds-uncounted` and

@@ -598,11 +598,13 @@ impl Machine {
         let fit = if prefix { Fit::Prefix } else { Fit::AllOrNothing };
         let rank = if gated { self.rank_a.as_ref() } else { self.rank_b.as_ref() }.expect("attached");
         let mut opts = SaveOptions::new().fit(fit);
-        if chain {
+        // A prefix save carries its depths, as an engine's does (probationary admission counts
+        // its pages from there).
+        if chain || prefix {
             opts = opts.prefix_depth(ks[0] as u32);
-            if ks[0] > 0 {
-                opts = opts.parent(self.keys[ks[0] as usize - 1]);
-            }
+        }
+        if chain && ks[0] > 0 {
+            opts = opts.parent(self.keys[ks[0] as usize - 1]);
         }
         let got = rank.save_with(&keys, &pages, WaitFor::Nothing, opts);
         let plan = self.plan_save(&ks);
@@ -642,9 +644,29 @@ impl Machine {
                     "prefix save of keys {ks:?}: saved {:?}, model {plan:?}",
                     t.saving
                 );
-                // Only an admission policy may save less than fits.
-                if self.policy != PolicyKind::PrefixTinyLfu {
-                    assert_eq!(t.saving.len(), take, "prefix save of keys {ks:?}: liveness ({})", self.policy);
+                // Only an admission policy may save less than fits. Probationary admission (2Q, and
+                // the default for a save of more than 3/4 of the pool) places at least every
+                // missing key at a position below the free slots plus the probation target (10%
+                // of the pool, at least 1); a key at position `i` of the save has depth
+                // `ks[0] + i`.
+                let cap = self.model.capacity;
+                let floods = match self.policy {
+                    PolicyKind::PrefixTinyLfu => None,
+                    PolicyKind::TwoQ => Some(true),
+                    PolicyKind::AdaptiveLfu => Some(need > cap - cap / 4),
+                    _ => Some(false),
+                };
+                if let Some(floods) = floods {
+                    let room = self.model.free() + (cap / 10).max(1);
+                    let must =
+                        if floods { plan.missing.iter().take_while(|&&i| i < room).count().min(take) } else { take };
+                    assert!(
+                        t.saving.len() >= must,
+                        "prefix save of keys {ks:?}: liveness ({}): saved {} keys, at least {must} of {take} must be \
+                         (room {room})",
+                        self.policy,
+                        t.saving.len()
+                    );
                 }
             }
         }
