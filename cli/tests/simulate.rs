@@ -201,6 +201,31 @@ fn two_levels_are_exact_on_a_tiny_trace() {
     );
 }
 
+/// Issue 49: the two levels are chosen together. As the tier does, the host takes its victims
+/// among the blocks the drive holds a copy of before the others (a clean block is cheap to drop:
+/// the drive gives it back), so the host keeps a block the drive lacks.
+#[test]
+fn the_host_drops_blocks_the_drive_holds_first() {
+    // Blocks of 2 pages: 2, 1, 1, 3, 4, 5, 2, 1 on a host of 8 slots (4 blocks), LRU, admitted to
+    // the drive after 2 uses. Request 3 leases block 1 (its 2nd use): it is written to the drive.
+    // Request 6 (block 5) needs 2 slots: LRU alone takes block 2 (least recently used), the tier
+    // takes block 1 (clean) instead.
+    let g = glm52();
+    let keys = one_block_requests(&g, &[2, 1, 1, 3, 4, 5, 2, 1]);
+    let lru = Variant::plain(PolicyKind::Lru);
+    // The host pool alone: only request 3 hits.
+    assert_eq!(run_policy(&keys, lru, 8, &g, &|_| {}).unwrap().hit_pages, 2);
+    // Over the drive: request 7 finds block 2 on the host, request 8 block 1 on the drive.
+    let r = run_two_level(&keys, lru, 8, 64, SsdAdmit::Uses(2), &g, &|_| {}).unwrap();
+    assert_eq!(
+        (r.host_hit_pages, r.ssd_hit_pages),
+        (4, 2),
+        "the host kept a block with a disk copy and dropped one without"
+    );
+    // Written: block 1 (request 3) and block 2 (its 2nd use, request 7).
+    assert_eq!((r.demoted_pages, r.ssd_evictions, r.ssd_dropped_pages), (4, 0, 0));
+}
+
 /// Issue 49: under prefix-tinylfu the drive refused (`ssd_dropped_pages`) every block's first
 /// demotion and never evicted, because the simulation managed the drive with the host's policy,
 /// doorkeeper included. The tier's drive has its own recency order and no doorkeeper: whatever
@@ -221,8 +246,9 @@ fn the_drive_keeps_its_own_order_whatever_the_host_policy() {
 
 #[test]
 fn the_ssd_only_adds_hits_under_the_host_pools() {
-    // The host level does the same work with or without an SSD under it, so its share is the
-    // host-only run's; the SSD adds hits, up to the unbounded cache's.
+    // The SSD adds hits: both levels together find at least the host pool alone's, up to the
+    // unbounded cache's (the host's own share may be smaller: it drops blocks the drive holds
+    // first, see the_host_drops_blocks_the_drive_holds_first).
     let g = glm52();
     for seed in [7u64, 8] {
         let keys = page_keys(&synthetic(seed, 250, 10), &g).unwrap();
@@ -235,9 +261,11 @@ fn the_ssd_only_adds_hits_under_the_host_pools() {
                     for admit in [SsdAdmit::Uses(1), SsdAdmit::Uses(2), SsdAdmit::Auto] {
                         let r = run_two_level(&keys, v, 24, ssd, admit, &g, &|_| {}).unwrap();
                         let l = format!("{} admit {admit}", v.label());
-                        assert_eq!(r.host_hit_pages, host.hit_pages, "{l}, seed {seed}, SSD {ssd}: host share");
                         let both = r.host_hit_pages + r.ssd_hit_pages;
-                        let lo = host.hit_pages;
+                        // A drive smaller than the host pool (16 slots under 24) may evict the
+                        // copies of the clean blocks the host dropped before they come back: a few
+                        // pages below the host pool alone there (2 to 8 of 1,110 to 2,550 here).
+                        let lo = if ssd > 24 { host.hit_pages } else { host.hit_pages * 99 / 100 };
                         assert!(both >= lo && both <= all, "{l}, seed {seed}, SSD {ssd}: {both} not in {lo}..={all}");
                         if ssd == 4096 && admit != SsdAdmit::Uses(2) {
                             assert!(r.ssd_hit_pages > 0, "{l}, seed {seed}: an SSD larger than the trace finds pages");

@@ -6,6 +6,7 @@ use super::config::Variant;
 use crate::error::Error;
 use kvtier::BackingChoice;
 use kvtier::NullBackend;
+use kvtier::SsdModel;
 use kvtier::WaitFor;
 use kvtier::{ArenaSpec, ContentKey, Geometry, TierError};
 use kvtier::{Fit, HintId, HostTier, Rank, SaveOptions, TierConfig};
@@ -43,11 +44,18 @@ pub(crate) struct LevelSave {
 }
 
 impl Level {
-    /// A level of `slots` slots for requests of at most `max_pages` pages.
+    /// A level of `slots` slots for requests of at most `max_pages` pages; over `ssd` if given
+    /// ([`SsdModel::host_tier`]: its victims take blocks the drive holds first, as the tier's do).
     ///
     /// # Errors
     /// Geometry and pool errors; [`Error::Config`] if the pool does not come out at `slots`.
-    pub(crate) fn new(geometry: &Geometry, max_pages: u64, slots: u32, variant: Variant) -> Result<Level, Error> {
+    pub(crate) fn new(
+        geometry: &Geometry,
+        max_pages: u64,
+        slots: u32,
+        variant: Variant,
+        ssd: Option<&mut SsdModel>,
+    ) -> Result<Level, Error> {
         let proxy = proxy_geometry(geometry, max_pages)?;
         let bytes = slots as u64 * proxy.slot_bytes();
         let cfg = TierConfig::new(proxy.clone(), bytes)
@@ -55,7 +63,10 @@ impl Level {
             .with_policy(variant.policy)
             .with_chain_aware(variant.chain)
             .with_protect_hinted(variant.protect);
-        let tier = HostTier::new(cfg)?;
+        let tier = match ssd {
+            Some(ssd) => ssd.host_tier(cfg)?,
+            None => HostTier::new(cfg)?,
+        };
         if tier.capacity() != slots {
             return Err(Error::Config(format!("pool of {bytes} B holds {} slots, not {slots}", tier.capacity())));
         }

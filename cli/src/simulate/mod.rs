@@ -63,7 +63,7 @@ pub fn run_policy(
     progress: &dyn Fn(u64),
 ) -> Result<PolicyRun, Error> {
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
-    let host = Level::new(geometry, max_pages, slots, variant)?;
+    let host = Level::new(geometry, max_pages, slots, variant, None)?;
     let (mut hits, mut dropped, mut saves) = (0u64, 0u64, 0u64);
     let (mut qt, mut st, mut ht) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut queue = HintQueue::new(variant.lookahead);

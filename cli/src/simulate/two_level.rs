@@ -19,9 +19,14 @@
 //!
 //! A demotion is written at once (the tier's demotion thread writes it a little later, while the
 //! block is still on the host). Uses are counted per stay on the host, as the tier counts them
-//! per host slot: a block evicted from the host starts again at its next save. The tier also
-//! evicts host blocks with a disk copy first; the host level here does not (its share is the
-//! host-only run's).
+//! per host slot: a block evicted from the host starts again at its next save.
+//!
+//! The host level is built over the model ([`SsdModel::host_tier`]), so the two levels are chosen
+//! together as in the tier: a host block the drive holds a copy of (demoted, or promoted from the
+//! drive) is clean, and the core's victim selection takes clean blocks before dirty ones (the
+//! tier's own class order, with the host policy's order within each class). A demotion of a key
+//! the drive holds already writes nothing but marks the host block clean, as the demotion thread
+//! does.
 
 use super::{ratio, HintQueue, Level, Variant};
 use crate::error::Error;
@@ -89,8 +94,8 @@ pub fn run_two_level(
         return Err(Error::Config("the SSD admission threshold is a number of uses, at least 1".into()));
     }
     let max_pages = keys.iter().map(|k| k.len()).max().unwrap_or(1) as u64;
-    let host = Level::new(geometry, max_pages, host_slots, variant)?;
     let mut ssd = SsdModel::new(ssd_slots, admit);
+    let host = Level::new(geometry, max_pages, host_slots, variant, Some(&mut ssd))?;
     // Uses of each block during its current stay on the host (the tier's per-slot count).
     let mut uses: HashMap<ContentKey, u32> = HashMap::new();
     let (mut host_hits, mut ssd_hits, mut demoted, mut refused) = (0u64, 0u64, 0u64, 0u64);
@@ -110,7 +115,8 @@ pub fn run_two_level(
         for key in &k[..h] {
             let c = uses.entry(*key).or_insert(1);
             *c = c.saturating_add(1);
-            if ssd.admission().admits(*c) && !ssd.contains(key) {
+            // The tier's `on_hit`: a dirty block is demoted at the use the admission names.
+            if ssd.admission().admits(*c) {
                 demote(&mut ssd, key, &mut demoted, &mut refused);
             }
         }
@@ -125,7 +131,9 @@ pub fn run_two_level(
                     continue; // refreshed, or not saved
                 }
                 if j < h + d {
+                    // Promoted: the host block has a disk copy (the promotion's commit marks it).
                     uses.insert(*key, 1);
+                    ssd.mark_host_copy(key);
                 } else {
                     // Seeded bug (tests only): the drive refuses a block's first demotion, as the
                     // host policy's doorkeeper did when the drive was modelled by the host policy.
@@ -138,7 +146,7 @@ pub fn run_two_level(
                     uses.insert(*key, u);
                     // Seeded bug (tests only): every saved block is admitted, whatever the admission.
                     let admitted = crate::seeded::seeded("ssd-admits-any-use") || ssd.admission().admits_save(u);
-                    if admitted && !ssd.contains(key) {
+                    if admitted {
                         demote(&mut ssd, key, &mut demoted, &mut refused);
                     }
                 }

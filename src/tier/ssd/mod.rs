@@ -284,6 +284,41 @@ pub(crate) struct DemotionQueue {
     pub(crate) idle: Condvar,
 }
 
+/// Which host blocks have a copy on the drive ("clean"): per host slot, `generation + 1` of its
+/// block if that block has a disk copy, else 0. The SSD tier's (and [`model::SsdModel`]'s): the
+/// core ranks clean host blocks before dirty ones as victims ([`LowerTier::is_clean`]).
+pub(crate) struct CleanMarks(Box<[AtomicU64]>);
+
+impl CleanMarks {
+    /// Marks for a host pool of `host_slots` slots, none clean.
+    pub(crate) fn new(host_slots: u32) -> Self {
+        CleanMarks(crate::sync::table(host_slots as usize, |_| AtomicU64::new(0)))
+    }
+
+    /// True if the block of host `slot` at `generation` has a disk copy.
+    pub(crate) fn is_clean(&self, slot: SlotId, generation: u64) -> bool {
+        self.0[slot.index()].load(Ordering::Acquire) == generation + 1
+    }
+
+    /// Records that the block of host `slot` at `generation` has a disk copy.
+    pub(crate) fn mark(&self, slot: SlotId, generation: u64) {
+        self.0[slot.index()].store(generation + 1, Ordering::Release);
+    }
+
+    /// Host `slot` holds a new block, without a disk copy.
+    pub(crate) fn clear(&self, slot: SlotId) {
+        self.0[slot.index()].store(0, Ordering::Release);
+    }
+
+    /// The disk copy of `key` was evicted: if the host holds `key`, its block is dirty again.
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn forget(&self, core: &Core, key: &ContentKey) {
+        if let Some(r) = core.index().get(key) {
+            let _ = self.0[r.slot.index()].compare_exchange(r.generation + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+}
+
 /// An SSD tier: its files, its disk slots, the host blocks' use counts and clean marks, and the
 /// demotion queue. Held by the host tier's core.
 pub(crate) struct SsdTier {
@@ -297,8 +332,8 @@ pub(crate) struct SsdTier {
     payload_bytes: u64,
     /// Uses of the block in each host slot (its save, then one per lease of it).
     host_uses: Box<[AtomicU32]>,
-    /// `generation + 1` of the block in each host slot if it has a disk copy, else 0.
-    host_clean: Box<[AtomicU64]>,
+    /// Which host blocks have a disk copy.
+    host_clean: CleanMarks,
     pub(crate) queue: Arc<DemotionQueue>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The files [`SsdTier::open`] created. Removed again when the tier is dropped before
@@ -413,7 +448,7 @@ impl SsdTier {
             queue_capacity: config.queue_capacity,
             payload_bytes,
             host_uses: crate::sync::table(host_slots as usize, |_| AtomicU32::new(0)),
-            host_clean: crate::sync::table(host_slots as usize, |_| AtomicU64::new(0)),
+            host_clean: CleanMarks::new(host_slots),
             queue: Arc::new(DemotionQueue::default()),
             worker: Mutex::new(None),
             created,
@@ -450,19 +485,19 @@ impl SsdTier {
 
     /// True if the block of host `slot` at `generation` has a disk copy.
     pub(crate) fn is_clean(&self, slot: SlotId, generation: u64) -> bool {
-        self.host_clean[slot.index()].load(Ordering::Acquire) == generation + 1
+        self.host_clean.is_clean(slot, generation)
     }
 
     /// Records that the block of host `slot` at `generation` has a disk copy.
     pub(crate) fn mark_clean(&self, slot: SlotId, generation: u64) {
-        self.host_clean[slot.index()].store(generation + 1, Ordering::Release);
+        self.host_clean.mark(slot, generation);
     }
 
     /// The host slot `slot` was reserved for a new block: its use count is 1 (the save), and it
     /// has no disk copy yet.
     pub(crate) fn on_reserve(&self, slot: SlotId) {
         self.host_uses[slot.index()].store(1, Ordering::Relaxed);
-        self.host_clean[slot.index()].store(0, Ordering::Release);
+        self.host_clean.clear(slot);
     }
 
     /// A host block became `READY` (a save, not a promotion): queued for demotion if its uses (1,
@@ -629,14 +664,7 @@ impl SsdTier {
     /// The disk copy of `key` was evicted: if the host holds `key`, its block is dirty again.
     #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn forget_clean(&self, core: &Core, key: &ContentKey) {
-        if let Some(r) = core.index().get(key) {
-            let _ = self.host_clean[r.slot.index()].compare_exchange(
-                r.generation + 1,
-                0,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            );
-        }
+        self.host_clean.forget(core, key);
     }
 
     pub(crate) fn count_promoted(&self, blocks: u64) {
