@@ -245,6 +245,24 @@ impl HostTier {
         Ok(tier)
     }
 
+    /// A tier of `config` (its [`TierConfig::ssd`] ignored) over `model`, a drive without files,
+    /// for simulators: the model is its lower tier as an SSD tier is, and marks the host blocks it
+    /// holds a copy of, so the tier's victim selection takes them before the others as it does
+    /// over a real drive. A query never promotes from the model (the simulator does, by saving).
+    ///
+    /// # Errors
+    /// As [`HostTier::new`].
+    #[cfg(not(loom))]
+    pub fn over_ssd_model(mut config: TierConfig, model: &mut ssd::model::SsdModel) -> Result<Self, Error> {
+        config.ssd = None;
+        let tier = Self::new_adjusted(config, |core| {
+            let lower = model.lower_tier(core.pool().capacity());
+            core.with_ssd(lower)
+        })?;
+        model.set_host(tier.core().clone());
+        Ok(tier)
+    }
+
     pub(crate) fn from_core(core: Core) -> Self {
         HostTier { flavor: Flavor::InProcess(TierHandle::new(core)) }
     }

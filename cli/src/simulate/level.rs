@@ -45,7 +45,7 @@ pub(crate) struct LevelSave {
 
 impl Level {
     /// A level of `slots` slots for requests of at most `max_pages` pages; over `ssd` if given
-    /// ([`SsdModel::host_tier`]: its victims take blocks the drive holds first, as the tier's do).
+    /// ([`HostTier::over_ssd_model`]: its victims take blocks the drive holds first, as the tier's do).
     ///
     /// # Errors
     /// Geometry and pool errors; [`Error::Config`] if the pool does not come out at `slots`.
@@ -64,7 +64,7 @@ impl Level {
             .with_chain_aware(variant.chain)
             .with_protect_hinted(variant.protect);
         let tier = match ssd {
-            Some(ssd) => ssd.host_tier(cfg)?,
+            Some(ssd) => HostTier::over_ssd_model(cfg, ssd)?,
             None => HostTier::new(cfg)?,
         };
         if tier.capacity() != slots {

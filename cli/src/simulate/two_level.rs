@@ -22,7 +22,7 @@
 //! block is still on the host). Uses are counted per stay on the host, as the tier counts them
 //! per host slot: a block evicted from the host starts again at its next save.
 //!
-//! The host level is built over the model ([`SsdModel::host_tier`]), so the two levels are chosen
+//! The host level is built over the model ([`kvtier::HostTier::over_ssd_model`]), so the two levels are chosen
 //! together as in the tier: a host block the drive holds a copy of (demoted, or promoted from the
 //! drive) is clean, and the core's victim selection takes clean blocks before dirty ones (the
 //! tier's own class order, with the host policy's order within each class). A demotion of a key

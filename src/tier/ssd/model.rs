@@ -4,7 +4,7 @@
 //! those of the tier's own victim order (the disk directory's recency list, whatever the host
 //! policy) and of its own admission ([`Admission`], fixed or [`SsdAdmit::Auto`]).
 //!
-//! The host tier a simulator builds with [`SsdModel::host_tier`] has the model as its lower tier,
+//! The host tier a simulator builds with `HostTier::over_ssd_model` has the model as its lower tier,
 //! as a tier with an SSD tier has the SSD tier: the model marks the host blocks it holds a copy of
 //! (written by [`SsdModel::demote`], or promoted: [`SsdModel::mark_host_copy`]) with the SSD tier's
 //! own marks, and the host's victim selection (the core's, unchanged) takes those clean blocks
@@ -18,7 +18,6 @@ use crate::key::ContentKey;
 use crate::slab::slot::SlotId;
 use crate::tier::core::{Core, LowerTier};
 use crate::tier::expiry::LeasedBlock;
-use crate::{HostTier, TierConfig};
 use std::sync::Arc;
 
 /// What [`SsdModel::demote`] did with a block.
@@ -40,11 +39,13 @@ pub struct SsdModel {
     slots: DiskSlots,
     admission: Admission,
     evictions: u64,
-    /// The host tier built by [`SsdModel::host_tier`] and the marks its core reads, if any.
+    /// The marks of the last [`SsdModel::lower_tier`], if any.
+    marks: Option<Arc<CleanMarks>>,
+    /// The core of the host tier built over them and the marks its core reads, if any.
     host: Option<(Arc<Core>, Arc<CleanMarks>)>,
 }
 
-/// The lower tier of a host tier built by [`SsdModel::host_tier`]: the model's clean marks. Its
+/// The lower tier of a host tier built over the model (`HostTier::over_ssd_model`): the model's clean marks. Its
 /// hooks only keep the marks (a reserved slot holds a new, dirty block); the simulator counts a
 /// block's uses and promotes by saving, itself.
 struct ModelLower(Arc<CleanMarks>);
@@ -87,31 +88,24 @@ impl SsdModel {
     /// A drive of `disk_slots` slots (at least 1) admitting by `admit`.
     pub fn new(disk_slots: u32, admit: SsdAdmit) -> Self {
         let (slots, _) = DiskSlots::new(disk_slots.max(1), &[]);
-        SsdModel { slots, admission: Admission::new(admit, disk_slots), evictions: 0, host: None }
+        SsdModel { slots, admission: Admission::new(admit, disk_slots), evictions: 0, marks: None, host: None }
     }
 
-    /// A host tier of `config` (its [`TierConfig::ssd`] ignored) over this drive: its victim
-    /// selection takes the host blocks this model holds a copy of before the others, as a tier's
-    /// over its SSD tier does. The model keeps the marks from then on (a later call replaces the
-    /// tier it marks).
-    ///
-    /// # Errors
-    /// As [`HostTier::new`].
-    pub fn host_tier(&mut self, mut config: TierConfig) -> Result<HostTier, crate::Error> {
-        config.ssd = None;
-        let mut marks = None;
-        let tier = HostTier::new_adjusted(config, |core| {
-            let m = Arc::new(CleanMarks::new(core.pool().capacity()));
-            marks = Some(m.clone());
-            core.with_ssd(Box::new(ModelLower(m)))
-        })?;
-        if let Some(m) = marks {
-            self.host = Some((tier.core().clone(), m));
-        }
-        Ok(tier)
+    /// The lower tier of a host tier over this drive (`HostTier::over_ssd_model`) of `host_slots`
+    /// slots: fresh clean marks, which the model keeps from then on (a later call replaces them).
+    pub(crate) fn lower_tier(&mut self, host_slots: u32) -> Box<dyn LowerTier> {
+        let marks = Arc::new(CleanMarks::new(host_slots));
+        self.marks = Some(marks.clone());
+        self.host = None;
+        Box::new(ModelLower(marks))
     }
 
-    /// Records that the host block of `key` (of the tier [`SsdModel::host_tier`] built) has a copy
+    /// The core of the host tier built over [`SsdModel::lower_tier`]'s lower tier.
+    pub(crate) fn set_host(&mut self, core: Arc<Core>) {
+        self.host = self.marks.clone().map(|m| (core, m));
+    }
+
+    /// Records that the host block of `key` (of the tier built over the model) has a copy
     /// on the drive, as a promotion's commit and the demotion thread do: the host's policy
     /// re-places it among the clean blocks. Returns false if there is no such tier, the host
     /// does not hold `key`, or the drive does not.
@@ -160,7 +154,7 @@ impl SsdModel {
 
     /// Writes the block of `key` to a disk slot as the demotion thread does (evicting the least
     /// recently used block when the drive is full, which the admission learns of). With a host
-    /// tier ([`SsdModel::host_tier`]), its block of `key` is marked clean (also when the drive
+    /// tier over the model, its block of `key` is marked clean (also when the drive
     /// held `key` already), and a host block whose copy was evicted is dirty again.
     pub fn demote(&mut self, key: &ContentKey) -> Demotion {
         if self.slots.contains(key) {
