@@ -3,7 +3,8 @@ into kvtier, and the same calls through a tier daemon, against one contiguous pi
 copy of the same bytes (the link's ceiling), and pegaflow where it is installed.
 
     python benches/engine_paths.py [--iters 30] [--blocks 1,8,43,128] [--kvtierd PATH] [--json OUT.json]
-                                   [--device cuda|cpu] [--layouts glm52,llama3-8b] [--pega-pool 8gb]
+                                   [--device cuda|cpu] [--layouts glm52,llama3-8b] [--pool-gib 8]
+                                   [--pega-pool 8gb]
 
 Layouts: ``glm52`` (99 arenas, 3,452,160 B a block) and ``llama3-8b`` (64 arenas, 2,097,152 B),
 each arena a ``[pages, bytes_per_page]`` CUDA tensor, random scattered page ids. Contenders:
@@ -31,6 +32,11 @@ Where the time goes: each row also gives the medians of the calls' parts: for a 
 ``rank.save`` call (keys checked, slots reserved, the copy submitted; on a connected tier one round
 trip) and the wait for the copy; for a restore, ``tier.query`` (a lease: one round trip on a
 connected tier), the ``rank.restore`` call and the wait.
+
+The pools (in process and the daemon's) hold ``--pool-gib`` GiB, as an engine's would: the default
+policy replays a sample of its references in miniature caches of 512 slots, so a pool of fewer
+than 512 slots (what 2 x 128 blocks would need) replays every reference, and its query and save
+calls then cost several times what they cost on a real pool.
 
 Each save is of keys the pool does not hold (fresh keys every round), each restore into other
 random pages, and every restored page is compared byte for byte with its source. Times: the
@@ -271,6 +277,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--layouts", default="glm52,llama3-8b")
+    ap.add_argument("--pool-gib", type=float, default=8.0, help="kvtier's pools, GiB (2^30 B)")
     ap.add_argument("--pega-pool", default="8gb", help="pegaflow's pinned pool (its own size syntax)")
     a = ap.parse_args()
     global DEVICE
@@ -298,7 +305,7 @@ def main():
     for preset in a.layouts.split(","):
         g = kvtier.Geometry.preset(preset, PAGES)
         arenas = arenas_for(g)
-        pool = 2 * max(sizes) * g.slot_bytes + (64 << 20)
+        pool = max(int(a.pool_gib * (1 << 30)), 2 * max(sizes) * g.slot_bytes + (64 << 20))
         tier = kvtier.Tier(g, pool)
         attach = (lambda t: t.attach_cuda(0, arenas, layout="pages")) if DEVICE == "cuda" else \
             (lambda t: t.attach_host(arenas, layout="pages"))
