@@ -16,7 +16,8 @@ each arena a ``[pages, bytes_per_page]`` CUDA tensor, random scattered page ids.
   (a built ``kvtierd``), else the same server run by ``kvtier.Tier(serve=...)`` in a child process
   (named ``kvtier-serve`` in the output);
 - ``pegaflow``: where ``pegaflow`` (PyPI ``pegaflow-llm-cu13``) imports, its bundled gRPC server
-  (``pegaflow-server-py``, started here on a free local port with a pinned pool of ``--pega-pool``)
+  (``pegaflow-server-py``, started here on a free local port with a pinned pool of ``--pega-pool``
+  after kvtier's rows of a layout, and stopped before the next)
   with the same arenas registered through CUDA IPC as one layer each, configured as its vLLM
   connector configures it: ``transfer_backend="kernel"`` and ``page_first=True`` for the MLA
   layout (GLM-5.2), ``"direct"`` and layer-first for the others. Save: one ``save`` RPC (its vLLM
@@ -287,24 +288,41 @@ def main():
     machine = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU ({os.cpu_count()} cores), host tensors"
     sizes = [int(x) for x in a.blocks.split(",")]
     rng = random.Random(0)
-    rows, missing, pf = [], [], None
+    rows, missing, pega_version = [], [], None
     if DEVICE != "cuda":
         missing.append("pegaflow: needs CUDA tensors (not run with --device cpu)")
     else:
         try:
             import pegaflow
+
+            pega_version = pegaflow.__version__
         except ImportError:
             missing.append("pegaflow: not installed (pip install pegaflow-llm-cu13)")
-        else:
-            try:
-                pf = Pegaflow(a.pega_pool)
-                print(f"pegaflow {pegaflow.__version__}: server at {pf.endpoint}, pool {a.pega_pool}", flush=True)
-            except Exception as e:  # noqa: BLE001 (a contender that fails is reported, not fatal)
-                missing.append(f"pegaflow: did not start: {type(e).__name__}: {e}")
-    print(f"{machine}; " + ("; ".join(missing) or "every contender present"), flush=True)
+    print(f"{machine}; " + ("; ".join(missing) or "every contender installed"), flush=True)
+
+    def record(preset, g, name, n, contig, result):
+        (c_save, c_load), (s, l, parts) = contig, result
+        row = {"layout": preset, "contender": name, "blocks": n, "bytes": n * g.block_bytes,
+               "save_us": s, "restore_us": l, "contig_save_us": c_save, "contig_restore_us": c_load,
+               "save_ratio": c_save / s, "restore_ratio": c_load / l, "parts_us": parts}
+        rows.append(row)
+        gbs = lambda us: n * g.block_bytes / us / 1e3  # noqa: E731
+        print(f"{preset:10} {name:12} {n:4d} blocks  save {s:8.0f} us {gbs(s):5.1f} GB/s ({row['save_ratio']:.2f})"
+              f"  restore {l:8.0f} us {gbs(l):5.1f} GB/s ({row['restore_ratio']:.2f})"
+              f"  contiguous {c_save:.0f} / {c_load:.0f} us", flush=True)
+        print("            parts (us): " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()), flush=True)
+
+    def dump():
+        if a.json:  # after each layout too: what has run so far, should a later one fail
+            with open(a.json, "w") as f:
+                json.dump({"device": machine, "missing": missing, "rows": rows}, f, indent=1)
+
     for preset in a.layouts.split(","):
         g = kvtier.Geometry.preset(preset, PAGES)
         arenas = arenas_for(g)
+        contig = {n: time_contiguous(g.block_bytes, n, a.iters) for n in sizes}
+        # kvtier's rows first, with no other server running; then pegaflow's, its server started
+        # for them and stopped after.
         pool = max(int(a.pool_gib * (1 << 30)), 2 * max(sizes) * g.slot_bytes + (64 << 20))
         tier = kvtier.Tier(g, pool)
         attach = (lambda t: t.attach_cuda(0, arenas, layout="pages")) if DEVICE == "cuda" else \
@@ -312,52 +330,36 @@ def main():
         rank = attach(tier)
         proc, remote, server = start_server(g, pool, a.kvtierd, preset)
         rrank = attach(remote)
-        pega = None
-        if pf is not None:
-            try:
-                pf.register(f"kvtier-bench-{preset}", arenas, mla=preset == "glm52")
-                pega = pf
-            except Exception as e:  # noqa: BLE001
-                missing.append(f"pegaflow ({preset}): {type(e).__name__}: {e}")
-                print(missing[-1], flush=True)
         try:
             for n in sizes:
-                c_save, c_load = time_contiguous(g.block_bytes, n, a.iters)
-                contenders = [("kvtier", (tier, rank)), (server, (remote, rrank))] + ([("pegaflow", None)] if pega else [])
-                for name, tr in contenders:
-                    what = f"{preset} {name} {n}"
-                    if name == "pegaflow":
-                        try:
-                            s, l, parts = time_pegaflow(pega, arenas, n, a.iters, rng, what)
-                        except Exception as e:  # noqa: BLE001 (AssertionError: bytes differ)
-                            missing.append(f"pegaflow ({what}): {type(e).__name__}: {e}")
-                            print(missing[-1], flush=True)
-                            pega = None
-                            continue
-                    else:
-                        s, l, parts = time_tier(tr[0], tr[1], arenas, n, a.iters, rng, what)
-                    row = {"layout": preset, "contender": name, "blocks": n, "bytes": n * g.block_bytes,
-                           "save_us": s, "restore_us": l, "contig_save_us": c_save, "contig_restore_us": c_load,
-                           "save_ratio": c_save / s, "restore_ratio": c_load / l, "parts_us": parts}
-                    rows.append(row)
-                    gbs = lambda us: n * g.block_bytes / us / 1e3  # noqa: E731
-                    print(f"{preset:10} {name:12} {n:4d} blocks  save {s:8.0f} us {gbs(s):5.1f} GB/s ({row['save_ratio']:.2f})"
-                          f"  restore {l:8.0f} us {gbs(l):5.1f} GB/s ({row['restore_ratio']:.2f})"
-                          f"  contiguous {c_save:.0f} / {c_load:.0f} us", flush=True)
-                    print("            parts (us): " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()), flush=True)
+                for name, (t, r) in (("kvtier", (tier, rank)), (server, (remote, rrank))):
+                    record(preset, g, name, n, contig[n], time_tier(t, r, arenas, n, a.iters, rng, f"{preset} {name} {n}"))
         finally:
             rrank.close()
             rank.close()
             proc.kill()
-            if a.json:  # what has run so far, should a later layout fail
-                with open(a.json, "w") as f:
-                    json.dump({"device": machine, "missing": missing, "rows": rows}, f, indent=1)
-    if pf is not None:
-        pf.close()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": machine, "missing": missing, "rows": rows}, f, indent=1)
-
+            dump()
+        if pega_version is None:
+            continue
+        try:
+            pf = Pegaflow(a.pega_pool)
+        except Exception as e:  # noqa: BLE001 (a contender that fails is reported, not fatal)
+            missing.append(f"pegaflow ({preset}): did not start: {type(e).__name__}: {e}")
+            print(missing[-1], flush=True)
+            continue
+        print(f"pegaflow {pega_version}: server at {pf.endpoint}, pool {a.pega_pool}", flush=True)
+        try:
+            pf.register(f"kvtier-bench-{preset}", arenas, mla=preset == "glm52")
+            for n in sizes:
+                what = f"{preset} pegaflow {n}"
+                record(preset, g, "pegaflow", n, contig[n], time_pegaflow(pf, arenas, n, a.iters, rng, what))
+        except Exception as e:  # noqa: BLE001 (AssertionError: restored bytes differ)
+            missing.append(f"pegaflow ({preset}): {type(e).__name__}: {e}")
+            print(missing[-1], flush=True)
+        finally:
+            pf.close()
+            dump()
+    dump()
 
 if __name__ == "__main__":
     main()
