@@ -280,6 +280,8 @@ def main():
     ap.add_argument("--layouts", default="glm52,llama3-8b")
     ap.add_argument("--pool-gib", type=float, default=8.0, help="kvtier's pools, GiB (2^30 B)")
     ap.add_argument("--pega-pool", default="8gb", help="pegaflow's pinned pool (its own size syntax)")
+    ap.add_argument("--cuda-options", type=json.loads, default=None,
+                    help='kvtier\'s copy tuning as JSON, passed to attach_cuda: e.g. \'{"batched_copies": false}\'')
     a = ap.parse_args()
     global DEVICE
     DEVICE = a.device
@@ -325,7 +327,7 @@ def main():
         # for them and stopped after.
         pool = max(int(a.pool_gib * (1 << 30)), 2 * max(sizes) * g.slot_bytes + (64 << 20))
         tier = kvtier.Tier(g, pool)
-        attach = (lambda t: t.attach_cuda(0, arenas, layout="pages")) if DEVICE == "cuda" else \
+        attach = (lambda t: t.attach_cuda(0, arenas, layout="pages", cuda_options=a.cuda_options)) if DEVICE == "cuda" else \
             (lambda t: t.attach_host(arenas, layout="pages"))
         rank = attach(tier)
         proc, remote, server = start_server(g, pool, a.kvtierd, preset)

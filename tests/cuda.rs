@@ -129,7 +129,8 @@ fn parity(preset: &str, pages: u64) {
         // The default: Auto (staged from one block, pieces ramping from 256 KiB inside a block).
         round_trip(&g, n, CudaOptions::default(), 11 + i as u64);
         // Staged with small, odd pieces (cut inside chunks' segment runs and across blocks), the
-        // other kernel unroll, other CTA count and default-priority streams.
+        // other kernel unroll, other CTA count, default-priority streams and one driver call per
+        // copy (the default batches a piece's copies in one).
         let staged = CudaOptions {
             mode: CopyMode::Staged,
             staged_piece_blocks: 3,
@@ -137,6 +138,7 @@ fn parity(preset: &str, pages: u64) {
             staged_ctas: 3,
             staged_unroll: 4,
             high_priority: false,
+            batched_copies: false,
             ..Default::default()
         };
         round_trip(&g, n, staged, 101 + i as u64);

@@ -289,6 +289,7 @@ impl PyTier {
     /// `cuda_options`: optional dict of copy tuning (`mode`: `auto` | `zero-copy` | `staged`,
     /// `save_ctas`, `restore_ctas`, `staged_ctas`, `staged_piece_blocks`, `high_priority`,
     /// `reserved_sms`: SMs reserved for the copy kernels in a green context, 0 = none;
+    /// `batched_copies`: one driver call for a staged piece's copies where the driver has it;
     /// `save_head_bytes`, `restore_head_bytes`: bytes moved zero-copy ahead of a staged batch).
     ///
     /// The kernels are compiled for the device at first use (about 0.2 s) and the host pool is

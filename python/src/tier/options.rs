@@ -76,12 +76,14 @@ pub(super) fn parse_cuda_options(options: Option<&Bound<'_, PyDict>>) -> PyResul
             "staged_piece_blocks" => o.staged_piece_blocks = v.extract()?,
             "high_priority" => o.high_priority = v.extract()?,
             "reserved_sms" => o.reserved_sms = v.extract()?,
+            "batched_copies" => o.batched_copies = v.extract()?,
             "save_head_bytes" => o.save_head_bytes = v.extract()?,
             "restore_head_bytes" => o.restore_head_bytes = v.extract()?,
             _ => {
                 return Err(config_error(format!(
                     "unknown CUDA option `{k}` (mode, save_ctas, restore_ctas, staged_ctas, \
-                     staged_piece_blocks, high_priority, reserved_sms, save_head_bytes, restore_head_bytes)"
+                     staged_piece_blocks, high_priority, reserved_sms, batched_copies, save_head_bytes, \
+                     restore_head_bytes)"
                 )))
             }
         }

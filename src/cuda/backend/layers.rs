@@ -18,7 +18,7 @@ use super::{
 use crate::copy::layers::{LayerCopy, LayerGroups, LayerReadiness};
 use crate::copy::{validate_batch, Completion, CopyPair, Direction, WaitFor};
 use crate::cuda::desc::{KvtCopyArgs, KvtPair, KvtSeg, SEG_BYTES};
-use crate::cuda::device::{ck, Event, Stream};
+use crate::cuda::device::{ck, CopyList, Event, Stream};
 use crate::error::CopyError;
 use crate::geometry::Geometry;
 use cudarc::driver::sys;
@@ -201,6 +201,7 @@ impl CudaBackend {
         let u = if o.staged_unroll == 8 { 1 } else { 0 };
         let f = if dir == Direction::Save { k.save[u] } else { k.restore[u] };
         let cs = stg.copy.raw;
+        let mut list = CopyList::with_capacity(stg.piece_slots);
         if dir == Direction::Save && *pieces == 0 {
             // As in `staged`: the copies start after everything queued on the lane so far.
             stg.sync.record(stream)?;
@@ -224,7 +225,7 @@ impl CudaBackend {
                 a.inline_pairs = [KvtPair::default(); INLINE_PAIRS];
                 a.inline_pairs[..cnt].copy_from_slice(&args.inline_pairs[p0..p0 + cnt]);
             }
-            let copies = || copy_runs(&batch[p0..p0 + cnt], pool, v, st, dir, cs);
+            let mut copies = || copy_runs(&batch[p0..p0 + cnt], pool, v, st, dir, cs, &mut list, o.batched_copies);
             if dir == Direction::Save {
                 if *pieces >= 2 {
                     Stream::wait_raw(stream, stg.half_free[half].raw)?;
@@ -262,7 +263,10 @@ fn by_slot(batch: &[CopyPair]) -> Vec<CopyPair> {
 
 /// Queues on `cs` the copy-engine copies of group `v` of `pairs` between their host slots and the
 /// packed staging half at `st` (pair `r` at `st + r * span`): one 2-D copy per run of consecutive
-/// host slots (one 1-D copy when the group is the whole slot or the run is one slot).
+/// host slots (one 1-D copy when the group is the whole slot or the run is one slot). The 1-D
+/// copies go through `list`, submitted at the end in one call where `batched` allows (the copies
+/// of a piece touch disjoint bytes, so their order on the stream is free).
+#[allow(clippy::too_many_arguments)]
 fn copy_runs(
     pairs: &[CopyPair],
     pool: BoundPool,
@@ -270,6 +274,8 @@ fn copy_runs(
     st: u64,
     dir: Direction,
     cs: sys::CUstream,
+    list: &mut CopyList,
+    batched: bool,
 ) -> Result<(), CopyError> {
     let sb = pool.slot_bytes;
     let mut r = 0;
@@ -285,9 +291,7 @@ fn copy_runs(
         if rows == 1 || v.span == sb {
             // The whole slot (off0 = 0): consecutive slots are contiguous on both sides.
             let len = if v.span == sb { rows * sb } else { v.span };
-            // SAFETY: both ranges lie inside the staging half (rows * span <= one half) and the
-            // registered pool (slot ids validated); ordered with the kernels by the caller's events.
-            ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, len as usize, cs) })?;
+            list.push(dst, src, len as usize);
         } else {
             let (host_pitch, dev_pitch) = (sb as usize, v.span as usize);
             let (src_pitch, dst_pitch) =
@@ -319,7 +323,9 @@ fn copy_runs(
         }
         r = e;
     }
-    Ok(())
+    // SAFETY: every range lies inside the staging half (rows * span <= one half) and the
+    // registered pool (slot ids validated); ordered with the kernels by the caller's events.
+    unsafe { list.submit(cs, batched) }
 }
 
 #[cfg(all(test, not(loom)))]

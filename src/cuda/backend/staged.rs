@@ -5,7 +5,7 @@
 use super::{BoundPool, CudaBackend};
 use crate::copy::{CopyPair, Direction};
 use crate::cuda::desc::{KvtCopyArgs, KvtPair, COPY_THREADS, FLAG_SLOT_IS_INDEX, INLINE_PAIRS};
-use crate::cuda::device::{ck, launch, DeviceBuffer, Event, Stream};
+use crate::cuda::device::{launch, CopyList, DeviceBuffer, Event, Stream};
 use crate::error::CopyError;
 use cudarc::driver::sys;
 
@@ -179,6 +179,7 @@ impl CudaBackend {
             Direction::Restore => k.restore[u],
         };
         let cs = stg.copy.raw;
+        let mut list = CopyList::with_capacity(stg.piece_slots);
         if dir == Direction::Save && !plan.is_empty() {
             // Save copies start after everything queued on the lane so far (this batch's WaitFor,
             // earlier batches' gathers); each also waits for its own piece's gather below.
@@ -208,7 +209,7 @@ impl CudaBackend {
                 let hi = if r == cnt - 1 && w1 % spb != 0 { inner.seg_span[(w1 % spb) as usize - 1].1 } else { sb };
                 (lo, hi)
             };
-            let copies = || -> Result<(), CopyError> {
+            let mut copies = || -> Result<(), CopyError> {
                 let mut r = 0;
                 while r < cnt {
                     let (lo, mut hi) = span(r);
@@ -222,16 +223,15 @@ impl CudaBackend {
                     let host = pool.alias + batch[i0 + r].slot as u64 * sb + lo;
                     let dev = st + r as u64 * sb + lo;
                     let (dst, src) = if dir == Direction::Save { (host, dev) } else { (dev, host) };
-                    // A copy between a device buffer and the pool's device alias: the generic
-                    // cuMemcpyAsync (unified addressing picks the direction) has no
-                    // `driver::result` wrapper.
-                    // SAFETY: both ranges lie inside the staging half (cnt <= piece_slots) and the
-                    // registered pool (ids validated); ordered with the kernels by the events
-                    // around this call.
-                    ck("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, len as usize, cs) })?;
+                    list.push(dst, src, len as usize);
                     r = e;
                 }
-                Ok(())
+                // Copies between a device buffer and the pool's device alias (unified addressing
+                // picks the direction), one driver call for the piece where the driver can.
+                // SAFETY: every range lies inside the staging half (cnt <= piece_slots) and the
+                // registered pool (ids validated); ordered with the kernels by the events around
+                // this call.
+                unsafe { list.submit(cs, o.batched_copies) }
             };
             if dir == Direction::Save {
                 if pi >= 2 {
