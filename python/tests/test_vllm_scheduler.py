@@ -37,7 +37,9 @@ def pool():
     (worker, layers, socket, the request's tokens)."""
     sock = os.path.join(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"), "pool.sock")
     kv = layers()
-    w = WorkerTransfers(ConnectorConfig.from_extra({"pool": "8MiB"}), FACTS, BS, 0, 1, sock, serve=True)
+    # One layer group per layer: these blocks are far under the default's 8 MiB a group.
+    w = WorkerTransfers(ConnectorConfig.from_extra({"pool": "8MiB", "layer_group_bytes": 1}), FACTS, BS, 0, 1, sock,
+                        serve=True)
     w.register(kv, BLOCKS)
     tokens = list(range(7, 7 + 5 * BS + 1))
     for i, t in enumerate(kv.values()):
@@ -117,6 +119,26 @@ def test_a_restore_the_forward_did_not_wait_for_layer_by_layer_is_counted(pool):
     w.wait_loads()
     assert w.take_errors() == set()
     assert (w.stats["layer_waits"], w.stats["layers_unwaited"]) == (1, 1)
+
+
+def test_layer_groups_hold_layer_group_bytes_and_one_wait_covers_a_group(pool, monkeypatch):
+    w, kv, sock, tokens = pool
+    per_block = w.geometry.block_bytes
+    assert w.layer_groups(5) == 2, "layer_group_bytes 1: one group per layer"
+    monkeypatch.setattr(w, "config", ConnectorConfig.from_extra({"pool": "8MiB", "layer_group_bytes": 2 * per_block}))
+    assert [w.layer_groups(n) for n in (1, 2, 3, 4, 5)] == [1, 1, 1, 2, 2]
+    monkeypatch.setattr(w, "config", ConnectorConfig.from_extra({"pool": "8MiB"}))
+    assert w.config.layer_group_bytes == 8 << 20 and w.layer_groups(5) == 1
+    # One group: the wait before layer 0 covers layer 1 too, and the bytes are the saved ones.
+    keys = RequestKeys(base_namespace(FACTS), BS).upto(tokens, 3)
+    saved = [t[b].clone() for t in kv.values() for b in (1, 2, 3)]
+    w.start(StepPlan(loads=[LoadSpec("g", keys, [12, 13, 14])]))
+    for name in kv:
+        w.wait_layer(name)
+    w.wait_loads()
+    assert w.take_errors() == set() and w.take_loaded() == {"g"}
+    assert (w.stats["layer_waits"], w.stats["layers_unwaited"]) == (1, 0)
+    assert all(torch.equal(a, t[b]) for a, (t, b) in zip(saved, [(t, b) for t in kv.values() for b in (12, 13, 14)]))
 
 
 def test_the_first_open_is_inline_and_reconnections_run_off_the_callers_thread(monkeypatch):

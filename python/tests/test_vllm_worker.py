@@ -109,13 +109,14 @@ def snapshot(layers, block_ids):
     return [_block(t, b).clone().cpu() for t in layers.values() for b in block_ids]
 
 
+@pytest.mark.parametrize("group_bytes", [1, None], ids=["group-per-layer", "default-groups"])
 @pytest.mark.parametrize("layout", ["cpu", "flash", "flashinfer", "mla"])
-def test_blocks_saved_and_restored_through_the_worker_keep_their_bytes(layout, tmp_path_factory):
+def test_blocks_saved_and_restored_through_the_worker_keep_their_bytes(layout, group_bytes, tmp_path_factory):
     device = "cuda" if torch.cuda.is_available() and layout != "cpu" else "cpu"
     layers = {"cpu": cpu_layers, "flash": lambda: flash_layers(device=device), "flashinfer": lambda: flashinfer_layers(device=device, hnd=True),
               "mla": lambda: mla_layers(device=device)}[layout]()
     sock = os.path.join(tempfile.mkdtemp(prefix="kvw-", dir="/tmp"), "pool.sock")
-    config = ConnectorConfig.from_extra({"pool": "32MiB"})
+    config = ConnectorConfig.from_extra({"pool": "32MiB", **({"layer_group_bytes": group_bytes} if group_bytes else {})})
     w = WorkerTransfers(config, FACTS, BS, 0, 1, sock, serve=True)
     w.register(layers, BLOCKS)
     try:
@@ -131,11 +132,18 @@ def test_blocks_saved_and_restored_through_the_worker_keep_their_bytes(layout, t
             time.sleep(0.001)
         assert sending == {"r1"}
         w.start(StepPlan(loads=[LoadSpec("r2", keys, dst)]), stream)
+        # As vLLM's forward: a wait before each layer's attention (one per layer group), then
+        # the step's end.
+        for name in layers:
+            w.wait_layer(name, stream)
         w.wait_loads(stream)
         if device == "cuda":
             torch.cuda.synchronize()
         assert w.take_errors() == set()
         assert w.take_loaded() == {"r2"}
+        groups = w.layer_groups(len(dst))
+        assert groups == (len(layers) if group_bytes == 1 else 1)
+        assert (w.stats["layer_waits"], w.stats["layers_unwaited"]) == (groups, 0)
         got = snapshot(layers, dst)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         # A restore of keys the pool does not hold reports its blocks for vLLM to recompute.

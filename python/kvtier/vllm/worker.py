@@ -84,7 +84,7 @@ class WorkerTransfers:
         # block as failed after its copy (vLLM must recompute them and give the same tokens).
         self._fault = os.environ.get("KVTIER_VLLM_FAULT", "")
         self._layer_of: Dict[str, int] = {}  # vLLM layer name -> the geometry's layer index
-        self._groups = 0  # layer groups of a layer-wise restore (one per layer); 0: whole blocks
+        self._layers = 0  # KV layers when sync restores go layer-wise (layer_groups); 0: whole blocks
         self.stats = {
             "restored_blocks": 0, "saved_blocks": 0, "load_errors": 0, "save_errors": 0,
             "layer_waits": 0, "layers_unwaited": 0,
@@ -118,7 +118,7 @@ class WorkerTransfers:
         g = _kvtier.Geometry.from_tensors(self._views, model="vllm", page_tokens=self.block_size, names=arena_names, layout="pages")
         self.geometry = g.with_layers([s.layer for s in specs])
         self._layer_of = {n: by_layer[n][0].layer for n in names}
-        self._groups = len(set(self._layer_of.values())) if self.config.layerwise else 0
+        self._layers = len(set(self._layer_of.values())) if self.config.layerwise else 0
         log.info("kvtier: %d arenas, %d B a block; a kvtierd for this layout: %s", len(specs), self.geometry.block_bytes,
                  daemon_command(self.geometry))
         if self.serve:
@@ -154,13 +154,14 @@ class WorkerTransfers:
     def start(self, plan: StepPlan, stream: Any = None) -> None:
         """Starts the plan's restores (``stream``: the CUDA stream the forward runs on, whose
         queued work the restores wait for; None on a CPU). Sync restores move layer by layer
-        (one group per layer, unless ``layerwise`` is off): the forward waits for each layer's
-        pages in :meth:`wait_layer` before that layer's attention, so later layers cross the
-        link under the compute of earlier ones; :meth:`wait_loads` then waits for whatever is
+        (unless ``layerwise`` is off), in groups of consecutive layers of at least
+        ``layer_group_bytes`` of the restore each (:meth:`layer_groups`): the forward waits for
+        each group's pages in :meth:`wait_layer` before its first layer's attention, so later
+        layers cross the link under the compute of earlier ones; :meth:`wait_loads` then waits for whatever is
         left and reports the step's failures. Async restores move whole and are polled by
         :meth:`finished`."""
         for spec in plan.loads:
-            layerwise = self._groups > 0 and not self.config.load_async
+            layerwise = self._layers > 0 and not self.config.load_async
             load = _Load(spec.req_id, list(spec.block_ids), self._restore(spec, stream, layerwise))
             if self.config.load_async:
                 self._loads[spec.req_id] = load
@@ -185,6 +186,12 @@ class WorkerTransfers:
                 # On a host rank the stream argument is unused and the thread waits.
                 handle.wait_layer(layer, stream if stream is not None and self.device is not None else 0)
                 self.stats["layer_waits"] += 1
+                # The wait covers the layer's whole group: its later layers need none.
+                end = handle.layer_group_end(layer)
+                load.waited = self._layers - 1 if end is None else end - 1
+                # Seeded bug (tests only): the wait is taken to cover the next group's first layer.
+                if seeded("vllm-group-wait-covers-next") and end is not None:
+                    load.waited = end
             except KvtierError as e:
                 self._fail(blocks, str(e))
                 load.handle = None
@@ -210,7 +217,7 @@ class WorkerTransfers:
             if seeded("vllm-restore-drops-last") and n > 1:
                 pages = pages[:-1]
             if layerwise:
-                handle = rank.restore_layers(lease, pages, self._groups, after_stream=stream)
+                handle = rank.restore_layers(lease, pages, self.layer_groups(n), after_stream=stream)
             else:
                 handle = rank.restore(lease, pages, after_stream=stream)
             del lease
@@ -221,6 +228,12 @@ class WorkerTransfers:
             self._fail(spec.block_ids, str(e))
             return None
 
+    def layer_groups(self, blocks: int) -> int:
+        """Layer groups of a layer-wise restore of ``blocks`` blocks: as many as the restore has
+        ``layer_group_bytes`` in it, at least one, at most one per layer."""
+        per = self.config.layer_group_bytes
+        return max(1, min(self._layers, blocks * self.geometry.block_bytes // per))
+
     def wait_loads(self, stream: Any = None) -> None:
         """Makes this step's sync restores visible to the forward: on a CUDA rank the stream
         waits for them (no host sync); on a CPU rank this thread does. Called after the forward
@@ -230,8 +243,8 @@ class WorkerTransfers:
         for load in self._sync:
             if load.handle is not None:
                 handle, blocks = load.handle
-                if self._groups and load.waited < self._groups - 1:
-                    missed = self._groups - 1 - load.waited
+                if self._layers and load.waited < self._layers - 1:
+                    missed = self._layers - 1 - load.waited
                     if not self.stats["layers_unwaited"]:
                         log.warning("kvtier: the forward read %d layer(s) of a restore without waiting for them", missed)
                     self.stats["layers_unwaited"] += missed

@@ -202,6 +202,21 @@ impl PyCopyHandle {
         let s = handle_of(stream, &["cuda_stream", "ptr"])?;
         py.detach(|| self.inner.wait_layer(layer, s)).py()
     }
+    /// The end (exclusive, 0-based) of the layer group holding `layer` in a layer-wise copy:
+    /// once `wait_layer(layer, ...)` has made a stream wait, every layer below this end is covered
+    /// too, so an engine needs one wait per group, not per layer. None for a whole-block copy (one
+    /// wait covers every layer).
+    ///
+    /// Raises: `BackendMismatchError` for a layer the geometry does not have (layer-wise copies).
+    fn layer_group_end(&self, layer: u32) -> PyResult<Option<u32>> {
+        match self.inner.layer_groups() {
+            Some(groups) => {
+                let g = groups.group_of_layer(layer).py()?;
+                Ok(Some(groups.layers(g).end))
+            }
+            None => Ok(None),
+        }
+    }
     /// Layer groups of a layer-wise copy (int), or None for a whole-block copy.
     #[getter]
     fn layer_groups(&self) -> Option<usize> {

@@ -133,7 +133,8 @@ def scenario_plain(args):
 
 def scenario_roundtrip(args):
     p = prompts()
-    llm = engine(args, {"extra": {"pool": "64MiB"}, "engine_id": args.get("engine_id")})
+    # One layer group per layer (the tiny model's restores are far under the default's 8 MiB).
+    llm = engine(args, {"extra": {"pool": "64MiB", "layer_group_bytes": 1}, "engine_id": args.get("engine_id")})
     out = {"cold_A": run(llm, p["A"])}
     out["settled"] = settle(llm)
     zero_kv()
