@@ -88,8 +88,8 @@ def run_layout(name, block_size, make, blocks, iters, rng, group_bytes=None):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             w.start(StepPlan(loads=[LoadSpec(f"l{it}", keys, dst)]), stream)
-            for name in layers:  # as vLLM's forward: a wait before each layer's attention
-                w.wait_layer(name, stream)
+            for layer in layers:  # as vLLM's forward: a wait before each layer's attention
+                w.wait_layer(layer, stream)
             w.wait_loads(stream)
             torch.cuda.synchronize()
             load_s.append(time.perf_counter() - t0)
