@@ -145,7 +145,9 @@ impl HandleShared {
 /// environment variable `KVTIER_WAIT_SPIN_US` (microseconds; `0`: sleep at once), read once per
 /// process. Spinning costs the waiting thread's core for at most that long; sleeping costs one
 /// wake-up (tens of microseconds) after the copy has ended. A value that does not parse as an
-/// integer keeps the default, with a warning.
+/// integer keeps the default, with a warning. The same bound applies to a tier connected to
+/// `kvtierd` waiting for a reply, and (at most 200 us) to the daemon's wait for a connection's next
+/// request.
 pub fn wait_spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {

@@ -179,6 +179,11 @@ impl Conn {
             if req.is_one_way() {
                 Ok(Reply::Done)
             } else {
+                // Most replies come within tens of microseconds: catch them spinning, as a copy's
+                // wait does (`KVTIER_WAIT_SPIN_US`), rather than asleep in the read.
+                if reader.buffer().is_empty() {
+                    proto::spin_until_readable(reader.get_ref(), crate::wait_spin());
+                }
                 proto::read_frame(reader, buf)
             }
         });

@@ -166,6 +166,32 @@ impl Write for NoSigPipe<'_> {
     }
 }
 
+/// Polls `stream` without sleeping, for at most `spin`, until it has bytes to read, has been
+/// closed or has failed; reads nothing (the caller's read then finds the bytes, the end of stream
+/// or the error at once). A reply or request that arrives within `spin` is so read without the
+/// wake-up of a thread asleep in `read` (5-15 us each on a server's cores: a round trip has two).
+/// Returns at once for a zero `spin`; after `spin` the caller's blocking read waits as before.
+pub fn spin_until_readable(stream: &std::os::unix::net::UnixStream, spin: std::time::Duration) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    if spin.is_zero() {
+        return;
+    }
+    let start = std::time::Instant::now();
+    loop {
+        let mut fds = [PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => {}
+            // Readable, hung up or failed: the read sees which.
+            _ => return,
+        }
+        if start.elapsed() >= spin {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 fn invalid(e: impl ToString) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
 }

@@ -29,7 +29,8 @@ mod tests;
 pub use counters::{WireAudit, WireClient, WireSsdStats, WireStats};
 pub use error::WireError;
 pub use frame::{
-    decode, encode, read_frame, read_len, read_payload, read_request, skip_payload, write_frame, Incoming, NoSigPipe,
+    decode, encode, read_frame, read_len, read_payload, read_request, skip_payload, spin_until_readable, write_frame,
+    Incoming, NoSigPipe,
 };
 
 /// The first four bytes of a hello.
