@@ -141,6 +141,53 @@ def test_layer_groups_hold_layer_group_bytes_and_one_wait_covers_a_group(pool, m
     assert all(torch.equal(a, t[b]) for a, (t, b) in zip(saved, [(t, b) for t in kv.values() for b in (12, 13, 14)]))
 
 
+class _Waits:
+    """A restore's handle that records the layers the worker waits for."""
+
+    def __init__(self, handle):
+        self.handle, self.layers = handle, []
+
+    def wait_layer(self, layer, stream):
+        self.layers.append(layer)
+        return self.handle.wait_layer(layer, stream)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def test_uneven_layer_groups_take_one_wait_each_at_their_first_layer():
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"), "pool.sock")
+    kv = layers(5)
+    w = WorkerTransfers(ConnectorConfig.from_extra({"pool": "8MiB"}), FACTS, BS, 0, 1, sock, serve=True)
+    w.register(kv, BLOCKS)
+    try:
+        for i, t in enumerate(kv.values()):
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) - 1000 * i)
+        tokens = list(range(3, 3 + 2 * BS + 1))
+        keys = RequestKeys(base_namespace(FACTS), BS).upto(tokens, 2)
+        w.save(StepPlan(saves=[SaveSpec("s", keys, [4, 5])]))
+        deadline = time.monotonic() + 30
+        while not w.finished({"s"})[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        saved = [t[b].clone() for t in kv.values() for b in (4, 5)]
+        # Two blocks hold two groups' worth: layers [0, 2) and [2, 5).
+        w.config = ConnectorConfig.from_extra({"pool": "8MiB", "layer_group_bytes": w.geometry.block_bytes})
+        assert w.layer_groups(2) == 2
+        w.start(StepPlan(loads=[LoadSpec("g", keys, [20, 21])]))
+        (load,) = w._sync
+        waits = _Waits(load.handle[0])
+        load.handle = (waits, load.handle[1])
+        for name in kv:
+            w.wait_layer(name)
+        w.wait_loads()
+        assert waits.layers == [0, 2], "one wait at each group's first layer"
+        assert (w.stats["layer_waits"], w.stats["layers_unwaited"]) == (2, 0)
+        assert w.take_errors() == set() and w.take_loaded() == {"g"}
+        assert all(torch.equal(a, t[b]) for a, (t, b) in zip(saved, [(t, b) for t in kv.values() for b in (20, 21)]))
+    finally:
+        w.close()
+
+
 def test_the_first_open_is_inline_and_reconnections_run_off_the_callers_thread(monkeypatch):
     threads = []
     gate = threading.Event()

@@ -355,7 +355,8 @@ impl CopyList {
     ///
     /// # Errors
     /// [`CopyError::Cuda`] naming the failed call; the list is emptied either way (some copies
-    /// may have been queued: the caller synchronises before releasing anything they touch).
+    /// may have been queued: the caller synchronises `stream` before releasing anything they
+    /// touch, as the backend's failed submissions do).
     ///
     /// # Safety
     /// Every `[dst, dst + len)` and `[src, src + len)` must be valid device (or device-mapped

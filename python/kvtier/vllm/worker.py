@@ -154,7 +154,7 @@ class WorkerTransfers:
     def start(self, plan: StepPlan, stream: Any = None) -> None:
         """Starts the plan's restores (``stream``: the CUDA stream the forward runs on, whose
         queued work the restores wait for; None on a CPU). Sync restores move layer by layer
-        (unless ``layerwise`` is off), in groups of consecutive layers of at least
+        (unless ``layerwise`` is off), in groups of consecutive layers of about
         ``layer_group_bytes`` of the restore each (:meth:`layer_groups`): the forward waits for
         each group's pages in :meth:`wait_layer` before its first layer's attention, so later
         layers cross the link under the compute of earlier ones; :meth:`wait_loads` then waits for whatever is
@@ -230,7 +230,8 @@ class WorkerTransfers:
 
     def layer_groups(self, blocks: int) -> int:
         """Layer groups of a layer-wise restore of ``blocks`` blocks: as many as the restore has
-        ``layer_group_bytes`` in it, at least one, at most one per layer."""
+        ``layer_group_bytes`` in it, at least one, at most one per layer (kvtier splits the layers
+        evenly over them: group ``g`` of ``G`` holds layers ``g * L // G`` to ``(g + 1) * L // G``)."""
         per = self.config.layer_group_bytes
         return max(1, min(self._layers, blocks * self.geometry.block_bytes // per))
 

@@ -145,10 +145,12 @@ impl LayerCopy for CudaBackend {
             }
             event.record(stream)
         })();
+        if result.is_err() {
+            // Nothing may be released while queued work could still use it.
+            lane.drain_after_failure(&staging);
+        }
         drop(staging);
         if let Err(e) = result {
-            // Nothing may be released while queued work could still use it.
-            let _ = lane.stream.synchronize();
             if let Some(d) = desc {
                 inner.give_desc(d);
             }

@@ -113,6 +113,20 @@ struct Lane {
     submit: Mutex<Option<Staging>>,
 }
 
+impl Lane {
+    /// After a failed submission (the caller holds `staging`, the lane's submit lock): blocks
+    /// until everything queued on the lane's stream and on its staging copy and head streams has
+    /// run, so no copy the failed batch queued still reads or writes a buffer about to be given
+    /// back. Errors of the synchronisation itself are the failure already being reported.
+    fn drain_after_failure(&self, staging: &Option<Staging>) {
+        let _ = self.stream.synchronize();
+        if let Some(s) = staging {
+            let _ = s.copy.synchronize();
+            let _ = s.head.synchronize();
+        }
+    }
+}
+
 /// Shared state of a backend, kept alive by in-flight completions.
 struct Inner {
     dev: Arc<Device>,
@@ -460,11 +474,13 @@ impl CudaBackend {
             false => unsafe { self.launch_zero_copy(&args, dir, stream) },
             true => self.staged(&mut staging, &args, batch, pool, dir, stream),
         };
-        drop(staging);
         let result = result.and_then(|_| event.record(stream));
-        if let Err(e) = result {
+        if result.is_err() {
             // Nothing may be released while queued work could still use it.
-            let _ = lane.stream.synchronize();
+            lane.drain_after_failure(&staging);
+        }
+        drop(staging);
+        if let Err(e) = result {
             if let Some(d) = desc {
                 inner.give_desc(d);
             }

@@ -68,8 +68,10 @@ pub struct CudaOptions {
     /// backend runs as with 0 and [`CudaBackend::isolation`](super::CudaBackend::isolation) says why. Default 0.
     pub reserved_sms: u32,
     /// Queue the copy-engine copies of a staged piece (one per run of consecutive host slots) and
-    /// of a layer-wise group with one `cuMemcpyBatchAsync` call where the driver has it (CUDA 13
-    /// and later) instead of one `cuMemcpyAsync` each: the same copies, less CPU time in the
+    /// the one-dimensional copies of a layer-wise group's piece (a group that is part of a slot
+    /// moves each run of several consecutive slots with one `cuMemcpy2DAsync`, as before) with one
+    /// `cuMemcpyBatchAsync` call where the driver has it (CUDA 13 and later) instead of one
+    /// `cuMemcpyAsync` each: the same copies, less CPU time in the
     /// `save` / `restore` call (each single call costs 2-3 us; a batch of 128 scattered blocks
     /// makes about 128: on an H100 such a GLM-5.2 restore call took 230 us batched, 397 us not,
     /// `docs/benchmarks.md`). False, or an older driver: one call per copy. Default true.
