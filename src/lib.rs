@@ -127,8 +127,9 @@ pub use slab::{
     HUGE_PAGE_BYTES, MAX_SLOTS, POOL_SEALS,
 };
 pub use source::BlockSource;
+pub use sync::wait_spin;
 pub use tier::events::{EventMedium, TierEvent};
-pub use tier::handle::{wait_spin, CopyHandle};
+pub use tier::handle::CopyHandle;
 pub use tier::lease::Lease;
 pub use tier::ssd::admit::{Admission, BadSsdAdmit, SsdAdmit};
 #[cfg(not(loom))]

@@ -92,7 +92,7 @@ enum Wake {
 /// copy later), and a request caught spinning is served without a thread wake-up (5-15 us). At
 /// most 200 us after each request, less with `KVTIER_WAIT_SPIN_US` (0: sleep at once).
 fn next_request_spin() -> Duration {
-    crate::wait_spin().min(Duration::from_micros(200))
+    crate::sync::wait_spin().min(Duration::from_micros(200))
 }
 
 /// Waits until the socket is readable or the process behind `pidfd` has exited, polling without

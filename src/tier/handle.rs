@@ -17,10 +17,11 @@
 
 use crate::copy::{CopyEvent, LayerGroups, LayerReadiness};
 use crate::error::TierError;
+use crate::sync::wait_spin;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -137,29 +138,6 @@ impl HandleShared {
         }
         true
     }
-}
-
-/// How long a thread waiting on a [`CopyHandle`] ([`CopyHandle::wait`],
-/// [`CopyHandle::wait_timeout`], Python's `handle.wait()`) spins on the copy's completion before
-/// it sleeps: 2 ms by default (a GLM-5.2 restore of about 30 blocks at 55 GB/s), or the
-/// environment variable `KVTIER_WAIT_SPIN_US` (microseconds; `0`: sleep at once), read once per
-/// process. Spinning costs the waiting thread's core for at most that long; sleeping costs one
-/// wake-up (tens of microseconds) after the copy has ended. A value that does not parse as an
-/// integer keeps the default, with a warning. The same bound applies to a tier connected to
-/// `kvtierd` waiting for a reply, and (at most 200 us) to the daemon's wait for a connection's next
-/// request.
-pub fn wait_spin() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        const DEFAULT: Duration = Duration::from_millis(2);
-        match std::env::var("KVTIER_WAIT_SPIN_US") {
-            Err(_) => DEFAULT,
-            Ok(v) => v.trim().parse::<u64>().map(Duration::from_micros).unwrap_or_else(|_| {
-                tracing::warn!("KVTIER_WAIT_SPIN_US={v:?} is not a number of microseconds; spinning {DEFAULT:?}");
-                DEFAULT
-            }),
-        }
-    })
 }
 
 /// The copy's outcome as the handle reports it: the backend's error ([`TierError::Copy`], in its

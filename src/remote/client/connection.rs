@@ -182,7 +182,7 @@ impl Conn {
                 // Most replies come within tens of microseconds: catch them spinning, as a copy's
                 // wait does (`KVTIER_WAIT_SPIN_US`), rather than asleep in the read.
                 if reader.buffer().is_empty() {
-                    proto::spin_until_readable(reader.get_ref(), crate::wait_spin());
+                    proto::spin_until_readable(reader.get_ref(), crate::sync::wait_spin());
                 }
                 proto::read_frame(reader, buf)
             }
